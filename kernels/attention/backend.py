@@ -1,0 +1,80 @@
+"""The attention interface the model calls, and its pure-torch implementation (the CPU path).
+
+Usage per step: `plan(batch)` once, then `forward(layer, q, k, v, sinks)` for every layer. A backend
+that runs inside CUDA graphs keeps its metadata in fixed-size buffers that `plan` fills in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.attention.kv_cache import PagedKVCache
+from kernels.attention.metadata import AttentionBatch
+from kernels.attention.reference import gather_pages, sink_attention
+
+
+class AttentionBackend:
+    """Sink attention over paged K/V for the layers of one model shard."""
+
+    def __init__(self, layer_is_sliding: list[bool], sliding_window: int, head_dim: int):
+        self.layer_is_sliding = layer_is_sliding
+        self.sliding_window = sliding_window
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.kv_cache: PagedKVCache | None = None
+        self.batch: AttentionBatch | None = None
+
+    def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
+        self.kv_cache = kv_cache
+
+    def plan(self, batch: AttentionBatch) -> None:
+        if batch.has_cache and self.kv_cache is None:
+            raise RuntimeError("batch carries paging metadata but no KV cache is bound")
+        self.batch = batch
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_is_sliding[layer] else None
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D] after RoPE
+        k: torch.Tensor,  # [T, Hkv, D] after RoPE
+        v: torch.Tensor,  # [T, Hkv, D]
+        sinks: torch.Tensor,  # [Hq] fp32
+    ) -> torch.Tensor:  # [T, Hq, D]
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference implementation: writes pages with index_copy_, attends per sequence in fp32."""
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        meta = self.batch.group(self.layer_is_sliding[layer])
+        kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+
+    def forward(self, layer, q, k, v, sinks):
+        batch = self.batch
+        window = self.window(layer)
+        out = torch.empty_like(q)
+        starts = batch.query_start_loc.tolist()
+        if not batch.has_cache:
+            for b in range(batch.num_seqs):
+                s, e = starts[b], starts[b + 1]
+                out[s:e] = sink_attention(q[s:e], k[s:e], v[s:e], sinks, self.scale, window)
+            return out
+        self.write_kv(layer, k, v)
+        meta = batch.group(self.layer_is_sliding[layer])
+        kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        bs = self.kv_cache.block_size
+        for b in range(batch.num_seqs):
+            s, e = starts[b], starts[b + 1]
+            kv_len = meta.kv_lens_cpu[b]
+            pages = meta.block_tables[b, : -(-kv_len // bs)].long()
+            keys = gather_pages(kc, pages, kv_len)
+            values = gather_pages(vc, pages, kv_len)
+            out[s:e] = sink_attention(q[s:e], keys, values, sinks, self.scale, window)
+        return out

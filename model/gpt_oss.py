@@ -1,0 +1,222 @@
+"""GPT-OSS (gpt-oss-20b / gpt-oss-120b) in PyTorch.
+
+Legend for shape comments: T = new tokens in the step, D = hidden size, Hq / Hkv = query / key-value
+heads on this rank, Dh = head dim, E = experts, k = experts per token, V = vocabulary (this rank's part).
+
+The model works on flat batches: the engine concatenates the new tokens of all sequences and
+describes them with an `AttentionBatch`; attention itself is the backend's business (pure torch on
+CPU, FlashInfer and our decode kernel on Hopper).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
+from kernels.moe import TorchExperts, route
+from model.config import GptOssConfig
+from model.parallel import SINGLE, Parallel
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.float()
+        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (t * self.weight).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """YaRN rotary embedding over non-interleaved halves; cos and sin both carry the concentration."""
+
+    def __init__(self, config: GptOssConfig, device=None):
+        super().__init__()
+        d_half = config.head_dim // 2
+        base = config.rope_theta
+        freq = base ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32, device=device) / config.head_dim)
+        factor = config.rope_scaling_factor
+        if factor > 1.0:
+            # NTK-by-parts: wavelengths longer than the original context are interpolated, short
+            # ones extrapolated, with a linear ramp between the two corrections dims (no rounding).
+            def correction_dim(rotations: float) -> float:
+                return d_half * math.log(config.rope_original_max_position / (rotations * 2 * math.pi)) / math.log(base)
+
+            low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+            ramp = (torch.arange(d_half, dtype=torch.float32, device=device) - low) / (high - low)
+            extrapolate = 1 - ramp.clamp(0, 1)
+            inv_freq = (1.0 / (factor * freq)) * (1 - extrapolate) + (1.0 / freq) * extrapolate
+        else:
+            inv_freq = 1.0 / freq
+        self.concentration = config.rope_concentration
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
+        return freqs.cos() * self.concentration, freqs.sin() * self.concentration
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, Dh]; cos/sin [T, Dh/2] cast to x's dtype first, as the reference does
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class AttentionBlock(nn.Module):
+    """GQA with biases on q/k/v/o and a learned per-head sink logit; even layers see 128 tokens."""
+
+    def __init__(self, config: GptOssConfig, layer: int, parallel: Parallel, backend: AttentionBackend,
+                 dtype: torch.dtype, device=None):
+        super().__init__()
+        self.layer = layer
+        self.parallel = parallel
+        self.backend = backend
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // parallel.tp_size
+        self.num_kv_heads = config.num_key_value_heads // parallel.tp_size
+        kw = dict(dtype=dtype, device=device)
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=True, **kw)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=True, **kw)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], dim=-1)
+        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(self.layer, q, k, v, self.sinks)  # [T, Hq, Dh]
+        # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
+        bias = self.o_proj.bias if self.parallel.tp_rank == 0 else None
+        return self.parallel.all_reduce(F.linear(o.reshape(t, -1), self.o_proj.weight, bias))
+
+
+class MLPBlock(nn.Module):
+    """Router (with bias) -> top-k -> softmax over the k -> clamped-SwiGLU experts -> weighted sum."""
+
+    def __init__(self, config: GptOssConfig, parallel: Parallel, experts: nn.Module, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.parallel = parallel
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True, dtype=dtype, device=device)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
+        out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
+        return self.parallel.all_reduce(out) if self.parallel.ep_size > 1 else out
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GptOssConfig, layer: int, parallel: Parallel, backend: AttentionBackend,
+                 experts: nn.Module, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.self_attn = AttentionBlock(config, layer, parallel, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.mlp = MLPBlock(config, parallel, experts, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding; other ranks fill in the rest through the all-reduce."""
+
+    def __init__(self, vocab: int, dim: int, parallel: Parallel, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.parallel = parallel
+        rows = vocab // parallel.tp_size
+        self.start = parallel.tp_rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[:, None]
+        return self.parallel.all_reduce(out)
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, config: GptOssConfig, parallel: Parallel, backend: AttentionBackend,
+                 experts_factory, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, dtype, device)
+        self.rotary = RotaryEmbedding(config, device)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, i, parallel, backend, experts_factory(), dtype, device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class GptOssForCausalLM(nn.Module):
+    """The whole model on one rank. `forward` returns final hidden states; `compute_logits` the logits.
+
+    `experts_factory` builds each layer's expert module (pure torch by default; the FP8 DeepGEMM
+    experts on Hopper); `backend` does attention (pure torch by default)."""
+
+    def __init__(self, config: GptOssConfig, parallel: Parallel = SINGLE, dtype: torch.dtype = torch.float32,
+                 device=None, backend: AttentionBackend | None = None, experts_factory=None):
+        super().__init__()
+        parallel.validate(config.num_attention_heads, config.num_key_value_heads,
+                          config.num_local_experts, config.vocab_size)
+        self.config = config
+        self.parallel = parallel
+        self.dtype = dtype
+        self.backend = backend or TorchAttentionBackend(
+            [config.is_sliding(i) for i in range(config.num_hidden_layers)], config.sliding_window, config.head_dim)
+        if experts_factory is None:
+            num_local = config.num_local_experts // parallel.ep_size
+
+            def experts_factory():
+                return TorchExperts(num_local, parallel.ep_rank * num_local, config.hidden_size,
+                                    config.intermediate_size, config.swiglu_alpha, config.swiglu_limit, dtype, device)
+
+        self.model = GptOssModel(config, parallel, self.backend, experts_factory, dtype, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // parallel.tp_size, bias=False,
+                                 dtype=dtype, device=device)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | None = None) -> torch.Tensor:
+        """Hidden states [T, D] of the new tokens. With `batch` given the backend plans it first; without,
+        the caller planned already (the CUDA-graph path)."""
+        if batch is not None:
+            self.backend.plan(batch)
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_gather_last_dim(self.lm_head(hidden))  # [N, V]
+
+    @torch.inference_mode()
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of one prompt recomputed from scratch (no KV cache): the reference path."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(len(token_ids), device=self.device)
+        hidden = self.forward(ids, positions, AttentionBatch.without_cache([len(token_ids)], self.device))
+        return self.compute_logits(hidden)
