@@ -1,0 +1,94 @@
+"""Requests and token deltas: the torch-free contract between the HTTP ingress and any engine.
+
+The ingress imports this module only (no torch): token ids go in, token deltas come out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+# Harmony: <|return|> ends the final answer, <|call|> ends a tool call. <|end|> (200007) closes any
+# assistant message, including the analysis that precedes the answer, so it must not stop generation.
+HARMONY_STOP_TOKEN_IDS = (200002, 200012)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run as given; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # [0, 1)
+    seed: int | None = None  # per-request generator: same seed, same tokens
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = HARMONY_STOP_TOKEN_IDS
+    ignore_eos: bool = False  # keep going past stop tokens (benchmarks)
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob plus the top N
+
+    def validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {why}", param)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
+        if not 0 <= self.min_p < 1:
+            raise bad("min_p", f"must be in [0, 1), got {self.min_p!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one request since the last delta; the last delta carries `finish_reason`."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, this delta included
+
+
+class TokenBackend(Protocol):
+    """What the ingress needs from an engine (local, Ray Serve handle, or a scripted stub)."""
+
+    max_context: int
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream deltas; raises InvalidRequestError before the first delta for a bad request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        ...
