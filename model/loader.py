@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
 from model.config import GptOssConfig
 from model.gpt_oss import GptOssForCausalLM
 from model.mxfp4 import dequantize_mxfp4
+from model.safetensors_io import TensorInfo, read_header, read_tensor
 from model.parallel import SINGLE, Parallel
 
 
@@ -30,53 +30,53 @@ class CheckpointError(ValueError):
 
 
 class Checkpoint:
-    """Lazy access to the tensors of a safetensors folder."""
+    """Access to the tensors of a safetensors folder, read one tensor (or one row range) at a time."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise CheckpointError(f"checkpoint folder {self.folder} does not exist")
         index = self.folder / "model.safetensors.index.json"
-        self.file_of: dict[str, Path] = {}
         if index.exists():
-            for name, fname in json.loads(index.read_text())["weight_map"].items():
-                self.file_of[name] = self.folder / fname
-            for path in set(self.file_of.values()):
+            files = sorted({self.folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+            for path in files:
                 if not path.exists():
                     raise CheckpointError(f"{index.name} names {path.name}, which is missing")
         else:
             files = sorted(self.folder.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no *.safetensors file in {self.folder}")
-            for path in files:
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():
-                        self.file_of[name] = path
-        self._open: dict[Path, object] = {}
+        self.info: dict[str, TensorInfo] = {}
+        for path in files:
+            for name, info in read_header(path).items():
+                if name in self.info:
+                    raise CheckpointError(f"tensor {name} appears in both {self.info[name].path.name} and {path.name}")
+                self.info[name] = info
 
     def __contains__(self, name: str) -> bool:
-        return name in self.file_of
+        return name in self.info
 
-    def _handle(self, name: str):
-        if name not in self.file_of:
-            raise CheckpointError(f"tensor {name} is missing from checkpoint {self.folder}")
-        path = self.file_of[name]
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path]
+    def names(self) -> set[str]:
+        return set(self.info)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())
+        return list(self.info[name].shape)
 
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
-        """The tensor, or `index` of it (a tuple of slices) read without loading the rest."""
-        handle = self._handle(name)
+        """The tensor, or `index` of it: a row range is read alone, other slices after reading."""
+        if name not in self.info:
+            raise CheckpointError(f"tensor {name} is missing from checkpoint {self.folder}")
+        info = self.info[name]
         if not index:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
+            return read_tensor(info)
+        rows, rest = index[0], index[1:]
+        t = read_tensor(info, rows if isinstance(rows, slice) else None)
+        if not isinstance(rows, slice):
+            t = t[rows]
+        return t[(slice(None), *rest)] if rest else t
 
     def where(self, name: str) -> str:
-        return self.file_of[name].name if name in self.file_of else "(no file)"
+        return self.info[name].path.name if name in self.info else "(no file)"
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def load_weights(model: GptOssForCausalLM, folder: str | Path, progress: bool = 
         del value
         bar.update(1)
     bar.close()
-    unexpected = sorted(set(ck.file_of) - used)
+    unexpected = sorted(ck.names() - used)
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]} in {ck.where(unexpected[0])}"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))

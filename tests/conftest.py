@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints and OpenAI's reference implementation (fetched as a wheel)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline_cache(tmp_path_factory):
+    # Keep the Harmony vocab and the embedded tiny model out of the user's home during tests.
+    os.environ.setdefault("GPTOSS_CACHE_DIR", str(CACHE / "gptoss"))
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_reference():
+    """OpenAI's `gpt_oss.torch.model` module. Its wheel declares Python >= 3.12, so it is downloaded
+    with --no-deps for 3.12 metadata and imported from the wheel file (it is pure Python)."""
+    wheel_dir = CACHE / "wheels"
+    wheels = sorted(wheel_dir.glob("gpt_oss-0.0.9-*.whl"))
+    if not wheels:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+             "--python-version", "3.12", "gpt-oss==0.0.9", "-d", str(wheel_dir)],
+            check=True,
+        )
+        wheels = sorted(wheel_dir.glob("gpt_oss-0.0.9-*.whl"))
+    sys.path.insert(0, str(wheels[0]))
+    from gpt_oss.torch import model
+
+    return model
