@@ -62,14 +62,17 @@ class Checkpoint:
     def shape(self, name: str) -> list[int]:
         return list(self.info[name].shape)
 
-    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
-        """The tensor, or `index` of it: a row range is read alone, other slices after reading."""
+    def read(self, name: str, index: tuple = (), out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, or `index` of it: a row range is read alone, other slices after reading.
+        A whole tensor or row range may be read straight into `out` when dtype and shape agree."""
         if name not in self.info:
             raise CheckpointError(f"tensor {name} is missing from checkpoint {self.folder}")
         info = self.info[name]
         if not index:
-            return read_tensor(info)
+            return read_tensor(info, out=out)
         rows, rest = index[0], index[1:]
+        if isinstance(rows, slice) and not rest:
+            return read_tensor(info, rows, out=out)
         t = read_tensor(info, rows if isinstance(rows, slice) else None)
         if not isinstance(rows, slice):
             t = t[rows]
@@ -107,23 +110,25 @@ class _Shards:
         )
 
 
-Reader = Callable[[Checkpoint, str, _Shards, torch.dtype], torch.Tensor]
+# A reader returns the parameter's value; plain reads go straight into the parameter's memory
+# (`param`) when dtype and shape agree, so the loader holds no second copy of big tensors.
+Reader = Callable[[Checkpoint, str, _Shards, torch.Tensor], torch.Tensor]
 
 
 def _rows(suffix: str, shard: str) -> Reader:
-    return lambda ck, prefix, sh, dt: ck.read(prefix + suffix, (getattr(sh, shard),))
+    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, (getattr(sh, shard),), out=param.data)
 
 
 def _cols(suffix: str, shard: str) -> Reader:
-    return lambda ck, prefix, sh, dt: ck.read(prefix + suffix, (slice(None), getattr(sh, shard)))
+    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, (slice(None), getattr(sh, shard)))
 
 
 def _whole(suffix: str) -> Reader:
-    return lambda ck, prefix, sh, dt: ck.read(prefix + suffix)
+    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, out=param.data)
 
 
 def _qkv(kind: str) -> Reader:
-    def read(ck, prefix, sh, dt):
+    def read(ck, prefix, sh, param):
         parts = [ck.read(f"{prefix}self_attn.{p}_proj.{kind}", (rows,))
                  for p, rows in (("q", sh.q_rows), ("k", sh.kv_rows), ("v", sh.kv_rows))]
         return torch.cat([t.to(parts[0].dtype) for t in parts], dim=0)
@@ -132,12 +137,12 @@ def _qkv(kind: str) -> Reader:
 
 def _experts(name: str) -> Reader:
     """An expert weight [E_local, out, in] from MXFP4 blocks/scales or from a dense [E, in, out]."""
-    def read(ck, prefix, sh, dt):
+    def read(ck, prefix, sh, param):
         base = f"{prefix}mlp.experts.{name}"
         if base + "_blocks" in ck:
             blocks = ck.read(base + "_blocks", (sh.experts,))
             scales = ck.read(base + "_scales", (sh.experts,))
-            return dequantize_mxfp4(blocks, scales, dt)
+            return dequantize_mxfp4(blocks, scales, param.dtype)
         return ck.read(base, (sh.experts,)).transpose(1, 2)
     return read
 
@@ -206,15 +211,16 @@ def load_weights(model: GptOssForCausalLM, folder: str | Path, progress: bool = 
             if n not in ck:
                 raise CheckpointError(f"tensor {n} is missing from checkpoint {ck.folder}")
         used.update(names)
-        value = reader(ck, prefix, shards, param.dtype)
+        value = reader(ck, prefix, shards, param)
         if tuple(value.shape) != tuple(param.shape):
             full = {n: ck.shape(n) for n in names}
             raise CheckpointError(
                 f"tensor {names[0]} in {ck.where(names[0])} has shape {full[names[0]]}; "
                 f"parameter {name} needs {list(param.shape)} from it (after sharding)"
             )
-        with torch.no_grad():
-            param.copy_(value)
+        if value.data_ptr() != param.data_ptr():
+            with torch.no_grad():
+                param.copy_(value)
         del value
         bar.update(1)
     bar.close()

@@ -56,8 +56,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_tensor(info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
-    """The whole tensor, or rows [start, stop) of its first dimension, read without a file mapping."""
+def read_tensor(info: TensorInfo, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole tensor, or rows [start, stop) of its first dimension, read without a file mapping.
+
+    With `out` (a contiguous CPU tensor of the same dtype and shape) the bytes land there directly,
+    with no temporary; otherwise a new tensor is returned."""
     shape = list(info.shape)
     offset, nbytes = info.offset, info.nbytes
     if rows is not None:
@@ -68,7 +71,10 @@ def read_tensor(info: TensorInfo, rows: slice | None = None) -> torch.Tensor:
         offset += start * row_bytes
         nbytes = (stop - start) * row_bytes
         shape[0] = stop - start
-    out = torch.empty(shape, dtype=info.dtype)
+    fits = (out is not None and out.device.type == "cpu" and out.dtype == info.dtype
+            and list(out.shape) == shape and out.is_contiguous())
+    if not fits:
+        out = torch.empty(shape, dtype=info.dtype)
     if nbytes:
         view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
         with open(info.path, "rb") as f:
