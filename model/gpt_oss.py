@@ -99,7 +99,7 @@ class AttentionBlock(nn.Module):
         o = self.backend.forward(self.layer, q, k, v, self.sinks)  # [T, Hq, Dh]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         bias = self.o_proj.bias if self.parallel.tp_rank == 0 else None
-        return self.parallel.all_reduce(F.linear(o.reshape(t, -1), self.o_proj.weight, bias))
+        return self.parallel.all_reduce_tp(F.linear(o.reshape(t, -1), self.o_proj.weight, bias))
 
 
 class MLPBlock(nn.Module):
@@ -115,7 +115,7 @@ class MLPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
         out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
-        return self.parallel.all_reduce(out) if self.parallel.ep_size > 1 else out
+        return self.parallel.all_reduce_ep(out)
 
 
 class TransformerBlock(nn.Module):
@@ -148,7 +148,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[:, None]
-        return self.parallel.all_reduce(out)
+        return self.parallel.all_reduce_tp(out)
 
 
 class GptOssModel(nn.Module):

@@ -52,6 +52,7 @@ class Checkpoint:
                 if name in self.info:
                     raise CheckpointError(f"tensor {name} appears in both {self.info[name].path.name} and {path.name}")
                 self.info[name] = info
+        self.bytes_read = 0  # what this rank read, to check that it reads only its shards
 
     def __contains__(self, name: str) -> bool:
         return name in self.info
@@ -62,21 +63,14 @@ class Checkpoint:
     def shape(self, name: str) -> list[int]:
         return list(self.info[name].shape)
 
-    def read(self, name: str, index: tuple = (), out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor, or `index` of it: a row range is read alone, other slices after reading.
-        A whole tensor or row range may be read straight into `out` when dtype and shape agree."""
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor or a row/column range of it, reading only those bytes (into `out` when it fits)."""
         if name not in self.info:
             raise CheckpointError(f"tensor {name} is missing from checkpoint {self.folder}")
-        info = self.info[name]
-        if not index:
-            return read_tensor(info, out=out)
-        rows, rest = index[0], index[1:]
-        if isinstance(rows, slice) and not rest:
-            return read_tensor(info, rows, out=out)
-        t = read_tensor(info, rows if isinstance(rows, slice) else None)
-        if not isinstance(rows, slice):
-            t = t[rows]
-        return t[(slice(None), *rest)] if rest else t
+        t = read_tensor(self.info[name], rows, cols, out)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def where(self, name: str) -> str:
         return self.info[name].path.name if name in self.info else "(no file)"
@@ -116,11 +110,11 @@ Reader = Callable[[Checkpoint, str, _Shards, torch.Tensor], torch.Tensor]
 
 
 def _rows(suffix: str, shard: str) -> Reader:
-    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, (getattr(sh, shard),), out=param.data)
+    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, rows=getattr(sh, shard), out=param.data)
 
 
 def _cols(suffix: str, shard: str) -> Reader:
-    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, (slice(None), getattr(sh, shard)))
+    return lambda ck, prefix, sh, param: ck.read(prefix + suffix, cols=getattr(sh, shard), out=param.data)
 
 
 def _whole(suffix: str) -> Reader:
@@ -129,7 +123,7 @@ def _whole(suffix: str) -> Reader:
 
 def _qkv(kind: str) -> Reader:
     def read(ck, prefix, sh, param):
-        parts = [ck.read(f"{prefix}self_attn.{p}_proj.{kind}", (rows,))
+        parts = [ck.read(f"{prefix}self_attn.{p}_proj.{kind}", rows=rows)
                  for p, rows in (("q", sh.q_rows), ("k", sh.kv_rows), ("v", sh.kv_rows))]
         return torch.cat([t.to(parts[0].dtype) for t in parts], dim=0)
     return read
@@ -140,10 +134,10 @@ def _experts(name: str) -> Reader:
     def read(ck, prefix, sh, param):
         base = f"{prefix}mlp.experts.{name}"
         if base + "_blocks" in ck:
-            blocks = ck.read(base + "_blocks", (sh.experts,))
-            scales = ck.read(base + "_scales", (sh.experts,))
+            blocks = ck.read(base + "_blocks", rows=sh.experts)
+            scales = ck.read(base + "_scales", rows=sh.experts)
             return dequantize_mxfp4(blocks, scales, param.dtype)
-        return ck.read(base, (sh.experts,)).transpose(1, 2)
+        return ck.read(base, rows=sh.experts).transpose(1, 2)
     return read
 
 
@@ -194,8 +188,9 @@ def _source_of(name: str):
     return "", _TOP_SOURCES.get(name)
 
 
-def load_weights(model: GptOssForCausalLM, folder: str | Path, progress: bool = True) -> None:
-    """Fill every parameter of `model` from the checkpoint in `folder` (this rank's shards only)."""
+def load_weights(model: GptOssForCausalLM, folder: str | Path, progress: bool = True) -> int:
+    """Fill every parameter of `model` from the checkpoint in `folder` (this rank's shards only).
+    Returns the number of checkpoint bytes read."""
     ck = Checkpoint(folder)
     shards = _Shards.of(model.config, model.parallel)
     params = [(n, p) for n, p in model.named_parameters() if not n.endswith(".inv_freq")]
@@ -228,6 +223,7 @@ def load_weights(model: GptOssForCausalLM, folder: str | Path, progress: bool = 
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]} in {ck.where(unexpected[0])}"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return ck.bytes_read
 
 
 def _progress(total: int, enabled: bool):

@@ -55,8 +55,15 @@ class Parallel:
             if value % size:
                 raise ParallelConfigError(f"{field}={value} is not divisible by {name}={size}")
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+    def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial results of a tensor-parallel layer (a no-op when attention is replicated)."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_ep(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the experts' contributions over the expert-parallel ranks."""
+        if self.ep_size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 

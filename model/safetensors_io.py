@@ -56,29 +56,46 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_tensor(info: TensorInfo, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole tensor, or rows [start, stop) of its first dimension, read without a file mapping.
+def read_tensor(info: TensorInfo, rows: slice | None = None, cols: slice | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor, or rows [start, stop) of its first dimension and/or columns of its second, read
+    with plain file reads (only the selected bytes) and no file mapping.
 
     With `out` (a contiguous CPU tensor of the same dtype and shape) the bytes land there directly,
     with no temporary; otherwise a new tensor is returned."""
     shape = list(info.shape)
-    offset, nbytes = info.offset, info.nbytes
+    row_bytes = info.nbytes // shape[0] if shape and shape[0] else info.nbytes
+    r0, r1 = 0, shape[0] if shape else 1
     if rows is not None:
-        start, stop, step = rows.indices(shape[0])
+        r0, r1, step = rows.indices(shape[0])
         if step != 1:
             raise ValueError("only contiguous row ranges can be read")
-        row_bytes = info.nbytes // shape[0] if shape[0] else 0
-        offset += start * row_bytes
-        nbytes = (stop - start) * row_bytes
-        shape[0] = stop - start
+        shape[0] = r1 - r0
+    c0, c1, col_bytes = 0, 0, row_bytes
+    if cols is not None:
+        if len(shape) != 2:
+            raise ValueError("column ranges can be read from 2-D tensors only")
+        c0, c1, step = cols.indices(shape[1])
+        if step != 1:
+            raise ValueError("only contiguous column ranges can be read")
+        item = row_bytes // info.shape[1]
+        shape[1] = c1 - c0
+        col_bytes = shape[1] * item
+        c0 *= item
     fits = (out is not None and out.device.type == "cpu" and out.dtype == info.dtype
             and list(out.shape) == shape and out.is_contiguous())
     if not fits:
         out = torch.empty(shape, dtype=info.dtype)
-    if nbytes:
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-        with open(info.path, "rb") as f:
-            f.seek(offset)
-            if f.readinto(view) != nbytes:
+    if out.numel() == 0:
+        return out
+    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+    with open(info.path, "rb") as f:
+        if cols is None:  # one contiguous read
+            segments = [(info.offset + r0 * row_bytes, 0, (r1 - r0) * row_bytes)]
+        else:  # one read per row
+            segments = [(info.offset + r * row_bytes + c0, i * col_bytes, col_bytes) for i, r in enumerate(range(r0, r1))]
+        for file_offset, out_offset, n in segments:
+            f.seek(file_offset)
+            if f.readinto(view[out_offset:out_offset + n]) != n:
                 raise SafetensorsFormatError(f"{info.path} ends before the data of a tensor")
     return out
