@@ -1,0 +1,1 @@
+"""OpenAI Chat Completions and Responses APIs over Harmony; torch-free (see app.create_app)."""

@@ -1,0 +1,102 @@
+"""The OpenAI-compatible HTTP app: a pure function of a token backend and its configuration.
+
+`create_app` holds no global state, so the Ray Serve ingress can wrap the very same app around a
+Serve-handle backend, and tests can serve it with uvicorn around a scripted backend.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from engine.request import TokenBackend
+from serve_app.harmony.encoding import load_harmony_encoding
+from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
+from serve_app.openai_api.chat import create_chat_completion
+from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge, install_error_handlers, parse_json
+from serve_app.openai_api.generation import IngressConfig, IngressContext
+from serve_app.openai_api.protocol import ChatCompletionRequest, ResponsesRequest
+from serve_app.openai_api.responses import create_response
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
+
+
+def create_app(
+    backend: TokenBackend,
+    *,
+    model_name: str = "gpt-oss",
+    max_context: int,
+    default_max_tokens: int | None = None,
+    conversation_start_date: str | None = None,
+    knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """Serve /v1/chat/completions, /v1/responses, /v1/models and /health for `backend`.
+
+    max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
+    default_max_tokens: completion budget when a request sets none (default: the rest of the context).
+    conversation_start_date: "YYYY-MM-DD" in the Harmony system message (default: today, UTC).
+    """
+    backend_limit = getattr(backend, "max_context", None)
+    limit = min(max_context, backend_limit) if backend_limit else max_context
+    if limit <= 0 or max_body_bytes <= 0:
+        raise ValueError(f"max_context ({limit}) and max_body_bytes ({max_body_bytes}) must be positive")
+    config = IngressConfig(model_name=model_name, max_context=limit, default_max_tokens=default_max_tokens,
+                           conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
+                           max_body_bytes=max_body_bytes)
+    ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding())
+    created = int(time.time())
+    app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "gptoss-serve",
+                "max_model_len": limit}
+
+    def check_model(model: str) -> None:
+        if model != model_name:
+            raise ModelNotFound(model, model_name)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = ChatCompletionRequest.model_validate(parse_json(await read_body(request, max_body_bytes)))
+        check_model(req.model)
+        return await create_chat_completion(req, request, ctx)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = ResponsesRequest.model_validate(parse_json(await read_body(request, max_body_bytes)))
+        check_model(req.model)
+        return await create_response(req, request, ctx)
+
+    return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)

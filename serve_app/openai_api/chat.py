@@ -1,0 +1,221 @@
+"""POST /v1/chat/completions over Harmony.
+
+Request -> Prompt: "system"/"developer" messages are the developer instructions; an assistant message
+contributes its `reasoning_content` (or `reasoning`), its text and its tool calls, in that order; a
+`tool` message is matched to its call by `tool_call_id` (or by `name` when the id is unknown).
+
+Output: `reasoning_content` from analysis, `content` from final (and commentary preambles), one
+entry of `tool_calls` per `functions.NAME` message on any channel. Separate Harmony messages of the
+same kind are joined by a blank line. Streaming sends the role first, then reasoning_content /
+content / tool_call deltas, a finish chunk, an optional usage chunk (`stream_options.include_usage`)
+and `[DONE]`. Stop strings cut the final answer only (the reasoning is not user output). Logprobs
+cover the tokens of the answer text, not reasoning or tool-call tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from openai_harmony import HarmonyEncoding
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.request import TokenLogprob
+from serve_app.harmony.parse import ItemDelta, ItemKind, ItemStarted, ParseEvent
+from serve_app.harmony.render import (
+    AssistantReasoning,
+    AssistantText,
+    AssistantToolCall,
+    FunctionTool,
+    HistoryItem,
+    Prompt,
+    ToolResult,
+    UserMessage,
+    render_prompt,
+)
+from serve_app.openai_api.errors import APIError, BadRequest
+from serve_app.openai_api.generation import (
+    Generation,
+    IngressConfig,
+    IngressContext,
+    SamplingRequest,
+    respond,
+    sampling_params,
+)
+from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
+from serve_app.openai_api.streaming import sse
+
+SEPARATOR = "\n\n"  # between two Harmony messages that land in the same field
+
+
+def chat_prompt(req: ChatCompletionRequest, config: IngressConfig) -> Prompt:
+    instructions: list[str] = []
+    history: list[HistoryItem] = []
+    call_names: dict[str, str] = {}
+    for i, msg in enumerate(req.messages):
+        text = text_of(msg.content)
+        if msg.role in ("system", "developer"):
+            instructions.append(text)
+        elif msg.role == "user":
+            history.append(UserMessage(text))
+        elif msg.role == "assistant":
+            reasoning = msg.reasoning_content or msg.reasoning
+            if reasoning:
+                history.append(AssistantReasoning(reasoning))
+            if text:
+                history.append(AssistantText(text))
+            for call in msg.tool_calls or []:
+                call_names[call.id] = call.function.name
+                history.append(AssistantToolCall(call.function.name, call.function.arguments))
+        else:
+            name = call_names.get(msg.tool_call_id or "") or msg.name
+            if not name:
+                raise BadRequest(
+                    f"messages[{i}] is a tool result with tool_call_id {msg.tool_call_id!r}, which matches no "
+                    "earlier assistant tool call; include the assistant message with that call first.",
+                    param=f"messages.{i}.tool_call_id")
+            history.append(ToolResult(name, text))
+    tools = [] if req.tool_choice == "none" else [
+        FunctionTool(t.function.name, t.function.description or "", t.function.parameters) for t in req.tools or []
+    ]
+    return Prompt(
+        history=history,
+        instructions=SEPARATOR.join(s for s in instructions if s) or None,
+        tools=tools,
+        reasoning_effort=req.reasoning_effort or "medium",
+        conversation_start_date=config.start_date(),
+        knowledge_cutoff=config.knowledge_cutoff,
+    )
+
+
+class ChatAssembler:
+    """Item events -> chat deltas, accumulating the whole message (stream and non-stream agree)."""
+
+    def __init__(self) -> None:
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self._call_of_item: dict[int, int] = {}
+
+    def apply(self, event: ParseEvent) -> dict[str, Any] | None:
+        if event.kind is ItemKind.TOOL_CALL:
+            return self._tool_call(event)
+        field, parts = ("reasoning_content", self.reasoning) if event.kind is ItemKind.REASONING \
+            else ("content", self.content)
+        if isinstance(event, ItemStarted) and parts:
+            parts.append(SEPARATOR)
+            return {field: SEPARATOR}
+        if isinstance(event, ItemDelta):
+            parts.append(event.text)
+            return {field: event.text}
+        return None
+
+    def _tool_call(self, event: ParseEvent) -> dict[str, Any] | None:
+        if isinstance(event, ItemStarted):
+            self._call_of_item[event.index] = len(self.tool_calls)
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": event.tool_name, "arguments": ""}}
+            self.tool_calls.append(call)
+            return {"tool_calls": [{"index": len(self.tool_calls) - 1, **call,
+                                    "function": dict(call["function"])}]}
+        if isinstance(event, ItemDelta):
+            n = self._call_of_item[event.index]
+            self.tool_calls[n]["function"]["arguments"] += event.text
+            return {"tool_calls": [{"index": n, "function": {"arguments": event.text}}]}
+        return None
+
+    def message(self) -> dict[str, Any]:
+        return {
+            "role": "assistant",
+            "content": "".join(self.content) if self.content else None,
+            "reasoning_content": "".join(self.reasoning) if self.reasoning else None,
+            "tool_calls": self.tool_calls or None,
+        }
+
+
+def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncoding) -> list[dict[str, Any]]:
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = encoding.decode([token_id], errors="surrogateescape").encode("utf-8", "surrogateescape")
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top[:top]]}
+            for e in entries]
+
+
+def usage_json(gen: Generation) -> dict[str, Any]:
+    u = gen.usage()
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"], "completion_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]}}
+
+
+async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    prompt_ids = render_prompt(chat_prompt(req, ctx.config))
+    max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
+        else (req.max_tokens, "max_tokens")
+    sampling = sampling_params(SamplingRequest(
+        max_tokens=max_tokens, max_tokens_param=param, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    ), len(prompt_ids), ctx.config)
+    gen = Generation(ctx, request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
+                     sampling=sampling, stop=req.stop)
+    head = {"id": gen.request_id, "created": int(time.time()), "model": ctx.config.model_name}
+    top = req.top_logprobs or 0
+
+    async def body(gen: Generation) -> dict:
+        assembler, logprobs = ChatAssembler(), []
+        async for step in gen.steps():
+            for event in step.events:
+                assembler.apply(event)
+            logprobs += step.content_logprobs
+        choice = {"index": 0, "message": assembler.message(), "finish_reason": gen.finish_reason,
+                  "logprobs": {"content": logprobs_json(logprobs, top, ctx.encoding)} if req.logprobs else None}
+        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage_json(gen)}
+
+    async def stream(gen: Generation) -> AsyncIterator[bytes]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = {"content": logprobs_json(logprobs, top, ctx.encoding)}
+            return sse({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            assembler, pending_logprobs = ChatAssembler(), []
+            async for step in gen.steps():
+                pending_logprobs += step.content_logprobs
+                for delta in _merged(assembler.apply(e) for e in step.events):
+                    with_logprobs = req.logprobs and "content" in delta
+                    yield chunk(delta, logprobs=pending_logprobs if with_logprobs else None)
+                    pending_logprobs = [] if with_logprobs else pending_logprobs
+            yield chunk({}, gen.finish_reason, pending_logprobs if req.logprobs and pending_logprobs else None)
+            if include_usage:
+                yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage_json(gen)})
+            yield sse("[DONE]")
+        except APIError as err:  # mid-stream failure: the openai client raises it as an APIError
+            yield sse(err.body())
+        finally:
+            await gen.close()
+
+    return await respond(http, gen, stream=req.stream, make_stream=stream, make_body=body)
+
+
+def _merged(deltas: Any) -> list[dict[str, Any]]:
+    """Join consecutive text deltas of the same field, so one backend step is one chunk per field."""
+    out: list[dict[str, Any]] = []
+    for delta in deltas:
+        if delta is None:
+            continue
+        if out and "tool_calls" not in delta and out[-1].keys() == delta.keys() and "tool_calls" not in out[-1]:
+            key = next(iter(delta))
+            out[-1] = {key: out[-1][key] + delta[key]}
+        else:
+            out.append(delta)
+    return out

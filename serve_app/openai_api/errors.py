@@ -1,0 +1,145 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and their handlers.
+
+Every failure a client can cause is a 4xx with a message that says what to change; the official
+`openai` client turns these into BadRequestError / NotFoundError / ... with the same fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.request import InvalidRequestError
+from serve_app.openai_api.streaming import ClientGone
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error returned to the client as-is."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class BadRequest(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    def __init__(self, message: str, *, param: str | None = "messages"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class ModelNotFound(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, model: str, served: str):
+        super().__init__(f"The model {model!r} does not exist; this server serves {served!r}.",
+                         param="model", code="model_not_found")
+
+
+class PayloadTooLarge(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, limit: int):
+        super().__init__(f"The request body is larger than {limit} bytes; send a shorter conversation.",
+                         code="request_too_large")
+
+
+class EngineFailure(APIError):
+    """The backend failed or dropped a request the client did not cancel."""
+
+    status_code = 503
+    error_type = "server_error"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def bad_request_from_validation(err: ValidationError | RequestValidationError) -> BadRequest:
+    """Pydantic's first complaint, with its location as `param` (e.g. `messages.0.content`)."""
+    first = err.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif first.get("type") == "json_invalid":
+        message = f"The request body is not valid JSON: {first.get('msg')}"
+        param = None
+    else:
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return BadRequest(message, param=param)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequest(f"The request body is not valid JSON ({err}); send a JSON object.") from err
+
+
+def _json(status: int, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return _json(err.status_code, err.body())
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, err: InvalidRequestError) -> JSONResponse:
+        return _json(400, error_body(str(err), "invalid_request_error", err.param))
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, err: ValidationError) -> JSONResponse:
+        bad = bad_request_from_validation(err)
+        return _json(bad.status_code, bad.body())
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, err: RequestValidationError) -> JSONResponse:
+        bad = bad_request_from_validation(err)
+        return _json(bad.status_code, bad.body())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        if err.status_code == 404:
+            message = f"Unknown path {request.url.path}; this server serves /v1/chat/completions, " \
+                      "/v1/responses, /v1/models and /health."
+        elif err.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        else:
+            message = str(err.detail)
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return _json(err.status_code, error_body(message, kind))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody is there to read it
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error while serving a request")
+        return _json(500, error_body(f"Internal server error ({type(err).__name__}); the server logs have "
+                                     "the details.", "server_error"))

@@ -1,0 +1,284 @@
+"""One backend request seen from the API: limits, sampling, parsed Harmony items, stop strings, usage.
+
+Both front ends (chat.py, responses.py) drive a `Generation`: `start()` sends the request and waits for
+the first delta, so a request the engine refuses (InvalidRequestError) still becomes a plain HTTP 400
+before any streaming starts; `steps()` yields parsed item events per backend delta; `close()` always
+runs (finally) and aborts the backend request unless it finished on its own, whether the client
+disconnected, a stop string matched or something failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+from openai_harmony import HarmonyEncoding
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    GenerateRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenBackend,
+    TokenDelta,
+    TokenLogprob,
+)
+from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
+from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
+from serve_app.openai_api.errors import ContextLengthExceeded, EngineFailure
+from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    model_name: str
+    max_context: int  # prompt + completion tokens
+    default_max_tokens: int | None = None  # when the request names none: the rest of the context, capped
+    conversation_start_date: str | None = None  # None: today's UTC date at each request
+    knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def start_date(self) -> str:
+        return self.conversation_start_date or datetime.now(timezone.utc).date().isoformat()
+
+
+@dataclass(frozen=True)
+class IngressContext:
+    backend: TokenBackend
+    config: IngressConfig
+    encoding: HarmonyEncoding
+
+
+@dataclass
+class SamplingRequest:
+    """The sampling fields both APIs share, before limits are applied."""
+
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig) -> SamplingParams:
+    """Engine sampling parameters; prompts that leave no room for the completion are a 400."""
+    if prompt_len >= config.max_context:
+        raise ContextLengthExceeded(
+            f"The prompt is {prompt_len} tokens but the context is {config.max_context} tokens; "
+            "shorten the conversation.")
+    room = config.max_context - prompt_len
+    if req.max_tokens is not None and req.max_tokens > room:
+        raise ContextLengthExceeded(
+            f"The prompt is {prompt_len} tokens; with {req.max_tokens} more the request exceeds the "
+            f"{config.max_context}-token context. Set {req.max_tokens_param} to at most {room}.",
+            param=req.max_tokens_param)
+    max_tokens = req.max_tokens or min(room, config.default_max_tokens or room)
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        logprobs=req.logprobs,
+    )
+    params.validate()
+    return params
+
+
+class StopMatcher:
+    """Stop strings over streamed text: holds back a tail that could still grow into a match."""
+
+    def __init__(self, stops: list[str]):
+        self._stops = stops
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string matched); after a match the rest is dropped."""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        keep = max((k for s in self._stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+@dataclass
+class Step:
+    events: list[ParseEvent]
+    content_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Generation:
+    def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
+                 sampling: SamplingParams, stop: list[str] | None = None):
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.reasoning_tokens = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls", once finished
+        self._request = GenerateRequest(request_id, list(prompt_ids), sampling)
+        self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
+        self._stops = list(stop or [])
+        self._matcher: StopMatcher | None = None
+        self._content_parts: list[str] = []
+        self._content_channel: str | None = None
+        self._stopped_by_string = False
+        self._backend_finish: str | None = None
+        self._saw_tool_call = False
+        self._stream: Any = None
+        self._first: TokenDelta | None = None
+        self._backend_done = False
+        self._closed = False
+
+    async def start(self) -> None:
+        """Send the request and wait for its first delta (InvalidRequestError surfaces here)."""
+        self._stream = self.ctx.backend.generate(self._request).__aiter__()
+        self._first = await self._next_delta()
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """Item events per backend delta; the last step closes open items and sets finish_reason."""
+        delta, self._first = self._first, None
+        while delta is not None and not self._stopped_by_string:
+            step = self._consume(delta)
+            if step.events or step.content_logprobs:
+                yield step
+            delta = None if self._backend_done else await self._next_delta()
+        yield Step(self._finish())
+
+    async def close(self) -> None:
+        """Abort the backend request unless it ran to its end; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):  # runs even while the request is being cancelled
+            if not self._backend_done and self._stream is not None:
+                try:
+                    await self.ctx.backend.abort(self.request_id)
+                except Exception:  # the request is gone either way; never mask the original outcome
+                    log.exception("request %s: backend abort failed", self.request_id)
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    async def _next_delta(self) -> TokenDelta | None:
+        try:
+            delta = await self._stream.__anext__()
+        except StopAsyncIteration:
+            self._backend_done = True
+            return None
+        except InvalidRequestError:
+            self._backend_done = True
+            raise
+        except Exception as err:  # engine/transport failure: the client gets a 503, not a traceback
+            self._backend_done = True
+            log.exception("request %s: backend failed", self.request_id)
+            raise EngineFailure(f"The engine failed while generating ({type(err).__name__}: {err}); retry.") from err
+        if delta.finish_reason is not None:
+            self._backend_done = True
+            self._backend_finish = delta.finish_reason
+        return delta
+
+    def _consume(self, delta: TokenDelta) -> Step:
+        step = Step([])
+        logprobs = delta.logprobs or []
+        for i, token_id in enumerate(delta.token_ids):
+            self.completion_tokens += 1
+            for event in self._parser.feed(token_id):
+                self._apply_stop(event, step.events)
+            kind = self._parser.last_token_kind
+            if kind is ItemKind.REASONING:
+                self.reasoning_tokens += 1
+            elif kind is ItemKind.CONTENT and i < len(logprobs):
+                step.content_logprobs.append(logprobs[i])
+            if self._stopped_by_string:
+                break
+        return step
+
+    def _apply_stop(self, event: ParseEvent, out: list[ParseEvent]) -> None:
+        """Pass events through, cutting content at the first stop string (OpenAI leaves it out)."""
+        if self._stopped_by_string:
+            return
+        if event.kind is ItemKind.TOOL_CALL and isinstance(event, ItemStarted):
+            self._saw_tool_call = True
+        if event.kind is not ItemKind.CONTENT or not self._stops:
+            out.append(event)
+            return
+        if isinstance(event, ItemStarted):
+            self._matcher, self._content_parts = StopMatcher(self._stops), []
+            self._content_channel = event.channel
+            out.append(event)
+        elif isinstance(event, ItemDelta):
+            text, hit = self._matcher.push(event.text)
+            self._emit_content(event, text, out)
+            if hit:
+                self._stopped_by_string = True
+                out.append(ItemDone(event.index, event.kind, "".join(self._content_parts), self._content_channel))
+        elif isinstance(event, ItemDone):
+            self._emit_content(event, self._matcher.flush(), out)
+            out.append(ItemDone(event.index, event.kind, "".join(self._content_parts), event.channel))
+
+    def _emit_content(self, event: ParseEvent, text: str, out: list[ParseEvent]) -> None:
+        if text:
+            self._content_parts.append(text)
+            out.append(ItemDelta(event.index, ItemKind.CONTENT, text))
+
+    def _finish(self) -> list[ParseEvent]:
+        events: list[ParseEvent] = []
+        if not self._stopped_by_string:
+            for event in self._parser.finish():
+                self._apply_stop(event, events)
+        if self._stopped_by_string:
+            self.finish_reason = "stop"
+        elif self._backend_finish == FINISH_ABORT:
+            raise EngineFailure("The engine aborted the request (it may be shutting down); retry.")
+        elif self._backend_finish == FINISH_LENGTH:
+            self.finish_reason = "length"
+        elif self._saw_tool_call:
+            self.finish_reason = "tool_calls"
+        else:
+            self.finish_reason = "stop"
+        return events
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "reasoning_tokens": self.reasoning_tokens}
+
+
+async def respond(http: Request, gen: Generation, *, stream: bool,
+                  make_stream: Callable[[Generation], AsyncIterator[bytes]],
+                  make_body: Callable[[Generation], Awaitable[dict]]) -> Response:
+    """Start `gen`, then stream it or answer with one JSON body; the backend request is aborted if
+    the client leaves or anything fails before the generation ends."""
+    try:
+        await run_unless_disconnected(http, gen.start)
+    except BaseException:
+        await gen.close()
+        raise
+    if stream:
+        return EventStreamResponse(make_stream(gen))  # the stream's own finally closes `gen`
+    try:
+        return JSONResponse(await run_unless_disconnected(http, lambda: make_body(gen)))
+    finally:
+        await gen.close()

@@ -1,0 +1,347 @@
+"""Pydantic models of the OpenAI requests we accept and the objects we return.
+
+Requests reject unknown top-level fields (OpenAI answers "Unrecognized request argument"), while
+nested objects ignore extra keys: clients echo earlier responses back (`refusal`, `annotations`,
+`status`, ...) and those must not fail. Parameters the server cannot honour are rejected with a
+message that says what to send instead; nothing is silently ignored that would change the output.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+Effort = Literal["low", "medium", "high"]
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_STOP_SEQUENCES = 4
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContentPart(Lenient):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type not in TEXT_PART_TYPES:
+            raise ValueError(f"content part type {self.type!r} is not supported; gpt-oss reads text only "
+                             f"(use one of {', '.join(TEXT_PART_TYPES)})")
+        if self.text is None:
+            raise ValueError(f"a {self.type!r} content part needs a 'text' field")
+        return self
+
+
+Content = Union[str, list[ContentPart]]
+
+
+def text_of(content: Content | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content)
+
+
+def check_tool_schema(parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The checks a JSON schema for function arguments must pass before we render it for the model."""
+    if parameters is None:
+        return None
+    if parameters.get("type", "object") != "object":
+        raise ValueError(f"function parameters must be a JSON schema of type 'object', got type "
+                         f"{parameters.get('type')!r}")
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(v, (dict, bool)) for v in properties.values()):
+        raise ValueError("function parameters 'properties' must map each argument name to a JSON schema object")
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError("function parameters 'required' must be a list of argument names")
+    return parameters
+
+
+def check_tool_name(name: str) -> str:
+    if not TOOL_NAME.match(name):
+        raise ValueError(f"tool name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
+    return name
+
+
+def _reject_unless(value: Any, allowed: tuple, why: str) -> Any:
+    if value not in allowed:
+        raise ValueError(why)
+    return value
+
+
+class SamplingFields(Strict):
+    """Sampling parameters shared by both APIs (`top_k`, `min_p` are vLLM-style extensions)."""
+
+    model: str
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, lt=1)
+    seed: int | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Any = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; nothing is stored
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        return _reject_unless(value, (None, "none", "auto"),
+                              "only 'auto' and 'none' are supported: forcing a tool call needs constrained "
+                              "decoding, which this server does not do")
+
+
+# -- Chat Completions ---------------------------------------------------------------------------------
+
+
+class ToolCallFunction(Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # what we return; clients send it back with the history
+    reasoning: str | None = None  # the same, as some clients name it
+
+
+class FunctionDefinition(Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_tool_name(value)
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict | None) -> dict | None:
+        return check_tool_schema(value)
+
+
+class ChatTool(Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: Effort | None = None
+    tools: list[ChatTool] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        return _reject_unless(value, (None, 1), "only n=1 is supported; send one request per completion")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Union[str, list[str], None]) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings")
+        return stops
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> float | None:
+        return _reject_unless(value, (None, 0, 0.0), "penalties are not implemented by this server; omit them or send 0")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        return _reject_unless(value or None, (None,), "logit_bias is not supported by this server; omit it")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        _reject_unless((value or {}).get("type", "text"), ("text",), "only response_format type 'text' is "
+                       "supported (others need constrained decoding); describe the format in the instructions")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, value: list[str] | None) -> list[str] | None:
+        return _reject_unless(value, (None, ["text"]), "only the 'text' modality is supported")
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [t.function.name for t in tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
+        return tools
+
+
+# -- Responses ------------------------------------------------------------------------------------------
+
+
+class MessageItem(Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+
+
+class FunctionCallItem(Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Content
+
+
+class ReasoningText(Lenient):
+    type: str = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(Lenient):
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+
+
+def _item_type(value: Any) -> str | None:
+    # Easy input messages (`{"role": "user", "content": "..."}`) may leave out the type.
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("message")],
+        Annotated[FunctionCallItem, Tag("function_call")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+        Annotated[ReasoningItem, Tag("reasoning")],
+    ],
+    Discriminator(_item_type),
+]
+
+
+class ResponsesTool(Lenient):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_tool_name(value)
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict | None) -> dict | None:
+        return check_tool_schema(value)
+
+
+class ReasoningOptions(Lenient):
+    effort: Effort | None = None
+    summary: str | None = None  # accepted; we return the raw reasoning text, never a summary
+
+
+class TextOptions(Lenient):
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _format(cls, value: dict | None) -> dict | None:
+        _reject_unless((value or {}).get("type", "text"), ("text",), "only text.format type 'text' is "
+                       "supported (others need constrained decoding); describe the format in the instructions")
+        return value
+
+
+class ResponsesRequest(SamplingFields):
+    """`previous_response_id`, `conversation` and `background` are not supported: the server keeps no
+    state between requests, so the client sends the whole conversation as `input` every time."""
+
+    input: Union[str, list[InputItem]]
+    instructions: str | None = None
+    tools: list[ResponsesTool] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    stream_options: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("previous_response_id", "conversation")
+    @classmethod
+    def _stateless(cls, value: Any) -> Any:
+        return _reject_unless(value, (None,), "this server stores no responses or conversations; send the "
+                              "whole conversation (earlier output items included) in `input`")
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, value: bool | None) -> bool | None:
+        return _reject_unless(value, (None, False), "background responses are not supported; use stream=true")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        return _reject_unless(value, (None, 0), "logprobs are served by /v1/chat/completions only")
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools: list[ResponsesTool] | None) -> list[ResponsesTool] | None:
+        names = [t.name for t in tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
+        return tools

@@ -1,0 +1,232 @@
+"""POST /v1/responses over Harmony (stateless).
+
+Input: a string (one user message) or items: messages (user / assistant / system / developer),
+`function_call`, `function_call_output` (matched to its call by `call_id`) and `reasoning` (its
+`reasoning_text` content, else its summary). `instructions`, system and developer messages are the
+developer instructions. `previous_response_id` and `conversation` are rejected: nothing is stored,
+so the client sends the earlier output items back in `input`.
+
+Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
+preamble with phase "commentary"), `function_call` (recipient `functions.NAME`, any channel). A
+response cut by max_output_tokens has status "incomplete" and ends with `response.incomplete`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
+from serve_app.harmony.render import (
+    AssistantReasoning,
+    AssistantText,
+    AssistantToolCall,
+    FunctionTool,
+    HistoryItem,
+    Prompt,
+    ToolResult,
+    UserMessage,
+    render_prompt,
+)
+from serve_app.openai_api.errors import APIError, BadRequest
+from serve_app.openai_api.generation import (
+    Generation,
+    IngressConfig,
+    IngressContext,
+    SamplingRequest,
+    respond,
+    sampling_params,
+)
+from serve_app.openai_api.protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    text_of,
+)
+from serve_app.openai_api.streaming import sse
+
+
+def responses_prompt(req: ResponsesRequest, config: IngressConfig) -> Prompt:
+    instructions = [req.instructions] if req.instructions else []
+    history: list[HistoryItem] = []
+    call_names: dict[str, str] = {}
+    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            text = text_of(item.content)
+            if item.role in ("system", "developer"):
+                instructions.append(text)
+            elif item.role == "user":
+                history.append(UserMessage(text))
+            elif text:
+                history.append(AssistantText(text))
+        elif isinstance(item, FunctionCallItem):
+            call_names[item.call_id] = item.name
+            history.append(AssistantToolCall(item.name, item.arguments))
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in call_names:
+                raise BadRequest(
+                    f"input[{i}] is a function_call_output for call_id {item.call_id!r}, which matches no earlier "
+                    "function_call item; include the function_call item before its output.",
+                    param=f"input.{i}.call_id")
+            history.append(ToolResult(call_names[item.call_id], text_of(item.output)))
+        elif isinstance(item, ReasoningItem):
+            text = "".join(c.text for c in item.content or []) or "".join(s.text for s in item.summary)
+            if text:
+                history.append(AssistantReasoning(text))
+    tools = [] if req.tool_choice == "none" else [
+        FunctionTool(t.name, t.description or "", t.parameters) for t in req.tools or []
+    ]
+    return Prompt(
+        history=history,
+        instructions="\n\n".join(s for s in instructions if s) or None,
+        tools=tools,
+        reasoning_effort=(req.reasoning.effort if req.reasoning else None) or "medium",
+        conversation_start_date=config.start_date(),
+        knowledge_cutoff=config.knowledge_cutoff,
+    )
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesAssembler:
+    """Item events -> output items and stream events (the non-stream body is the same items)."""
+
+    def __init__(self) -> None:
+        self.output: list[dict[str, Any]] = []
+        self._slot: dict[int, int] = {}  # parser item index -> output index
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def apply(self, ev: ParseEvent, status_when_done: str = "completed") -> list[dict[str, Any]]:
+        if isinstance(ev, ItemStarted):
+            return self._start(ev)
+        n = self._slot[ev.index]
+        item = self.output[n]
+        at = {"item_id": item["id"], "output_index": n}
+        if isinstance(ev, ItemDelta):
+            if ev.kind is ItemKind.TOOL_CALL:
+                item["arguments"] += ev.text
+                return [self.event("response.function_call_arguments.delta", **at, delta=ev.text)]
+            item["content"][0]["text"] += ev.text
+            if ev.kind is ItemKind.REASONING:
+                return [self.event("response.reasoning_text.delta", **at, content_index=0, delta=ev.text)]
+            return [self.event("response.output_text.delta", **at, content_index=0, delta=ev.text, logprobs=[])]
+        assert isinstance(ev, ItemDone)
+        item["status"] = status_when_done
+        if ev.kind is ItemKind.TOOL_CALL:
+            events = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"],
+                                 name=item["name"])]
+        else:
+            part = item["content"][0]
+            done = "response.reasoning_text.done" if ev.kind is ItemKind.REASONING else "response.output_text.done"
+            extra = {} if ev.kind is ItemKind.REASONING else {"logprobs": []}
+            events = [self.event(done, **at, content_index=0, text=part["text"], **extra),
+                      self.event("response.content_part.done", **at, content_index=0, part=dict(part))]
+        return events + [self.event("response.output_item.done", output_index=n, item=_copy(item))]
+
+    def _start(self, ev: ItemStarted) -> list[dict[str, Any]]:
+        if ev.kind is ItemKind.TOOL_CALL:
+            item = {"id": _new_id("fc"), "type": "function_call", "call_id": _new_id("call"),
+                    "name": ev.tool_name, "arguments": "", "status": "in_progress"}
+            part = None
+        elif ev.kind is ItemKind.REASONING:
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "content": [],
+                    "status": "in_progress", "phase": "commentary" if ev.channel == "commentary" else "final_answer"}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        n = len(self.output)
+        self._slot[ev.index] = n
+        events = [self.event("response.output_item.added", output_index=n, item=_copy(item))]
+        self.output.append(item)
+        if part is not None:
+            item["content"].append(part)
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=n,
+                                     content_index=0, part=dict(part)))
+        return events
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, **({"content": [dict(p) for p in item["content"]]} if "content" in item else {})}
+
+
+def usage_json(gen: Generation) -> dict[str, Any]:
+    u = gen.usage()
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
+            "total_tokens": u["total_tokens"]}
+
+
+async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
+    prompt_ids = render_prompt(responses_prompt(req, ctx.config))
+    sampling = sampling_params(SamplingRequest(
+        max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+    ), len(prompt_ids), ctx.config)
+    gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling)
+    created = time.time()
+
+    def snapshot(status: str, output: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        return {
+            "id": gen.request_id, "object": "response", "created_at": created, "model": ctx.config.model_name,
+            "status": status, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "metadata": req.metadata, "user": req.user,
+            "tools": [{"type": "function", "name": t.name, "description": t.description,
+                       "parameters": t.parameters, "strict": t.strict} for t in req.tools or []],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+            "previous_response_id": None, "background": False,
+        }
+
+    def final_status() -> str:
+        return "incomplete" if gen.finish_reason == "length" else "completed"
+
+    async def frames(gen: Generation, assembler: ResponsesAssembler) -> AsyncIterator[list[dict[str, Any]]]:
+        async for step in gen.steps():
+            # Items closed by the last step were cut short when the response hit max_output_tokens.
+            status = "incomplete" if gen.finish_reason == "length" else "completed"
+            yield [frame for ev in step.events for frame in assembler.apply(ev, status)]
+
+    async def body(gen: Generation) -> dict:
+        assembler = ResponsesAssembler()
+        async for _ in frames(gen, assembler):
+            pass
+        return snapshot(final_status(), assembler.output, usage_json(gen))
+
+    async def stream(gen: Generation) -> AsyncIterator[bytes]:
+        assembler = ResponsesAssembler()
+        try:
+            yield _frame(assembler.event("response.created", response=snapshot("in_progress", [])))
+            yield _frame(assembler.event("response.in_progress", response=snapshot("in_progress", [])))
+            async for batch in frames(gen, assembler):
+                for frame in batch:
+                    yield _frame(frame)
+            status = final_status()
+            done = snapshot(status, assembler.output, usage_json(gen))
+            yield _frame(assembler.event(f"response.{status}", response=done))
+        except APIError as err:  # mid-stream failure: OpenAI's `error` event
+            yield _frame(assembler.event("error", code=err.code, message=err.message, param=err.param))
+        finally:
+            await gen.close()
+
+    return await respond(http, gen, stream=req.stream, make_stream=stream, make_body=body)
+
+
+def _frame(event: dict[str, Any]) -> bytes:
+    return sse(event, event=event["type"])

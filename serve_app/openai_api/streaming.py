@@ -1,0 +1,86 @@
+"""Server-sent events and client-disconnect handling.
+
+A client that goes away must free its slot in the engine. Both paths watch the ASGI `http.disconnect`
+message while they work and cancel the work when it arrives; the work's `finally` (Generation.close)
+then aborts the backend request. The stream path also closes the body iterator explicitly, so the
+abort runs even when the disconnect shows up as a failed send rather than a message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One SSE frame; `data` is JSON-encoded unless it is already a string (`[DONE]`)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+class EventStreamResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, content: Any, **kwargs: Any):
+        super().__init__(content, headers=SSE_HEADERS, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client is gone; the iterator is closed below
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await _until_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; nobody reads the reply."""
+
+
+async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """`await work()`, cancelled (and ClientGone raised) if the client disconnects first."""
+    result: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            await _until_disconnect(request.receive)
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result.append(await work())
+        except Exception as err:  # re-raised below, outside the group, so it is not wrapped in a group
+            failure.append(err)
+        finally:
+            group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    if not result:
+        raise ClientGone()
+    return result[0]
