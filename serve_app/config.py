@@ -1,0 +1,376 @@
+"""Settings of the Serve application: one pydantic model, read from a Serve YAML or `serve run` arguments.
+
+Three ways to set a field, all validated by the same model:
+
+- Serve YAML (`import_path: serve_app:app`): `args:` is a nested mapping,
+  e.g. `args: {model: /ckpt/gpt-oss-120b, decode: {autoscaling: {max_replicas: 4}}}`.
+- `serve run serve_app:app key=value ...`: every value arrives as a string. Nested fields take dotted
+  keys (`decode.autoscaling.max_replicas=4`) or a JSON object for the whole sub-model
+  (`decode='{"autoscaling": {"max_replicas": 4}}'`); JSON scalars and lists work too (`tp_size=4`,
+  `prefill.resources_per_worker='{"H200": 1}'`). Both forms can be mixed; dotted keys win.
+- Python: `ServeAppConfig(model=..., decode=DeploymentSettings(...))`.
+
+Combinations are checked here rather than deep inside a replica: TP/EP/DP against the model's heads and
+experts (through model/parallel.py), GPU-direct KV transport against the device, Serve's own
+autoscaling rules. A replica failing these would otherwise crash-loop until Serve gives up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+GIB = 2**30
+
+
+class ServeConfigError(ValueError):
+    """Application arguments that cannot be parsed or do not fit together; the message names the key."""
+
+
+class _Settings(BaseModel):
+    # Unknown keys are typos (`max_replica=4`): reject them instead of silently using a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AutoscalingSettings(_Settings):
+    """Serve's `autoscaling_config` for one deployment, with defaults for LLM replicas: a replica takes
+    minutes to start (weights, KV pools, CUDA graphs) and serves requests that last tens of seconds, so
+    scale up after sustained load only and scale down late, never in the middle of a burst."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running, even when idle.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas; each holds a whole node's GPUs on a GPU cluster.")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="Replicas started at deploy time; None: min_replicas.")
+    target_ongoing_requests: float = Field(
+        ..., gt=0, description="In-flight requests per replica the autoscaler aims for (queued + running).")
+    upscale_delay_s: float = Field(
+        60.0, ge=0, description="Load must stay above target this long before a replica is added.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="Load must stay below target this long before a replica is removed.")
+    metrics_interval_s: float = Field(10.0, gt=0, description="How often replicas report their load.")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window over which reported load is averaged.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "AutoscalingSettings":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie between min_replicas "
+                             f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
+        return self
+
+    def to_serve(self) -> dict[str, Any]:
+        """The dict Serve's `autoscaling_config` option takes, checked by Serve's own model."""
+        from ray.serve.config import AutoscalingConfig
+
+        out = self.model_dump(exclude_none=True)
+        AutoscalingConfig(**out)  # Serve's own rules (raises on what it rejects)
+        return out
+
+
+class DeploymentSettings(_Settings):
+    """Per-deployment Serve options for the prefill or the decode deployment."""
+
+    num_replicas: int | None = Field(
+        None, ge=1, description="A fixed replica count; None: autoscale with `autoscaling`.")
+    autoscaling: AutoscalingSettings = Field(description="Autoscaling policy, used when num_replicas is None.")
+    max_ongoing_requests: int = Field(
+        ..., ge=1, description="Requests one replica accepts at once; more wait in the caller's queue.")
+    cpus_per_worker: float | None = Field(
+        None, ge=0, description="CPUs reserved per model rank (one rank per GPU; the replica's own process "
+                                "is rank 0). None: 1 on cuda, 0.5 on cpu.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per worker bundle, e.g. {'H200': 1} to pin "
+                                          "replicas to a node type.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks a replica.")
+    health_check_timeout_s: float = Field(
+        60.0, gt=0, description="A check slower than this marks the replica unhealthy (a long prefill "
+                                "step can hold the event loop for seconds).")
+    graceful_shutdown_timeout_s: float = Field(
+        300.0, ge=0, description="On scale-down or redeploy, how long running streams may finish.")
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _no_builtin_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for key in ("CPU", "GPU", "memory"):
+            if key in value:
+                raise ValueError(f"resources_per_worker must not set {key!r}: use cpus_per_worker, and the "
+                                 "GPU count follows from tp_size/ep_size/dp_size")
+        return value
+
+
+def default_prefill() -> DeploymentSettings:
+    # Prefill requests are short and compute-bound: a replica saturates with a few prompts in flight.
+    return DeploymentSettings(max_ongoing_requests=16, autoscaling=AutoscalingSettings(target_ongoing_requests=4))
+
+
+def default_decode() -> DeploymentSettings:
+    # Decode batches up to max_num_seqs sequences; aim below that so new requests rarely queue.
+    return DeploymentSettings(max_ongoing_requests=128, autoscaling=AutoscalingSettings(target_ongoing_requests=48))
+
+
+class IngressSettings(_Settings):
+    """The HTTP ingress (OpenAI API): CPU-only, torch-free, cheap to replicate."""
+
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas (each parses Harmony for its requests).")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
+    max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests per ingress replica.")
+
+
+class ServeAppConfig(_Settings):
+    """Everything `serve run serve_app:app` accepts. Defaults: the embedded tiny model on this machine."""
+
+    # ---- the model -------------------------------------------------------------------------------
+    model: str | None = Field(
+        None, description="HF-layout checkpoint folder (config.json + safetensors). None: the embedded tiny "
+                          "random model, created on first use under $GPTOSS_CACHE_DIR or ~/.cache/gptoss.")
+    served_model_name: str = Field(
+        "gpt-oss", min_length=1, description="The name clients pass as `model` in API requests.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where replicas run the model. auto: cuda when the Ray cluster (or, before Ray "
+                            "starts, this machine) has GPUs, else cpu. Set cuda explicitly on clusters "
+                            "whose GPU nodes autoscale from zero.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weights and KV cache dtype; auto: the checkpoint's.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks per model instance (splits heads, vocab).")
+    ep_size: int = Field(1, ge=1, description="Expert-parallel ranks per model instance (splits experts).")
+    dp_size: int = Field(
+        1, ge=1, description="Model instances per replica; a replica holds dp_size * max(tp_size, ep_size) GPUs.")
+    # ---- the engine ------------------------------------------------------------------------------
+    max_context: int | None = Field(
+        None, ge=1, description="Prompt + output tokens per request; None: the model's max_position_embeddings.")
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV page pools' memory per replica (both pools). None: 256 MiB on CPU; on CUDA "
+                                "gpu_memory_fraction of what is free after loading weights.")
+    gpu_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="Share of free GPU memory the KV pools take when kv_cache_memory_gib is None.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences a decode step batches together.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="New tokens in one forward pass: the chunked-prefill budget.")
+    seed: int = Field(0, ge=0, description="Seeds requests that bring none, so a run is reproducible.")
+    # ---- disaggregation and KV transfer --------------------------------------------------------
+    disaggregated: bool = Field(
+        True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "
+                          "prefill deployment; decode replicas run prompts themselves.")
+    kv_transport: Literal["auto", "object_store", "cuda_ipc"] = Field(
+        "auto", description="How KV moves prefill -> decode. object_store: Ray's object store (host memory, "
+                            "any node). cuda_ipc: GPU memory mapped between processes of one node, falling "
+                            "back to the object store across nodes. auto: cuda_ipc on cuda, else object_store.")
+    cuda_ipc_buffer_gib: float = Field(
+        2.0, gt=0, description="GPU memory each decode replica sets aside to receive K/V over CUDA IPC; a "
+                               "transfer that finds no room there goes through the object store.")
+    prefill_timeout_s: float = Field(
+        120.0, gt=0, description="Longest wait for a prefill replica's answer (queueing included); past it "
+                                 "decode runs the prompt itself.")
+    kv_transfer_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait to receive one request's KV; past it decode runs the prompt itself.")
+    # ---- deployments -----------------------------------------------------------------------------
+    ingress: IngressSettings = Field(default_factory=IngressSettings, description="HTTP ingress options.")
+    prefill: DeploymentSettings = Field(default_factory=default_prefill, description="Prefill deployment options.")
+    decode: DeploymentSettings = Field(default_factory=default_decode, description="Decode deployment options.")
+
+    @field_validator("model")
+    @classmethod
+    def _absolute_model_path(cls, value: str | None) -> str | None:
+        # Replicas run with another working directory: pin a relative path to where the app was built.
+        if value is None or value.strip().lower() in ("", "none", "null", "tiny"):
+            return None
+        return os.path.abspath(os.path.expanduser(value))
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "ServeAppConfig":
+        if self.kv_transport == "cuda_ipc" and self.device == "cpu":
+            raise ValueError("kv_transport=cuda_ipc needs device=cuda (or auto on a GPU cluster); "
+                             "use kv_transport=object_store on CPU")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): a full decode batch needs one token per sequence")
+        if self.world_size > 1 and self.device == "cpu":
+            raise ValueError(f"tp_size={self.tp_size}, ep_size={self.ep_size} needs device=cuda: the CPU path "
+                             "runs one rank in the replica's process")
+        self._check_against_model()
+        return self
+
+    def _check_against_model(self) -> None:
+        """TP/EP must divide the model's heads, KV heads, vocabulary and experts; max_context must fit it."""
+        model_config = self.model_config_if_readable()
+        if model_config is None:
+            return  # a checkpoint only the GPU nodes can see: the replica checks when it loads
+        from model.parallel import Parallel, ParallelConfigError
+
+        try:
+            Parallel(tp_size=self.tp_size, ep_size=self.ep_size).validate(
+                model_config.num_attention_heads, model_config.num_key_value_heads,
+                model_config.num_local_experts, model_config.vocab_size)
+        except ParallelConfigError as err:
+            raise ValueError(f"tp_size/ep_size do not fit the model {self.model or '(tiny)'}: {err}") from None
+        if self.max_context is not None and self.max_context > model_config.max_position_embeddings:
+            raise ValueError(f"max_context ({self.max_context}) exceeds the model's max_position_embeddings "
+                             f"({model_config.max_position_embeddings})")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Ranks (GPUs) of one model instance."""
+        return max(self.tp_size, self.ep_size)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.dp_size * self.world_size
+
+    def model_config_if_readable(self):
+        """The model's GptOssConfig, or None when `model` names a folder this machine cannot read."""
+        from model.config import ConfigError, GptOssConfig
+
+        if self.model is None:
+            return tiny_model_config()
+        path = Path(self.model) / "config.json"
+        if not path.is_file():
+            return None
+        try:
+            return GptOssConfig.from_json(path)
+        except ConfigError as err:
+            raise ValueError(f"model {self.model}: {err}") from None
+
+    def resolved_device(self) -> str:
+        """cpu or cuda: `device`, with auto decided by the GPUs Ray (or this machine) has."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if _gpus_visible() else "cpu"
+
+    def resolved_transport(self, device: str) -> str:
+        if self.kv_transport != "auto":
+            return self.kv_transport
+        return "cuda_ipc" if device == "cuda" else "object_store"
+
+    def engine_config(self, device: str):
+        """The engine's EngineConfig for one replica on `device` ("cpu" or "cuda[:N]")."""
+        from engine.config import EngineConfig
+
+        return EngineConfig(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_context,
+            kv_cache_bytes=None if self.kv_cache_memory_gib is None else int(self.kv_cache_memory_gib * GIB),
+            gpu_memory_fraction=self.gpu_memory_fraction,
+            device=device,
+            dtype=self.dtype,
+            seed=self.seed,
+        )
+
+    # ---- parsing ---------------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: "dict[str, Any] | ServeAppConfig | None") -> "ServeAppConfig":
+        """Parse Serve application arguments: a nested mapping (YAML), flat `key=value` strings from
+        `serve run` (dotted keys for nested fields, JSON for non-strings), or an existing config."""
+        if isinstance(args, ServeAppConfig):
+            return args
+        # Partial sub-settings (`decode.autoscaling.max_replicas=4`) keep the deployment's other defaults.
+        defaults = {"prefill": default_prefill().model_dump(), "decode": default_decode().model_dump()}
+        nested = _deep_merge(defaults, nest_args(args or {}))
+        try:
+            return cls.model_validate(nested)
+        except ValidationError as err:
+            raise ServeConfigError(_explain(err)) from None
+
+
+def nest_args(args: dict[str, Any]) -> dict[str, Any]:
+    """`{"decode.autoscaling.max_replicas": "4", "tp_size": "2"}` -> `{"decode": {"autoscaling":
+    {"max_replicas": 4}}, "tp_size": 2}`. String values that parse as JSON become that JSON value,
+    except where the target is a plain string (model paths, names) and would not round-trip."""
+    out: dict[str, Any] = {}
+    # Whole sub-models first, so a dotted key can override one field of a JSON object.
+    for key in sorted(args, key=lambda k: k.count(".")):
+        parts = key.split(".")
+        value = args[key] if parts[-1] in _STRING_FIELDS and isinstance(args[key], str) else _coerce(args[key])
+        if not all(parts):
+            raise ServeConfigError(f"argument {key!r}: empty part in a dotted key")
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ServeConfigError(f"argument {key!r}: {'.'.join(parts[:depth + 1])} is not a nested "
+                                       "setting, so it cannot take a dotted sub-key")
+            node = child
+        last = parts[-1]
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = _deep_merge(node[last], value)
+        else:
+            node[last] = value
+    return out
+
+
+# Free-form strings: `served_model_name=123` stays "123", a path stays a path.
+_STRING_FIELDS = {"model", "served_model_name"}
+
+
+def _coerce(value: Any) -> Any:
+    if isinstance(value, dict):
+        return nest_args(value)  # YAML mappings may themselves use dotted keys
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text in ("None", "null", "none"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return value  # a plain string: a path, a name, `cuda`
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(arguments)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown setting; see serve_app/config.py for the accepted keys"
+        lines.append(f"{key}: {msg}")
+    return "invalid serve_app arguments:\n  " + "\n  ".join(lines)
+
+
+def tiny_model_path() -> Path:
+    """The embedded tiny checkpoint (the `gptoss` CLI's default model), created on first use under
+    $GPTOSS_CACHE_DIR or ~/.cache/gptoss; concurrent first uses are safe."""
+    from engine.cli import default_model_dir, ensure_tiny_model
+
+    return ensure_tiny_model(default_model_dir())
+
+
+def tiny_model_config():
+    """The tiny model's GptOssConfig, without writing the checkpoint (for validating settings)."""
+    from engine.cli import default_model_dir
+    from model.loader import read_config
+    from model.tiny import tiny_config
+
+    folder = default_model_dir()
+    return read_config(folder) if (folder / "config.json").is_file() else tiny_config()
+
+
+def _gpus_visible() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    # `serve run` builds the app before it starts Ray: look at this machine.
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,152 @@
+"""DecodeServer: orchestrates one request end to end and streams its tokens.
+
+    validate -> offer a receive slot -> PrefillServer.prefill (any replica) -> receive K/V -> import into
+    the local engine -> decode, streaming TokenDeltas back to the ingress
+
+If the remote prefill fails (replica died, error, busy past `prefill_timeout_s`) or its K/V does not
+arrive (`kv_transfer_timeout_s`, lost object, unusable payload), the decode replica runs the prompt
+itself and the request still succeeds: same tokens, later first token. Each transfer's bytes and
+milliseconds are logged and exported as metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import ray
+from ray.serve.exceptions import RayServeException
+
+from engine.kv_payload import KVPayloadError, PrefilledKV
+from engine.request import GenerateRequest, TokenDelta
+from serve_app.config import GIB, ServeAppConfig
+from serve_app.engine_host import engine_stats, log, replica_device, report_metrics_forever, start_engine
+from serve_app.kv_transfer import CudaIpcTransport, KVTransferError, ReceiveOffer, make_transport, payload_upper_bound
+from serve_app.metrics import ServerMetrics
+
+# Failures of the remote half that the local prefill recovers from.
+_REMOTE_FAILURES = (ray.exceptions.RayError, RayServeException, KVTransferError, KVPayloadError, asyncio.TimeoutError)
+
+
+class DecodeServer:
+    async def __init__(self, prefill, config: ServeAppConfig | dict):
+        """prefill: a DeploymentHandle of PrefillServer, or None to run every prompt here."""
+        self.config = ServeAppConfig.from_args(config)
+        self.prefill = prefill
+        self.device = replica_device(self.config)
+        self.transport = make_transport(self.config.resolved_transport(self.config.resolved_device()), self.device,
+                                        int(self.config.cuda_ipc_buffer_gib * GIB))
+        if isinstance(self.transport, CudaIpcTransport):
+            self.transport.reserve_arena()  # before the engine sizes its KV pools from free memory
+        self.engine = await asyncio.to_thread(start_engine, self.config, self.device)
+        runner = self.engine.engine.runner
+        self._kv_shape = (runner.layer_is_sliding, runner.kv_heads, runner.head_dim, runner.kv_dtype,
+                          self.engine.engine.model.config.sliding_window)
+        self.metrics = ServerMetrics("decode")
+        self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
+        self.num_fallbacks = 0
+        self.num_transfers = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's deltas; InvalidRequestError before the first one for a bad request."""
+        t0 = time.monotonic()
+        self.engine.engine.validate(request)  # refuse bad requests before any remote work
+        payload = await self._remote_prefill(request) if self.prefill is not None else None
+        stream = self.engine.generate_prefilled(request, payload) if payload is not None else None
+        first_at = last_at = None
+        num_out = 0
+        try:
+            if stream is not None:
+                try:
+                    first = await stream.__anext__()
+                except KVPayloadError as err:  # prefill and decode disagree about the model
+                    self._fell_back(request, "import_error", err)
+                    await stream.aclose()
+                    stream = None
+            if stream is None:
+                stream = self.engine.generate(request)
+                first = await stream.__anext__()
+            delta = first
+            while True:
+                if delta.token_ids:
+                    last_at = time.monotonic()
+                    first_at = first_at or last_at
+                num_out = delta.num_output_tokens
+                yield delta
+                if delta.finish_reason is not None:
+                    break
+                delta = await stream.__anext__()
+        finally:
+            if stream is not None:
+                await stream.aclose()  # after an early exit (client gone, cancelled) this aborts in the engine
+            tpot = (last_at - first_at) / (num_out - 1) if first_at and num_out > 1 else None
+            self.metrics.observe_request(first_at - t0 if first_at else None, tpot)
+
+    async def _remote_prefill(self, request: GenerateRequest) -> PrefilledKV | None:
+        """The prompt's K/V + first token from a prefill replica, or None (then decode runs the prompt)."""
+        sliding, kv_heads, head_dim, dtype, window = self._kv_shape
+        offer = self.transport.offer(payload_upper_bound(len(request.prompt_ids), len(sliding), sliding, window,
+                                                         kv_heads, head_dim, dtype))
+        call = asyncio.ensure_future(self._call_prefill(request, offer))
+        # The offer's slot is the prefill replica's to write until its call ends, whatever we decide
+        # meanwhile: release it only then.
+        call.add_done_callback(lambda _: self.transport.release(offer))
+        try:
+            done, _ = await asyncio.wait({call}, timeout=self.config.prefill_timeout_s)
+            if not done:
+                # Not cancelled: the prefill finishes in the background and its K/V is dropped.
+                raise asyncio.TimeoutError(f"no prefill answer within {self.config.prefill_timeout_s} s")
+            handle = call.result()
+            t_recv = time.perf_counter()
+            payload = await self.transport.receive(handle, offer, self.config.kv_transfer_timeout_s)
+        except _REMOTE_FAILURES as err:
+            self._fell_back(request, _reason(err), err)
+            return None
+        stats = self.transport.last_stats
+        total_s = handle.pack_ms / 1e3 + (time.perf_counter() - t_recv)
+        self.num_transfers += 1
+        self.metrics.observe_transfer(handle.kind, handle.nbytes, total_s)
+        log.info("kv transfer %s: %d bytes via %s, pack %.2f ms + receive %.2f ms (%.1f MB/s)",
+                 request.request_id, handle.nbytes, handle.kind, handle.pack_ms, stats.receive_ms,
+                 handle.nbytes / max(total_s, 1e-9) / 1e6)
+        return payload
+
+    async def _call_prefill(self, request: GenerateRequest, offer: ReceiveOffer):
+        return await self.prefill.prefill.remote(request, offer)
+
+    def _fell_back(self, request: GenerateRequest, reason: str, err: BaseException) -> None:
+        self.num_fallbacks += 1
+        self.metrics.observe_fallback(reason)
+        log.warning("request %s: remote prefill failed (%s: %s); running the prompt on this decode replica",
+                    request.request_id, reason, err)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def max_context(self) -> int:
+        return self.engine.max_context
+
+    def stats(self) -> dict:
+        """Debug: pool usage and counters of this replica's engine, transfers and fallbacks."""
+        out = {"device": self.device, "transport": self.transport.name, "transfers": self.num_transfers,
+               "fallbacks": self.num_fallbacks, **engine_stats(self.engine)}
+        if isinstance(self.transport, CudaIpcTransport):
+            out["cuda_ipc_arena_free_bytes"] = self.transport.arena_free_bytes
+        return out
+
+    def __del__(self):
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.cancel()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, asyncio.TimeoutError):
+        return "prefill_timeout"
+    if isinstance(err, KVTransferError):
+        return "transfer_error"
+    return "prefill_error"

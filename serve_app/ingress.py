@@ -1,0 +1,67 @@
+"""HarmonyIngress: the OpenAI API (serve_app/openai_api's `create_app`) served by Ray Serve over HTTP.
+
+The FastAPI app is built inside the replica, around `ServeTokenBackend`: a TokenBackend whose engine is
+the DecodeServer deployment, called through a streaming DeploymentHandle. This process imports no
+torch: token ids go out, TokenDeltas come back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from ray import serve
+from ray.exceptions import RayTaskError
+
+from engine.request import GenerateRequest, InvalidRequestError, TokenDelta
+
+log = logging.getLogger("ray.serve")
+
+
+class ServeTokenBackend:
+    """engine/request.py's TokenBackend over a DecodeServer DeploymentHandle."""
+
+    def __init__(self, decode_handle, max_context: int):
+        self._decode = decode_handle.options(stream=True)
+        self.max_context = max_context
+        self._in_flight: dict[str, object] = {}  # request id -> its response generator
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        responses = self._decode.generate.remote(request)
+        self._in_flight[request.request_id] = responses
+        try:
+            async for delta in responses:
+                yield delta
+        except RayTaskError as err:
+            # The decode replica refused the request: re-raise the engine's own error so the API turns it
+            # into a 400 with its `param`. Anything else (a replica that died, ...) propagates as is and
+            # becomes a 503 in the API layer.
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, InvalidRequestError):
+                raise InvalidRequestError(str(cause), cause.param) from None
+            raise
+        finally:
+            self._in_flight.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel the request on whichever decode replica runs it (Serve propagates the cancellation,
+        and the replica's generator aborts the request in its engine)."""
+        responses = self._in_flight.pop(request_id, None)
+        if responses is not None:
+            responses.cancel()
+
+
+@serve.ingress()
+class HarmonyIngress:
+    """HTTP ingress. `decode`: the DecodeServer handle; the context limit is asked from it at start."""
+
+    async def __init__(self, decode, served_model_name: str, max_context: int | None = None):
+        if max_context is None:
+            max_context = await decode.max_context.remote()
+        self.backend = ServeTokenBackend(decode, max_context)
+        self.served_model_name = served_model_name
+
+    def __serve_build_asgi_app__(self):
+        from serve_app.openai_api.app import create_app
+
+        return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context)

@@ -1,0 +1,366 @@
+"""Moving a prefilled request's K/V (engine/kv_payload.py's PrefilledKV) from a prefill to a decode replica.
+
+One interface, two transports, and a three-message protocol that fits Serve's request/response calls:
+
+1. decode: `offer = transport.offer(max_bytes)` says how it wants to receive (sent with the prompt);
+2. prefill: `handle = transport.send(payload, offer)` ships the K/V and returns a small, picklable handle
+   (sent back with the first token);
+3. decode: `payload = await transport.receive(handle, offer, timeout_s)`, then `transport.release(offer)`
+   once the prefill call has finished, successfully or not.
+
+Every transport packs the payload's K/V tensors into one flat byte buffer (one allocation, one copy, one
+handle), so per-transfer overhead does not grow with the number of layers.
+
+- `ObjectStoreTransport` (`object_store`): the buffer goes into Ray's object store on the prefill node and
+  the decode replica reads it (zero-copy on the same node, over the network otherwise). Works everywhere,
+  CPU included; the default on CPU and in CI.
+- `CudaIpcTransport` (`cuda_ipc`): GPU to GPU inside one node. The decode replica owns a receive arena in
+  GPU memory and shares its CUDA IPC handle (torch.multiprocessing's reductions around cudaIpcGetMemHandle)
+  in the offer; the prefill replica maps the arena once per peer and copies the K/V straight into the slot
+  reserved for this request (device-to-device, over NVLink when the GPUs differ). The decode side owns the
+  slot's lifetime, so nothing leaks when a prefill replica dies or a request is abandoned: the slot is
+  freed when the prefill call ends. Peers on another node, or an arena without room, fall back to the
+  object store for that transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from engine.kv_payload import PrefilledKV
+
+log = logging.getLogger(__name__)
+
+ALIGN = 256  # byte alignment of each tensor in the flat buffer (covers every dtype and vector loads)
+TRANSPORTS = ("object_store", "cuda_ipc")
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed or timed out; the decode replica runs the prompt itself instead."""
+
+
+# ---- packing: K/V tensors <-> one flat byte buffer ------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    offset: int  # bytes from the start of the buffer
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def plan_layout(tensors: list[torch.Tensor]) -> tuple[list[TensorSpec], int]:
+    specs, offset = [], 0
+    for t in tensors:
+        specs.append(TensorSpec(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return specs, offset
+
+
+def pack_into(flat: torch.Tensor, tensors: list[torch.Tensor], specs: list[TensorSpec]) -> None:
+    """Copy each tensor into its place in `flat` (uint8, any device; cross-device copies allowed)."""
+    for t, spec in zip(tensors, specs):
+        unpack_one(flat, spec).copy_(t, non_blocking=True)
+
+
+def unpack_one(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    return flat[spec.offset: spec.offset + spec.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
+
+
+def unpack(flat: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:
+    return [unpack_one(flat, s) for s in specs]
+
+
+def split_payload(payload: PrefilledKV) -> tuple[PrefilledKV, list[torch.Tensor]]:
+    """(the payload without tensors, its tensors: K of every layer, then V of every layer)."""
+    return replace(payload, k=[], v=[]), [*payload.k, *payload.v]
+
+
+def join_payload(skeleton: PrefilledKV, tensors: list[torch.Tensor]) -> PrefilledKV:
+    n = len(tensors) // 2
+    return replace(skeleton, k=tensors[:n], v=tensors[n:])
+
+
+def payload_upper_bound(num_prompt_tokens: int, num_layers: int, sliding: list[bool], window: int,
+                        kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes the packed K/V of a just-prefilled prompt can take: full layers hold every prompt token,
+    sliding layers at most the window."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    rows = [min(num_prompt_tokens, window) if s else num_prompt_tokens for s in sliding[:num_layers]]
+    per_row = kv_heads * head_dim * elt
+    return sum(2 * (-(-r * per_row // ALIGN) * ALIGN) for r in rows)
+
+
+# ---- the protocol messages ------------------------------------------------------------------------------
+@dataclass
+class ReceiveOffer:
+    """How a decode replica wants one request's K/V (travels with the prompt to the prefill replica)."""
+
+    kind: str  # "object_store" | "cuda_ipc"
+    node_id: str
+    gpu_uuid: str | None = None
+    arena_key: str | None = None  # stable per decode replica: the prefill side maps each arena once
+    arena_ipc: tuple | None = None  # torch's rebuild_cuda_tensor arguments of the arena
+    slot_offset: int = 0
+    slot_nbytes: int = 0
+
+
+@dataclass
+class KVHandle:
+    """How the K/V was shipped (travels with the first token back to the decode replica)."""
+
+    kind: str  # the transport actually used; cuda_ipc offers can be answered through the object store
+    skeleton: PrefilledKV  # the payload without its tensors
+    specs: list[TensorSpec]
+    nbytes: int
+    pack_ms: float
+    ref: Any = None  # object_store: the ObjectRef of the flat buffer (owned by the prefill replica)
+
+
+@dataclass
+class TransferStats:
+    kind: str
+    nbytes: int
+    pack_ms: float  # on the prefill replica
+    receive_ms: float  # on the decode replica: from the handle's arrival to tensors ready
+
+
+def _node_id() -> str:
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    import socket
+
+    return socket.gethostname()
+
+
+# ---- transports ------------------------------------------------------------------------------------------
+class ObjectStoreTransport:
+    """K/V through Ray's object store: host memory on the prefill node, fetched by the decode replica."""
+
+    name = "object_store"
+
+    def __init__(self, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.last_stats: TransferStats | None = None
+
+    def offer(self, max_bytes: int) -> ReceiveOffer:
+        return ReceiveOffer("object_store", _node_id())
+
+    def send(self, payload: PrefilledKV, offer: ReceiveOffer) -> KVHandle:
+        import ray
+
+        t0 = time.perf_counter()
+        skeleton, tensors = split_payload(payload)
+        specs, total = plan_layout(tensors)
+        on_gpu = any(t.is_cuda for t in tensors)
+        flat = torch.empty(total, dtype=torch.uint8, pin_memory=on_gpu)
+        pack_into(flat, tensors, specs)
+        if on_gpu:
+            torch.cuda.synchronize()
+        ref = ray.put(flat.numpy())
+        return KVHandle("object_store", skeleton, specs, total, (time.perf_counter() - t0) * 1e3, ref)
+
+    async def receive(self, handle: KVHandle, offer: ReceiveOffer, timeout_s: float) -> PrefilledKV:
+        if handle.kind != "object_store":
+            raise KVTransferError(f"{self.name} transport got a {handle.kind!r} handle: prefill and decode "
+                                  "must be configured with the same kv_transport")
+        import ray
+
+        t0 = time.perf_counter()
+        try:
+            array = await asyncio.wait_for(handle.ref, timeout_s)
+        except asyncio.TimeoutError:
+            raise KVTransferError(f"K/V of {handle.skeleton.request_id} ({handle.nbytes} bytes) did not "
+                                  f"arrive within {timeout_s} s") from None
+        except ray.exceptions.RayError as err:  # owner died, object lost, ...
+            raise KVTransferError(f"K/V of {handle.skeleton.request_id} is unreachable: {err}") from err
+        with warnings.catch_warnings():
+            # The object store hands out a read-only buffer; the engine only reads it (copies it into
+            # its pages), and the tensor keeps the buffer pinned until then.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            flat = torch.from_numpy(array)
+        if self.device.type != "cpu":
+            flat = flat.to(self.device)
+        payload = join_payload(handle.skeleton, unpack(flat, handle.specs))
+        self.last_stats = TransferStats(handle.kind, handle.nbytes, handle.pack_ms,
+                                        (time.perf_counter() - t0) * 1e3)
+        return payload
+
+    def release(self, offer: ReceiveOffer) -> None:
+        """Nothing to free: the object is dropped when the last reference to the handle goes."""
+
+
+class _Arena:
+    """First-fit allocator over one GPU buffer, in ALIGN-sized units."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted, coalesced
+
+    def allocate(self, nbytes: int) -> int | None:
+        nbytes = -(-nbytes // ALIGN) * ALIGN
+        for i, (offset, size) in enumerate(self._free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + nbytes, size - nbytes)
+                return offset
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        nbytes = -(-nbytes // ALIGN) * ALIGN
+        self._free.append((offset, nbytes))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, size in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((off, size))
+        self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+
+class CudaIpcTransport(ObjectStoreTransport):
+    """GPU-to-GPU K/V within a node through a CUDA IPC-shared receive arena on the decode replica."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, device: str, arena_bytes: int, max_peers: int = 16):
+        super().__init__(device)
+        if self.device.type != "cuda":
+            raise KVTransferError(f"cuda_ipc needs a CUDA device, got {device!r}: use kv_transport=object_store")
+        self.arena_bytes = arena_bytes
+        self._arena: _Arena | None = None  # receiving side, allocated on first offer
+        self._arena_key = uuid.uuid4().hex
+        self._arena_ipc: tuple | None = None
+        self._peers: OrderedDict[str, torch.Tensor] = OrderedDict()  # sending side: mapped arenas, LRU
+        self._max_peers = max_peers
+
+    # -- decode side
+    def reserve_arena(self) -> None:
+        """Allocate the receive arena now (before the engine sizes its KV pools from free memory)."""
+        if self._arena is None:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            self._arena = _Arena(self.arena_bytes, self.device)
+            _, self._arena_ipc = reduce_tensor(self._arena.buffer)
+
+    def offer(self, max_bytes: int) -> ReceiveOffer:
+        self.reserve_arena()
+        offset = self._arena.allocate(max_bytes)
+        if offset is None:  # arena full (many transfers in flight) or one huge prompt
+            return super().offer(max_bytes)
+        return ReceiveOffer("cuda_ipc", _node_id(), _gpu_uuid(self.device), self._arena_key, self._arena_ipc,
+                            offset, max_bytes)
+
+    async def receive(self, handle: KVHandle, offer: ReceiveOffer, timeout_s: float) -> PrefilledKV:
+        if handle.kind == "object_store":
+            return await super().receive(handle, offer, timeout_s)
+        if handle.kind != "cuda_ipc" or offer.kind != "cuda_ipc" or handle.nbytes > offer.slot_nbytes:
+            raise KVTransferError(f"handle {handle.kind!r} ({handle.nbytes} bytes) does not match the offer "
+                                  f"{offer.kind!r} ({offer.slot_nbytes} bytes)")
+        t0 = time.perf_counter()
+        # The sender synchronized before answering, so the slot is complete. Copy it out: the slot is
+        # freed as soon as the prefill call ends, while the engine writes K/V into pages only when it
+        # next schedules the request.
+        slot = self._arena.buffer[offer.slot_offset: offer.slot_offset + handle.nbytes]
+        flat = slot.clone()
+        payload = join_payload(handle.skeleton, unpack(flat, handle.specs))
+        self.last_stats = TransferStats(handle.kind, handle.nbytes, handle.pack_ms, (time.perf_counter() - t0) * 1e3)
+        return payload
+
+    def release(self, offer: ReceiveOffer) -> None:
+        if offer.kind == "cuda_ipc" and offer.arena_key == self._arena_key:
+            self._arena.free(offer.slot_offset, offer.slot_nbytes)
+
+    @property
+    def arena_free_bytes(self) -> int | None:
+        return None if self._arena is None else self._arena.free_bytes
+
+    # -- prefill side
+    def send(self, payload: PrefilledKV, offer: ReceiveOffer) -> KVHandle:
+        peer = self._map_peer(offer) if offer.kind == "cuda_ipc" else None
+        if peer is None or not all(t.is_cuda for t in (*payload.k, *payload.v)):
+            return super().send(payload, offer)
+        t0 = time.perf_counter()
+        skeleton, tensors = split_payload(payload)
+        specs, total = plan_layout(tensors)
+        if total > offer.slot_nbytes:
+            log.warning("K/V of %s needs %d bytes, the decode slot has %d: sending through the object store",
+                        payload.request_id, total, offer.slot_nbytes)
+            return super().send(payload, offer)
+        slot = peer[offer.slot_offset: offer.slot_offset + total]
+        pack_into(slot, tensors, specs)
+        # The decode replica reads the slot right after our answer: every copy must have landed.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(slot.device)
+        return KVHandle("cuda_ipc", skeleton, specs, total, (time.perf_counter() - t0) * 1e3)
+
+    def _map_peer(self, offer: ReceiveOffer) -> torch.Tensor | None:
+        """The decode replica's arena mapped into this process, or None when it is out of reach."""
+        if offer.node_id != _node_id():
+            return None
+        if offer.arena_key in self._peers:
+            self._peers.move_to_end(offer.arena_key)
+            return self._peers[offer.arena_key]
+        local = _local_index_of(offer.gpu_uuid)
+        if local is None:
+            log.warning("decode GPU %s is not visible here (CUDA_VISIBLE_DEVICES?); K/V goes through the "
+                        "object store", offer.gpu_uuid)
+            return None
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = list(offer.arena_ipc)
+        args[6] = local  # storage_device: the decode's GPU as numbered in this process
+        try:
+            arena = rebuild_cuda_tensor(*args)
+        except RuntimeError as err:  # e.g. IPC unsupported between these processes
+            log.warning("cannot map decode arena %s over CUDA IPC (%s); using the object store",
+                        offer.arena_key, err)
+            return None
+        self._peers[offer.arena_key] = arena
+        while len(self._peers) > self._max_peers:
+            self._peers.popitem(last=False)  # a replaced decode replica: unmap its arena
+        return arena
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _local_index_of(gpu_uuid: str | None) -> int | None:
+    if gpu_uuid is None:
+        return None
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == gpu_uuid:
+            return i
+    return None
+
+
+def make_transport(name: str, device: str, cuda_ipc_arena_bytes: int = 0) -> ObjectStoreTransport:
+    if name == "object_store":
+        return ObjectStoreTransport(device)
+    if name == "cuda_ipc":
+        return CudaIpcTransport(device, cuda_ipc_arena_bytes)
+    raise KVTransferError(f"unknown kv_transport {name!r}; choose one of {TRANSPORTS}")

@@ -1,0 +1,93 @@
+"""Engine and transfer metrics of the prefill/decode replicas, exported through `ray.util.metrics`.
+
+Ray's metrics agent on every node serves them in Prometheus format next to Serve's own metrics
+(`ray_serve_*`: request counts, latencies, replica counts); Ray prefixes each name with `ray_`, so
+`gptoss_ttft_seconds` is scraped as `ray_gptoss_ttft_seconds_bucket`. Every series carries the
+deployment and replica tags, so dashboards can sum over replicas or split by them.
+
+The engine keeps its own counters (engine/metrics.py); `ServerMetrics.observe_engine` polls a
+snapshot of them and forwards gauges and counter increments. TTFT and TPOT are measured where the
+client's stream is produced, in the decode server, so they include the remote prefill and the KV
+transfer.
+"""
+
+from __future__ import annotations
+
+from engine.metrics import TPOT_BUCKETS, TTFT_BUCKETS
+
+TRANSFER_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+TRANSFER_BYTES_BUCKETS = tuple(float(2 ** p) for p in range(10, 36, 2))  # 1 KiB .. 32 GiB
+
+
+def replica_tags(deployment: str) -> dict[str, str]:
+    from ray import serve
+
+    try:
+        replica = serve.get_replica_context().replica_id.unique_id
+    except RuntimeError:  # not inside a Serve replica (a unit test, a script)
+        replica = "local"
+    return {"deployment": deployment, "replica": replica}
+
+
+class ServerMetrics:
+    """The metrics one prefill or decode replica reports."""
+
+    def __init__(self, deployment: str):
+        from ray.util import metrics
+
+        self.tags = replica_tags(deployment)
+        keys = tuple(self.tags)
+        self.queue_depth = metrics.Gauge(
+            "gptoss_queue_depth", "Requests waiting for a batch slot or KV pages", tag_keys=keys)
+        self.running = metrics.Gauge("gptoss_running_requests", "Requests being decoded or prefilled", tag_keys=keys)
+        self.kv_usage = metrics.Gauge(
+            "gptoss_kv_usage_ratio", "Share of KV pages in use, per pool (full / sliding layers)",
+            tag_keys=keys + ("pool",))
+        self.tokens = metrics.Counter(
+            "gptoss_tokens", "Tokens computed, by phase (prefill = prompt tokens, decode = generated)",
+            tag_keys=keys + ("phase",))
+        self.ttft = metrics.Histogram(
+            "gptoss_ttft_seconds", "Time to first token as the decode server streams it (remote prefill "
+            "included)", boundaries=list(TTFT_BUCKETS), tag_keys=keys)
+        self.tpot = metrics.Histogram(
+            "gptoss_tpot_seconds", "Time per output token after the first, per request",
+            boundaries=list(TPOT_BUCKETS), tag_keys=keys)
+        self.transfer_seconds = metrics.Histogram(
+            "gptoss_kv_transfer_seconds", "K/V transfer time, prefill pack + decode receive",
+            boundaries=list(TRANSFER_SECONDS_BUCKETS), tag_keys=keys + ("transport",))
+        self.transfer_bytes = metrics.Histogram(
+            "gptoss_kv_transfer_bytes", "K/V bytes per transfer", boundaries=list(TRANSFER_BYTES_BUCKETS),
+            tag_keys=keys + ("transport",))
+        self.fallbacks = metrics.Counter(
+            "gptoss_prefill_fallbacks", "Requests whose remote prefill or K/V transfer failed, so decode "
+            "ran the prompt itself", tag_keys=keys + ("reason",))
+        for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
+                  self.transfer_seconds, self.transfer_bytes, self.fallbacks):
+            m.set_default_tags(self.tags)
+        self._last_tokens = {"prefill": 0, "decode": 0}
+
+    def observe_engine(self, snapshot: dict) -> None:
+        self.queue_depth.set(snapshot.get("num_waiting", 0))
+        self.running.set(snapshot.get("num_running", 0))
+        for pool in ("full", "sliding"):
+            total = snapshot.get(f"{pool}_pages_total")
+            if total:
+                self.kv_usage.set(snapshot[f"{pool}_pages_used"] / total, tags={"pool": pool})
+        for phase in ("prefill", "decode"):
+            now = snapshot.get(f"{phase}_tokens_total", 0)
+            if now > self._last_tokens[phase]:
+                self.tokens.inc(now - self._last_tokens[phase], tags={"phase": phase})
+            self._last_tokens[phase] = now
+
+    def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def observe_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
+        self.transfer_seconds.observe(seconds, tags={"transport": transport})
+        self.transfer_bytes.observe(float(nbytes), tags={"transport": transport})
+
+    def observe_fallback(self, reason: str) -> None:
+        self.fallbacks.inc(1, tags={"reason": reason})
