@@ -1,0 +1,101 @@
+"""The one module that imports DeepGEMM (`sgl-deep-gemm` 0.2.0 provides `deep_gemm`).
+
+Layouts DeepGEMM's SM90 FP8 kernels (the "1D2D" kernels) expect, read from its 0.2.0 API:
+- A: FP8 [M, K] (contiguous) or [G, M, K] (masked), K-major; scales fp32 1x128 per row,
+  MN-major and TMA-aligned: [.., M, K/128] with strides (1, align(M, 4)) (per group for masked).
+  Anything else is transposed by DeepGEMM on every call; `Fp8Rows` writes this layout directly.
+- B: FP8 [G, N, K] K-major, scales fp32 [G, ceil(N/128), K/128] contiguous (128x128 blocks).
+- D: bf16 [M, N] / [G, M, N]. K must be a multiple of 128 (hence 2880 -> 2944); N only of 8.
+- contiguous grouped_layout: m_indices [M] (expert per row, -1 padding; a 128-row block's expert is
+  its first row's), or with use_psum_layout the end row of each expert [G] (segments start
+  128-aligned): then only real blocks are scheduled, padding blocks cost nothing.
+- masked: masked_m [G] = counts, expected_m a host hint for the tile heuristics. D tiles are
+  stored whole, so the rows per group must be a multiple of the tile rows (we use 128).
+Kernels are JIT-compiled per shape on first use (DG_JIT_CACHE_DIR; NVRTC with DG_JIT_USE_NVRTC=1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.moe.epilogues_triton import SCALE_ROW_ALIGN, Fp8Rows
+
+
+class DeepGemmUnavailable(RuntimeError):
+    """deep_gemm cannot be used here; the message says why (install sgl-deep-gemm==0.2.0 on an SM90 GPU)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    try:
+        import deep_gemm
+    except (ImportError, OSError, RuntimeError, AssertionError) as exc:
+        return exc
+    return deep_gemm
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and not isinstance(_module(), Exception)
+
+
+def why_unavailable() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"DeepGEMM's FP8 1D2D kernels need SM90, this GPU is SM{''.join(map(str, torch.cuda.get_device_capability()))}"
+    mod = _module()
+    return f"import deep_gemm failed: {mod!r}" if isinstance(mod, Exception) else ""
+
+
+def _dg():
+    mod = _module()
+    if isinstance(mod, Exception):
+        raise DeepGemmUnavailable(f"deep_gemm is not usable ({mod!r}); pip install sgl-deep-gemm==0.2.0 "
+                                  "(and apache-tvm-ffi) on the GPU host, or use the Triton backend")
+    return mod
+
+
+def mk_alignment() -> int:
+    """Row alignment of expert segments in the contiguous layout (128 on SM90)."""
+    return int(_dg().get_mk_alignment_for_contiguous_layout())
+
+
+def check_scale_alignment(rows: int) -> None:
+    """Our MN-major scale rows must match DeepGEMM's TMA alignment, or it would copy them every call."""
+    want = int(_dg().get_tma_aligned_size(rows, 4))
+    have = -(-rows // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
+    if want != have:
+        raise DeepGemmUnavailable(f"DeepGEMM aligns {rows} fp32 scale rows to {want}, Fp8Rows to {have}: "
+                                  "update SCALE_ROW_ALIGN in epilogues_triton.py")
+
+
+def grouped_gemm_contiguous(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
+                            m_indices: torch.Tensor | None = None, psum: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = A @ W[e]^T for the expert segments given by m_indices or (preferred) psum."""
+    if (m_indices is None) == (psum is None):
+        raise ValueError("pass exactly one of m_indices (per-row experts) and psum (segment ends)")
+    dg = _dg()
+    a_pair = (a.data, a.scales_2d())
+    if psum is not None:
+        dg.m_grouped_fp8_gemm_nt_contiguous(a_pair, (w, w_scales), out, psum, use_psum_layout=True)
+    else:
+        dg.m_grouped_fp8_gemm_nt_contiguous(a_pair, (w, w_scales), out, m_indices)
+    return out
+
+
+def grouped_gemm_masked(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
+                        counts: torch.Tensor, expected_m: int) -> torch.Tensor:
+    """out [E * m_cap, N] = A @ W[e]^T on the first counts[e] rows of each expert's m_cap rows."""
+    g, m = a.groups, a.rows_per_group
+    dg = _dg()
+    dg.m_grouped_fp8_gemm_nt_masked((a.data.view(g, m, -1), a.scales_3d()), (w, w_scales),
+                                    out.view(g, m, -1), counts, max(1, int(expected_m)))
+    return out
+
+
+def gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Dense FP8 GEMM out [M, N] = A @ W^T (W [N, K] with 128x128 scales): the dense-layer comparison."""
+    _dg().fp8_gemm_nt((a.data, a.scales_2d()), (w, w_scales), out)
+    return out

@@ -1,0 +1,181 @@
+"""The memory-bound stages around the two grouped GEMMs, fused (Triton).
+
+- dispatch_quant: gather each pair's token row of x, quantize it per 128 channels to FP8 and write
+  it to the pair's GEMM row (DeepGEMM's A operand), zero-padding K 2880 -> 2944;
+- swiglu_quant: GEMM-1 row + gate_up bias (DeepGEMM has no bias), de-interleave (gate = even
+  columns, up = odd), clamp, SwiGLU, +1 on up, quantize for GEMM 2;
+- combine: GEMM-2 row + down bias, times the routing weight, summed over each token's k slots in
+  fp32 (a gather per token: no atomics, a fixed summation order).
+
+One program per pair (a pair's row is unique) or per token; each touches its bytes once.
+Scales are written MN-major (`Fp8Rows`), the layout DeepGEMM's SM90 kernels load with TMA, so no
+transpose runs between the stages. Twins: fp8_reference.dispatch_quant / swiglu_quant / combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.fp8_quant import BLOCK, FP8, align
+
+# TMA needs the MN-major scale rows 16-byte aligned: 4 fp32 (DeepGEMM's get_tma_aligned_size).
+SCALE_ROW_ALIGN = 4
+
+
+@dataclass
+class Fp8Rows:
+    """FP8 rows of a GEMM operand with 1x128 scales, grouped as [groups, rows_per_group, K].
+
+    `data` [groups * rows_per_group, Kp]; `scale_storage` [groups, Kp/128, rows_aligned] holds the
+    scales MN-major (row-contiguous per 128-channel block)."""
+
+    data: torch.Tensor
+    scale_storage: torch.Tensor
+    rows_per_group: int
+
+    @staticmethod
+    def empty(groups: int, rows_per_group: int, k_padded: int, device) -> "Fp8Rows":
+        rows_aligned = align(rows_per_group, SCALE_ROW_ALIGN)
+        data = torch.empty(groups * rows_per_group, k_padded, dtype=FP8, device=device)
+        scales = torch.empty(groups, k_padded // BLOCK, rows_aligned, dtype=torch.float32, device=device)
+        return Fp8Rows(data, scales, rows_per_group)
+
+    @property
+    def groups(self) -> int:
+        return self.scale_storage.shape[0]
+
+    @property
+    def k_blocks(self) -> int:
+        return self.scale_storage.shape[1]
+
+    @property
+    def sf_group_stride(self) -> int:
+        return self.scale_storage.stride(0)
+
+    @property
+    def sf_k_stride(self) -> int:
+        return self.scale_storage.stride(1)
+
+    def scales_2d(self) -> torch.Tensor:
+        """[rows, Kp/128] view (one group): what DeepGEMM's contiguous GEMM takes as A's scales."""
+        s = self.scale_storage
+        return s.as_strided((self.rows_per_group, s.shape[1]), (1, s.stride(1)))
+
+    def scales_3d(self) -> torch.Tensor:
+        """[groups, rows_per_group, Kp/128] view: the masked GEMM's scales."""
+        s = self.scale_storage
+        return s.as_strided((s.shape[0], self.rows_per_group, s.shape[1]), (s.stride(0), 1, s.stride(1)))
+
+    def scales_rows(self) -> torch.Tensor:
+        """[groups * rows_per_group, Kp/128], row-major copy (for comparisons)."""
+        return self.scales_3d().reshape(-1, self.k_blocks)
+
+
+@triton.jit
+def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride_x, stride_a,
+                           rows_per_group, sf_group_stride, sf_k_stride,
+                           TOP_K: tl.constexpr, NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr):
+    pair = tl.program_id(0)
+    row = tl.load(row_of_pair_ptr + pair)
+    if row >= 0:
+        token = pair // TOP_K
+        kb = tl.arange(0, BLOCK_KB)
+        col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
+        v = tl.load(x_ptr + token.to(tl.int64) * stride_x + col, mask=col < hidden, other=0.0).to(tl.float32)
+        # Per-128 FP8 quantization; scale = max(amax, 1e-4) / 448 with IEEE division, as in the twin.
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4), 448.0)
+        q = tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv)
+        tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
+        g = row // rows_per_group
+        tl.store(sf_ptr + g.to(tl.int64) * sf_group_stride + kb * sf_k_stride + (row - g * rows_per_group),
+                 scale, mask=kb < NUM_KB)
+
+
+@triton.jit
+def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_ptr,
+                         inter, stride_h, stride_a, stride_bias, first_expert, alpha, limit,
+                         rows_per_group, sf_group_stride, sf_k_stride,
+                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr):
+    pair = tl.program_id(0)
+    row = tl.load(row_of_pair_ptr + pair)
+    if row >= 0:
+        e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+        kb = tl.arange(0, BLOCK_KB)
+        col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]  # output column j <- gate 2j, up 2j+1
+        ok = col < inter
+        h = h_ptr + row.to(tl.int64) * stride_h
+        b = bias_ptr + e.to(tl.int64) * stride_bias
+        gate = tl.load(h + 2 * col, mask=ok, other=0.0).to(tl.float32) + tl.load(b + 2 * col, mask=ok, other=0.0)
+        up = tl.load(h + 2 * col + 1, mask=ok, other=0.0).to(tl.float32) + tl.load(b + 2 * col + 1, mask=ok, other=0.0)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+        act = tl.where(ok, act, 0.0)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
+        q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
+        tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
+        g = row // rows_per_group
+        tl.store(sf_ptr + g.to(tl.int64) * sf_group_stride + kb * sf_k_stride + (row - g * rows_per_group),
+                 scale, mask=kb < NUM_KB)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr,
+                    hidden, stride_y, stride_bias, stride_out, first_expert,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        row = tl.load(row_of_pair_ptr + pair)
+        if row >= 0:
+            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+            w = tl.load(weights_ptr + pair).to(tl.float32)
+            y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+            y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
+            acc += w * y
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: Fp8Rows) -> Fp8Rows:
+    """Quantize x [T, D] into the rows of `out` that the pairs map to."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    p = row_of_pair.numel()
+    if p:
+        _dispatch_quant_kernel[(p,)](
+            x, row_of_pair, out.data, out.scale_storage, x.shape[1], x.stride(0), out.data.stride(0),
+            out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
+            TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=triton.next_power_of_2(out.k_blocks), num_warps=4)
+    return out
+
+
+def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor, bias: torch.Tensor,
+                 first_expert: int, alpha: float, limit: float, out: Fp8Rows) -> Fp8Rows:
+    """GEMM-1 output rows h [rows, 2I] (bf16) -> FP8 rows of the SwiGLU activation [rows, Ip]."""
+    p = row_of_pair.numel()
+    if p:
+        _swiglu_quant_kernel[(p,)](
+            h, row_of_pair, expert_ids, bias, out.data, out.scale_storage,
+            h.shape[1] // 2, h.stride(0), out.data.stride(0), bias.stride(0), first_expert, float(alpha), float(limit),
+            out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
+            NUM_KB=out.k_blocks, BLOCK_KB=triton.next_power_of_2(out.k_blocks), num_warps=4)
+    return out
+
+
+def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+            bias: torch.Tensor, first_expert: int, out: torch.Tensor) -> torch.Tensor:
+    """out [T, D] = sum_j w[t, j] * (y[row(t, j)] + bias[e]) over this rank's experts."""
+    t, k = expert_ids.shape
+    if t:
+        block_h = 1024
+        _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
+            y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(0), bias.stride(0),
+            out.stride(0), first_expert, TOP_K=k, BLOCK_H=block_h, num_warps=4)
+    return out

@@ -1,0 +1,182 @@
+"""`Fp8Experts`: the MoE experts of one layer in FP8 with 128x128 block scales (drop-in for TorchExperts).
+
+Weights: gate_up [E_local, 2I, Hp] and down [E_local, D, Ip] in float8_e4m3fn, K padded to 2944,
+fp32 block scales, fp32 biases. `forward(x [T, D], expert_ids [T, k], expert_weights [T, k])` returns
+this rank's contribution exactly like TorchExperts.forward: the routing-weighted sum over the local
+experts [first_expert, first_expert + E_local); other ids are ignored (expert parallelism sums ranks).
+
+Backends: "deep_gemm" (SM90 + sgl-deep-gemm), "triton" (any CUDA GPU Triton supports FP8 dots on),
+"torch" (the twin in fp8_reference.py: the CPU path). Decode-sized batches (T <= masked_max_tokens) use the
+masked layout, larger ones the contiguous layout. Neither reads anything back to the host, so a
+forward can be captured in a CUDA graph for a fixed T.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.moe import fp8_reference
+from kernels.moe.fp8_quant import (BLOCK, FP8, Fp8LayoutError, align, dequantize_weight_blocks,
+                                   mxfp4_to_fp8_blocks, padded, quantize_weight_blocks)
+from kernels.moe.reference import TorchExperts
+
+BACKENDS = ("auto", "deep_gemm", "triton", "torch")
+# Masked-layout groups are rounded up to whole 128-row tiles: DeepGEMM stores D tiles whole, and a
+# partial tile of expert e would otherwise overwrite the first rows of expert e + 1.
+MASKED_ROW_ALIGN = 128
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if device.type != "cuda":
+        # "triton" on CPU tensors runs the kernels under Triton's interpreter: for tests only.
+        if backend == "deep_gemm":
+            raise ValueError(f"backend 'deep_gemm' needs a CUDA device; weights are on {device}")
+        return "triton" if backend == "triton" else "torch"
+    if backend == "auto":
+        from kernels.moe import deep_gemm_ops
+
+        return "deep_gemm" if deep_gemm_ops.available() else "triton"
+    return backend
+
+
+class Fp8Experts(nn.Module):
+    def __init__(self, num_local: int, first_expert: int, hidden: int, intermediate: int,
+                 alpha: float, limit: float, device=None, backend: str = "auto", masked_max_tokens: int = 64):
+        super().__init__()
+        self.num_local, self.first_expert = num_local, first_expert
+        self.hidden, self.intermediate = hidden, intermediate
+        self.alpha, self.limit = alpha, limit
+        self.backend = backend
+        self.masked_max_tokens = masked_max_tokens
+        # Contiguous-layout psum grouping (DeepGEMM schedules only real row blocks) vs m_indices.
+        self.use_psum = True
+        hp, ip = padded(hidden), padded(intermediate)
+        kw = dict(device=device)
+        self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
+        self.register_buffer("s13", torch.ones(num_local, -(-2 * intermediate // BLOCK), hp // BLOCK, **kw))
+        self.register_buffer("b13", torch.zeros(num_local, 2 * intermediate, **kw))
+        self.register_buffer("w2", torch.zeros(num_local, hidden, ip, dtype=FP8, **kw))
+        self.register_buffer("s2", torch.ones(num_local, -(-hidden // BLOCK), ip // BLOCK, **kw))
+        self.register_buffer("b2", torch.zeros(num_local, hidden, **kw))
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                   down_bias: torch.Tensor, first_expert: int, alpha: float, limit: float,
+                   device=None, **kwargs) -> "Fp8Experts":
+        """From TorchExperts-layout weights: gate_up [E, 2I, D] (rows interleaved gate/up), down [E, D, I].
+        Quantized on `device` (default: the weights' device)."""
+        e, two_i, d = gate_up.shape
+        if down.shape != (e, d, two_i // 2):
+            raise Fp8LayoutError(f"down_proj {tuple(down.shape)} does not match gate_up_proj {tuple(gate_up.shape)}: "
+                                 f"expected [{e}, {d}, {two_i // 2}]")
+        device = torch.device(device) if device is not None else gate_up.device
+        m = cls(e, first_expert, d, two_i // 2, alpha, limit, device, **kwargs)
+        m.load_quantized(*quantize_weight_blocks(gate_up.to(device), m.w13.shape[2]), gate_up_bias,
+                         *quantize_weight_blocks(down.to(device), m.w2.shape[2]), down_bias)
+        return m
+
+    @classmethod
+    def from_torch_experts(cls, experts: TorchExperts, device=None, **kwargs) -> "Fp8Experts":
+        return cls.from_dense(experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj,
+                              experts.down_proj_bias, experts.first_expert, experts.alpha, experts.limit,
+                              device, **kwargs)
+
+    @classmethod
+    def from_mxfp4(cls, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
+                   down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
+                   first_expert: int, alpha: float, limit: float, device=None, **kwargs) -> "Fp8Experts":
+        """From the published checkpoints' MXFP4 blocks/scales ([E, out, in/32, 16] / [E, out, in/32]),
+        converted on `device` (the GPU at load time: seconds per model, not minutes on the host)."""
+        e, two_i = gate_up_blocks.shape[:2]
+        d = down_blocks.shape[1]
+        device = torch.device(device) if device is not None else gate_up_blocks.device
+        m = cls(e, first_expert, d, two_i // 2, alpha, limit, device, **kwargs)
+        w13 = mxfp4_to_fp8_blocks(gate_up_blocks.to(device), gate_up_scales.to(device), m.w13.shape[2])
+        w2 = mxfp4_to_fp8_blocks(down_blocks.to(device), down_scales.to(device), m.w2.shape[2])
+        m.load_quantized(*w13, gate_up_bias, *w2, down_bias)
+        return m
+
+    @torch.no_grad()
+    def load_quantized(self, w13, s13, b13, w2, s2, b2) -> None:
+        """Fill from already-converted tensors (a `gptoss convert` checkpoint), checking every shape."""
+        for name, value in (("w13", w13), ("s13", s13), ("b13", b13), ("w2", w2), ("s2", s2), ("b2", b2)):
+            mine = getattr(self, name)
+            if tuple(value.shape) != tuple(mine.shape):
+                raise Fp8LayoutError(f"{name} has shape {tuple(value.shape)}, this layer needs {tuple(mine.shape)}")
+            mine.copy_(value.to(mine.dtype) if name.startswith("b") else value)
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> TorchExperts:
+        """A TorchExperts holding exactly the weights this module computes with (the accuracy reference)."""
+        ref = TorchExperts(self.num_local, self.first_expert, self.hidden, self.intermediate,
+                           self.alpha, self.limit, dtype, self.w13.device)
+        with torch.no_grad():
+            ref.gate_up_proj.copy_(dequantize_weight_blocks(self.w13, self.s13, self.hidden, dtype))
+            ref.down_proj.copy_(dequantize_weight_blocks(self.w2, self.s2, self.intermediate, dtype))
+            ref.gate_up_proj_bias.copy_(self.b13)
+            ref.down_proj_bias.copy_(self.b2)
+        return ref
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
+            raise Fp8LayoutError(f"x {tuple(x.shape)}, expert_ids {tuple(expert_ids.shape)} and expert_weights "
+                                 f"{tuple(expert_weights.shape)} must be [T, {self.hidden}], [T, k], [T, k]")
+        backend = resolve_backend(self.backend, x.device)
+        if backend == "torch":
+            return fp8_reference.fp8_moe_forward(x, expert_ids, expert_weights, self.w13, self.s13, self.b13,
+                                                 self.w2, self.s2, self.b2, self.first_expert, self.alpha, self.limit)
+        return self._forward_gpu(x, expert_ids.contiguous(), expert_weights.contiguous(), backend)
+
+    def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
+        from kernels.moe import epilogues_triton as epi
+        from kernels.moe import routing_triton
+
+        t, k = ids.shape
+        out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
+        if t == 0:
+            return out
+        masked = t <= self.masked_max_tokens
+        if masked:
+            plan = routing_triton.plan_masked(ids, self.first_expert, self.num_local, align(t, MASKED_ROW_ALIGN))
+        else:
+            plan = routing_triton.plan_contiguous(ids, self.first_expert, self.num_local, self._alignment(backend))
+        a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
+        epi.dispatch_quant(x, plan.row_of_pair, k, a)
+        h = torch.empty(plan.num_rows, self.w13.shape[1], dtype=torch.bfloat16, device=x.device)
+        self._gemm(backend, a, self.w13, self.s13, h, plan, t * k)
+        a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
+        epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
+        y = torch.empty(plan.num_rows, self.hidden, dtype=torch.bfloat16, device=x.device)
+        self._gemm(backend, a2, self.w2, self.s2, y, plan, t * k)
+        return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
+
+    def _alignment(self, backend: str) -> int:
+        if backend == "deep_gemm":
+            from kernels.moe import deep_gemm_ops
+
+            return deep_gemm_ops.mk_alignment()
+        return BLOCK
+
+    def _gemm(self, backend, a, w, s, out, plan, num_pairs: int) -> None:
+        masked = plan.layout == "masked"
+        if backend == "deep_gemm":
+            from kernels.moe import deep_gemm_ops as dg
+
+            if masked:
+                dg.grouped_gemm_masked(a, w, s, out, plan.counts, -(-num_pairs // self.num_local))
+            elif self.use_psum:
+                dg.grouped_gemm_contiguous(a, w, s, out, psum=plan.psum)
+            else:
+                dg.grouped_gemm_contiguous(a, w, s, out, m_indices=plan.m_indices)
+        else:
+            from kernels.moe import triton_grouped_gemm
+
+            triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked)
+
+    def extra_repr(self) -> str:
+        return (f"experts=[{self.first_expert}, {self.first_expert + self.num_local}), hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, backend={self.backend}, masked_max_tokens={self.masked_max_tokens}")

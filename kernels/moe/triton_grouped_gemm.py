@@ -1,0 +1,95 @@
+"""FP8 block-scaled grouped GEMM in Triton: the fallback where DeepGEMM is absent, and its yardstick.
+
+D[rows of expert e] = A[rows] @ W[e]^T with A in 1x128 scaled FP8 rows (`Fp8Rows`) and W[e] in
+128x128-block scaled FP8 [N, Kp]. Same two layouts as DeepGEMM:
+- contiguous: rows sorted by expert, segments 128-aligned, `m_indices` names the expert of each row
+  (-1: padding); a tile's expert is its first row's, so BLOCK_M must divide the 128 alignment;
+- masked: A is [E, m_cap, Kp] and only the first counts[e] rows of expert e are computed.
+
+Each 128-deep K step is one FP8 tensor-core dot in fp32, then scaled by the row scales of A times
+the block scale of W (BLOCK_N <= 128 keeps one weight scale per tile). Twin: fp8_reference.grouped_gemm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.epilogues_triton import Fp8Rows
+from kernels.moe.fp8_quant import BLOCK
+
+
+@triton.jit
+def _fp8_grouped_gemm_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, layout_ptr,
+                             rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
+                             sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
+                             MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_KB: tl.constexpr):
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    num_pid_m = (rows_per_group + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (n + BLOCK_N - 1) // BLOCK_N
+    # Walk GROUP_M row blocks across all column blocks before moving on: the expert's weight tiles
+    # stay in L2 while its row blocks pass over them.
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    if MASKED:
+        expert = group
+        valid = pid_m * BLOCK_M < tl.load(layout_ptr + expert)
+    else:
+        expert = tl.load(layout_ptr + pid_m * BLOCK_M)
+        valid = expert >= 0
+    if valid:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < rows_per_group
+        n_ok = offs_n < n
+        rows = group.to(tl.int64) * rows_per_group + offs_m
+        a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+        sfa_ptrs = sfa_ptr + group.to(tl.int64) * sfa_group_stride + offs_m
+        sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(NUM_KB):
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=m_ok, other=0.0)
+            sb = tl.load(sfb_ptrs + kb)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        d_ptrs = d_ptr + rows[:, None] * stride_d + offs_n[None, :]
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _config(rows_per_group: int, masked: bool) -> dict:
+    # Small masked groups (decode) are weight-streaming: narrow row tiles, more CTAs in flight.
+    if masked and rows_per_group <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
+                 layout: torch.Tensor, masked: bool, config: dict | None = None) -> torch.Tensor:
+    """out [rows, N] (bf16) = A @ W[e]^T per expert. `layout`: m_indices [rows] (contiguous) or
+    counts [E] (masked, A grouped [E, m_cap, Kp])."""
+    e, n, kp = w.shape
+    if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
+        raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
+                         f"K must match and W's scales must be [E, ceil(N/128), K/128]")
+    cfg = dict(_config(a.rows_per_group, masked), **(config or {}))
+    if BLOCK % cfg["BLOCK_M"] or BLOCK % cfg["BLOCK_N"]:
+        raise ValueError("BLOCK_M and BLOCK_N must divide 128 (row-segment alignment, weight-scale blocks)")
+    groups = a.groups if masked else 1
+    grid = (triton.cdiv(a.rows_per_group, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), groups)
+    _fp8_grouped_gemm_kernel[grid](
+        a.data, a.scale_storage, w, w_scales, out, layout,
+        a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
+        MASKED=masked, BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, **cfg)
+    return out

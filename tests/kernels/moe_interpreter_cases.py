@@ -1,0 +1,202 @@
+"""The MoE Triton kernels against their torch twins, run on CPU tensors under Triton's interpreter.
+
+Not collected by the main test run: tests/kernels/test_moe_cpu.py runs this file in a subprocess
+with TRITON_INTERPRET=1, which must be set before triton is imported.
+
+The interpreter's own float casts (fp32 -> bf16 / fp8) round 0b1...1 mantissas without carrying
+into the exponent (128 -> 64 in e4m3); GPUs convert in hardware, so the casts are swapped for
+torch's here, and everything else in the kernels runs as written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_moe_cpu.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+
+from triton.runtime import interpreter  # noqa: E402
+
+from kernels.moe import epilogues_triton as epi  # noqa: E402
+from kernels.moe import fp8_reference as ref  # noqa: E402
+from kernels.moe import routing_triton as rt  # noqa: E402
+from kernels.moe import triton_grouped_gemm as tgg  # noqa: E402
+from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
+from kernels.moe.fp8_quant import FP8, padded, quantize_weight_blocks  # noqa: E402
+from kernels.moe.reference import TorchExperts  # noqa: E402
+
+_TORCH_FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
+                 "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+_INT_OF_WIDTH = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
+_interpreter_convert = interpreter._convert_float
+
+
+def _torch_convert_float(data, src_dtype, dst_dtype, rounding_mode):
+    src, dst = _TORCH_FLOATS.get(src_dtype.name), _TORCH_FLOATS.get(dst_dtype.name)
+    if src is None or dst is None:
+        return _interpreter_convert(data, src_dtype, dst_dtype, rounding_mode)
+    src_bits, dst_bits = src_dtype.primitive_bitwidth, dst_dtype.primitive_bitwidth
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(f"uint{src_bits}").astype(np.int64))
+    out = raw.to(_INT_OF_WIDTH[src_bits]).view(src).to(dst).view(_INT_OF_WIDTH[dst_bits]).numpy()
+    return out.view(f"uint{dst_bits}").reshape(data.shape)
+
+
+interpreter._convert_float = _torch_convert_float
+
+
+def fp8_equal_or_adjacent(a: torch.Tensor, b: torch.Tensor, max_fraction: float) -> None:
+    """FP8 codes equal, except a small fraction one step apart (exp / division ulps before the cast)."""
+    ia, ib = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    steps = (ia - ib).abs()
+    assert steps.max() <= 1, f"fp8 codes differ by {steps.max()} steps"
+    assert (steps > 0).float().mean() <= max_fraction
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 5, 2), (7, 32, 4), (33, 128, 4)])
+def test_topk_softmax(num_tokens, num_experts, top_k):
+    logits = torch.randn(num_tokens, num_experts) * 3
+    ids, weights = rt.topk_softmax(logits, top_k)
+    ref_ids, ref_weights = ref.topk_softmax(logits, top_k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_topk_ties_go_to_lower_expert():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    ids, weights = rt.topk_softmax(logits, 2)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5]]))
+
+
+def _local_ids(num_tokens, num_experts, top_k):
+    return torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)]).int()
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,first,num_local", [(1, 4, 0, 4), (19, 12, 4, 5), (70, 32, 0, 32)])
+def test_masked_plan(num_tokens, num_experts, first, num_local):
+    ids = _local_ids(num_tokens, num_experts, 3)
+    m_cap = 128
+    plan = rt.plan_masked(ids, first, num_local, m_cap)
+    counts, _ = ref.count_and_rank(ids, first, num_local)
+    assert torch.equal(plan.counts, counts)
+    e = ids.reshape(-1).long() - first
+    local = (e >= 0) & (e < num_local)
+    rows = plan.row_of_pair.long()
+    assert (rows[~local] == -1).all()
+    ranks = rows[local] - e[local] * m_cap
+    # each expert's pairs hold ranks 0..count-1, each once
+    for x in range(num_local):
+        got = sorted(ranks[e[local] == x].tolist())
+        assert got == list(range(int(counts[x])))
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,first,num_local,top_k", [(1, 4, 0, 4, 2), (37, 12, 3, 6, 4), (300, 32, 0, 32, 4)])
+def test_contiguous_plan(num_tokens, num_experts, first, num_local, top_k):
+    ids = _local_ids(num_tokens, num_experts, top_k)
+    plan = rt.plan_contiguous(ids, first, num_local, 128)
+    counts, _ = ref.count_and_rank(ids, first, num_local)
+    assert torch.equal(plan.counts, counts)
+    e = ids.reshape(-1).long() - first
+    local = (e >= 0) & (e < num_local)
+    # rows of rank 0 are the segment starts; the kernel's ranks (atomics: any order) must number
+    # each expert's pairs 0..count-1
+    starts, want_m_indices, want_psum = ref.contiguous_layout(ids, torch.zeros_like(e), counts, first, 128, plan.num_rows)
+    ranks = plan.row_of_pair.long()[local] - starts.long()[local]
+    for x in range(num_local):
+        assert sorted(ranks[e[local] == x].tolist()) == list(range(int(counts[x])))
+    assert torch.equal(plan.m_indices, want_m_indices) and torch.equal(plan.psum, want_psum)
+    assert (plan.row_of_pair[~local] == -1).all()
+    assert (plan.m_indices[plan.row_of_pair[local].long()] == e[local]).all()
+    assert len(set(plan.row_of_pair[local].tolist())) == int(local.sum())
+    assert plan.num_rows % 128 == 0 and int(plan.psum[-1]) <= plan.num_rows
+
+
+@pytest.mark.parametrize("hidden", [200, 256])
+def test_dispatch_quant(hidden):
+    t, k, rows = 9, 2, 256
+    x = torch.randn(t, hidden).bfloat16() * 4
+    row_of_pair = torch.randperm(rows)[: t * k].int()
+    row_of_pair[3] = -1
+    a = epi.Fp8Rows.empty(2, rows // 2, padded(hidden), "cpu")
+    a.data.fill_(7.0)
+    epi.dispatch_quant(x, row_of_pair, k, a)
+    want, want_scales, written = ref.dispatch_quant(x, row_of_pair, k, rows)
+    fp8_equal_or_adjacent(a.data[written], want[written], 0.01)
+    torch.testing.assert_close(a.scales_rows()[written], want_scales[written], rtol=1e-6, atol=0)
+    assert (a.data[~written].float() == 7.0).all()  # rows without a pair stay untouched
+
+
+def test_swiglu_quant():
+    rows, inter, e_local, first = 24, 136, 3, 5
+    h = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    bias = torch.randn(e_local, 2 * inter)
+    ids = torch.randint(first, first + e_local, (rows,)).int()
+    row_of_pair = torch.randperm(rows).int()
+    out = epi.Fp8Rows.empty(1, rows, padded(inter), "cpu")
+    epi.swiglu_quant(h, row_of_pair, ids, bias, first, 1.702, 7.0, out)
+    pair_of_row = torch.empty(rows, dtype=torch.long)
+    pair_of_row[row_of_pair.long()] = torch.arange(rows)
+    want, want_scales = ref.swiglu_quant(h, bias[ids[pair_of_row].long() - first], 1.702, 7.0)
+    fp8_equal_or_adjacent(out.data, want, 0.01)
+    torch.testing.assert_close(out.scales_rows(), want_scales, rtol=1e-5, atol=0)
+
+
+def test_combine():
+    t, k, hidden, e_local, first = 11, 3, 200, 4, 2
+    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).int()
+    weights = torch.softmax(torch.randn(t, k), -1)
+    e = ids.reshape(-1).long() - first
+    row_of_pair = torch.where((e >= 0) & (e < e_local), torch.randperm(t * k), -1).int()
+    y = torch.randn(t * k, hidden).bfloat16()
+    bias = torch.randn(e_local, hidden)
+    out = torch.empty(t, hidden, dtype=torch.bfloat16)
+    epi.combine(y, row_of_pair, ids, weights, bias, first, out)
+    want = ref.combine(y, row_of_pair, ids, weights, bias, first, torch.float32)
+    torch.testing.assert_close(out.float(), want, rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_gemm(masked):
+    e_local, n, k = 3, 200, 256
+    w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, k) * 0.05)
+    if masked:
+        counts = torch.tensor([5, 0, 70], dtype=torch.int32)
+        a = epi.Fp8Rows.empty(e_local, 128, k, "cpu")
+        expert_of_row = torch.full((e_local * 128,), -1)
+        for x, c in enumerate(counts.tolist()):
+            expert_of_row[x * 128: x * 128 + c] = x
+        layout = counts
+    else:
+        expert_of_row = torch.full((512,), -1)
+        expert_of_row[:100], expert_of_row[128:130], expert_of_row[256:300] = 2, 0, 1
+        a = epi.Fp8Rows.empty(1, 512, k, "cpu")
+        layout = expert_of_row.int()
+    a.data.copy_((torch.randn(a.data.shape) * 50).to(FP8))
+    a.scale_storage.copy_(torch.rand(a.scale_storage.shape) + 0.5)
+    out = torch.zeros(a.data.shape[0], n, dtype=torch.bfloat16)
+    tgg.grouped_gemm(a, w, w_scales, out, layout, masked)
+    want = ref.grouped_gemm(a.data, a.scales_rows(), w, w_scales, expert_of_row)
+    valid = expert_of_row >= 0
+    torch.testing.assert_close(out[valid].float(), want[valid].float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_tokens,masked_max_tokens", [(5, 64), (40, 0)])
+def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
+    e, hidden, inter, k = 6, 200, 136, 2
+    te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)
+    with torch.no_grad():
+        for p, std in ((te.gate_up_proj, hidden ** -0.5), (te.down_proj, inter ** -0.5),
+                       (te.gate_up_proj_bias, 0.1), (te.down_proj_bias, 0.1)):
+            p.normal_(0, std)
+    experts = Fp8Experts.from_torch_experts(te, backend="triton", masked_max_tokens=masked_max_tokens)
+    x = torch.randn(num_tokens, hidden).bfloat16()
+    ids, weights = ref.topk_softmax(torch.randn(num_tokens, e), k)
+    got = experts(x, ids, weights)
+    experts.backend = "torch"
+    want = experts(x, ids, weights)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2e-3)
