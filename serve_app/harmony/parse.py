@@ -13,7 +13,7 @@ openai-harmony's StreamableParser does the Harmony work. Output that is not vali
 a token the grammar does not allow, a header that never ends) must not fail the request: from the
 offending token on, the text is recovered as content, a warning is logged once, and parsing resumes
 at the next `<|start|>`. An unfinished header at the end of the output (cut by max_tokens) is dropped
-if it holds Harmony structure, and recovered as content if it is plain text.
+if it holds Harmony structure (a control token or a leading ` to=`), else recovered as content.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from serve_app.harmony.encoding import load_harmony_encoding
 
 log = logging.getLogger(__name__)
 
-START = 200006  # <|start|>
+START, CHANNEL, CONSTRAIN = 200006, 200005, 200003  # <|start|>, <|channel|>, <|constrain|>
+HEADER_CONTROL_TOKENS = (CHANNEL, CONSTRAIN)  # what may appear inside a header, besides text
 TOOL_PREFIX = "functions."
 # A real header (`<|channel|>commentary to=functions.some_long_name <|constrain|>json`) is ~15 tokens.
 # Past this many text tokens without `<|message|>`, the model is writing plain text, not a header.
@@ -146,7 +147,7 @@ class HarmonyOutputParser:
         if self._recovering:
             self._delta(self._utf8.decode(b"", final=True), events)
         elif self._state is StreamState.HEADER and self._header_tokens:
-            if not any(self._enc.is_special_token(t) for t in self._header_tokens):
+            if not self._looks_like_header(self._header_tokens):
                 self._recover("output ended inside a message header", [], events)
                 self._delta(self._utf8.decode(b"", final=True), events)
         elif self._state is StreamState.CONTENT:
@@ -174,11 +175,22 @@ class HarmonyOutputParser:
         if after is StreamState.HEADER:
             if before is not StreamState.HEADER:
                 self._header_tokens = []
+            elif token_id not in HEADER_CONTROL_TOKENS:
+                # StreamableParser keeps e.g. <|return|> in a header as if it were text; it is not Harmony.
+                self._recover(f"control token {token_id} inside a message header", [], events)
+                return
             self._header_tokens.append(token_id)
         elif after is StreamState.CONTENT and before is not StreamState.CONTENT:
             self._header_tokens = []
             kind, tool = classify(self._parser.current_channel, self._parser.current_recipient)
             self._start(kind, self._parser.current_channel, tool, events)
+
+    def _looks_like_header(self, token_ids: list[int]) -> bool:
+        """A header cut short: it has Harmony control tokens or starts with a recipient (` to=`)."""
+        if any(t in HEADER_CONTROL_TOKENS or t == START for t in token_ids):
+            return True
+        text = self._enc.decode(token_ids).lstrip()
+        return text.startswith("to=") or "to=".startswith(text)
 
     def _last_message_text(self) -> str | None:
         messages = self._parser.messages

@@ -77,19 +77,34 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+# Pydantic names the members of a union in error locations ("str", "list[...]", "function-after[...]",
+# our "message-item" tags); they are not request fields, so they are left out of `param`.
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param_path(loc: tuple) -> list[str]:
+    return [str(part) for part in loc if part != "body"
+            and not (isinstance(part, str) and (not part.isidentifier() or part in _TYPE_LABELS))]
+
+
 def bad_request_from_validation(err: ValidationError | RequestValidationError) -> BadRequest:
-    """Pydantic's first complaint, with its location as `param` (e.g. `messages.0.content`)."""
-    first = err.errors()[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
-    elif first.get("type") == "json_invalid":
-        message = f"The request body is not valid JSON: {first.get('msg')}"
-        param = None
-    else:
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return BadRequest(message, param=param)
+    """The most specific complaint (deepest location) as `param` (e.g. `messages.0.content.0`); when a
+    union failed every way, its alternatives are joined with "or"."""
+    errors = err.errors()
+    best = max(errors, key=lambda e: len(_param_path(e.get("loc", ()))))
+    path = _param_path(best.get("loc", ()))
+    param = ".".join(path) or None
+    if best.get("type") == "extra_forbidden":
+        return BadRequest(f"Unrecognized request argument supplied: {param}", param=param)
+    if best.get("type") == "json_invalid":
+        return BadRequest(f"The request body is not valid JSON: {best.get('msg')}")
+    reasons = []
+    for e in errors:
+        reason = str(e.get("msg", "")).removeprefix("Value error, ")
+        if _param_path(e.get("loc", ())) == path and reason not in reasons:
+            reasons.append(reason)
+    message = " or ".join(reasons)
+    return BadRequest(f"{param}: {message}" if param else message, param=param)
 
 
 def parse_json(raw: bytes) -> Any:

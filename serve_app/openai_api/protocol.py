@@ -251,21 +251,25 @@ class ReasoningItem(Lenient):
     summary: list[ReasoningText] = Field(default_factory=list)
 
 
-def _item_type(value: Any) -> str | None:
-    # Easy input messages (`{"role": "user", "content": "..."}`) may leave out the type.
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", None)
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def _item_tag(value: Any) -> str | None:
+    # Easy input messages (`{"role": "user", "content": "..."}`) may leave out the type. The tags are
+    # not identifiers so that error locations can tell them from field names (errors.py).
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-item" if kind in INPUT_ITEM_TYPES else None
 
 
 InputItem = Annotated[
     Union[
-        Annotated[MessageItem, Tag("message")],
-        Annotated[FunctionCallItem, Tag("function_call")],
-        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-        Annotated[ReasoningItem, Tag("reasoning")],
+        Annotated[MessageItem, Tag("message-item")],
+        Annotated[FunctionCallItem, Tag("function_call-item")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output-item")],
+        Annotated[ReasoningItem, Tag("reasoning-item")],
     ],
-    Discriminator(_item_type),
+    Discriminator(_item_tag, custom_error_type="input_item_type",
+                  custom_error_message=f"input item type must be one of {', '.join(INPUT_ITEM_TYPES)}"),
 ]
 
 

@@ -1,0 +1,203 @@
+"""/v1/chat/completions through the official openai client against a live uvicorn server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from serve_app.harmony.encoding import load_harmony_encoding
+from tests.serve_app.conftest import MODEL
+
+ENC = load_harmony_encoding()
+ANSWER = ("<|channel|>analysis<|message|>The user greets. Reply briefly.<|end|>"
+          "<|start|>assistant<|channel|>final<|message|>Hello there! 🦄 How can I help?<|return|>")
+CALL = ("<|channel|>analysis<|message|>Need the weather; call the tool.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        "<|message|>{\"location\":\"Paris\"}<|call|>")
+CALL_ON_ANALYSIS = ("<|channel|>analysis<|message|>Check the weather.<|end|>"
+                    "<|start|>assistant<|channel|>analysis to=functions.get_weather <|constrain|>json"
+                    "<|message|>{\"location\":\"Oslo\"}<|call|>")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                           "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+                                                          "required": ["location"]}}}]
+HI = [{"role": "user", "content": "Hi!"}]
+
+
+def prompt_text(backend) -> str:
+    return ENC.decode(backend.requests[-1].prompt_ids)
+
+
+def test_non_stream_separates_reasoning_and_content_with_exact_usage(client, backend):
+    backend.push(ANSWER)
+    r = client.chat.completions.create(model=MODEL, messages=HI)
+    msg = r.choices[0].message
+    assert msg.content == "Hello there! 🦄 How can I help?"
+    assert msg.model_extra["reasoning_content"] == "The user greets. Reply briefly."
+    assert msg.tool_calls is None and r.choices[0].finish_reason == "stop"
+    sent = backend.requests[-1]
+    assert r.usage.prompt_tokens == len(sent.prompt_ids)
+    assert r.usage.completion_tokens == len(ENC.encode(ANSWER, allowed_special="all"))
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(ENC.encode("The user greets. Reply briefly."))
+    assert sent.sampling.stop_token_ids == (200002, 200012)
+    assert prompt_text(backend).endswith("<|start|>user<|message|>Hi!<|end|><|start|>assistant")
+
+
+def test_stream_deltas_rebuild_the_non_stream_answer(client, backend):
+    backend.push(ANSWER, chunk=2)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert reasoning == "The user greets. Reply briefly." and content == "Hello there! 🦄 How can I help?"
+    assert not any(d.content and d.model_extra.get("reasoning_content") for d in deltas)  # never glued together
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ENC.encode(ANSWER, allowed_special="all"))
+    assert chunks[-1].usage.prompt_tokens == len(backend.requests[-1].prompt_ids) > 0
+
+
+def test_raw_stream_is_valid_sse_ending_in_done(server, backend):
+    backend.push(ANSWER)
+    body = {"model": MODEL, "messages": HI, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        frames = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    for frame in frames[:-1]:
+        ChatCompletionChunk.model_validate(json.loads(frame))  # strict check against OpenAI's own types
+        assert "usage" not in json.loads(frame)  # no include_usage: no usage field at all
+
+
+def test_response_validates_against_openai_types(server, backend):
+    backend.push(CALL)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "tools": TOOLS}, timeout=30)
+    assert r.status_code == 200
+    parsed = ChatCompletion.model_validate(r.json())
+    assert parsed.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_full_tool_round_trip(client, backend):
+    question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    backend.push(CALL)
+    first = client.chat.completions.create(model=MODEL, messages=question, tools=TOOLS)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"location": "Paris"} and call.id.startswith("call_")
+    assert "get_weather = (_: {" in prompt_text(backend)  # the tool is described to the model
+
+    backend.push("<|channel|>analysis<|message|>21 degrees.<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>It is 21 °C in Paris.<|return|>")
+    history = question + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "{\"temp_c\": 21}"}]
+    second = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert second.choices[0].message.content == "It is 21 °C in Paris." and second.choices[0].finish_reason == "stop"
+    text = prompt_text(backend)
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Need the weather; call the tool.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+            "<|message|>{\"location\":\"Paris\"}<|call|>"
+            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{\"temp_c\": 21}<|end|>"
+            "<|start|>assistant") in text
+
+
+def test_tool_call_on_analysis_channel_non_stream_and_stream(client, backend):
+    backend.push(CALL_ON_ANALYSIS)
+    r = client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.tool_calls[0].function.arguments == "{\"location\":\"Oslo\"}"
+    assert r.choices[0].message.model_extra["reasoning_content"] == "Check the weather."
+
+    backend.push(CALL_ON_ANALYSIS, chunk=1)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather" and calls[0].index == 0
+    assert "".join(tc.function.arguments or "" for tc in calls) == "{\"location\":\"Oslo\"}"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_sampling_parameters_reach_the_backend(client, backend):
+    backend.push(ANSWER)
+    client.chat.completions.create(model=MODEL, messages=HI, temperature=0.3, top_p=0.9, seed=7,
+                                   max_completion_tokens=100, extra_body={"top_k": 20, "min_p": 0.05})
+    s = backend.requests[-1].sampling
+    assert (s.temperature, s.top_p, s.seed, s.max_tokens, s.top_k, s.min_p) == (0.3, 0.9, 7, 100, 20, 0.05)
+    backend.push(ANSWER)
+    client.chat.completions.create(model=MODEL, messages=HI, max_tokens=50)
+    assert backend.requests[-1].sampling.max_tokens == 50
+    backend.push(ANSWER)
+    client.chat.completions.create(model=MODEL, messages=HI)  # default: the rest of the context
+    sent = backend.requests[-1]
+    assert sent.sampling.max_tokens == backend.max_context - len(sent.prompt_ids)
+    assert (sent.sampling.temperature, sent.sampling.top_p, sent.sampling.logprobs) == (1.0, 1.0, None)
+
+
+def test_reasoning_effort_is_rendered(client, backend):
+    for effort in ("low", "high"):
+        backend.push(ANSWER)
+        client.chat.completions.create(model=MODEL, messages=HI, reasoning_effort=effort)
+        assert f"\nReasoning: {effort}\n" in prompt_text(backend)
+    assert "Current date: 2025-06-28" in prompt_text(backend)
+
+
+def test_max_tokens_cut_gives_length(client, backend):
+    backend.push(ANSWER)
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=20)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 20
+    cut = ENC.encode(ANSWER, allowed_special="all")[:20]
+    answer_start = len(cut) - cut[::-1].index(200008)  # after the last <|message|>
+    assert 0 < answer_start < 20
+    assert r.choices[0].message.content == ENC.decode(cut[answer_start:])
+    assert r.choices[0].message.model_extra["reasoning_content"] == "The user greets. Reply briefly."
+
+
+def test_stop_strings_cut_content_and_abort(client, backend):
+    backend.push(ANSWER, chunk=1)
+    r = client.chat.completions.create(model=MODEL, messages=HI, stop=["How can", "zzz"])
+    assert r.choices[0].message.content == "Hello there! 🦄 " and r.choices[0].finish_reason == "stop"
+    assert backend.aborted == [backend.requests[-1].request_id]  # the engine stops generating
+
+    backend.push(ANSWER, chunk=1)  # a stop string split over many tokens, streamed
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stop="there! 🦄", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    backend.push(ANSWER)  # stop strings do not apply to reasoning
+    r = client.chat.completions.create(model=MODEL, messages=HI, stop=["Reply"])
+    assert r.choices[0].message.content == "Hello there! 🦄 How can I help?"
+
+
+def test_logprobs_cover_answer_tokens(client, backend):
+    backend.push(ANSWER)
+    r = client.chat.completions.create(model=MODEL, messages=HI, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    answer_ids = ENC.encode("Hello there! 🦄 How can I help?")
+    assert len(entries) == len(answer_ids)
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == "Hello there! 🦄 How can I help?"
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob for e in entries)
+    assert all(any(t.logprob == e.logprob and t.bytes == e.bytes for t in e.top_logprobs) for e in entries)
+    assert backend.requests[-1].sampling.logprobs == 3
+
+    backend.push(ANSWER, chunk=4)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+
+
+def test_invalid_harmony_from_the_model_is_returned_as_content(client, backend):
+    backend.push("I forgot the Harmony format entirely.<|return|>")
+    r = client.chat.completions.create(model=MODEL, messages=HI)
+    assert r.choices[0].message.content == "I forgot the Harmony format entirely."
+    backend.push("<|channel|>final<|message|>Fine.<|end|>then junk<|return|>", chunk=1)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Fine.\n\nthen junk"
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}

@@ -1,0 +1,164 @@
+"""Every client error is a 4xx in OpenAI's shape, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from engine.request import InvalidRequestError
+from tests.serve_app.conftest import MAX_CONTEXT, MODEL
+
+OK = "<|channel|>final<|message|>ok<|return|>"
+HI = [{"role": "user", "content": "Hi"}]
+CHAT = {"model": MODEL, "messages": HI}
+RESP = {"model": MODEL, "input": "Hi"}
+
+
+def post(server, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
+                      timeout=30, **kwargs)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "__any__", code: str | None = "__any__") -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param != "__any__":
+        assert error["param"] == param, error
+    if code != "__any__":
+        assert error["code"] == code, error
+    return error
+
+
+def assert_still_serving(client, backend) -> None:
+    backend.push(OK)
+    assert client.chat.completions.create(model=MODEL, messages=HI).choices[0].message.content == "ok"
+
+
+CHAT_400 = [
+    ("malformed JSON", b'{"model": "gpt-oss-test", "messages": [', None),
+    ("not an object", b'[1, 2]', None),
+    ("messages wrong type", {**CHAT, "messages": "hello"}, "messages"),
+    ("empty messages", {**CHAT, "messages": []}, "messages"),
+    ("bad role", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("temperature wrong type", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("temperature out of range", {**CHAT, "temperature": 3.5}, "temperature"),
+    ("top_p out of range", {**CHAT, "top_p": 0}, "top_p"),
+    ("max_tokens zero", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("top_logprobs out of range", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("n above one", {**CHAT, "n": 2}, "n"),
+    ("unknown argument", {**CHAT, "frobnicate": True}, "frobnicate"),
+    ("penalty", {**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("logit_bias", {**CHAT, "logit_bias": {"42": 3}}, "logit_bias"),
+    ("json_schema format", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("forced tool", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("too many stops", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("image content", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0"),
+    ("tool schema not object", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools.0.function.parameters"),
+    ("tool schema properties", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": [1]}}}]},
+     "tools.0.function.parameters"),
+    ("tool name", {**CHAT, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ("tool type", {**CHAT, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type"),
+    ("duplicate tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ("unmatched tool result", {**CHAT, "messages": HI + [{"role": "tool", "tool_call_id": "x", "content": "1"}]},
+     "messages.1.tool_call_id"),
+]
+
+
+@pytest.mark.parametrize("case,body,param", CHAT_400, ids=[c[0] for c in CHAT_400])
+def test_chat_bad_requests_are_400(server, client, backend, case, body, param):
+    assert_error(post(server, "/v1/chat/completions", body), 400, param)
+    assert not backend.requests  # nothing reached the engine
+    assert_still_serving(client, backend)
+
+
+RESPONSES_400 = [
+    ("previous_response_id", {**RESP, "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("input wrong type", {**RESP, "input": 42}, "input"),
+    ("unknown item", {**RESP, "input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
+    ("bad tool schema", {**RESP, "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools.0.parameters"),
+    ("unmatched call output", {**RESP, "input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+     "input.0.call_id"),
+    ("effort", {**RESP, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ("background", {**RESP, "background": True}, "background"),
+]
+
+
+@pytest.mark.parametrize("case,body,param", RESPONSES_400, ids=[c[0] for c in RESPONSES_400])
+def test_responses_bad_requests_are_400(server, client, backend, case, body, param):
+    assert_error(post(server, "/v1/responses", body), 400, param)
+    assert_still_serving(client, backend)
+
+
+def test_openai_client_raises_bad_request_with_fields(client, backend):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HI, n=3)
+    assert info.value.status_code == 400 and info.value.param == "n" and "n=1" in info.value.message
+    assert_still_serving(client, backend)
+
+
+def test_prompt_over_the_context_is_400(server, client, backend):
+    long = [{"role": "user", "content": "word " * (MAX_CONTEXT + 10)}]
+    for path, body in (("/v1/chat/completions", {**CHAT, "messages": long}),
+                       ("/v1/responses", {**RESP, "input": "word " * (MAX_CONTEXT + 10)})):
+        err = assert_error(post(server, path, body), 400, code="context_length_exceeded")
+        assert str(MAX_CONTEXT) in err["message"]
+    err = assert_error(post(server, "/v1/chat/completions", {**CHAT, "max_tokens": MAX_CONTEXT}), 400,
+                       param="max_tokens", code="context_length_exceeded")
+    assert "at most" in err["message"]
+    assert_still_serving(client, backend)
+
+
+def test_unknown_model_is_404(server, client, backend):
+    for path, body in (("/v1/chat/completions", {**CHAT, "model": "gpt-5"}), ("/v1/responses", {**RESP, "model": "gpt-5"})):
+        assert_error(post(server, path, body), 404, param="model", code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+    assert_still_serving(client, backend)
+
+
+def test_oversized_body_is_413(server, client, backend):
+    huge = {**CHAT, "messages": [{"role": "user", "content": "x" * 300_000}]}
+    assert_error(post(server, "/v1/chat/completions", huge), 413)
+
+    def chunked():  # no Content-Length: the limit applies while reading
+        yield json.dumps(huge).encode()
+
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=chunked(), timeout=30)
+    assert_error(r, 413)
+    assert_still_serving(client, backend)
+
+
+def test_engine_refusal_is_400(server, client, backend):
+    backend.push(OK, error=InvalidRequestError("top_k is too large for this engine", "top_k"))
+    assert_error(post(server, "/v1/chat/completions", {**CHAT, "stream": True}), 400, param="top_k")
+    assert_still_serving(client, backend)
+
+
+def test_engine_failure_is_503_or_a_stream_error_event(server, client, backend):
+    backend.push(OK, fail_after=0)
+    assert_error(post(server, "/v1/chat/completions", CHAT), 503)
+    backend.push("<|channel|>final<|message|>partial answer then crash<|return|>", chunk=2, fail_after=2)
+    with pytest.raises(openai.APIError, match="engine failed"):
+        for _ in client.chat.completions.create(model=MODEL, messages=HI, stream=True):
+            pass
+    backend.push("<|channel|>final<|message|>partial answer then crash<|return|>", chunk=2, fail_after=2)
+    events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
+    assert events[-1].type == "error" and "engine failed" in events[-1].message
+    assert_still_serving(client, backend)
+
+
+def test_unknown_path_and_method_are_shaped(server, client, backend):
+    assert_error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    assert_error(httpx.get(f"{server.url}/v1/chat/completions"), 405)
+    assert_still_serving(client, backend)

@@ -1,0 +1,93 @@
+"""/v1/responses through the official openai client against a live uvicorn server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from openai.types.responses import Response
+
+from serve_app.harmony.encoding import load_harmony_encoding
+from tests.serve_app.conftest import MODEL
+
+ENC = load_harmony_encoding()
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather",
+          "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}]
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary<|message|>Checking the forecast.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"location\":\"Rome\"}<|call|>")
+ANSWER = ("<|channel|>analysis<|message|>Tool says sunny.<|end|>"
+          "<|start|>assistant<|channel|>final<|message|>Sunny in Rome.<|return|>")
+
+
+def test_non_stream_function_call_then_answer(client, backend):
+    backend.push(CALL)
+    first = client.responses.create(model=MODEL, input="Weather in Rome?", instructions="Be brief.", tools=TOOLS)
+    assert [item.type for item in first.output] == ["reasoning", "message", "function_call"]
+    reasoning, preamble, call = first.output
+    assert reasoning.content[0].text == "Need the weather."
+    assert preamble.content[0].text == "Checking the forecast." and preamble.phase == "commentary"
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"location": "Rome"}
+    assert first.status == "completed" and first.usage.input_tokens == len(backend.requests[-1].prompt_ids)
+    assert first.usage.output_tokens == len(ENC.encode(CALL, allowed_special="all"))
+    prompt = ENC.decode(backend.requests[-1].prompt_ids)
+    assert "# Instructions\n\nBe brief." in prompt and "type get_weather" in prompt
+
+    backend.push(ANSWER)
+    follow_up = [{"role": "user", "content": "Weather in Rome?"}] + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "{\"sky\": \"sunny\"}"}]
+    second = client.responses.create(model=MODEL, input=follow_up, tools=TOOLS)
+    assert second.output_text == "Sunny in Rome." and second.output[-1].phase == "final_answer"
+    prompt = ENC.decode(backend.requests[-1].prompt_ids)
+    assert ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+            "<|start|>assistant<|channel|>commentary<|message|>Checking the forecast.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+            "{\"location\":\"Rome\"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary"
+            "<|message|>{\"sky\": \"sunny\"}<|end|><|start|>assistant") in prompt
+
+
+def test_stream_events_in_order(client, backend):
+    backend.push(CALL, chunk=2)
+    events = list(client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS, stream=True,
+                                          reasoning={"effort": "low"}))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types.count("response.output_item.added") == types.count("response.output_item.done") == 3
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert (reasoning, text, args) == ("Need the weather.", "Checking the forecast.", "{\"location\":\"Rome\"}")
+    done = events[-1].response
+    assert [i.type for i in done.output] == ["reasoning", "message", "function_call"]
+    assert done.output[2].arguments == args and done.usage.output_tokens == len(ENC.encode(CALL, allowed_special="all"))
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added[2].item.type == "function_call" and added[2].item.name == "get_weather"
+    assert "\nReasoning: low\n" in ENC.decode(backend.requests[-1].prompt_ids)
+
+
+def test_max_output_tokens_makes_an_incomplete_response(client, backend):
+    backend.push(ANSWER)
+    r = client.responses.create(model=MODEL, input="Weather?", max_output_tokens=6)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 6 and r.output[-1].status == "incomplete"
+    backend.push(ANSWER)
+    events = list(client.responses.create(model=MODEL, input="Weather?", max_output_tokens=6, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+
+
+def test_body_validates_against_openai_types(server, backend):
+    backend.push(CALL)
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": TOOLS}, timeout=30)
+    parsed = Response.model_validate(r.json())
+    assert parsed.output[2].type == "function_call"
+
+
+def test_raw_stream_frames_name_their_events(server, backend):
+    backend.push(ANSWER)
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "stream": True},
+                      timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
+    payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    assert names == [p["type"] for p in payloads] and names[-1] == "response.completed"
