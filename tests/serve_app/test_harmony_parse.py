@@ -125,6 +125,12 @@ def test_plain_text_becomes_content_with_one_warning(caplog):
     assert parser.warned and len([r for r in caplog.records if "not valid Harmony" in r.message]) == 1
 
 
+def test_control_token_inside_a_header_is_not_swallowed():
+    # StreamableParser itself keeps <|return|> as header text; the words must still reach the user.
+    events, parser = run(tokens("No header here.<|return|>"))
+    assert items(events) == [(ItemKind.CONTENT, "No header here.", None)] and parser.warned
+
+
 def test_garbage_after_end_is_recovered_then_harmony_resumes(caplog):
     out = ("<|channel|>final<|message|>Good.<|end|>stray words<|return|> more"
            "<|start|>assistant<|channel|>final<|message|>Back.<|return|>")
