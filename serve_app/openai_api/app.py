@@ -75,13 +75,13 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(parse_json(await read_body(request, max_body_bytes)))
+        req = ChatCompletionRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
         check_model(req.model)
         return await create_chat_completion(req, request, ctx)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = ResponsesRequest.model_validate(parse_json(await read_body(request, max_body_bytes)))
+        req = ResponsesRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
         check_model(req.model)
         return await create_response(req, request, ctx)
 

@@ -80,8 +80,8 @@ def _reject_unless(value: Any, allowed: tuple, why: str) -> Any:
     return value
 
 
-class SamplingFields(Strict):
-    """Sampling parameters shared by both APIs (`top_k`, `min_p` are vLLM-style extensions)."""
+class RequestBase(Strict):
+    """Fields both APIs share (`top_k`, `min_p` are vLLM-style sampling extensions)."""
 
     model: str
     stream: bool = False
@@ -157,7 +157,7 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -308,7 +308,7 @@ class TextOptions(Lenient):
         return value
 
 
-class ResponsesRequest(SamplingFields):
+class ResponsesRequest(RequestBase):
     """`previous_response_id`, `conversation` and `background` are not supported: the server keeps no
     state between requests, so the client sends the whole conversation as `input` every time."""
 

@@ -9,6 +9,7 @@ abort runs even when the disconnect shows up as a failed send rather than a mess
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
 import anyio
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -46,16 +48,22 @@ class EventStreamResponse(StreamingResponse):
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
-                await _until_disconnect(receive)
-                group.cancel_scope.cancel()
+                if await _until_disconnect(receive):
+                    group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+async def _until_disconnect(receive: Receive) -> bool:
+    """True once the client disconnects; False if the server cannot tell us (then nothing is cancelled)."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # a proxying server's receive failed: keep serving, the work ends on its own
+        log.warning("cannot watch for client disconnects on this request", exc_info=True)
+        return False
+    return True
 
 
 class ClientGone(Exception):
@@ -69,8 +77,8 @@ async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable
     async with anyio.create_task_group() as group:
 
         async def watch() -> None:
-            await _until_disconnect(request.receive)
-            group.cancel_scope.cancel()
+            if await _until_disconnect(request.receive):
+                group.cancel_scope.cancel()
 
         group.start_soon(watch)
         try:
