@@ -1,0 +1,374 @@
+"""The MoE layer of gpt-oss-20b (32 experts) and gpt-oss-120b (128 experts) on one H200.
+
+    python -m bench.moe [--quick] [--out bench/results/moe_h200.json] [--load-bench DIR]
+    python -m bench.moe --warmup-shard I/N     # compile the kernels of every I-th case only, no timing
+
+Variants, each checked against TorchExperts (bf16, same dequantized weights) before it is timed:
+  fp8_dg     Fp8Experts, DeepGEMM grouped GEMMs (masked layout for T <= 64, contiguous/psum above)
+  fp8_dg_alt the other layout at T = 64 and 512 (how the threshold was chosen)
+  fp8_tr     Fp8Experts, the Triton grouped GEMM
+  bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
+Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
+forwards on R different random routings (R = 4 for T <= 512), divided by R.
+Also: the grouped GEMM alone at 512 tokens per expert (gate_up shape), and the dense layers
+(QKV, O, router, unembedding) in bf16 vs FP8 at T = 1, 64, 4096.
+
+Bytes and FLOPs first (D = I = 2880, K padded to 2944):
+  one expert, FP8:  gate_up 5760 x 2944 + down 2880 x 2944 = 25.44 MB (+ 6 kB of scales)
+  one expert, bf16: (5760 x 2880 + 2880 x 2880) x 2        = 49.77 MB
+  FLOPs per token-expert pair: 2 x (5760 + 2880) x 2880     = 49.8 MFLOP
+  active experts at T tokens: E (1 - (1 - 4/E)^T): 120b T=1 4, T=8 28.7, T=64 111, T>=512 ~128
+  120b decode T=1: 4 x 25.44 MB = 101.7 MB -> 23.7 us at the 4.3 TB/s copy ceiling (FLOPs negligible)
+  120b T=64: 2.83 GB -> 657 us;  T=512: 3.26 GB -> 757 us (102 GFLOP: 80 us at 1.27 PFLOP/s)
+  20b  T=64: all 32 experts, 814 MB -> 189 us;  T=4096: 815 GFLOP -> 642 us at 1.27 PFLOP/s
+  T=16384: 3.26 TFLOP -> 2.57 ms (either model). The crossover (bytes time = FLOPs time) for the
+  120b layer is near T = 4096; below it the layer should stream weights at close to 4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from kernels.moe import deep_gemm_ops
+from kernels.moe.epilogues_triton import Fp8Rows, dispatch_quant
+from kernels.moe.fp8_experts import Fp8Experts
+from kernels.moe.fp8_quant import padded, quantize_weight_blocks
+from kernels.moe.reference import clamped_swiglu, route
+
+DEV = torch.device("cuda")
+D = I = 2880
+TOP_K = 4
+MODELS = {"20b": 32, "120b": 128}
+TOKENS = [1, 8, 64, 512, 4096, 16384]
+COPY_TBPS, FP8_PFLOPS = 4.3, 1.27  # H200 ceilings measured on these machines (ARCHITECTURE.md)
+FP8_EXPERT_BYTES = (2 * I + D) * padded(D)
+BF16_EXPERT_BYTES = (2 * I * D + D * I) * 2
+FLOP_PER_PAIR = 2 * (2 * I * D + D * I)
+
+
+def calc_diff(x, y) -> float:
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def median_us(fn) -> float:
+    return do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+
+
+class Layer:
+    """One MoE layer: bf16 weights (the baseline) and the Fp8Experts made from them."""
+
+    def __init__(self, num_experts: int, with_bf16: bool = True):
+        g = torch.Generator(device=DEV).manual_seed(num_experts)
+        self.e = num_experts
+        if not with_bf16:  # a warm-up shard only compiles kernels: placeholder weights, little memory
+            self.fp8 = Fp8Experts(num_experts, 0, D, I, 1.702, 7.0, DEV)
+            return
+        self.w13 = torch.randn(num_experts, 2 * I, D, device=DEV, dtype=torch.bfloat16, generator=g) * D ** -0.5
+        self.w2 = torch.randn(num_experts, D, I, device=DEV, dtype=torch.bfloat16, generator=g) * I ** -0.5
+        self.b13 = torch.randn(num_experts, 2 * I, device=DEV, generator=g) * 0.1
+        self.b2 = torch.randn(num_experts, D, device=DEV, generator=g) * 0.1
+        self.fp8 = Fp8Experts.from_dense(self.w13, self.b13, self.w2, self.b2, 0, 1.702, 7.0)
+        # the reference and the bf16 baseline use the weights the FP8 layer computes with
+        self.ref = self.fp8.dequantized(torch.bfloat16)
+        self.w13, self.w2 = self.ref.gate_up_proj, self.ref.down_proj
+        self.b13_bf, self.b2_bf = self.b13.bfloat16(), self.b2.bfloat16()
+
+    def bf16_forward(self, x, ids, weights):
+        """torch bf16 grouped-matmul MoE (no host sync): sort pairs by expert, two grouped GEMMs."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.e, dtype=torch.int32, device=DEV).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        token = order // k
+        expert = flat[order]
+        h = torch._grouped_mm(x[token], self.w13.transpose(1, 2), offs=offs) + self.b13_bf[expert]
+        y = torch._grouped_mm(clamped_swiglu(h, 1.702, 7.0), self.w2.transpose(1, 2), offs=offs) + self.b2_bf[expert]
+        out = torch.zeros(t, D, dtype=torch.float32, device=DEV)
+        out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
+        return out.bfloat16()
+
+
+def inputs(t: int, e: int, rot: int, seed: int):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    sets = []
+    for _ in range(rot):
+        x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16, generator=g)
+        ids, w = route(torch.randn(t, e, device=DEV, generator=g), TOP_K)
+        sets.append((x, ids, w))
+    return sets
+
+
+def graph_time_us(fn, sets) -> tuple[float, str]:
+    """Median us per forward of a CUDA graph running fn over every input set (eager if capture fails)."""
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for s in sets:
+                fn(*s)
+        us, mode = median_us(graph.replay) / len(sets), "graph"
+    except RuntimeError as exc:  # a variant that cannot be captured is timed eagerly, and says so
+        print(f"  (graph capture failed: {str(exc).splitlines()[0][:120]}; timing eagerly)")
+        torch.cuda.synchronize()
+        us, mode = median_us(lambda: [fn(*s) for s in sets]) / len(sets), "eager"
+    del graph
+    return us, mode
+
+
+def layer_cases(quick: bool):
+    tokens = [1, 64, 4096] if quick else TOKENS
+    for model, e in MODELS.items():
+        for t in tokens:
+            yield model, e, t
+
+
+def variants_for(t: int) -> list[tuple[str, str, int]]:
+    """(name, backend, masked_max_tokens)."""
+    out = []
+    if deep_gemm_ops.available():
+        out.append(("fp8_dg", "deep_gemm", 64))
+        if t in (64, 512):
+            out.append(("fp8_dg_alt", "deep_gemm", 0 if t <= 64 else 10 ** 9))
+    out.append(("fp8_tr", "triton", 64))
+    out.append(("bf16", "bf16", 0))
+    return out
+
+
+def bench_layers(quick: bool, shard: tuple[int, int] | None) -> list[dict]:
+    rows, layers = [], {}
+    for index, (model, e, t) in enumerate(layer_cases(quick)):
+        if shard and index % shard[1] != shard[0]:
+            continue
+        if e not in layers:
+            layers.clear()
+            torch.cuda.empty_cache()
+            layers[e] = Layer(e, with_bf16=shard is None)
+        layer = layers[e]
+        rot = 4 if t <= 512 else 1
+        sets = inputs(t, e, rot, seed=t)
+        pairs = t * TOP_K
+        active = int(torch.unique(torch.cat([s[1].reshape(-1) for s in sets])).numel())
+        distinct = sum(int(torch.unique(s[1]).numel()) for s in sets) / rot
+        for name, backend, masked_max in variants_for(t):
+            if shard and backend == "bf16":
+                continue
+            if backend == "bf16":
+                fn = layer.bf16_forward
+            else:
+                layer.fp8.backend, layer.fp8.masked_max_tokens = backend, masked_max
+                fn = layer.fp8
+            out = fn(*sets[0])
+            if shard:
+                continue  # compiled: that is all a warm-up shard is for
+            diff = calc_diff(out, layer.ref(*sets[0]))
+            us, mode = graph_time_us(fn, sets)
+            wbytes = distinct * (BF16_EXPERT_BYTES if backend == "bf16" else FP8_EXPERT_BYTES)
+            floor = max(distinct * FP8_EXPERT_BYTES / (COPY_TBPS * 1e12), pairs * FLOP_PER_PAIR / (FP8_PFLOPS * 1e15)) * 1e6
+            row = dict(model=model, experts=e, tokens=t, variant=name, us=us, mode=mode, diff_vs_bf16_ref=diff,
+                       tflops=pairs * FLOP_PER_PAIR / us / 1e6, weight_gbps=wbytes / us / 1e3,
+                       active_experts=distinct, fp8_floor_us=floor, experts_touched_by_rotation=active)
+            rows.append(row)
+            print(f"{model:>5} T={t:<6} {name:<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
+                  f"{row['weight_gbps']:7.0f} GB/s  floor {floor:8.1f} us  diff {diff:.1e}  [{mode}]", flush=True)
+    return rows
+
+
+def bench_grouped_gemm(shard) -> list[dict]:
+    """gate_up GEMM alone, 32 experts x 512 tokens: DeepGEMM (m_indices, psum, masked), Triton,
+    dense DeepGEMM FP8 on the same total M (the ceiling), torch bf16 _grouped_mm."""
+    from kernels.moe import triton_grouped_gemm
+    from kernels.moe.routing_triton import plan_contiguous
+
+    e, per, n, kp = 32, 512, 2 * I, padded(D)
+    if shard and shard[0] != shard[1] - 1:
+        return []
+    w, ws = quantize_weight_blocks(torch.randn(e, n, D, device=DEV) * D ** -0.5)
+    ids = torch.arange(e, device=DEV).repeat_interleave(per)[:, None]
+    plan = plan_contiguous(ids, 0, e, 128)
+    x = torch.randn(e * per, D, device=DEV, dtype=torch.bfloat16)
+    a = Fp8Rows.empty(1, plan.num_rows, kp, DEV)  # rows past 16384: the no-sync bound's unused tail
+    dispatch_quant(x, plan.row_of_pair, 1, a)
+    dense_a = dispatch_quant(x, torch.arange(e * per, device=DEV, dtype=torch.int32), 1, Fp8Rows.empty(1, e * per, kp, DEV))
+    am = Fp8Rows(a.data[: e * per], torch.empty(e, kp // 128, per, device=DEV), per)
+    am.scale_storage.copy_(a.scale_storage[0, :, : e * per].reshape(kp // 128, e, per).transpose(0, 1))
+    out = torch.empty(plan.num_rows, n, device=DEV, dtype=torch.bfloat16)
+    counts = torch.full((e,), per, dtype=torch.int32, device=DEV)
+    cases = {"triton_contiguous": lambda: triton_grouped_gemm.grouped_gemm(a, w, ws, out, plan.m_indices, False)}
+    if deep_gemm_ops.available():
+        cases["dg_contiguous_m_indices"] = lambda: deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices)
+        cases["dg_contiguous_psum"] = lambda: deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum)
+        cases["dg_masked"] = lambda: deep_gemm_ops.grouped_gemm_masked(am, w, ws, out[: e * per], counts, per)
+        wd, wds = w[0].contiguous(), ws[0].contiguous()
+        cases["dg_dense_same_mnk"] = lambda: deep_gemm_ops.gemm(dense_a, wd, wds, out[: e * per])
+    wb = torch.randn(e, n, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    xb = torch.randn(e * per, D, device=DEV, dtype=torch.bfloat16)
+    offs = torch.arange(1, e + 1, device=DEV, dtype=torch.int32) * per
+    cases["bf16_torch_grouped_mm"] = lambda: torch._grouped_mm(xb, wb, offs=offs)
+    rows = []
+    for name, fn in cases.items():
+        fn()
+        if shard:
+            continue
+        us = median_us(fn)
+        k = D if name.startswith("bf16") else kp
+        rows.append(dict(case=name, us=us, tflops=2 * e * per * n * k / us / 1e6,
+                         useful_tflops=2 * e * per * n * D / us / 1e6))
+        print(f"gate_up GEMM 32x512: {name:<24} {us:8.1f} us {rows[-1]['tflops']:7.0f} TFLOP/s "
+              f"(useful K=2880: {rows[-1]['useful_tflops']:.0f})", flush=True)
+    return rows
+
+
+DENSE = {"qkv": (5120, 2880), "o": (2880, 4096), "router_120b": (128, 2880), "router_20b": (32, 2880),
+         "unembedding": (201088, 2880)}
+
+
+def bench_dense(shard) -> list[dict]:
+    """bf16 F.linear vs FP8 (per-token-per-128 activation quant + DeepGEMM 1x128/128x128 GEMM, and
+    torch._scaled_mm rowwise) on the real shapes; 8 weight copies rotated except the unembedding."""
+    if not deep_gemm_ops.available():
+        return []
+    rows = []
+    for index, (name, (n, k)) in enumerate(DENSE.items()):
+        if shard and index % shard[1] != shard[0]:
+            continue
+        copies = 1 if name == "unembedding" else 8
+        wb = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        wq = [quantize_weight_blocks(w[None].float())[0:2] for w in wb]
+        wq = [(q[0], s[0]) for q, s in wq]
+        w_rowwise = [(w.float().abs().amax(1, keepdim=True).clamp(min=1e-4) / 448) for w in wb]
+        w_row_q = [(w.float() / s).to(torch.float8_e4m3fn) for w, s in zip(wb, w_rowwise)]
+        for t in (1, 64, 4096):
+            x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
+            a = Fp8Rows.empty(1, t, padded(k), DEV)
+            ident = torch.arange(t, device=DEV, dtype=torch.int32)
+            out = torch.empty(t, n, device=DEV, dtype=torch.bfloat16)
+            xs = x.float().abs().amax(1, keepdim=True).clamp(min=1e-4) / 448
+            xq = (x.float() / xs).to(torch.float8_e4m3fn)
+            fns = {
+                "bf16": lambda: [torch.nn.functional.linear(x, w) for w in wb],
+                "fp8_act_quant": lambda: [dispatch_quant(x, ident, 1, a) for _ in wb],
+                "fp8_dg_gemm": lambda: [deep_gemm_ops.gemm(a, q, s, out) for q, s in wq],
+                "fp8_scaled_mm_rowwise": lambda: [torch._scaled_mm(xq, q.t(), xs, s.t(), out_dtype=torch.bfloat16)
+                                                  for q, s in zip(w_row_q, w_rowwise)],
+            }
+            fns["fp8_act_quant"]()
+            deep_gemm_ops.gemm(a, *wq[0], out)  # FP8 error of the whole dense layer (weights and activations)
+            diff = calc_diff(out, torch.nn.functional.linear(x, wb[0]))
+            for variant, fn in fns.items():
+                try:
+                    fn()
+                except RuntimeError as exc:
+                    print(f"dense {name} T={t} {variant}: failed ({str(exc).splitlines()[0][:100]})")
+                    continue
+                if shard:
+                    continue
+                us = median_us(fn) / copies
+                rows.append(dict(layer=name, n=n, k=k, tokens=t, variant=variant, us=us,
+                                 weight_gbps=n * k * (2 if variant == "bf16" else 1) / us / 1e3,
+                                 tflops=2 * t * n * k / us / 1e6, fp8_diff=diff))
+                print(f"dense {name:<12} T={t:<5} {variant:<22} {us:8.1f} us  {rows[-1]['weight_gbps']:6.0f} GB/s "
+                      f"{rows[-1]['tflops']:6.0f} TFLOP/s", flush=True)
+            if not shard:
+                print(f"dense {name:<12} T={t:<5} fp8 (weights+activations) vs bf16: diff {diff:.1e}")
+    return rows
+
+
+def write_mxfp4_layers(folder: Path, layers: int, experts: int) -> None:
+    """A checkpoint holding only what expert loading reads: random MXFP4 experts of the real shapes."""
+    from safetensors.torch import save_file
+
+    from model.tiny import tiny_config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(num_hidden_layers=layers, num_local_experts=experts, hidden_size=D, intermediate_size=I,
+                         vocab_size=1024, head_dim=64, num_attention_heads=64, num_key_value_heads=8)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    tensors = {}
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        for name, out, inp in (("gate_up_proj", 2 * I, D), ("down_proj", D, I)):
+            tensors[p + name + "_blocks"] = torch.randint(0, 256, (experts, out, inp // 32, 16), device=DEV,
+                                                          dtype=torch.uint8, generator=g).cpu()
+            tensors[p + name + "_scales"] = torch.randint(118, 124, (experts, out, inp // 32), device=DEV,
+                                                          dtype=torch.uint8, generator=g).cpu()
+            tensors[p + name + "_bias"] = torch.randn(experts, out, device=DEV, generator=g).bfloat16().cpu()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
+
+
+def bench_load(folder: Path) -> dict:
+    """Expert load time, 2 layers x 32 experts (20b shapes): MXFP4 converted on the GPU at load vs
+    the pre-converted FP8 checkpoint. Files were just written, so both read from the page cache."""
+    from model.convert import convert_checkpoint, load_fp8_experts
+
+    src, dst = folder / "mxfp4", folder / "fp8"
+    write_mxfp4_layers(src, 2, 32)
+    stats = convert_checkpoint(src, dst, "cuda", progress=False)
+    timings = {}
+    for name, path in (("mxfp4_convert_at_load", src), ("preconverted_fp8", dst),
+                       ("mxfp4_convert_at_load_again", src), ("preconverted_fp8_again", dst)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        experts = load_fp8_experts(path, device="cuda")
+        torch.cuda.synchronize()
+        timings[name] = time.perf_counter() - start
+        del experts
+    sizes = {p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (src, dst)}
+    print(f"load 2 layers x 32 experts: {timings} (files {sizes}; offline convert {stats['seconds']:.1f} s)")
+    return dict(seconds=timings, file_bytes=sizes, offline_convert_seconds=stats["seconds"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T = 1, 64, 4096 only")
+    parser.add_argument("--out", default="bench/results/moe_h200.json")
+    parser.add_argument("--warmup-shard", default=None, help="I/N: compile the I-th of N case groups, no timing")
+    parser.add_argument("--load-bench", default=None, help="folder for the checkpoint load-time comparison")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,gemm,dense")
+    args = parser.parse_args()
+    shard = tuple(int(v) for v in args.warmup_shard.split("/")) if args.warmup_shard else None
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "deep_gemm": deep_gemm_ops.available() or deep_gemm_ops.why_unavailable(),
+              "torch": torch.__version__}
+    result["grouped_gemm"] = [] if "gemm" in skip else bench_grouped_gemm(shard)
+    result["layers"] = [] if "layers" in skip else bench_layers(args.quick, shard)
+    result["dense"] = [] if "dense" in skip else bench_dense(shard)
+    if args.load_bench and not shard:
+        result["load"] = bench_load(Path(args.load_bench))
+    if shard:
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    print(f"\nMoE layer, {result['device']}, {result['date']} (us per layer; weight GB/s; floor = max(bytes/4.3 TB/s, FLOPs/1.27 PF/s))")
+    print(f"{'model':>5} {'T':>6} " + " ".join(f"{v:>17}" for v in ("fp8_dg", "fp8_dg_alt", "fp8_tr", "bf16")) + f" {'floor':>8}")
+    keyed = {(r["model"], r["tokens"], r["variant"]): r for r in result["layers"]}
+    for model, _, t in sorted({(r["model"], r["experts"], r["tokens"]) for r in result["layers"]}, key=lambda c: (c[1], c[2])):
+        cells = []
+        for v in ("fp8_dg", "fp8_dg_alt", "fp8_tr", "bf16"):
+            r = keyed.get((model, t, v))
+            cells.append(f"{r['us']:8.1f}/{r['weight_gbps']:6.0f}GB" if r else f"{'-':>17}")
+        floor = next(r["fp8_floor_us"] for r in result["layers"] if r["model"] == model and r["tokens"] == t)
+        print(f"{model:>5} {t:>6} " + " ".join(f"{c:>17}" for c in cells) + f" {floor:8.1f}")
+    for r in result["grouped_gemm"]:
+        print(f"gate_up 32x512 {r['case']:<24} {r['us']:8.1f} us {r['tflops']:6.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""FP8 MoE on the GPU: each kernel against its torch twin, the whole layer against TorchExperts in
+bf16 with the same (dequantized) weights, routing against the model's `route`, and CUDA-graph
+capture of the decode path. Real gpt-oss expert shapes (D = I = 2880), fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+from kernels.moe import fp8_reference as ref  # noqa: E402
+from kernels.moe.fp8_quant import FP8, padded, quantize_weight_blocks  # noqa: E402
+from kernels.moe.reference import route  # noqa: E402
+
+DEV = torch.device("cuda")
+D = I = 2880
+E20, K = 32, 4
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def backends() -> list[str]:
+    from kernels.moe import deep_gemm_ops
+
+    return ["triton"] + (["deep_gemm"] if deep_gemm_ops.available() else [])
+
+
+@pytest.fixture(scope="module")
+def experts20():
+    """A 20b-shaped MoE layer (32 experts) as Fp8Experts, and TorchExperts (bf16) on its dequantized weights."""
+    from kernels.moe.fp8_experts import Fp8Experts
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    gate_up = torch.randn(E20, 2 * I, D, device=DEV, generator=g, dtype=torch.bfloat16) * D ** -0.5
+    down = torch.randn(E20, D, I, device=DEV, generator=g, dtype=torch.bfloat16) * I ** -0.5
+    b13 = torch.randn(E20, 2 * I, device=DEV, generator=g) * 0.1
+    b2 = torch.randn(E20, D, device=DEV, generator=g) * 0.1
+    fp8 = Fp8Experts.from_dense(gate_up, b13, down, b2, 0, 1.702, 7.0)
+    del gate_up, down
+    return fp8, fp8.dequantized(torch.bfloat16)
+
+
+def fp8_codes_close(a: torch.Tensor, b: torch.Tensor, max_fraction: float = 0.01) -> None:
+    steps = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= max_fraction
+
+
+# ---- routing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t,e", [(1, 32), (7, 128), (129, 32), (4096, 128)])
+def test_topk_softmax_matches_route(t, e):
+    from kernels.moe.routing_triton import topk_softmax
+
+    logits32 = torch.randn(t, e, device=DEV) * 2
+    ids, weights = topk_softmax(logits32, K)
+    ref_ids, ref_weights = route(logits32, K)  # fp32 logits: no ties
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    # bf16 router logits (what the model's nn.Linear gives) tie often: same logits chosen, and the
+    # twin's lower-index tie rule exactly
+    logits = logits32.bfloat16()
+    ids, weights = topk_softmax(logits, K)
+    ref_ids, ref_weights = route(logits, K)
+    assert torch.equal(logits.gather(1, ids.long()), logits.gather(1, ref_ids))
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ids, ref.topk_softmax(logits, K)[0])
+
+
+@pytest.mark.parametrize("t,num_local,first", [(1, 32, 0), (7, 16, 16), (4096, 128, 0)])
+def test_plans(t, num_local, first):
+    from kernels.moe.routing_triton import plan_contiguous, plan_masked
+
+    ids = route(torch.randn(t, first + num_local + 8, device=DEV), K)[0]
+    counts, _ = ref.count_and_rank(ids, first, num_local)
+    e = ids.reshape(-1) - first
+    local = (e >= 0) & (e < num_local)
+    plan = plan_contiguous(ids, first, num_local, 128)
+    assert torch.equal(plan.counts, counts)
+    starts, m_indices, psum = ref.contiguous_layout(ids, torch.zeros_like(e), counts, first, 128, plan.num_rows)
+    assert torch.equal(plan.m_indices, m_indices) and torch.equal(plan.psum, psum)
+    # ranks come from atomics in any order: as (expert, rank) pairs they must be the twin's set
+    ranks = plan.row_of_pair.long()[local] - starts.long()[local]
+    twin_ranks = ref.count_and_rank(ids, first, num_local)[1].long()[local]
+    key = e[local] * ids.numel()
+    assert torch.equal(torch.sort(key + ranks)[0], torch.sort(key + twin_ranks)[0])
+    assert (plan.row_of_pair[~local] == -1).all()
+    mplan = plan_masked(ids, first, num_local, 128 * ((t + 127) // 128))
+    assert torch.equal(mplan.counts, counts)
+    rows = mplan.row_of_pair.long()
+    assert torch.equal(rows[local] // mplan.rows_per_group, e[local])
+    assert len(torch.unique(rows[local])) == int(local.sum())
+
+
+# ---- epilogues ----------------------------------------------------------------------------------
+def test_dispatch_swiglu_combine_match_twins():
+    from kernels.moe import epilogues_triton as epi
+    from kernels.moe.routing_triton import plan_contiguous
+
+    t, e = 300, 32
+    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16) * 3
+    ids, weights = route(torch.randn(t, e, device=DEV), K)
+    plan = plan_contiguous(ids, 0, e, 128)
+    a = epi.Fp8Rows.empty(1, plan.num_rows, padded(D), DEV)
+    epi.dispatch_quant(x, plan.row_of_pair, K, a)
+    want, want_s, written = ref.dispatch_quant(x, plan.row_of_pair, K, plan.num_rows)
+    fp8_codes_close(a.data[written], want[written])
+    torch.testing.assert_close(a.scales_rows()[written], want_s[written], rtol=1e-6, atol=0)
+
+    h = torch.randn(plan.num_rows, 2 * I, device=DEV, dtype=torch.bfloat16) * 4
+    bias = torch.randn(e, 2 * I, device=DEV)
+    a2 = epi.Fp8Rows.empty(1, plan.num_rows, padded(I), DEV)
+    epi.swiglu_quant(h, plan.row_of_pair, ids, bias, 0, 1.702, 7.0, a2)
+    valid = plan.m_indices >= 0
+    want2, want2_s = ref.swiglu_quant(h[valid], bias[plan.m_indices[valid].long()], 1.702, 7.0)
+    fp8_codes_close(a2.data[valid], want2)
+    torch.testing.assert_close(a2.scales_rows()[valid], want2_s, rtol=1e-5, atol=0)
+
+    y = torch.randn(plan.num_rows, D, device=DEV, dtype=torch.bfloat16)
+    b2 = torch.randn(e, D, device=DEV)
+    out = torch.empty(t, D, device=DEV, dtype=torch.bfloat16)
+    epi.combine(y, plan.row_of_pair, ids, weights, b2, 0, out)
+    torch.testing.assert_close(out.float(), ref.combine(y, plan.row_of_pair, ids, weights, b2, 0, torch.float32),
+                               rtol=2 ** -8, atol=1e-5)
+
+
+# ---- grouped GEMMs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["triton", "deep_gemm", "deep_gemm_psum"])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("n", [2 * I, D])
+def test_grouped_gemm_matches_twin(impl, masked, n):
+    from kernels.moe import deep_gemm_ops, triton_grouped_gemm
+    from kernels.moe.epilogues_triton import Fp8Rows
+
+    if impl.startswith("deep_gemm"):
+        if not deep_gemm_ops.available():
+            pytest.skip(deep_gemm_ops.why_unavailable())
+        deep_gemm_ops.check_scale_alignment(257)  # our scale rows are laid out as DeepGEMM's TMA wants
+    if masked and impl == "deep_gemm_psum":
+        pytest.skip("psum is a contiguous-layout option")
+    e, kp = 8, padded(D)
+    w, ws = quantize_weight_blocks(torch.randn(e, n, D, device=DEV) * D ** -0.5)
+    counts = torch.tensor([3, 0, 130, 1, 0, 77, 128, 5], dtype=torch.int32, device=DEV)
+    if masked:
+        a = Fp8Rows.empty(e, 256, kp, DEV)
+        expert_of_row = torch.full((e * 256,), -1, device=DEV)
+        for x, c in enumerate(counts.tolist()):
+            expert_of_row[x * 256: x * 256 + c] = x
+    else:
+        ids = torch.repeat_interleave(torch.arange(e, device=DEV), counts.long())[:, None]
+        from kernels.moe.routing_triton import plan_contiguous
+
+        plan = plan_contiguous(ids, 0, e, 128)
+        a = Fp8Rows.empty(1, plan.num_rows, kp, DEV)
+        expert_of_row = plan.m_indices.long()
+    a.data.copy_((torch.randn(a.data.shape, device=DEV) * 60).to(FP8))
+    a.scale_storage.copy_(torch.rand(a.scale_storage.shape, device=DEV) * 0.02 + 0.001)
+    out = torch.full((a.data.shape[0], n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    if impl == "triton":
+        triton_grouped_gemm.grouped_gemm(a, w, ws, out, counts if masked else plan.m_indices, masked)
+    elif masked:
+        deep_gemm_ops.grouped_gemm_masked(a, w, ws, out, counts, expected_m=60)
+    elif impl == "deep_gemm_psum":
+        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum)
+    else:
+        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices)
+    valid = expert_of_row >= 0
+    want = ref.grouped_gemm(a.data, a.scales_rows(), w, ws, expert_of_row)
+    assert torch.isfinite(out[valid]).all()  # every real row written
+    assert calc_diff(out[valid], want[valid]) < 1e-5
+
+
+# ---- the whole layer ----------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 7, 129, 4096])
+@pytest.mark.parametrize("backend", ["triton", "deep_gemm"])
+def test_layer_matches_bf16_reference(experts20, backend, t):
+    if backend not in backends():
+        pytest.skip("deep_gemm unavailable")
+    fp8, bf16_ref = experts20
+    fp8.backend = backend
+    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
+    ids, weights = route(torch.randn(t, E20, device=DEV, dtype=torch.bfloat16), K)
+    out = fp8(x, ids, weights)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert calc_diff(out, bf16_ref(x, ids, weights)) <= 1e-3
+    twin = ref.fp8_moe_forward(x, ids, weights, fp8.w13, fp8.s13, fp8.b13, fp8.w2, fp8.s2, fp8.b2, 0, 1.702, 7.0)
+    assert calc_diff(out, twin) < 1e-4  # an order below the FP8 cost: same computation, other rounding order
+
+
+def test_layer_expert_parallel_and_both_layouts(experts20):
+    from kernels.moe.fp8_experts import Fp8Experts
+
+    fp8, _ = experts20
+    lo, hi = (Fp8Experts(16, first, D, I, 1.702, 7.0, DEV, backend=backends()[-1]) for first in (0, 16))
+    for part, sl in ((lo, slice(0, 16)), (hi, slice(16, 32))):
+        part.load_quantized(fp8.w13[sl], fp8.s13[sl], fp8.b13[sl], fp8.w2[sl], fp8.s2[sl], fp8.b2[sl])
+    x = torch.randn(100, D, device=DEV, dtype=torch.bfloat16)
+    ids, weights = route(torch.randn(100, E20, device=DEV), K)
+    fp8.backend = backends()[-1]
+    whole = fp8(x, ids, weights).float()
+    for masked_max in (0, 1000):  # contiguous, then masked layout
+        lo.masked_max_tokens = hi.masked_max_tokens = masked_max
+        assert calc_diff(lo(x, ids, weights).float() + hi(x, ids, weights).float(), whole) < 1e-5
+
+
+def test_decode_path_in_cuda_graph(experts20):
+    fp8, _ = experts20
+    fp8.backend = backends()[-1]
+    t = 8
+    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
+    ids, weights = route(torch.randn(t, E20, device=DEV), K)
+    fp8(x, ids, weights)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8(x, ids, weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8(x, ids, weights)
+    for _ in range(3):  # new inputs into the captured buffers
+        x.copy_(torch.randn_like(x))
+        new_ids, new_weights = route(torch.randn(t, E20, device=DEV), K)
+        ids.copy_(new_ids), weights.copy_(new_weights)
+        graph.replay()
+        assert calc_diff(out, fp8(x, ids, weights)) < 1e-7
