@@ -31,7 +31,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        n = getattr(torch, self.dtype).itemsize
         for d in self.shape:
             n *= d
         return n
@@ -99,7 +99,7 @@ def payload_upper_bound(num_prompt_tokens: int, num_layers: int, sliding: list[b
                         kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes the packed K/V of a just-prefilled prompt can take: full layers hold every prompt token,
     sliding layers at most the window."""
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     rows = [min(num_prompt_tokens, window) if s else num_prompt_tokens for s in sliding[:num_layers]]
     per_row = kv_heads * head_dim * elt
     return sum(2 * (-(-r * per_row // ALIGN) * ALIGN) for r in rows)
@@ -140,9 +140,11 @@ class TransferStats:
 
 
 def _node_id() -> str:
-    import ray
-
-    if ray.is_initialized():
+    try:
+        import ray
+    except ImportError:  # a process without Ray (the CUDA IPC test on a bare GPU host)
+        ray = None
+    if ray is not None and ray.is_initialized():
         return ray.get_runtime_context().get_node_id()
     import socket
 

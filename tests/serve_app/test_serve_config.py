@@ -1,0 +1,203 @@
+"""Serve app settings (no Ray cluster): argument parsing, validation, deployment options, cluster.yaml."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from ray import serve
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.schema import ServeDeploySchema
+from ray.serve.scripts import convert_args_to_dict
+
+import serve_app
+from serve_app.builder import DECODE_NAME, PREFILL_NAME, deployment_options
+from serve_app.config import ServeAppConfig, ServeConfigError
+from serve_app.placement import NOSET_CUDA_VISIBLE_DEVICES, STRATEGY, ReplicaResources
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_run_args(*pairs: str) -> dict:
+    """Arguments exactly as `serve run serve_app:app key=value ...` hands them to the builder."""
+    return convert_args_to_dict(pairs)
+
+
+def test_defaults_are_the_quick_start():
+    config = ServeAppConfig.from_args(serve_run_args())
+    assert config.model is None and config.disaggregated and config.device == "auto"
+    if not torch.cuda.is_available():
+        assert config.resolved_device() == "cpu"
+    assert config.resolved_transport("cpu") == "object_store"
+    assert config.resolved_transport("cuda") == "cuda_ipc"
+    assert config.gpus_per_replica == 1
+
+
+def test_serve_run_arguments_dotted_keys_and_json():
+    config = ServeAppConfig.from_args(serve_run_args(
+        "decode={\"max_ongoing_requests\": 7, \"autoscaling\": {\"max_replicas\": 3, \"upscale_delay_s\": 5}}",
+        "decode.autoscaling.max_replicas=4",  # a dotted key overrides one field of the JSON object
+        "prefill.num_replicas=2",
+        "prefill.resources_per_worker={\"H200\": 1}",
+        "served_model_name=123",  # a free-form string stays a string
+        "model=none",
+        "max_context=4096",
+        "kv_transfer_timeout_s=2.5",
+        "disaggregated=false",
+    ))
+    assert config.decode.max_ongoing_requests == 7
+    assert config.decode.autoscaling.max_replicas == 4
+    assert config.decode.autoscaling.upscale_delay_s == 5
+    assert config.decode.autoscaling.target_ongoing_requests == 48  # untouched defaults survive
+    assert config.prefill.num_replicas == 2 and config.prefill.resources_per_worker == {"H200": 1}
+    assert config.served_model_name == "123" and config.model is None
+    assert config.max_context == 4096 and config.kv_transfer_timeout_s == 2.5 and not config.disaggregated
+
+
+def test_serve_yaml_args(tmp_path):
+    text = """
+applications:
+  - name: gptoss
+    import_path: serve_app:app
+    args:
+      model: ./ckpt
+      decode:
+        num_replicas: 3
+        autoscaling.target_ongoing_requests: 12
+      prefill.autoscaling: {min_replicas: 2, max_replicas: 5}
+"""
+    app = ServeDeploySchema.model_validate(yaml.safe_load(text)).applications[0]
+    config = ServeAppConfig.from_args(app.args)
+    assert config.model == str(Path("./ckpt").resolve())  # replicas run elsewhere: paths are pinned
+    assert config.decode.num_replicas == 3 and config.decode.autoscaling.target_ongoing_requests == 12
+    assert (config.prefill.autoscaling.min_replicas, config.prefill.autoscaling.max_replicas) == (2, 5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("decode.autoscaling.max_replica=4",), "decode.autoscaling.max_replica: unknown setting"),
+    (("tp_size=4",), "num_key_value_heads=2 is not divisible by tp=4"),
+    (("ep_size=3", "device=cuda"), "num_local_experts=4 is not divisible by ep=3"),
+    (("tp_size=2", "ep_size=4", "device=cuda"), "must each be 1 or the replica's world size"),
+    (("tp_size=2", "device=cpu"), "needs device=cuda"),
+    (("kv_transport=cuda_ipc", "device=cpu"), "kv_transport=cuda_ipc needs device=cuda"),
+    (("decode.autoscaling.min_replicas=5",), "min_replicas (5) exceeds max_replicas (1)"),
+    (("prefill.autoscaling.initial_replicas=3", "prefill.autoscaling.max_replicas=2"), "initial_replicas (3)"),
+    (("prefill.resources_per_worker={\"GPU\": 2}",), "must not set 'GPU'"),
+    (("max_num_seqs=4096",), "max_num_batched_tokens (2048) must be >= max_num_seqs (4096)"),
+    (("max_context=200000",), "exceeds the model's max_position_embeddings (131072)"),
+    (("tp_size.x=1",), "tp_size"),
+    (("decode.autoscaling=3",), "decode.autoscaling"),
+    (("device=tpu",), "device: Input should be 'auto', 'cpu' or 'cuda'"),
+    (("block_size=0",), "block_size: Input should be greater than or equal to 1"),
+])
+def test_bad_arguments_name_the_key(args, message):
+    with pytest.raises(ServeConfigError) as err:
+        ServeAppConfig.from_args(serve_run_args(*args))
+    assert message in str(err.value)
+
+
+def test_parallel_sizes_checked_against_the_checkpoint(tmp_path):
+    from model.tiny import make_tiny
+
+    make_tiny(tmp_path / "m", vocab_size=999, num_attention_heads=6, num_key_value_heads=3, num_local_experts=6)
+    ok = ServeAppConfig.from_args({"model": str(tmp_path / "m"), "tp_size": "3", "ep_size": "3", "device": "cuda"})
+    assert ok.world_size == 3 and ok.gpus_per_replica == 3
+    with pytest.raises(ServeConfigError, match="num_key_value_heads=3 is not divisible by tp=2"):
+        ServeAppConfig.from_args({"model": str(tmp_path / "m"), "tp_size": "2", "device": "cuda"})
+    # A folder only the GPU nodes can see is accepted here; the replica checks it when it loads.
+    remote = ServeAppConfig.from_args({"model": "/nonexistent/gpt-oss-120b", "tp_size": "4", "device": "cuda"})
+    assert remote.model_config_if_readable() is None
+
+
+def test_engine_config_mapping():
+    config = ServeAppConfig.from_args(serve_run_args("kv_cache_memory_gib=0.5", "block_size=32", "max_context=1000",
+                                                     "max_num_seqs=8", "max_num_batched_tokens=64", "seed=7"))
+    engine = config.engine_config("cpu")
+    assert (engine.kv_cache_bytes, engine.block_size, engine.max_model_len) == (2**29, 32, 1000)
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.seed, engine.device) == (8, 64, 7, "cpu")
+
+
+def test_gpu_replica_reserves_one_bundle_per_gpu_strict_pack():
+    config = ServeAppConfig.from_args(serve_run_args("device=cuda", "ep_size=4", "dp_size=2",
+                                                     "decode.resources_per_worker={\"H200\": 1}",
+                                                     "decode.cpus_per_worker=3", "decode.num_replicas=2"))
+    options = deployment_options(config, config.decode, "cuda", "cuda_ipc")
+    assert options["placement_group_strategy"] == STRATEGY == "STRICT_PACK"
+    assert options["placement_group_bundles"] == [{"CPU": 3.0, "GPU": 1.0, "H200": 1.0}] * 8
+    actor = options["ray_actor_options"]
+    # The replica actor is rank 0: exactly bundle 0's resources.
+    assert (actor["num_cpus"], actor["num_gpus"], actor["resources"]) == (3.0, 1, {"H200": 1.0})
+    assert actor["runtime_env"]["env_vars"] == {NOSET_CUDA_VISIBLE_DEVICES: "1"}
+    assert options["num_replicas"] == 2 and "autoscaling_config" not in options
+    serve.deployment(_Dummy, **options)  # Serve's own option validation accepts them
+
+
+def test_cpu_replica_and_autoscaling_options():
+    config = ServeAppConfig.from_args(serve_run_args("prefill.autoscaling.max_replicas=3"))
+    options = deployment_options(config, config.prefill, "cpu", "object_store")
+    assert options["placement_group_bundles"] == [{"CPU": 0.5}]
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    auto = options["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 3, 4)
+    assert auto["upscale_delay_s"] >= 30 and auto["downscale_delay_s"] >= 300  # slow start, long requests
+    assert options["graceful_shutdown_timeout_s"] >= 60
+    serve.deployment(_Dummy, **options)
+    assert ReplicaResources.of(config, config.decode, "cpu").num_ranks == 1
+
+
+def test_app_is_a_serve_application_builder():
+    app = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args("decode.num_replicas=2"))
+    ingress = app._bound_deployment
+    decode = ingress.init_args[0]._bound_deployment
+    prefill = decode.init_args[0]._bound_deployment
+    assert (ingress.name, decode.name, prefill.name) == ("HarmonyIngress", DECODE_NAME, PREFILL_NAME)
+    assert decode.num_replicas == 2
+    no_prefill = call_user_app_builder_with_args_if_necessary(serve_app.app, {"disaggregated": "false"})
+    assert no_prefill._bound_deployment.init_args[0]._bound_deployment.init_args[0] is None
+
+
+def test_ingress_imports_no_torch():
+    code = ("import sys, serve_app, serve_app.ingress; from serve_app.openai_api.app import create_app; "
+            "assert 'torch' not in sys.modules, 'the ingress imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_cluster_yaml_passes_rays_own_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    prepared = prepare_config(copy.deepcopy(raw))  # merges the AWS defaults; no cloud call
+    validate_config(prepared)  # Ray's JSON schema + its own checks
+    gpu = prepared["available_node_types"]["h200"]
+    assert gpu["node_config"]["InstanceType"] == "p5e.48xlarge" and gpu["resources"]["GPU"] == 8
+    assert 1 <= gpu["min_workers"] <= gpu["max_workers"] == prepared["max_workers"] == 8
+    assert "GPU" not in prepared["available_node_types"]["head"]["resources"] or \
+        prepared["available_node_types"]["head"]["resources"]["GPU"] == 0
+    assert any("[gpu]" in cmd for cmd in prepared["setup_commands"])
+    assert any("serve deploy serve_app/serve_h200.yaml" in cmd for cmd in prepared["head_start_ray_commands"])
+    # A typo is caught by the same validation.
+    broken = copy.deepcopy(raw)
+    broken["available_node_types"]["h200"]["min_wrokers"] = 1
+    with pytest.raises(Exception, match="min_wrokers"):
+        validate_config(prepare_config(broken))
+
+
+def test_cluster_serve_yaml_builds_a_valid_config():
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "serve_app" / "serve_h200.yaml").read_text()))
+    (app,) = schema.applications
+    assert app.import_path == "serve_app:app"
+    config = ServeAppConfig.from_args(app.args)
+    assert config.device == "cuda" and config.resolved_transport("cuda") == "cuda_ipc"
+    for settings in (config.prefill, config.decode):
+        options = deployment_options(config, settings, "cuda", "cuda_ipc")
+        assert all(b["GPU"] == 1 and b["H200"] == 1 for b in options["placement_group_bundles"])
+        serve.deployment(_Dummy, **options)
+
+
+class _Dummy:
+    pass

@@ -1,0 +1,295 @@
+"""The whole app on a real local Ray: HTTP (the openai client) -> HarmonyIngress -> DecodeServer ->
+PrefillServer, K/V over the object store, compared token for token with a single-process engine.
+
+One Ray instance and one app for the module; the test that kills a replica runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import openai
+import pytest
+import ray
+import torch
+from ray import serve
+
+from engine.request import GenerateRequest, SamplingParams
+from serve_app.builder import DECODE_NAME, PREFILL_NAME, build_app, deployment_options
+from serve_app.config import ServeAppConfig
+from serve_app.decode_server import DecodeServer
+from serve_app.kv_transfer import KVHandle, KVTransferError, ObjectStoreTransport
+from serve_app.openai_api.app import create_app
+from serve_app.prefill_server import PrefillServer
+from tests.serve_app.serve_helpers import (
+    ServerThread,
+    collect,
+    free_port,
+    reference_engine,
+    replica_actors,
+    run_async,
+    running_replicas,
+    start_ray,
+    stop_ray,
+    wait_until,
+)
+
+APP = "e2e"
+ARGS = {
+    "max_context": "1024",
+    "kv_cache_memory_gib": "0.0625",
+    "decode.num_replicas": "1",
+    "prefill.num_replicas": "1",
+    "decode.graceful_shutdown_timeout_s": "1",
+    "prefill.graceful_shutdown_timeout_s": "1",
+    "decode.health_check_period_s": "1",
+}
+CONFIG = ServeAppConfig.from_args(ARGS)
+METRICS_PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def http_port():
+    port = start_ray(_metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
+    serve.run(build_app(ARGS), name=APP, route_prefix="/")
+    yield port
+    stop_ray()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = reference_engine(CONFIG)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_port(reference):
+    port = free_port()
+    with ServerThread(create_app(reference, model_name=CONFIG.served_model_name, max_context=1024), port):
+        yield port
+
+
+def client(port: int) -> openai.OpenAI:
+    # No retries: a retried request would hide a dropped one.
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def stats(deployment: str) -> dict:
+    return serve.get_deployment_handle(deployment, APP).stats.remote().result()
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 200000, (n,), generator=g).tolist()
+
+
+def test_object_store_transport_roundtrip_and_failures(http_port):
+    from engine.kv_payload import PrefilledKV
+
+    g = torch.Generator().manual_seed(1)
+    ks = [torch.randn(n, 2, 16, generator=g).to(torch.bfloat16) for n in (19, 127)]
+    vs = [torch.randn(n, 2, 16, generator=g).to(torch.bfloat16) for n in (19, 127)]
+    payload = PrefilledKV("rt", list(range(19)), [5], [], 7, 19, 0, [False, True], ks, vs)
+    transport = ObjectStoreTransport("cpu")
+    offer = transport.offer(10**6)
+    handle = transport.send(payload, offer)
+    got = run_async(transport.receive(handle, offer, timeout_s=10))
+    assert (got.request_id, got.output_ids, got.seed, got.num_cached) == ("rt", [5], 7, 19)
+    assert all(torch.equal(a, b) for a, b in zip((*ks, *vs), (*got.k, *got.v)))
+    assert transport.last_stats.nbytes == handle.nbytes >= payload.nbytes
+
+    @ray.remote(num_cpus=0)
+    def never_ready():
+        time.sleep(60)
+
+    lost = KVHandle("object_store", handle.skeleton, handle.specs, handle.nbytes, 0.0, never_ready.remote())
+    t0 = time.monotonic()
+    with pytest.raises(KVTransferError, match="did not arrive within 0.5 s"):
+        run_async(transport.receive(lost, offer, timeout_s=0.5))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(KVTransferError, match="same kv_transport"):
+        run_async(transport.receive(KVHandle("cuda_ipc", handle.skeleton, [], 0, 0.0), offer, timeout_s=1))
+
+
+CASES = [  # prompt length, sampling: greedy, seeded sampling with filters, logprobs; awkward lengths
+    (1, SamplingParams(temperature=0.0, max_tokens=9)),
+    (19, SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=17, logprobs=2)),
+    (130, SamplingParams(temperature=0.7, top_k=50, min_p=0.01, seed=5, max_tokens=12)),  # past the window
+    (301, SamplingParams(temperature=0.0, max_tokens=5, logprobs=0)),
+]
+
+
+def test_tokens_match_the_single_process_engine(http_port, reference):
+    before = stats(DECODE_NAME)
+    decode = serve.get_deployment_handle(DECODE_NAME, APP).options(stream=True)
+    for i, (n, sampling) in enumerate(CASES):
+        request = GenerateRequest(f"match-{i}", random_prompt(n, i), sampling)
+        served = list(decode.generate.remote(request))
+        want = run_async(collect(reference.generate(GenerateRequest(f"ref-{i}", request.prompt_ids, sampling))))
+        assert [t for d in served for t in d.token_ids] == [t for d in want for t in d.token_ids], f"case {i}"
+        assert served[-1].finish_reason == want[-1].finish_reason
+        assert served[-1].num_prompt_tokens == n
+        if sampling.logprobs is not None:
+            got_lp = [lp for d in served for lp in d.logprobs]
+            want_lp = [lp for d in want for lp in d.logprobs]
+            assert [(a.token_id, [t for t, _ in a.top]) for a in got_lp] == \
+                   [(b.token_id, [t for t, _ in b.top]) for b in want_lp]
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(got_lp, want_lp)) < 1e-4
+    after = stats(DECODE_NAME)
+    assert after["transfers"] - before["transfers"] == len(CASES)  # every prompt ran on the prefill replica
+    assert after["fallbacks"] == before["fallbacks"]
+    assert after["kv_imported_total"] - before["kv_imported_total"] == len(CASES)
+    assert stats(PREFILL_NAME)["kv_exported_total"] >= len(CASES)
+
+
+CHAT = dict(model="gpt-oss", messages=[{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "What is a KV cache?"}])
+
+
+def test_chat_over_http_matches_the_single_process_app(http_port, reference_port):
+    served, ref = client(http_port), client(reference_port)
+    for sampling in (dict(temperature=0, max_tokens=24, logprobs=True, top_logprobs=3),
+                     dict(temperature=1.0, top_p=0.95, seed=11, max_tokens=20)):
+        got = served.chat.completions.create(**CHAT, **sampling)
+        want = ref.chat.completions.create(**CHAT, **sampling)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.choices[0].finish_reason == want.choices[0].finish_reason
+        assert got.usage.model_dump() == want.usage.model_dump()
+        if sampling.get("logprobs"):
+            gl, wl = got.choices[0].logprobs.content, want.choices[0].logprobs.content
+            assert [(t.bytes, [x.bytes for x in t.top_logprobs]) for t in gl] == \
+                   [(t.bytes, [x.bytes for x in t.top_logprobs]) for t in wl]
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(gl, wl)) < 1e-4
+
+    # Streaming: the same answer, delivered in several chunks, then the finish reason and usage.
+    want = ref.chat.completions.create(**CHAT, temperature=0, max_tokens=24)
+    chunks = list(served.chat.completions.create(**CHAT, temperature=0, max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) > 1
+    assert "".join(texts) == want.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+           [want.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+
+
+def test_twenty_concurrent_streams_then_pools_are_free(http_port, reference_port):
+    requests = [dict(model="gpt-oss", messages=[{"role": "user", "content": f"Question {i}: " + "why? " * (i % 7)}],
+                     temperature=0, max_tokens=8 + i) for i in range(20)]
+    ref = client(reference_port)
+    expected = [ref.chat.completions.create(**r) for r in requests]
+    before = stats(DECODE_NAME)
+
+    async def one(api: openai.AsyncOpenAI, request: dict) -> tuple[str, str | None]:
+        parts, finish = [], None
+        async for chunk in await api.chat.completions.create(**request, stream=True):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish
+
+    async def all_at_once():
+        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                                 timeout=120)
+        return await asyncio.gather(*(one(api, r) for r in requests))
+
+    results = run_async(all_at_once())
+    for i, ((text, finish), want) in enumerate(zip(results, expected)):
+        assert text == want.choices[0].message.content, f"stream {i} differs"
+        assert finish == want.choices[0].finish_reason
+    assert stats(DECODE_NAME)["transfers"] - before["transfers"] == 20
+
+    def pools_free() -> bool:
+        return all(s["num_running"] == s["num_waiting"] == s["num_prefilled"] == 0
+                   and s["full_pages_free"] == s["full_pages_total"]
+                   and s["sliding_pages_free"] == s["sliding_pages_total"]
+                   for s in (stats(DECODE_NAME), stats(PREFILL_NAME)))
+
+    wait_until(pools_free, 10, "every KV page back in the pools")
+
+
+class FaultyPrefill(PrefillServer):
+    """A prefill replica that fails on purpose, chosen by the request id's prefix."""
+
+    async def prefill(self, request, offer):
+        mode = request.request_id.split("-", 1)[0]
+        if mode == "raise":
+            raise RuntimeError("injected prefill failure")
+        if mode == "slow":
+            await asyncio.sleep(4)  # past the decode replica's prefill_timeout_s
+        handle = await super().prefill(request, offer)
+        if mode == "lost":
+            handle.ref = _never_ready.remote()  # K/V that never arrives
+        if mode == "mismatch":
+            handle.skeleton.layer_is_sliding = [not s for s in handle.skeleton.layer_is_sliding]
+        return handle
+
+
+@ray.remote(num_cpus=0)
+def _never_ready():
+    time.sleep(120)
+
+
+def test_failed_prefill_or_transfer_falls_back_to_local_prefill(http_port, reference):
+    config = ServeAppConfig.from_args({**ARGS, "prefill_timeout_s": "1.5", "kv_transfer_timeout_s": "1"})
+    prefill = serve.deployment(FaultyPrefill, name="FaultyPrefill",
+                               **deployment_options(config, config.prefill, "cpu", "object_store")).bind(config)
+    decode = serve.deployment(DecodeServer, name="FallbackDecode",
+                              **deployment_options(config, config.decode, "cpu", "object_store")).bind(prefill, config)
+    handle = serve.run(decode, name="faulty", route_prefix=None).options(stream=True)
+    sampling = SamplingParams(temperature=1.0, seed=3, max_tokens=10)
+    prompt = random_prompt(40, 99)
+    want = [t for d in run_async(collect(reference.generate(GenerateRequest("ref-f", prompt, sampling))))
+            for t in d.token_ids]
+    for mode in ("ok", "raise", "slow", "lost", "mismatch"):
+        t0 = time.monotonic()
+        got = [t for d in handle.generate.remote(GenerateRequest(f"{mode}-1", prompt, sampling)) for t in d.token_ids]
+        assert got == want, f"mode {mode}"
+        assert time.monotonic() - t0 < 10
+    s = serve.get_deployment_handle("FallbackDecode", "faulty").stats.remote().result()
+    assert (s["transfers"], s["fallbacks"]) == (2, 4)  # ok and mismatch arrived; 4 recovered locally
+    serve.delete("faulty")
+
+
+def test_engine_metrics_reach_prometheus(http_port):
+    wanted = ["ray_gptoss_ttft_seconds_bucket", "ray_gptoss_tpot_seconds_bucket", "ray_gptoss_kv_transfer_bytes_bucket",
+              "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
+              "ray_gptoss_tokens", "ray_serve_deployment_request_counter"]
+
+    def scrape() -> str | None:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+        return text if all(name in text for name in wanted) else None
+
+    text = wait_until(scrape, 30, "engine metrics in Ray's Prometheus export", interval_s=1)
+    assert re.search(r'ray_gptoss_kv_transfer_bytes_count\{[^}]*deployment="decode"[^}]*transport="object_store"', text)
+    assert re.search(r'ray_gptoss_queue_depth\{[^}]*deployment="prefill"', text)
+    assert re.search(r'ray_gptoss_kv_usage_ratio\{[^}]*pool="full"', text)
+
+
+def test_decode_replica_killed_mid_stream(http_port, reference_port):
+    request = dict(CHAT, temperature=0, max_tokens=600)
+    want = client(reference_port).chat.completions.create(**request)
+    assert want.choices[0].finish_reason == "length"  # long enough to be killed in the middle
+    [(old_name, old_actor)] = replica_actors(APP, DECODE_NAME)
+    stream = client(http_port).chat.completions.create(**request, stream=True)
+    received, t0 = 0, time.monotonic()
+    with pytest.raises(openai.APIError) as failure:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += 1
+                if received == 3:
+                    ray.kill(old_actor, no_restart=True)
+    assert time.monotonic() - t0 < 60 and received >= 3
+    assert "engine failed" in str(failure.value).lower() or "retry" in str(failure.value).lower()
+
+    # Serve starts a replacement; the next request succeeds and is still exact.
+    wait_until(lambda: running_replicas(APP, DECODE_NAME) == 1 and
+               [n for n, _ in replica_actors(APP, DECODE_NAME)] not in ([], [old_name]), 90,
+               "a replacement decode replica")
+    again = client(http_port).chat.completions.create(**CHAT, temperature=0, max_tokens=24)
+    assert again.choices[0].message.content == client(reference_port).chat.completions.create(
+        **CHAT, temperature=0, max_tokens=24).choices[0].message.content
