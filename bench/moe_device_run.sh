@@ -9,14 +9,11 @@ MODE=${1:-all}
 OUT=${OUT:-/tmp/moe_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+# sgl-deep-gemm 0.2.0's _C.so is built against apache-tvm-ffi 0.1.11 (its pin): with 0.1.15 it
+# imports, but every call fails in DeepGEMM's first shape check (seen 2026-11-29), so 0.1.11 it is.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/apache_tvm_ffi-*.whl .whl/sgl_deep_gemm-*.whl > "$OUT/setup.log" 2>&1
-if ! python3 -c "import deep_gemm" >> "$OUT/setup.log" 2>&1; then
-    echo "deep_gemm failed to import with the carried apache-tvm-ffi; trying 0.1.11 (its pinned version)" >> "$OUT/setup.log"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .jit/moe/wheels/apache_tvm_ffi-0.1.11-*.whl >> "$OUT/setup.log" 2>&1
-    python3 -c "import deep_gemm" >> "$OUT/setup.log" 2>&1 || echo "deep_gemm unusable: Triton-only run" >> "$OUT/setup.log"
-fi
+    .jit/moe/wheels/apache_tvm_ffi-0.1.11-*.whl .whl/sgl_deep_gemm-*.whl > "$OUT/setup.log" 2>&1
+python3 -c "import deep_gemm, tvm_ffi; print('deep_gemm', deep_gemm.__version__, 'tvm_ffi', tvm_ffi.__version__)" >> "$OUT/setup.log" 2>&1
 export DG_JIT_CACHE_DIR=$PWD/.jit/moe/deep_gemm TRITON_CACHE_DIR=$PWD/.jit/moe/triton
 mkdir -p "$DG_JIT_CACHE_DIR" "$TRITON_CACHE_DIR"
 [ -f .jit/moe/jit_cache.tgz ] && tar xzf .jit/moe/jit_cache.tgz -C .jit/moe
