@@ -1,0 +1,211 @@
+"""AsyncEngine: the TokenBackend of engine/request.py on top of LLMEngine.
+
+One background thread owns the LLMEngine: it applies queued commands (add, import, abort), runs
+`step()` while there is work, and hands each delta to the asyncio queue of its request through
+`loop.call_soon_threadsafe`. A thread rather than an asyncio task because a step blocks for the
+whole forward; the event loop (HTTP, Ray Serve) stays responsive meanwhile.
+
+Failures stay local: a bad request raises InvalidRequestError from its own iterator before the first
+delta; a step that raises fails only the requests in that step (StepFailedError) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from engine.kv_payload import PrefilledKV
+from engine.llm_engine import LLMEngine, StepFailedError
+from engine.request import GenerateRequest, InvalidRequestError, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine was shut down while the request was in flight; retry on another replica."""
+
+
+class RequestAbortedError(RuntimeError):
+    """A prefill-only request was aborted before its K/V was ready."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prefill: asyncio.Future | None = None  # set for prefill-only requests: resolves to the payload
+
+    def put(self, item) -> None:
+        """From the engine thread: a TokenDelta, or an exception to raise in the consumer."""
+        if self.prefill is not None:
+            self.loop.call_soon_threadsafe(_resolve, self.prefill, item)
+        else:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _resolve(future: asyncio.Future, item) -> None:
+    if future.done():
+        return
+    if isinstance(item, BaseException):
+        future.set_exception(item)
+    else:
+        future.set_result(item)
+
+
+class AsyncEngine:
+    """Implements engine.request.TokenBackend; also `prefill` / `generate_prefilled` for disaggregation."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self.max_context = engine.max_model_len
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="gptoss-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (event-loop side) -------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's deltas; leaving the loop early (or cancellation) aborts the request."""
+        self.engine.validate(request)
+        stream = _Stream(asyncio.get_running_loop())
+        self._submit(lambda: self._start(request.request_id, stream, lambda: self.engine.add_request(request)))
+        async for delta in self._drain(request.request_id, stream):
+            yield delta
+
+    async def generate_prefilled(self, request: GenerateRequest, payload: PrefilledKV) -> AsyncIterator[TokenDelta]:
+        """Like generate, for a request whose prefill ran elsewhere; the first delta carries its token(s)."""
+        self.engine.validate(request)
+        stream = _Stream(asyncio.get_running_loop())
+
+        def start() -> None:
+            for delta in self.engine.import_prefilled(request, payload):
+                stream.put(delta)
+                if delta.finish_reason is not None:
+                    self._streams.pop(request.request_id, None)
+
+        self._submit(lambda: self._start(request.request_id, stream, start))
+        async for delta in self._drain(request.request_id, stream):
+            yield delta
+
+    async def prefill(self, request: GenerateRequest) -> PrefilledKV:
+        """Run only the prefill and return K/V + first token + sampler state for a decode replica."""
+        self.engine.validate(request)
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, prefill=loop.create_future())
+        self._submit(lambda: self._start(request.request_id, stream,
+                                         lambda: self.engine.add_request(request, prefill_only=True)))
+        try:
+            return await stream.prefill
+        except asyncio.CancelledError:
+            await self.abort(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    def metrics(self) -> dict:
+        return self.engine.metrics.snapshot()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests still in flight fail with EngineStoppedError."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # ---- event-loop helpers -----------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        if self._stopping:
+            raise EngineStoppedError("the engine is shut down")
+        self._commands.put(command)
+        self._wake.set()
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[TokenDelta]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and not self._stopping:  # consumer left early or was cancelled
+                self._submit(lambda: self._abort(request_id))
+
+    # ---- engine thread ------------------------------------------------------------------------------
+    def _start(self, request_id: str, stream: _Stream, add: Callable[[], None]) -> None:
+        if request_id in self._streams:
+            stream.put(InvalidRequestError(f"request_id {request_id!r} is already in flight", "request_id"))
+            return
+        self._streams[request_id] = stream
+        try:
+            add()
+        except (ValueError, RuntimeError) as exc:  # InvalidRequestError, KVPayloadError, ...
+            self._streams.pop(request_id, None)
+            stream.put(exc)
+
+    def _abort(self, request_id: str) -> None:
+        delta = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and delta is not None:
+            stream.put(delta if stream.prefill is None else
+                       RequestAbortedError(f"request {request_id} was aborted during its prefill"))
+
+    def _dispatch(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if stream.prefill is not None:  # prefill-only: its one delta means the K/V is ready
+                self._streams.pop(delta.request_id)
+                try:
+                    stream.put(self.engine.export_kv(delta.request_id))
+                except RuntimeError as exc:  # a failed device read: this request only
+                    self.engine.abort(delta.request_id)
+                    stream.put(exc)
+                continue
+            stream.put(delta)
+            if delta.finish_reason is not None:
+                self._streams.pop(delta.request_id)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(exc)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    command()
+                except Exception:  # a command's own errors reach its stream in _start; this is a bug
+                    log.exception("engine command failed")
+            if not self.engine.has_unfinished():
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                self._dispatch(self.engine.step())
+            except StepFailedError as exc:
+                log.error("engine step failed; failing requests %s", exc.request_ids, exc_info=exc)
+                self._fail(exc.request_ids, exc)
+            except Exception as exc:  # a bug outside the forward: fail everything in flight, keep serving
+                log.exception("engine loop error; failing all in-flight requests")
+                self._fail(list(self._streams), exc)
+        self._fail(list(self._streams), EngineStoppedError("the engine was shut down"))

@@ -1,0 +1,155 @@
+"""KV page accounting: two pools (full-attention layers, sliding-window layers) and each sequence's tables.
+
+Full layers keep every page of a sequence. Sliding layers keep a deque of live pages: once the next
+query (at position p = num_computed) can no longer see any key of a page (it sees p - window + 1 .. p),
+the page goes back to the pool. A decoding sequence therefore holds at most
+ceil((window - 1) / block_size) + 1 sliding pages, whatever its length; a prefill chunk of c tokens
+holds the pages covering window - 1 + c tokens for the duration of the step.
+
+Only page ids move here; the tensors live in kernels/attention/kv_cache.py (PagedKVCache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.sequence import Sequence
+
+
+class KVCacheError(RuntimeError):
+    """The page accounting was asked for something impossible (more pages than free, a double free)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagePool:
+    """Free list of one kind's page ids. Freed pages are reused first (they are likely still in cache)."""
+
+    def __init__(self, kind: str, num_pages: int):
+        self.kind = kind
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheError(f"{self.kind} pool: asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def release(self, pages) -> None:
+        pages = list(pages)
+        if any(self._is_free[p] for p in pages) or len(set(pages)) != len(pages):
+            raise KVCacheError(f"{self.kind} pool: releasing a page that is already free (double free)")
+        for p in pages:
+            self._is_free[p] = True
+        self._free.extend(pages)
+
+
+class BlockManager:
+    """Allocates and frees the pages of sequences in both pools.
+
+    A model without layers of one kind (a 1-layer test model has no full layer) gets no pool for it,
+    and that kind never limits scheduling."""
+
+    def __init__(self, block_size: int, sliding_window: int, num_full_pages: int, num_sliding_pages: int,
+                 has_full: bool = True, has_sliding: bool = True):
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.full = PagePool("full", num_full_pages) if has_full else None
+        self.sliding = PagePool("sliding", num_sliding_pages) if has_sliding else None
+
+    # ---- capacity queries -----------------------------------------------------------------------
+    def _full_needed(self, seq: Sequence, total: int) -> int:
+        return max(0, cdiv(total, self.block_size) - len(seq.full_pages))
+
+    def _sliding_needed(self, seq: Sequence, total: int) -> int:
+        return max(0, cdiv(total, self.block_size) - (seq.sliding_first + len(seq.sliding_pages)))
+
+    def can_hold(self, seq: Sequence, total: int) -> bool:
+        """Whether free pages suffice for `seq` to have slots for positions 0 .. total - 1."""
+        if self.full is not None and self._full_needed(seq, total) > self.full.num_free:
+            return False
+        if self.sliding is not None and self._sliding_needed(seq, total) > self.sliding.num_free:
+            return False
+        return True
+
+    def max_new_tokens(self, seq: Sequence, limit: int) -> int:
+        """The largest n <= limit such that positions num_computed .. num_computed + n - 1 get slots."""
+        bs, n = self.block_size, limit
+        if self.full is not None:
+            n = min(n, (len(seq.full_pages) + self.full.num_free) * bs - seq.num_computed)
+        if self.sliding is not None:
+            held = seq.sliding_first + len(seq.sliding_pages)
+            n = min(n, (held + self.sliding.num_free) * bs - seq.num_computed)
+        return max(0, n)
+
+    def first_visible_position(self, num_computed: int) -> int:
+        """The oldest position the next query (at num_computed) still sees in a sliding layer."""
+        return max(0, num_computed - self.sliding_window + 1)
+
+    # ---- changes ----------------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, total: int) -> None:
+        """Give `seq` slots for positions up to total - 1 in both kinds (no-op where it has them)."""
+        if not self.can_hold(seq, total):
+            raise KVCacheError(f"request {seq.request_id}: not enough free pages for {total} tokens")
+        if self.full is not None:
+            seq.full_pages.extend(self.full.allocate(self._full_needed(seq, total)))
+        if self.sliding is not None:
+            seq.sliding_pages.extend(self.sliding.allocate(self._sliding_needed(seq, total)))
+
+    def start_sliding_at(self, seq: Sequence, position: int) -> None:
+        """For a sequence with no pages yet whose sliding layers hold K/V from `position` on (an import)."""
+        if len(seq.full_pages) or seq.sliding_pages:
+            raise KVCacheError(f"request {seq.request_id} already holds pages")
+        seq.sliding_first = position // self.block_size
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Free the sliding pages the next query can no longer see; returns how many were freed."""
+        if self.sliding is None:
+            return 0
+        first_needed_page = self.first_visible_position(seq.num_computed) // self.block_size
+        freed = []
+        while seq.sliding_pages and seq.sliding_first < first_needed_page:
+            freed.append(seq.sliding_pages.popleft())
+            seq.sliding_first += 1
+        if not seq.sliding_pages:
+            seq.sliding_first = max(seq.sliding_first, first_needed_page)
+        self.sliding.release(freed)
+        return len(freed)
+
+    def free(self, seq: Sequence) -> None:
+        """Return every page of `seq` (finish, abort, preemption, export)."""
+        full = seq.full_pages.clear()
+        if self.full is not None:
+            self.full.release(full)
+        if self.sliding is not None:
+            self.sliding.release(seq.sliding_pages)
+        seq.sliding_pages = deque()
+        seq.sliding_first = 0
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    def sliding_pages_per_decode(self) -> int:
+        """Live sliding pages of one decoding sequence at most (the window may straddle a page edge)."""
+        return cdiv(self.sliding_window - 1, self.block_size) + 1
+
+    def usage(self) -> dict[str, int]:
+        out = {}
+        for pool in (self.full, self.sliding):
+            if pool is not None:
+                out[f"{pool.kind}_pages_used"] = pool.num_used
+                out[f"{pool.kind}_pages_free"] = pool.num_free
+                out[f"{pool.kind}_pages_total"] = pool.num_pages
+        return out

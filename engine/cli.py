@@ -1,0 +1,224 @@
+"""`gptoss`: make a tiny checkpoint, or generate from a checkpoint with the engine (no Ray).
+
+    gptoss make-tiny DIR [--vocab 1000 --layers 2 ...]
+    gptoss generate [MODEL_DIR] --prompt-ids 1,2,3 --prompt-ids 4,5 --prompt "Hi" --json
+
+All prompts of one `generate` run as one continuous batch; output comes back in input order (the
+order the --prompt-ids / --prompt / --prompts-jsonl flags appear, a JSONL file's lines in place).
+Without MODEL_DIR the embedded tiny model is used, created on first use under
+$GPTOSS_CACHE_DIR/tiny (default ~/.cache/gptoss/tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+class CliError(ValueError):
+    """A command-line input the CLI cannot use; the message says which and why."""
+
+
+# ---- prompts ----------------------------------------------------------------------------------------
+class _Ordered(argparse.Action):
+    """Collects --prompt-ids / --prompt / --prompts-jsonl into one list, keeping their order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        items = getattr(namespace, self.dest) or []
+        items.append((option_string, value))
+        setattr(namespace, self.dest, items)
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CliError(f"{where}: expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise CliError(f"{where}: no token ids")
+    return ids
+
+
+def render_user_prompt(text: str) -> list[int]:
+    """A Harmony conversation (default system message + this user turn), ready for the assistant."""
+    from openai_harmony import Conversation, Message, Role, SystemContent
+
+    from serve_app.harmony.encoding import load_harmony_encoding
+
+    conversation = Conversation.from_messages([
+        Message.from_role_and_content(Role.SYSTEM, SystemContent.new()),
+        Message.from_role_and_content(Role.USER, text),
+    ])
+    return list(load_harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT))
+
+
+def _jsonl_prompts(path: str) -> list[list[int]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise CliError(f"--prompts-jsonl {path}: {exc.strerror}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"{where}: not JSON ({exc.msg})") from None
+        if isinstance(item, dict) and "prompt_ids" in item:
+            item = item["prompt_ids"]
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append(render_user_prompt(item["prompt"]))
+            continue
+        if not (isinstance(item, list) and item and all(isinstance(t, int) for t in item)):
+            raise CliError(f'{where}: expected a list of token ids, {{"prompt_ids": [...]}} or {{"prompt": "text"}}')
+        prompts.append(item)
+    return prompts
+
+
+def collect_prompts(items: list[tuple[str, str]]) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    for flag, value in items:
+        if flag == "--prompt-ids":
+            prompts.append(_parse_ids(value, "--prompt-ids"))
+        elif flag == "--prompt":
+            prompts.append(render_user_prompt(value))
+        else:
+            prompts.extend(_jsonl_prompts(value))
+    if not prompts:
+        raise CliError("no prompt: give --prompt-ids, --prompt or --prompts-jsonl")
+    return prompts
+
+
+# ---- the embedded model -------------------------------------------------------------------------------
+def default_model_dir() -> Path:
+    base = os.environ.get("GPTOSS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gptoss")
+    return Path(base) / "tiny"
+
+
+def ensure_tiny_model(folder: Path) -> Path:
+    """Create the default tiny checkpoint once; concurrent first uses each build one and keep the first."""
+    if (folder / "config.json").exists():
+        return folder
+    from model.tiny import make_tiny
+
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    make_tiny(tmp)
+    try:
+        tmp.rename(folder)  # atomic; fails if another process got there first
+        print(f"created the embedded tiny model in {folder}", file=sys.stderr)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# ---- commands -----------------------------------------------------------------------------------------
+def cmd_make_tiny(args) -> int:
+    from model.tiny import make_tiny
+
+    overrides = {"num_hidden_layers": args.layers, "num_local_experts": args.experts, "vocab_size": args.vocab,
+                 "sliding_window": args.sliding_window}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if args.experts is not None:
+        overrides["num_experts_per_tok"] = min(2, args.experts)
+    config = make_tiny(args.dir, mxfp4=args.mxfp4, seed=args.seed, dtype=args.dtype, **overrides)
+    print(f"wrote {args.dir}: {config.num_hidden_layers} layers, {config.num_local_experts} experts, "
+          f"vocab {config.vocab_size}, {config.num_params():,} parameters, {args.dtype}"
+          + (", MXFP4 experts" if args.mxfp4 else ""))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import GenerateRequest, SamplingParams
+    from model.loader import load_model, read_config
+    from serve_app.harmony.encoding import load_harmony_encoding
+
+    prompts = collect_prompts(args.prompts or [])
+    folder = Path(args.model_dir) if args.model_dir else ensure_tiny_model(default_model_dir())
+    model_config = read_config(folder)
+    max_model_len = args.max_model_len or min(model_config.max_position_embeddings,
+                                              max(map(len, prompts)) + args.max_tokens)
+    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+                          kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
+                          device=args.device, dtype=args.dtype, seed=args.seed or 0)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    engine = LLMEngine(load_model(folder, dtype=args.dtype, device=args.device, progress=False), config)
+    requests = [GenerateRequest(str(i), ids, sampling) for i, ids in enumerate(prompts)]
+    encoding = load_harmony_encoding()
+    for completion in engine.generate(requests):
+        text = encoding.decode(completion.output_ids)
+        if args.json:
+            print(json.dumps({"prompt_ids": completion.prompt_ids, "output_ids": completion.output_ids,
+                              "text": text, "finish_reason": completion.finish_reason}), flush=True)
+        else:
+            print(f"[{completion.request_id}] ({completion.finish_reason}, {len(completion.output_ids)} tokens) "
+                  f"{text}", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gptoss", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny", help="write a deterministic random GPT-OSS checkpoint (HF layout)")
+    tiny.add_argument("dir")
+    tiny.add_argument("--mxfp4", action="store_true", help="store experts as MXFP4 blocks/scales")
+    tiny.add_argument("--layers", type=int, help="hidden layers (default 4)")
+    tiny.add_argument("--experts", type=int, help="experts per layer (default 4)")
+    tiny.add_argument("--vocab", type=int, help="vocabulary size (default 201088, Harmony's)")
+    tiny.add_argument("--sliding-window", type=int, help="window of the sliding layers (default 128)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    gen = sub.add_parser("generate", help="generate for one or more prompts as one continuous batch")
+    gen.add_argument("model_dir", nargs="?", help="HF-layout checkpoint folder (default: the embedded tiny model)")
+    gen.add_argument("--prompt-ids", dest="prompts", action=_Ordered, help="comma-separated token ids (repeatable)")
+    gen.add_argument("--prompt", dest="prompts", action=_Ordered,
+                     help="text, rendered as a Harmony user turn for the assistant (repeatable)")
+    gen.add_argument("--prompts-jsonl", dest="prompts", action=_Ordered,
+                     help='file of lines: [ids...], {"prompt_ids": [...]} or {"prompt": "text"}')
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, help="per-request sampling seed (every prompt uses it)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at Harmony's <|return|> / <|call|>")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
+    gen.add_argument("--max-num-seqs", type=int, default=64)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--max-model-len", type=int, help="default: longest prompt + max tokens")
+    gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from engine.config import EngineConfigError
+    from engine.request import InvalidRequestError
+    from model.config import ConfigError
+    from model.loader import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CliError, InvalidRequestError, EngineConfigError, ConfigError, CheckpointError) as exc:
+        print(f"gptoss {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Engine settings: one validated dataclass shared by the engine, the CLI and the Serve deployments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CPU_KV_BYTES = 256 * 2**20
+
+
+class EngineConfigError(ValueError):
+    """An engine setting is out of range or inconsistent with another; the message names the field."""
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16  # tokens per KV page
+    max_num_seqs: int = 64  # sequences in one batch (decode batch size)
+    max_num_batched_tokens: int = 2048  # new tokens in one forward: the chunked-prefill budget
+    max_model_len: int | None = None  # prompt + output tokens; None: the model's max_position_embeddings
+    # KV memory for both page pools. None: 256 MiB on CPU; on CUDA `gpu_memory_fraction` of the memory
+    # still free once the weights are loaded.
+    kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float = 0.9
+    # Explicit pool sizes (tests, benchmarks) replace the byte budget; give both or neither.
+    num_full_pages: int | None = None
+    num_sliding_pages: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # weights and KV cache; auto: the checkpoint's dtype
+    seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_bytes"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        for name in ("num_full_pages", "num_sliding_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise EngineConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        if (self.num_full_pages is None) != (self.num_sliding_pages is None):
+            raise EngineConfigError("give both num_full_pages and num_sliding_pages, or neither (then "
+                                    "kv_cache_bytes sizes the pools)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): a full decode batch needs one token per sequence")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise EngineConfigError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise EngineConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")

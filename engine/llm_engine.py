@@ -1,0 +1,311 @@
+"""The synchronous engine core: requests in, token deltas out, one `step` at a time.
+
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(...))
+    engine.add_request(GenerateRequest("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    while engine.has_unfinished():
+        for delta in engine.step(): ...
+
+Disaggregated serving uses the same object on both sides: a prefill replica adds requests with
+`prefill_only=True`, runs `step_prefill()` and hands `export_kv(id)` to the decode replica, which
+calls `import_prefilled(request, payload)` and keeps stepping. Single-threaded: AsyncEngine owns it
+from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.block_manager import BlockManager, cdiv
+from engine.config import EngineConfig, EngineConfigError
+from engine.kv_payload import KVPayloadError, PrefilledKV
+from engine.metrics import EngineMetrics, StepTimes
+from engine.request import FINISH_ABORT, GenerateRequest, InvalidRequestError, TokenDelta, TokenLogprob
+from engine.runner import ModelRunner, plan_pool_sizes
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler import Scheduler, SchedulerOutput, StepKind
+from engine.sequence import Sequence, SequenceStatus
+from model.gpt_oss import GptOssForCausalLM
+
+
+class StepFailedError(RuntimeError):
+    """The forward or the sampler raised; `request_ids` were in that step (the caller aborts them)."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+class UnknownRequestError(KeyError):
+    """No unfinished request has this id."""
+
+
+class RequestStateError(RuntimeError):
+    """The request exists but is not in a state that allows the call (e.g. export before prefill ends)."""
+
+
+@dataclass
+class Completion:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: GptOssForCausalLM, config: EngineConfig):
+        self.config = config
+        self.model = model
+        mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                                    f"max_position_embeddings ({mc.max_position_embeddings})")
+        self.runner = ModelRunner(model, config.block_size)
+        if config.num_full_pages is not None:
+            num_full, num_sliding = config.num_full_pages, config.num_sliding_pages
+        else:
+            num_full, num_sliding = plan_pool_sizes(config, self.runner.kv_budget_bytes(config),
+                                                    *self.runner.page_bytes(), mc.sliding_window)
+        self.block_manager = BlockManager(config.block_size, mc.sliding_window, num_full, num_sliding,
+                                          self.runner.has_full, self.runner.has_sliding)
+        self._check_pools(num_full, num_sliding)
+        self.runner.allocate_kv_cache(num_full, num_sliding)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(mc.vocab_size, model.device)
+        self.metrics = EngineMetrics()
+        self.seqs: dict[str, Sequence] = {}  # every unfinished request: waiting, running or prefilled
+        self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self._update_state_metrics()
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path, config: EngineConfig, progress: bool = False) -> "LLMEngine":
+        from model.loader import load_model
+
+        return cls(load_model(folder, dtype=config.dtype, device=config.device, progress=progress), config)
+
+    def _check_pools(self, num_full: int, num_sliding: int) -> None:
+        bs = self.config.block_size
+        # One max_model_len sequence must fit alone, or a long request could never run (deadlock).
+        if self.runner.has_full and num_full < cdiv(self.max_model_len, bs):
+            raise EngineConfigError(
+                f"the full-layer pool has {num_full} pages of {bs} tokens, fewer than one max_model_len="
+                f"{self.max_model_len} sequence needs ({cdiv(self.max_model_len, bs)}): raise kv_cache_bytes "
+                f"(or num_full_pages) or lower max_model_len")
+        if self.runner.has_sliding and num_sliding < self.block_manager.sliding_pages_per_decode():
+            raise EngineConfigError(
+                f"the sliding-layer pool has {num_sliding} pages; one sequence needs "
+                f"{self.block_manager.sliding_pages_per_decode()} to cover the window: raise num_sliding_pages")
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError for a request this engine can never run. Reads no mutable state."""
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request.request_id!r}",
+                                      "request_id")
+        request.sampling.validate()
+        ids = request.prompt_ids
+        if not ids:
+            raise InvalidRequestError("prompt_ids is empty: send at least one token", "prompt_ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt_ids must be token ids in [0, {self.vocab_size})", "prompt_ids")
+        if len(ids) + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this engine's context (max_model_len) is "
+                f"{self.max_model_len} tokens including at least one generated token: shorten the prompt",
+                "prompt_ids")
+
+    def _new_sequence(self, request: GenerateRequest, seed: int | None, prefill_only: bool) -> Sequence:
+        self.validate(request)
+        if request.request_id in self.seqs:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already running; use a new id",
+                                      "request_id")
+        if seed is None:
+            seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(64)
+        return Sequence(request.request_id, list(request.prompt_ids), request.sampling, seed,
+                        next(self._arrivals), prefill_only)
+
+    def add_request(self, request: GenerateRequest, prefill_only: bool = False) -> None:
+        """Queue a request. prefill_only: stop after the first token and keep the K/V for export_kv."""
+        seq = self._new_sequence(request, None, prefill_only)
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.metrics.record_added()
+        self._update_state_metrics()
+
+    def import_prefilled(self, request: GenerateRequest, payload: PrefilledKV) -> list[TokenDelta]:
+        """Continue a request prefilled elsewhere. Returns the delta with the tokens the prefill sampled
+        (the request may already be finished by them); later tokens come from `step`."""
+        if payload.request_id != request.request_id or payload.prompt_ids != list(request.prompt_ids):
+            raise KVPayloadError(f"payload for {payload.request_id!r} does not match request "
+                                 f"{request.request_id!r} (ids or prompt differ)")
+        payload.check_compatible(self.runner.layer_is_sliding, self.runner.kv_heads, self.runner.head_dim)
+        seq = self._new_sequence(request, payload.seed, prefill_only=False)
+        now = time.monotonic()
+        for i, token in enumerate(payload.output_ids):
+            seq.append_token(token, payload.output_logprobs[i] if payload.output_logprobs else None, now)
+        self.metrics.record_added()
+        self.metrics.record_transfer(exported=False)
+        reason = seq.check_finished(self.max_model_len)
+        if reason is not None:
+            self._finish(seq, reason, now)
+            return [self._delta(seq)]
+        seq.pending_kv = payload
+        self.block_manager.start_sliding_at(seq, payload.sliding_start)
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self._update_state_metrics()
+        return [self._delta(seq)]
+
+    def abort(self, request_id: str) -> TokenDelta | None:
+        """Stop a request wherever it is and free its pages; returns its final delta (None: unknown id)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, FINISH_ABORT, time.monotonic())
+        self._update_state_metrics()
+        return self._delta(seq)
+
+    def export_kv(self, request_id: str) -> PrefilledKV:
+        """K/V + sampling state of a request whose prefill is done; the request leaves this engine."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(request_id)
+        ready = seq.status is SequenceStatus.PREFILLED or (
+            seq.status is SequenceStatus.RUNNING and not seq.is_prefill and seq.pending_kv is None)
+        if not ready:
+            raise RequestStateError(f"request {request_id!r} is {seq.status.value} with {seq.num_remaining} "
+                                    f"uncached tokens: export after its prefill has sampled a token")
+        sliding_start = self.block_manager.first_visible_position(seq.num_computed) if self.runner.has_sliding else 0
+        k, v = self.runner.read_kv(seq, sliding_start)
+        payload = PrefilledKV(seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
+                              list(seq.output_logprobs), seq.seed, seq.num_computed, sliding_start,
+                              list(self.runner.layer_is_sliding), k, v)
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        del self.seqs[request_id]
+        self.metrics.record_transfer(exported=True)
+        self._update_state_metrics()
+        return payload
+
+    def has_unfinished(self) -> bool:
+        """Whether a step would do work (prefilled requests waiting for export do not count)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        """Decodes and prefill chunks in one forward."""
+        return self._step(StepKind.MIXED)
+
+    def step_prefill(self) -> list[TokenDelta]:
+        return self._step(StepKind.PREFILL)
+
+    def step_decode(self) -> list[TokenDelta]:
+        return self._step(StepKind.DECODE)
+
+    def _step(self, kind: StepKind) -> list[TokenDelta]:
+        times = StepTimes()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule(kind)
+        t1 = time.perf_counter()
+        times.schedule = t1 - t0
+        if out.is_empty:
+            self.metrics.record_step(0, 0, len(out.preempted), times)
+            self._update_state_metrics()
+            return []
+        try:
+            inputs = self.runner.prepare(out.scheduled)
+            for seq in out.restores:
+                self.runner.write_kv(seq, seq.pending_kv)
+                seq.pending_kv = None
+            t2 = time.perf_counter()
+            rows = [out.scheduled[b].seq for b in inputs.sample_rows]
+            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows],
+                                        [len(s.output_ids) for s in rows], self.runner.device)
+            logits = self.runner.execute(inputs)
+            token_ids, logprobs, top = [], None, None
+            if rows:  # a step of partial prefill chunks samples nothing
+                sampled = self.sampler(logits, batch)
+                # The step's one device-to-host read.
+                token_ids = sampled.token_ids.tolist()
+                logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+                if sampled.top_ids is not None:
+                    top = (sampled.top_ids.tolist(), sampled.top_logprobs.tolist())
+        except Exception as exc:  # any failure of the model or sampler: the caller aborts these requests
+            raise StepFailedError(f"{kind.value} step failed: {exc!r}",
+                                  [s.seq.request_id for s in out.scheduled]) from exc
+        t3 = time.perf_counter()
+        deltas = self._apply(out, rows, token_ids, logprobs, top)
+        times.prepare, times.forward, times.update = t2 - t1, t3 - t2, time.perf_counter() - t3
+        self.metrics.record_step(out.num_prefill_tokens, out.num_decode_tokens, len(out.preempted), times)
+        self._update_state_metrics()
+        return deltas
+
+    def _apply(self, out: SchedulerOutput, rows: list[Sequence], token_ids: list[int],
+               logprobs: list[float] | None, top) -> list[TokenDelta]:
+        now = time.monotonic()
+        for s in out.scheduled:
+            s.seq.num_computed = s.end
+            self.block_manager.release_out_of_window(s.seq)
+        deltas = []
+        for i, seq in enumerate(rows):
+            lp = None
+            if seq.sampling.logprobs is not None:
+                n = seq.sampling.logprobs
+                lp = TokenLogprob(token_ids[i], logprobs[i],
+                                  list(zip(top[0][i][:n], top[1][i][:n])) if n else [])
+            if seq.first_token_time is None:
+                self.metrics.record_first_token(now - seq.arrival_time)
+            seq.append_token(token_ids[i], lp, now)
+            if seq.prefill_only:
+                self.scheduler.park(seq)  # stop conditions are the decode side's business
+            else:
+                reason = seq.check_finished(self.max_model_len)
+                if reason is not None:
+                    self._finish(seq, reason, now)
+            deltas.append(self._delta(seq))
+        return deltas
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.seqs.pop(seq.request_id, None)
+        self.metrics.record_finished(reason, len(seq.output_ids), seq.first_token_time, seq.last_token_time)
+
+    @staticmethod
+    def _delta(seq: Sequence) -> TokenDelta:
+        new = seq.output_ids[seq.num_emitted:]
+        logprobs = seq.output_logprobs[seq.num_emitted:] if seq.sampling.logprobs is not None else None
+        seq.num_emitted = len(seq.output_ids)
+        return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, len(seq.prompt_ids),
+                          len(seq.output_ids))
+
+    def _update_state_metrics(self) -> None:
+        prefilled = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)
+        self.metrics.set_state(len(self.scheduler.waiting), len(self.scheduler.running), prefilled,
+                               self.block_manager.usage())
+
+    # ---- offline use --------------------------------------------------------------------------------
+    def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
+        """Run requests to completion as one continuous batch; results in input order."""
+        results = {r.request_id: Completion(r.request_id, list(r.prompt_ids)) for r in requests}
+        if len(results) != len(requests):
+            raise InvalidRequestError("request ids must be unique within one generate call", "request_id")
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            for d in self.step():
+                c = results[d.request_id]
+                c.output_ids += d.token_ids
+                c.logprobs += d.logprobs or []
+                c.finish_reason = d.finish_reason
+        return [results[r.request_id] for r in requests]

@@ -1,0 +1,209 @@
+"""Model execution: step metadata, the paged KV cache, the forward, and K/V import/export by token.
+
+Nothing here decides what runs (the scheduler does) or which token comes next (the sampler does):
+with tensor parallelism, rank 0 schedules and every rank runs `prepare` + `execute` on the same
+scheduled step. `build_step_inputs` is the one place that turns a scheduled step into the flat batch
+and paging metadata of kernels/attention/metadata.py, for the pure-torch backend and the GPU one alike.
+
+Legend: T = new tokens in the step, B = sequences, N = sequences that sample, V = vocabulary,
+P = pages in a table row, Hkv / Dh = K/V heads on this rank / head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.block_manager import cdiv
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.kv_payload import PrefilledKV
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
+from model.gpt_oss import GptOssForCausalLM
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attention: AttentionBatch
+    logits_indices: torch.Tensor  # int64 [N]: the last token of each sequence that samples
+    sample_rows: list[int]  # host: which scheduled entries sample, in logits order
+
+
+def _to(device, array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def _group_meta(rows: list[np.ndarray], kv_lens: list[int], slots: list[np.ndarray], device) -> KVGroupMeta:
+    width = max(1, max(len(r) for r in rows))
+    tables = np.zeros((len(rows), width), dtype=np.int32)  # [B, P], padded with page 0
+    for b, row in enumerate(rows):
+        tables[b, : len(row)] = row
+    return KVGroupMeta(
+        block_tables=_to(device, tables),
+        kv_lens=_to(device, np.asarray(kv_lens, dtype=np.int32)),
+        slot_mapping=_to(device, np.concatenate(slots).astype(np.int64)),
+        kv_lens_cpu=list(kv_lens),
+    )
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) -> StepInputs:
+    """Flat batch + paging metadata for both layer kinds. Call after the scheduler allocated pages.
+
+    Full tables hold every page; sliding tables start at the first live page, and their kv_lens
+    count from that page's first position. A kind the model lacks gets tables no layer reads."""
+    bs = block_size
+    ids: list[int] = []
+    positions, full_rows, full_slots, sliding_rows, sliding_slots = [], [], [], [], []
+    full_lens, sliding_lens, starts, sample_rows, logits_indices = [], [], [0], [], []
+    for b, s in enumerate(scheduled):
+        seq = s.seq
+        ids += seq.token_slice(s.start, s.end)
+        pos = np.arange(s.start, s.end, dtype=np.int64)
+        positions.append(pos)
+        full = seq.full_pages.array()
+        full_rows.append(full)
+        full_lens.append(s.end)
+        full_slots.append(full[pos // bs] * bs + pos % bs if len(full) else np.zeros_like(pos))
+        live = np.fromiter(seq.sliding_pages, dtype=np.int64, count=len(seq.sliding_pages))
+        sliding_rows.append(live)
+        sliding_lens.append(s.end - seq.sliding_first * bs if len(live) else 0)
+        sliding_slots.append(live[pos // bs - seq.sliding_first] * bs + pos % bs if len(live) else np.zeros_like(pos))
+        starts.append(starts[-1] + s.num_tokens)
+        if s.samples:
+            sample_rows.append(b)
+            logits_indices.append(starts[-1] - 1)
+    query_lens = [s.num_tokens for s in scheduled]
+    attention = AttentionBatch(
+        query_start_loc=_to(device, np.asarray(starts, dtype=np.int32)),
+        query_lens_cpu=query_lens,
+        full=_group_meta(full_rows, full_lens, full_slots, device),
+        sliding=_group_meta(sliding_rows, sliding_lens, sliding_slots, device),
+        is_decode=all(n == 1 for n in query_lens),
+    )
+    return StepInputs(
+        input_ids=_to(device, np.asarray(ids, dtype=np.int64)),
+        positions=_to(device, np.concatenate(positions)),
+        attention=attention,
+        logits_indices=_to(device, np.asarray(logits_indices, dtype=np.int64)),
+        sample_rows=sample_rows,
+    )
+
+
+def plan_pool_sizes(config: EngineConfig, budget_bytes: int, full_page_bytes: int, sliding_page_bytes: int,
+                    sliding_window: int) -> tuple[int, int]:
+    """Split a byte budget into (full pages, sliding pages).
+
+    The sliding pool gets what a full batch can hold at its peak: per sequence the live window
+    pages plus the chunk's edge page, plus one step's worth of new tokens; the full pool the rest.
+    Sliding pages beyond that would never be used."""
+    bs = config.block_size
+    if not full_page_bytes:
+        return 0, budget_bytes // sliding_page_bytes
+    sliding = 0
+    if sliding_page_bytes:
+        sliding = config.max_num_seqs * (cdiv(sliding_window - 1, bs) + 2) + cdiv(config.max_num_batched_tokens, bs)
+    full = max(0, budget_bytes - sliding * sliding_page_bytes) // full_page_bytes
+    return full, sliding
+
+
+class ModelRunner:
+    """Owns the model shard and its paged KV cache on one device."""
+
+    def __init__(self, model: GptOssForCausalLM, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        config = model.config
+        self.layer_is_sliding = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
+        attn = model.model.layers[0].self_attn
+        self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_dtype = model.dtype
+        self.kv_cache: PagedKVCache | None = None
+
+    @property
+    def has_full(self) -> bool:
+        return not all(self.layer_is_sliding)
+
+    @property
+    def has_sliding(self) -> bool:
+        return any(self.layer_is_sliding)
+
+    def page_bytes(self) -> tuple[int, int]:
+        """Bytes of one page id in the full pool and in the sliding pool (K and V over their layers)."""
+        n_sliding = sum(self.layer_is_sliding)
+        n_full = len(self.layer_is_sliding) - n_sliding
+        return tuple(PagedKVCache.bytes_per_block(n, self.kv_heads, self.head_dim, self.block_size, self.kv_dtype)
+                     for n in (n_full, n_sliding))
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int:
+        if config.kv_cache_bytes is not None:
+            return config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * config.gpu_memory_fraction)
+        return DEFAULT_CPU_KV_BYTES
+
+    def allocate_kv_cache(self, num_full_pages: int, num_sliding_pages: int) -> None:
+        self.kv_cache = PagedKVCache.allocate(self.layer_is_sliding, num_full_pages, num_sliding_pages,
+                                              self.block_size, self.kv_heads, self.head_dim, self.kv_dtype,
+                                              self.device)
+        self.model.backend.bind_cache(self.kv_cache)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
+        return build_step_inputs(scheduled, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [N, V] (fp32) of the sequences that sample this step."""
+        # Rebinding is a pointer swap; it keeps two engines over one model object (tests) apart.
+        self.model.backend.bind_cache(self.kv_cache)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D]
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+
+    # ---- K/V by token, for the prefill -> decode hand-off -----------------------------------------
+    def _slots(self, seq: Sequence, sliding: bool, start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = np.arange(start, end, dtype=np.int64)
+        if sliding:
+            pages = np.fromiter(seq.sliding_pages, dtype=np.int64, count=len(seq.sliding_pages))
+            slots = pages[pos // bs - seq.sliding_first] * bs + pos % bs
+        else:
+            slots = seq.full_pages.array()[pos // bs].astype(np.int64) * bs + pos % bs
+        return _to(self.device, slots)
+
+    @torch.inference_mode()
+    def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer K and V [tokens, Hkv, Dh] of positions 0 (full) or sliding_start (sliding) to num_computed."""
+        end = seq.num_computed
+        slots = {s: self._slots(seq, s, sliding_start if s else 0, end) for s in set(self.layer_is_sliding)}
+        ks, vs = [], []
+        for layer, sliding in enumerate(self.layer_is_sliding):
+            kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
+            ks.append(kc.view(-1, *kc.shape[2:]).index_select(0, slots[sliding]))
+            vs.append(vc.view(-1, *vc.shape[2:]).index_select(0, slots[sliding]))
+        return ks, vs
+
+    @torch.inference_mode()
+    def write_kv(self, seq: Sequence, payload: PrefilledKV) -> None:
+        """Write imported K/V into the pages the scheduler gave `seq`."""
+        end = payload.num_cached
+        # The first live sliding page also holds positions before sliding_start, which the window masks
+        # out; they are written as zeros because a masked key still meets its value in 0 * V (NaN stays NaN).
+        page_start = seq.sliding_first * self.block_size
+        pad = payload.sliding_start - page_start
+        slots = {s: self._slots(seq, s, page_start if s else 0, end) for s in set(self.layer_is_sliding)}
+        for layer, sliding in enumerate(self.layer_is_sliding):
+            kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
+            k = payload.k[layer].to(self.device, kc.dtype)
+            v = payload.v[layer].to(self.device, vc.dtype)
+            if sliding and pad:
+                k = torch.cat([k.new_zeros(pad, *k.shape[1:]), k])
+                v = torch.cat([v.new_zeros(pad, *v.shape[1:]), v])
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, slots[sliding], k)
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, slots[sliding], v)

@@ -1,0 +1,154 @@
+"""Batched sampling: temperature, top-k, top-p, min-p, per-request seeds and top-N logprobs.
+
+Randomness is counter-based: the noise for (request seed, step, token id) is an integer hash of
+the three, computed with torch integer ops on the logits' device. Sampling is the Gumbel-max trick,
+argmax(logits / T + Gumbel noise) over the tokens the filters keep, which draws exactly from the
+filtered softmax. Why this and not torch.multinomial with a Generator per request:
+- no host synchronisation and no per-request kernel launches: one batched pass per step, and the
+  only device-to-host copy is the engine's single read of the sampled ids;
+- reproducible per request whatever the batch it lands in, and across preemption/recompute and
+  the prefill -> decode hand-off (the decode side continues at step = tokens generated so far);
+- the same numbers on CPU and GPU (integer hashing is exact).
+
+Filters apply in this order on the tempered distribution: top-k, then top-p on what top-k kept
+(the smallest set of most likely tokens whose mass reaches top_p), then min-p (keep p >= min_p *
+p_max, which renormalisation does not change). Logprobs are those of the model's own distribution
+(log_softmax of the raw logits, before temperature and filters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_MULT = 0x45D9F3B  # odd multiplier < 2**31: products of 32-bit values stay inside int64
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer mix on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MULT) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * _MULT) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor,
+                  token_hash: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) [B, V], a pure function of (seed, step, token id)."""
+    key = hash32(seed_lo ^ hash32(seed_hi ^ hash32((step + 0x9E3779B9) & _MASK32)))  # [B]
+    bits = hash32(key[:, None] ^ token_hash[None, :])  # [B, V]
+    # 23 bits keep (k + 0.5) / 2**23 exactly representable in fp32, so u never rounds to 0 or 1.
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  *, sort: bool = True, use_min_p: bool = True) -> torch.Tensor:
+    """Tempered logits [B, V] with the tokens top-k / top-p / min-p drop set to -inf.
+
+    top_k [B] int64 (0: off), top_p [B] float (1: off), min_p [B] float (0: off). `sort` and
+    `use_min_p` are host-side facts from the request parameters (False: skip that pass), so the
+    device never reports back to the host here."""
+    vocab = logits.shape[-1]
+    if sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=logits.device)
+        k = torch.where(top_k > 0, top_k, vocab)
+        keep = rank[None, :] < k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely kept tokens
+        # top_p = 1 keeps everything even where the fp32 cumsum overshoots 1.
+        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+        drop = torch.empty_like(keep).scatter_(1, order, ~keep)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if use_min_p:
+        best = logits.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logits - best < torch.log(min_p)[:, None], float("-inf"))
+    return logits
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, on the logits' device. Flags are host-side facts."""
+
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    seed_lo: torch.Tensor  # [B] int64, low / high 32 bits of the request seed
+    seed_hi: torch.Tensor
+    step: torch.Tensor  # [B] int64: tokens the request has generated before this one
+    all_greedy: bool
+    any_greedy: bool
+    any_sort: bool  # some sampled row uses top-k or top-p
+    any_min_p: bool
+    num_logprobs: int | None  # the largest top-N asked for; None: nobody wants logprobs
+
+    @staticmethod
+    def build(params: list[SamplingParams], seeds: list[int], steps: list[int],
+              device: torch.device | str) -> "SamplingBatch":
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        seeds = [s % 2**64 for s in seeds]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        greedy = [p.temperature == 0 for p in params]
+        sampled = [p for p in params if p.temperature > 0]
+        return SamplingBatch(
+            temperature=t([p.temperature for p in params], torch.float32),
+            top_k=t([p.top_k for p in params], torch.int64),
+            top_p=t([p.top_p for p in params], torch.float32),
+            min_p=t([p.min_p for p in params], torch.float32),
+            seed_lo=t([s & _MASK32 for s in seeds], torch.int64),
+            seed_hi=t([s >> 32 for s in seeds], torch.int64),
+            step=t(steps, torch.int64),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            any_min_p=any(p.min_p > 0 for p in sampled),
+            num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] fp32: log p(chosen token)
+    top_ids: torch.Tensor | None = None  # [B, N] int64, best first
+    top_logprobs: torch.Tensor | None = None  # [B, N] fp32
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device | str):
+        self.vocab_size = vocab_size
+        self.token_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=device))
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()  # [B, V]
+        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+            tempered = logits / temperature[:, None]
+            if batch.any_sort or batch.any_min_p:
+                tempered = filter_logits(tempered, batch.top_k, batch.top_p, batch.min_p,
+                                         sort=batch.any_sort, use_min_p=batch.any_min_p)
+            u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, self.token_hash)
+            gumbel = -torch.log(-torch.log(u))
+            token_ids = (tempered + gumbel).argmax(dim=-1)
+            if greedy_ids is not None:
+                token_ids = torch.where(batch.temperature > 0, token_ids, greedy_ids)
+        out = SamplerOutput(token_ids)
+        if batch.num_logprobs is not None:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
+            if batch.num_logprobs > 0:
+                out.top_logprobs, out.top_ids = logprobs.topk(batch.num_logprobs, dim=-1)
+        return out
+

@@ -1,0 +1,182 @@
+"""Continuous batching: which sequences run in the next forward, and with how many new tokens.
+
+Policy (first come, first served):
+- running sequences go first, oldest first: a decoding one takes 1 token of the step's budget
+  (max_num_batched_tokens), a prefilling one a chunk of what is left (chunked prefill);
+- then waiting sequences are admitted in arrival order while the budget, the seats (max_num_seqs)
+  and the free pages allow; the first one that does not fit stops admission (no overtaking, so a
+  long prompt is never starved by short ones);
+- when a running sequence needs a page and none is free, the newest running sequence is preempted
+  by recompute (its pages are freed, it returns to the waiting queue in arrival order and later
+  prefills prompt + output again). The oldest sequence therefore always progresses, and since the
+  pools hold one max_model_len sequence (checked at engine start) nothing deadlocks.
+
+Three step kinds share the policy: MIXED (decodes and prefill chunks in one forward, the default),
+PREFILL (prefill chunks only: a prefill replica) and DECODE (decodes only, plus admission of
+sequences whose K/V was imported from a prefill replica).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+class StepKind(enum.Enum):
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (the sequence's num_computed when scheduled)
+    num_tokens: int
+    is_prefill: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token, so the step samples the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    kind: StepKind
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    restores: list[Sequence] = field(default_factory=list)  # imported K/V to write before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
+
+
+def _by_arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival; each holds pages
+
+    # ---- queue changes ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_by_arrival)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues and free its pages (finish, abort, export)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def park(self, seq: Sequence) -> None:
+        """A prefill-only sequence whose first token is sampled: off the schedule, pages kept for export."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PREFILLED
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed = 0
+        seq.pending_kv = None  # imported K/V is gone with the pages: recompute prompt + output
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def has_work(self, kind: StepKind = StepKind.MIXED) -> bool:
+        return any(self._wants(kind, s) for s in self.running) or any(
+            self._admits(kind, s) for s in self.waiting)
+
+    @staticmethod
+    def _wants(kind: StepKind, seq: Sequence) -> bool:
+        return kind is StepKind.MIXED or (kind is StepKind.PREFILL) == seq.is_prefill
+
+    @staticmethod
+    def _admits(kind: StepKind, seq: Sequence) -> bool:
+        imported = seq.pending_kv is not None
+        return kind is StepKind.MIXED or (kind is StepKind.DECODE) == imported
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def schedule(self, kind: StepKind = StepKind.MIXED) -> SchedulerOutput:
+        out = SchedulerOutput(kind)
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not self._wants(kind, seq):
+                i += 1
+                continue
+            n = self._make_room(seq, min(seq.num_remaining, budget), out)
+            if n == 0:  # seq itself was preempted; it was the last running one
+                break
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.is_prefill))
+            self.block_manager.allocate(seq, seq.num_computed + n)
+            budget -= n
+            i += 1
+        self._admit(kind, budget, out)
+        return out
+
+    def _make_room(self, seq: Sequence, want: int, out: SchedulerOutput) -> int:
+        """Tokens `seq` can compute this step, preempting the newest running sequences if needed."""
+        while True:
+            n = self.block_manager.max_new_tokens(seq, want)
+            if n == want or (n > 0 and seq.is_prefill):  # a shorter prefill chunk is still progress
+                return n
+            victim = self.running[-1]  # never one already scheduled: those precede seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+
+    def _admit(self, kind: StepKind, budget: int, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if not self._admits(kind, seq):
+                continue
+            if seq.pending_kv is not None:
+                total = seq.pending_kv.num_cached + 1  # the imported K/V plus this step's token
+                if not bm.can_hold(seq, total):
+                    return
+                bm.allocate(seq, total)
+                seq.num_computed = seq.pending_kv.num_cached
+                out.restores.append(seq)
+                n = 1
+            else:
+                want = min(seq.num_remaining, budget)
+                n = bm.max_new_tokens(seq, want)
+                # Wait for a whole chunk while others hold pages (they free them as they finish);
+                # alone, take what fits so a tiny pool still makes progress.
+                if n == 0 or (n < want and self.running):
+                    return
+                bm.allocate(seq, seq.num_computed + n)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_by_arrival)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.is_prefill))
+            budget -= n

@@ -1,0 +1,124 @@
+"""One request inside the engine: its tokens, how much of them is cached, and its KV pages."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.request import FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.kv_payload import PrefilledKV
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages (new, preempted, or imported KV not yet written)
+    RUNNING = "running"  # holds pages; scheduled for prefill chunks or decode steps
+    PREFILLED = "prefilled"  # prefill-only request whose first token is sampled; waits for export_kv
+    FINISHED = "finished"
+
+
+class PageList:
+    """A growable int32 array of page ids: step metadata copies a row with one memcpy."""
+
+    def __init__(self) -> None:
+        self._data = np.zeros(16, dtype=np.int32)
+        self._len = 0
+
+    def extend(self, pages: list[int]) -> None:
+        need = self._len + len(pages)
+        if need > len(self._data):
+            grown = np.zeros(max(need, 2 * len(self._data)), dtype=np.int32)
+            grown[: self._len] = self._data[: self._len]
+            self._data = grown
+        self._data[self._len: need] = pages
+        self._len = need
+
+    def clear(self) -> list[int]:
+        pages = self._data[: self._len].tolist()
+        self._len = 0
+        return pages
+
+    def array(self) -> np.ndarray:
+        return self._data[: self._len]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._data[: self._len][i])
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # resolved per-request seed: the sampler's noise is a function of (seed, step, token)
+    arrival: int  # FCFS rank: lower arrived earlier
+    prefill_only: bool = False  # a prefill replica's request: stop after the first token, then export
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the cache (a prefix of prompt + output)
+    # Full layers: every page. Sliding layers: only live pages; sliding_first is the logical index
+    # (position // block_size) of sliding_pages[0].
+    full_pages: PageList = field(default_factory=PageList)
+    sliding_pages: deque = field(default_factory=deque)
+    sliding_first: int = 0
+    pending_kv: "PrefilledKV | None" = None  # imported K/V waiting for pages
+    finish_reason: str | None = None
+    num_emitted: int = 0  # output tokens already sent in deltas
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens whose K/V is not cached yet; the last of them yields the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        # Decode = exactly the last sampled token is uncached. A 1-token prompt before its first sample,
+        # and a preempted sequence being recomputed, are prefills.
+        return self.num_remaining > 1 or not self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p: end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def append_token(self, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def check_finished(self, max_model_len: int) -> str | None:
+        """The finish reason the last sampled token implies, or None to keep going."""
+        s = self.sampling
+        if not s.ignore_eos and self.output_ids and self.output_ids[-1] in s.stop_token_ids:
+            return FINISH_STOP
+        if len(self.output_ids) >= s.max_tokens or self.num_tokens >= max_model_len:
+            return FINISH_LENGTH
+        return None

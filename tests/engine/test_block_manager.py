@@ -1,0 +1,117 @@
+"""Page accounting: window-layer pages are freed as decoding proceeds; pools always balance."""
+
+import random
+
+import pytest
+
+from engine.block_manager import BlockManager, KVCacheError, cdiv
+from engine.request import SamplingParams
+from engine.sequence import Sequence
+
+
+def _seq(rid: str = "s", prompt_len: int = 1) -> Sequence:
+    return Sequence(rid, [0] * prompt_len, SamplingParams(), seed=0, arrival=0)
+
+
+def _visible_ok(bm: BlockManager, seq: Sequence) -> None:
+    """Every position the next query can see is on a live page, and no dead page is held."""
+    need_from = bm.first_visible_position(seq.num_computed)
+    assert seq.sliding_first * bm.block_size <= need_from
+    assert seq.sliding_first == need_from // bm.block_size or not seq.sliding_pages
+
+
+def _decode(bm: BlockManager, seq: Sequence, tokens: int, chunk: int = 1) -> int:
+    """Advance `seq` by `tokens` positions in chunks; returns the peak sliding pages held."""
+    peak = 0
+    done = 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        bm.allocate(seq, seq.num_computed + n)
+        peak = max(peak, len(seq.sliding_pages))
+        seq.num_computed += n
+        done += n
+        bm.release_out_of_window(seq)
+        _visible_ok(bm, seq)
+        assert len(seq.full_pages) == cdiv(seq.num_computed, bm.block_size)
+    return peak
+
+
+@pytest.mark.parametrize("window,block", [(8, 4), (7, 4), (128, 16), (5, 1), (3, 8)])
+def test_sliding_pages_bounded_while_decoding(window, block):
+    bm = BlockManager(block, window, num_full_pages=1000, num_sliding_pages=1000)
+    seq = _seq()
+    peak = _decode(bm, seq, 300)
+    # At most the window's pages (it can straddle one page edge) while full pages keep growing.
+    assert peak <= bm.sliding_pages_per_decode() == cdiv(window - 1, block) + 1
+    assert bm.sliding.num_used == len(seq.sliding_pages) <= peak
+    assert bm.full.num_used == cdiv(300, block)
+    bm.free(seq)
+    assert bm.full.num_used == 0 and bm.sliding.num_used == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 19, 64])
+def test_prefill_chunk_holds_window_plus_chunk(chunk):
+    window, block = 8, 4
+    bm = BlockManager(block, window, 1000, 1000)
+    seq = _seq()
+    peak = _decode(bm, seq, 200, chunk=chunk)
+    assert peak <= cdiv(window - 1 + chunk, block) + 1
+
+
+def test_kv_saving_32k_sequence_gpt_oss_shape():
+    """gpt-oss: window 128, pages of 16. Decoding to 32k costs full pages + at most 9 sliding pages,
+    against 2 x 2048 pages when both kinds keep every page."""
+    block, window, length = 16, 128, 32768
+    bm = BlockManager(block, window, num_full_pages=length // block, num_sliding_pages=64)
+    seq = _seq(prompt_len=length)
+    peak = _decode(bm, seq, length, chunk=1)
+    naive = 2 * cdiv(length, block)
+    windowed = bm.full.num_used + peak
+    assert peak == bm.sliding_pages_per_decode() == 9
+    assert windowed / naive < 0.51  # about half: the sliding half of the layers costs ~nothing
+
+
+def test_max_new_tokens_matches_can_hold():
+    rng = random.Random(0)
+    bm = BlockManager(4, 8, num_full_pages=10, num_sliding_pages=5)
+    seq = _seq()
+    for _ in range(40):
+        limit = rng.randint(1, 30)
+        n = bm.max_new_tokens(seq, limit)
+        assert n <= limit
+        if n:
+            assert bm.can_hold(seq, seq.num_computed + n)
+        if n < limit:
+            assert not bm.can_hold(seq, seq.num_computed + n + 1)
+        if n == 0:
+            break
+        bm.allocate(seq, seq.num_computed + n)
+        seq.num_computed += n
+        bm.release_out_of_window(seq)
+    assert bm.full.num_free == 0  # ran until the full pool was exhausted
+
+
+def test_errors_and_release():
+    bm = BlockManager(4, 8, num_full_pages=2, num_sliding_pages=3)
+    seq = _seq()
+    with pytest.raises(KVCacheError, match="not enough free pages"):
+        bm.allocate(seq, 9)  # 3 full pages needed, 2 exist
+    bm.allocate(seq, 8)
+    assert bm.full.num_free == 0
+    bm.free(seq)
+    with pytest.raises(KVCacheError, match="double free"):
+        bm.full.release([0])
+    assert bm.usage() == {"full_pages_used": 0, "full_pages_free": 2, "full_pages_total": 2,
+                          "sliding_pages_used": 0, "sliding_pages_free": 3, "sliding_pages_total": 3}
+
+
+def test_import_starts_sliding_table_at_window():
+    bm = BlockManager(4, 8, 100, 100)
+    seq = _seq(prompt_len=30)
+    bm.start_sliding_at(seq, bm.first_visible_position(29))  # 29 cached tokens -> keys 22..28 visible
+    bm.allocate(seq, 30)
+    assert seq.sliding_first == 22 // 4
+    assert len(seq.sliding_pages) == cdiv(30, 4) - 22 // 4
+    assert len(seq.full_pages) == cdiv(30, 4)
+    with pytest.raises(KVCacheError, match="already holds pages"):
+        bm.start_sliding_at(seq, 0)
