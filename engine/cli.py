@@ -114,6 +114,8 @@ def ensure_tiny_model(folder: Path) -> Path:
         print(f"created the embedded tiny model in {folder}", file=sys.stderr)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").exists():  # not a lost race: a real failure
+            raise
     return folder
 
 

@@ -1,0 +1,162 @@
+"""AsyncEngine over the real engine thread: concurrent streams, abort, early exit, bad requests, a
+failing step that takes down only its own requests, and the prefill -> decode hand-off."""
+
+import asyncio
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import StepFailedError
+from engine.request import FINISH_ABORT, FINISH_LENGTH, InvalidRequestError, SamplingParams
+from tests.engine.engine_testlib import assert_pool_full, greedy, random_prompt, request, run_to_end
+
+POISON = 999  # a prompt made of this token makes the injected fault fire
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [t for t in random_prompt(n + 10, seed) if t != POISON][:n]
+
+
+def _requests():
+    reqs = [request(f"g{i}", _prompt(n, i), greedy(m)) for i, (n, m) in enumerate([(1, 9), (8, 6), (13, 8), (30, 4)])]
+    reqs.append(request("s", _prompt(6, 9), SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=7)))
+    return reqs
+
+
+def _sync_outputs(make_engine, reqs) -> dict[str, list[int]]:
+    engine = make_engine()
+    for r in reqs:
+        engine.add_request(r)
+    return {rid: r["ids"] for rid, r in run_to_end(engine).items()}
+
+
+async def _collect(stream) -> tuple[list[int], list]:
+    ids, deltas = [], []
+    async for d in stream:
+        ids += d.token_ids
+        deltas.append(d)
+    return ids, deltas
+
+
+async def _wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        snap = engine.metrics()
+        if snap["full_pages_used"] == 0 and snap["num_running"] == 0 and snap["num_waiting"] == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.metrics()}")
+
+
+def test_concurrent_streams_match_the_sync_engine(make_engine):
+    reqs = _requests()
+    expected = _sync_outputs(make_engine, reqs)
+    engine = AsyncEngine(make_engine())
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine.generate(r)) for r in reqs))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for r, (ids, deltas) in zip(reqs, results):
+        assert ids == expected[r.request_id]
+        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [FINISH_LENGTH]
+        assert deltas[-1].num_output_tokens == len(ids) and deltas[-1].num_prompt_tokens == len(r.prompt_ids)
+    assert_pool_full(engine.engine)
+
+
+def test_abort_and_early_exit_free_every_page(make_engine):
+    engine = AsyncEngine(make_engine())
+
+    async def main():
+        stream = engine.generate(request("long", _prompt(10, 1), greedy(80)))
+        got = [await stream.__anext__() for _ in range(3)]
+        await engine.abort("long")
+        rest = [d async for d in stream]
+        assert rest[-1].finish_reason == FINISH_ABORT and all(d.finish_reason is None for d in got)
+        async for d in engine.generate(request("leaver", _prompt(10, 2), greedy(80))):
+            break  # the client disconnects: the generator's cleanup aborts the request
+        await _wait_idle(engine)
+        ids, _ = await _collect(engine.generate(request("after", _prompt(4, 3), greedy(3))))
+        assert len(ids) == 3
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert engine.engine.metrics.snapshot()["requests_finished_total"] == {FINISH_ABORT: 2, FINISH_LENGTH: 1}
+    assert_pool_full(engine.engine)
+
+
+def test_bad_requests_fail_alone(make_engine):
+    engine = AsyncEngine(make_engine())
+
+    async def main():
+        with pytest.raises(InvalidRequestError) as err:
+            await _collect(engine.generate(request("bad", _prompt(4, 1), greedy(0))))
+        assert err.value.param == "max_tokens"
+        first = engine.generate(request("dup", _prompt(4, 2), greedy(30)))
+        await first.__anext__()
+        with pytest.raises(InvalidRequestError, match="already"):
+            await _collect(engine.generate(request("dup", _prompt(4, 3), greedy(3))))
+        ids, _ = await _collect(first)
+        return ids
+
+    try:
+        assert len(asyncio.run(main())) == 29
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_step_fails_only_its_requests(make_engine, reference_greedy):
+    llm = make_engine()
+    real_execute = llm.runner.execute
+
+    def execute(inputs):  # injected fault: a device error on the poisoned prompt
+        if POISON in inputs.input_ids.tolist():
+            raise RuntimeError("simulated device fault")
+        return real_execute(inputs)
+
+    llm.runner.execute = execute
+    engine = AsyncEngine(llm)
+    good = request("good", _prompt(7, 5), greedy(5))
+
+    async def main():
+        with pytest.raises(StepFailedError, match="simulated device fault") as err:
+            await _collect(engine.generate(request("poison", [POISON] * 3, greedy(5))))
+        assert err.value.request_ids == ["poison"]
+        return await _collect(engine.generate(good))
+
+    try:
+        ids, _ = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert ids == reference_greedy(good.prompt_ids, 5)
+    assert_pool_full(llm)
+
+
+def test_async_prefill_then_decode_on_another_engine(make_engine):
+    reqs = _requests()
+    expected = _sync_outputs(make_engine, reqs)
+    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(make_engine())
+
+    async def one(r):
+        payload = await prefill.prefill(r)
+        return await _collect(decode.generate_prefilled(r, payload))
+
+    async def main():
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    for r, (ids, deltas) in zip(reqs, results):
+        assert ids == expected[r.request_id] and deltas[-1].finish_reason == FINISH_LENGTH
+    assert prefill.metrics()["kv_exported_total"] == len(reqs) == decode.metrics()["kv_imported_total"]
+    assert_pool_full(prefill.engine)
+    assert_pool_full(decode.engine)

@@ -1,0 +1,103 @@
+"""The `gptoss` command line, run as a subprocess: make-tiny is deterministic, generate batches prompts
+from every source in input order and matches the model's from-scratch greedy decoding."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gptoss(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    args = ["--vocab", "1000", "--layers", "3", "--experts", "3", "--sliding-window", "8", "--dtype", "float32"]
+    for name, seed in (("a", "4"), ("b", "4"), ("c", "5")):
+        done = gptoss("make-tiny", str(base / name), "--seed", seed, *args)
+        assert done.returncode == 0, done.stderr
+    assert "3 layers, 3 experts, vocab 1000" in done.stdout
+    return base
+
+
+def test_make_tiny_is_deterministic(tiny):
+    assert _digest(tiny / "a") == _digest(tiny / "b")
+    assert _digest(tiny / "a")["model.safetensors"] != _digest(tiny / "c")["model.safetensors"]
+    config = json.loads((tiny / "a" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_local_experts"], config["vocab_size"]) == (3, 3, 1000)
+    assert config["sliding_window"] == 8 and config["dtype"] == "float32"
+
+
+def test_generate_json_in_input_order_matches_reference(tiny, tmp_path):
+    from model.loader import load_model
+    from serve_app.harmony.encoding import load_harmony_encoding
+
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("[7, 8, 9, 10, 11, 12, 13, 14, 15, 16]\n\n" + json.dumps({"prompt_ids": [3]}) + "\n")
+    done = gptoss("generate", str(tiny / "a"), "--prompt-ids", "1,2,3", "--prompts-jsonl", str(jsonl),
+                  "--prompt-ids", "400,401,402,403,404,405,406,407,408,409,410,411,412", "--max-tokens", "9",
+                  "--json", "--block-size", "4", "--max-num-batched-tokens", "8", "--max-num-seqs", "4")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt_ids"] for line in lines] == [[1, 2, 3], list(range(7, 17)), [3], list(range(400, 413))]
+    model = load_model(tiny / "a", dtype="float32", progress=False)
+    encoding = load_harmony_encoding()
+    for line in lines:
+        ids = list(line["prompt_ids"])
+        for _ in range(9):
+            ids.append(int(model.full_logits(ids)[-1].argmax()))
+        assert line["output_ids"] == ids[len(line["prompt_ids"]):]
+        assert line["finish_reason"] == "length"
+        assert line["text"] == encoding.decode(line["output_ids"])
+
+
+def test_generate_seeded_sampling_is_per_request(tiny):
+    done = gptoss("generate", str(tiny / "a"), "--prompt-ids", "5,6,7", "--prompt-ids", "9,9", "--prompt-ids", "5,6,7",
+                  "--max-tokens", "12", "--temperature", "1.0", "--top-p", "0.95", "--seed", "11", "--json")
+    assert done.returncode == 0, done.stderr
+    first, other, again = (json.loads(line)["output_ids"] for line in done.stdout.splitlines())
+    assert first == again and len(first) == 12  # same prompt and seed: same tokens, wherever in the batch
+
+
+def test_generate_harmony_prompt_on_the_embedded_model(tmp_path):
+    from engine.cli import render_user_prompt
+    from serve_app.harmony.encoding import load_harmony_encoding
+
+    env = {"GPTOSS_CACHE_DIR": str(tmp_path / "cache")}
+    done = gptoss("generate", "--prompt", "Hello, who are you?", "--max-tokens", "6", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "cache" / "tiny" / "config.json").exists() and "created the embedded tiny model" in done.stderr
+    (line,) = [json.loads(text) for text in done.stdout.splitlines()]
+    assert line["prompt_ids"] == render_user_prompt("Hello, who are you?")
+    assert line["prompt_ids"][-2:] == [200006, 173781]  # <|start|>assistant: the model speaks next
+    assert 1 <= len(line["output_ids"]) <= 6 and line["text"] == load_harmony_encoding().decode(line["output_ids"])
+    assert line["finish_reason"] in ("stop", "length")
+
+
+def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
+    from engine.cli import main
+
+    for args, message in [
+        (("generate", str(tiny / "a"), "--prompt-ids", "1,x"), "expected comma-separated token ids"),
+        (("generate", str(tiny / "a")), "no prompt"),
+        (("generate", str(tmp_path / "missing"), "--prompt-ids", "1"), "config.json is missing"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1,5000"), "prompt_ids must be token ids in [0, 1000)"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--top-p", "0"), "top_p must be in (0, 1]"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--block-size", "0"), "block_size must be a positive"),
+    ]:
+        assert main(list(args)) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("gptoss generate: error:"), err
