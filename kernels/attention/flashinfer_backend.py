@@ -1,0 +1,162 @@
+"""The GPU attention backend: FlashInfer's sink wrapper for prefill, our Triton split-KV kernel for decode.
+
+Per step, `plan(batch)` once:
+- decode steps (`batch.is_decode`): copy page tables, lengths and slots into fixed-size device
+  buffers (StepBuffers) and pick the split count; nothing else. `forward` then launches only
+  kernels that read those buffers (KV write, split decode, merge): no host sync, no allocation
+  besides the output, so the engine can capture a step in a CUDA graph and replay it after
+  another `plan`. Under `cuda_graph=True` the split count depends on the batch size alone.
+- prefill / mixed steps: plan FlashInfer's BatchAttentionWithAttentionSinkWrapper, one per layer
+  kind (full: window_left=-1; sliding: window_left=W-1), over CSR page lists built from our tables.
+  FlashInfer's plan reads lengths on the host: prefill is never graph-captured.
+- steps without a cache (`AttentionBatch.without_cache`): the new K/V are copied into scratch
+  pages (each sequence starting on a fresh page) and the same wrappers attend over those. (Viewing
+  K/V as pages of one token would avoid the copy, but FlashInfer 0.5.3's fa3 plan leaves its
+  token-offset indptr unset for page size 1.)
+
+The pure-torch TorchAttentionBackend is the twin; tests/kernels/test_attention_gpu.py compares them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import flashinfer_ops
+from kernels.attention.backend import AttentionBackend
+from kernels.attention.decode_triton import DecodeConfig, sink_decode, split_scratch
+from kernels.attention.gpu_plan import StepBuffers, decode_num_splits, flashinfer_page_lists
+from kernels.attention.kv_cache import PagedKVCache
+from kernels.attention.kv_write import write_kv
+from kernels.attention.metadata import AttentionBatch
+
+SCRATCH_PAGE = 16
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Sink attention on NVIDIA GPUs over the bf16 paged cache of kv_cache.py (NHD pages)."""
+
+    def __init__(
+        self,
+        layer_is_sliding: list[bool],
+        sliding_window: int,
+        head_dim: int,
+        num_q_heads: int,  # per rank
+        num_kv_heads: int,  # per rank
+        device: torch.device | str = "cuda",
+        max_batch: int = 256,
+        max_kv_len: int = 131072,
+        prefill_backend: str | None = None,  # "fa3" | "fa2"; default: fa3 on Hopper
+        cuda_graph: bool = False,
+        decode_config: DecodeConfig = DecodeConfig(),
+    ):
+        super().__init__(layer_is_sliding, sliding_window, head_dim)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
+        self.device = torch.device(device)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.max_batch, self.max_kv_len = max_batch, max_kv_len
+        self.cuda_graph = cuda_graph
+        self.decode_config = decode_config
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.prefill_backend = prefill_backend or flashinfer_ops.default_prefill_backend(self.device)
+        self.workspace = flashinfer_ops.new_workspace(self.device)
+        kinds = sorted(set(layer_is_sliding))
+        self.prefill = {
+            sliding: flashinfer_ops.sink_prefill_wrapper(
+                self.workspace, sliding_window - 1 if sliding else -1, self.prefill_backend, head_dim)
+            for sliding in kinds
+        }
+        self.decode_buffers: dict[bool, StepBuffers] = {}
+        self.num_splits = {sliding: 1 for sliding in kinds}
+        self.part_o, self.part_lse = split_scratch(0, num_q_heads, 1, head_dim, self.device)
+        self.scratch_slots: torch.Tensor | None = None  # no-cache steps: token -> row of the scratch pages
+        self.scratch_pages = 0
+
+    def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
+        super().bind_cache(kv_cache)
+        if kv_cache is None:
+            return
+        # Sliding tables are short in decode, but sizing both alike accepts any table width the
+        # engine pads to; 256 x 8192 int32 is 8 MB.
+        max_blocks = -(-self.max_kv_len // kv_cache.block_size)
+        self.decode_buffers = {
+            sliding: StepBuffers.allocate(self.max_batch, max_blocks, self.max_batch, self.device)
+            for sliding in self.prefill
+        }
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    def plan(self, batch: AttentionBatch) -> None:
+        super().plan(batch)
+        if batch.is_decode and batch.has_cache:
+            self._plan_decode(batch)
+        else:
+            self._plan_prefill(batch)
+
+    def _plan_decode(self, batch: AttentionBatch) -> None:
+        num_seqs = batch.num_seqs
+        if batch.num_tokens != num_seqs:
+            raise ValueError("a decode batch has exactly one new token per sequence; plan it as prefill instead")
+        for sliding, buffers in self.decode_buffers.items():
+            meta = batch.group(sliding)
+            buffers.fill(meta, num_seqs)
+            if sliding:
+                longest = self.sliding_window
+            else:
+                longest = self.max_kv_len if self.cuda_graph else max(meta.kv_lens_cpu)
+            self.num_splits[sliding] = decode_num_splits(num_seqs, longest, self.num_kv_heads, self.num_sms)
+        rows = num_seqs * self.num_q_heads * max(self.num_splits.values())
+        if self.part_lse.numel() < rows:  # grows outside any graph capture: plan runs before it
+            self.part_o, self.part_lse = split_scratch(rows, 1, 1, self.head_dim, self.device)
+
+    def _plan_prefill(self, batch: AttentionBatch) -> None:
+        qo_indptr = batch.query_start_loc.cpu()
+        for sliding, wrapper in self.prefill.items():
+            window_left = self.sliding_window - 1 if sliding else -1
+            if batch.has_cache:
+                meta = batch.group(sliding)
+                page_size = self.kv_cache.block_size
+                kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(meta.block_tables, meta.kv_lens_cpu, page_size)
+            else:
+                page_size = SCRATCH_PAGE
+                kv_indptr, kv_indices, last_page_len = self._plan_scratch_pages(batch.query_lens_cpu)
+            flashinfer_ops.plan_sink_prefill(
+                wrapper, qo_indptr.to(torch.int32), kv_indptr, kv_indices, last_page_len,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, page_size, window_left, self.scale)
+
+    def _plan_scratch_pages(self, lens: list[int]):
+        pages = [-(-n // SCRATCH_PAGE) for n in lens]
+        first = [0]
+        for p in pages:
+            first.append(first[-1] + p)
+        slots = torch.cat([torch.arange(n) + SCRATCH_PAGE * f for n, f in zip(lens, first)])
+        self.scratch_slots = slots.to(self.device, non_blocking=True)
+        self.scratch_pages = first[-1]
+        table = torch.arange(first[-1], dtype=torch.int32, device=self.device)
+        indptr = torch.tensor(first, dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * SCRATCH_PAGE for n, p in zip(lens, pages)], dtype=torch.int32)
+        return indptr, table, last
+
+    # -- per layer --------------------------------------------------------------------------------
+
+    def forward(self, layer, q, k, v, sinks):
+        batch = self.batch
+        sliding = self.layer_is_sliding[layer]
+        q = q.contiguous()
+        sinks = sinks.float().contiguous()
+        out = torch.empty_like(q)
+        if not batch.has_cache:
+            shape = (self.scratch_pages, SCRATCH_PAGE, self.num_kv_heads, self.head_dim)
+            pages_k = torch.zeros(shape, dtype=k.dtype, device=k.device)  # zeros: tails of last pages stay finite
+            pages_v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            write_kv(k, v, pages_k, pages_v, self.scratch_slots)
+            return flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, pages_k, pages_v, sinks, self.scale, out)
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        if batch.is_decode:
+            buffers = self.decode_buffers[sliding]
+            write_kv(k, v, k_cache, v_cache, buffers.slot_mapping)
+            return sink_decode(
+                q, k_cache, v_cache, buffers.block_tables, buffers.kv_lens, sinks, self.scale,
+                self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
+        write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
+        return flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache, sinks, self.scale, out)
