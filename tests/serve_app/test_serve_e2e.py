@@ -61,9 +61,11 @@ def http_port():
 
 @pytest.fixture(scope="module")
 def reference():
+    threads = torch.get_num_threads()
     engine = reference_engine(CONFIG)
     yield engine
     engine.shutdown()
+    torch.set_num_threads(threads)  # reference_engine narrowed it for this module only
 
 
 @pytest.fixture(scope="module")
