@@ -185,6 +185,12 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None) -> list[dict]:
             row = dict(model=model, experts=e, tokens=t, variant=name, us=us, mode=mode, diff_vs_bf16_ref=diff,
                        tflops=pairs * FLOP_PER_PAIR / us / 1e6, weight_gbps=wbytes / us / 1e3,
                        active_experts=distinct, fp8_floor_us=floor, experts_touched_by_rotation=active)
+            if name in ("fp8_dg", "fp8_tr") and model == "120b" and t in (1, 64, 4096):
+                try:
+                    row["stages_us"] = stage_breakdown(layer, *sets[0], backend)
+                    print(f"  stages {row['stages_us']}", flush=True)
+                except RuntimeError as exc:
+                    print(f"  stage breakdown failed: {str(exc).splitlines()[0][:160]}")
             rows.append(row)
             print(f"{model:>5} T={t:<6} {name:<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
                   f"{row['weight_gbps']:7.0f} GB/s  floor {floor:8.1f} us  diff {diff:.1e}  [{mode}]", flush=True)
@@ -293,7 +299,7 @@ def bench_dense(shard) -> list[dict]:
                     continue
                 if shard:
                     continue
-                us = median_us(fn) / copies
+                us = graph_time_us(lambda *_: fn(), [()])[0] / copies
                 rows.append(dict(layer=name, n=n, k=k, tokens=t, variant=variant, us=us,
                                  weight_gbps=n * k * (2 if variant == "bf16" else 1) / us / 1e3,
                                  tflops=2 * t * n * k / us / 1e6, fp8_diff=diff))
@@ -327,6 +333,95 @@ def write_mxfp4_layers(folder: Path, layers: int, experts: int) -> None:
     (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
 
 
+def probe_deep_gemm() -> int:
+    """Is this deep_gemm build usable? Small dense / masked / contiguous FP8 GEMMs against the
+    dequantized reference, with our MN-major scale views and with row-major scale copies.
+    Exit code: 0 works as is, 2 works only with row-major scale copies, 1 unusable."""
+    import os
+
+    from kernels.moe.routing_triton import plan_contiguous
+
+    if not deep_gemm_ops.available():
+        print(f"probe: {deep_gemm_ops.why_unavailable()}")
+        return 1
+    e, n, k = 4, 256, 384
+    w, ws = quantize_weight_blocks(torch.randn(e, n, k, device=DEV) * 0.05)
+    ids = torch.arange(e, device=DEV).repeat_interleave(torch.tensor([5, 0, 130, 64], device=DEV))[:, None]
+    plan = plan_contiguous(ids, 0, e, 128)
+    x = torch.randn(ids.shape[0], k, device=DEV, dtype=torch.bfloat16)
+    a, am = Fp8Rows.empty(1, plan.num_rows, k, DEV), Fp8Rows.empty(e, 256, k, DEV)
+    for rows in (a, am):  # no garbage in rows no pair maps to: the dense check reads them all
+        rows.data.zero_(), rows.scale_storage.fill_(1.0)
+    dispatch_quant(x, plan.row_of_pair, 1, a)
+    dispatch_quant(x, (ids[:, 0] * 256 + plan.row_of_pair - plan.psum[ids[:, 0]] + plan.counts[ids[:, 0]]).int(), 1, am)
+    rows_ok = plan.m_indices >= 0
+    want = ref_grouped(a, w, ws, plan.m_indices.long())
+    masked_rows = torch.cat([torch.arange(c, device=DEV) + x_ * 256 for x_, c in enumerate([5, 0, 130, 64])])
+    verdict = {}
+    for mode in ("0", "1"):
+        os.environ["MOE_DG_CONTIGUOUS_SCALES"] = mode
+        checks = {}
+        out = torch.zeros(plan.num_rows, n, device=DEV, dtype=torch.bfloat16)
+        try:
+            deep_gemm_ops.gemm(a, w[2].contiguous(), ws[2].contiguous(), out)
+            dense_want = ref_grouped(a, w, ws, torch.full_like(plan.m_indices, 2).long())
+            checks["dense"] = calc_diff(out, dense_want)
+            out.zero_()
+            deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum)
+            checks["psum"] = calc_diff(out[rows_ok], want[rows_ok])
+            out.zero_()
+            deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices)
+            checks["m_indices"] = calc_diff(out[rows_ok], want[rows_ok])
+            outm = torch.zeros(e * 256, n, device=DEV, dtype=torch.bfloat16)
+            deep_gemm_ops.grouped_gemm_masked(am, w, ws, outm, plan.counts, 50)
+            checks["masked"] = calc_diff(outm[masked_rows], want[rows_ok])
+        except RuntimeError as exc:
+            checks["error"] = str(exc).splitlines()[0][:200]
+        good = "error" not in checks and all(v < 1e-4 for v in checks.values())
+        print(f"probe deep_gemm {deep_gemm_ops._module().__version__} contiguous_scales={mode}: {checks} -> {'OK' if good else 'FAIL'}")
+        verdict[mode] = good
+    os.environ.pop("MOE_DG_CONTIGUOUS_SCALES")
+    return 0 if verdict["0"] else 2 if verdict["1"] else 1
+
+
+def ref_grouped(a: Fp8Rows, w, ws, expert_of_row):
+    from kernels.moe.fp8_reference import grouped_gemm
+
+    return grouped_gemm(a.data, a.scales_rows(), w, ws, expert_of_row)
+
+
+def stage_breakdown(layer: Layer, x, ids, weights, backend: str) -> dict:
+    """Microseconds of each stage of one Fp8Experts forward (each timed alone, in a CUDA graph)."""
+    from kernels.moe import epilogues_triton as epi
+    from kernels.moe import routing_triton as rt
+
+    m = layer.fp8
+    m.backend = backend
+    t, k = ids.shape
+    masked = t <= m.masked_max_tokens
+    align_rows = deep_gemm_ops.mk_alignment() if backend == "deep_gemm" else 128
+    make_plan = (lambda: rt.plan_masked(ids, 0, m.num_local, -(-t // 128) * 128)) if masked else (
+        lambda: rt.plan_contiguous(ids, 0, m.num_local, align_rows))
+    plan = make_plan()
+    a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, m.w13.shape[2], DEV)
+    a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, m.w2.shape[2], DEV)
+    h = torch.empty(plan.num_rows, m.w13.shape[1], dtype=torch.bfloat16, device=DEV)
+    y = torch.empty(plan.num_rows, D, dtype=torch.bfloat16, device=DEV)
+    out = torch.empty(t, D, dtype=torch.bfloat16, device=DEV)
+    stages = {
+        "plan": make_plan,
+        "dispatch_quant": lambda: epi.dispatch_quant(x, plan.row_of_pair, k, a),
+        "gemm_gate_up": lambda: m._gemm(backend, a, m.w13, m.s13, h, plan, t * k),
+        "swiglu_quant": lambda: epi.swiglu_quant(h, plan.row_of_pair, ids, m.b13, 0, 1.702, 7.0, a2),
+        "gemm_down": lambda: m._gemm(backend, a2, m.w2, m.s2, y, plan, t * k),
+        "combine": lambda: epi.combine(y, plan.row_of_pair, ids, weights, m.b2, 0, out),
+    }
+    result = {}
+    for name, fn in stages.items():
+        result[name] = graph_time_us(lambda *_: fn(), [()])[0]
+    return result
+
+
 def bench_load(folder: Path) -> dict:
     """Expert load time, 2 layers x 32 experts (20b shapes): MXFP4 converted on the GPU at load vs
     the pre-converted FP8 checkpoint. Files were just written, so both read from the page cache."""
@@ -356,7 +451,10 @@ def main() -> None:
     parser.add_argument("--warmup-shard", default=None, help="I/N: compile the I-th of N case groups, no timing")
     parser.add_argument("--load-bench", default=None, help="folder for the checkpoint load-time comparison")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,gemm,dense")
+    parser.add_argument("--probe", action="store_true", help="only check that deep_gemm works here (exit 0/1)")
     args = parser.parse_args()
+    if args.probe:
+        raise SystemExit(probe_deep_gemm())
     shard = tuple(int(v) for v in args.warmup_shard.split("/")) if args.warmup_shard else None
     skip = set(filter(None, args.skip.split(",")))
     result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

@@ -175,7 +175,8 @@ class Fp8Experts(nn.Module):
         else:
             from kernels.moe import triton_grouped_gemm
 
-            triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked)
+            triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked,
+                                             expected_m=-(-num_pairs // self.num_local))
 
     def extra_repr(self) -> str:
         return (f"experts=[{self.first_expert}, {self.first_expert + self.num_local}), hidden={self.hidden}, "

@@ -67,22 +67,25 @@ def _fp8_grouped_gemm_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, layout_ptr,
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _config(rows_per_group: int, masked: bool) -> dict:
-    # Small masked groups (decode) are weight-streaming: narrow row tiles, more CTAs in flight.
-    if masked and rows_per_group <= 64:
+def _config(masked: bool, expected_m: int) -> dict:
+    # Decode (masked, a few rows per expert) streams weights: 64-row tiles, more CTAs in flight.
+    # 128x128 tiles, 8 warps, 4-5 stages measured best for prefill (bench/moe.py gemm section,
+    # H200 2026-11-29: 567-574 TFLOP/s; 4 warps: 206).
+    if masked and expected_m <= 64:
         return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
-                 layout: torch.Tensor, masked: bool, config: dict | None = None) -> torch.Tensor:
+                 layout: torch.Tensor, masked: bool, config: dict | None = None,
+                 expected_m: int | None = None) -> torch.Tensor:
     """out [rows, N] (bf16) = A @ W[e]^T per expert. `layout`: m_indices [rows] (contiguous) or
-    counts [E] (masked, A grouped [E, m_cap, Kp])."""
+    counts [E] (masked, A grouped [E, m_cap, Kp]); `expected_m`: typical rows per expert (tiling hint)."""
     e, n, kp = w.shape
     if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
         raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
                          f"K must match and W's scales must be [E, ceil(N/128), K/128]")
-    cfg = dict(_config(a.rows_per_group, masked), **(config or {}))
+    cfg = dict(_config(masked, a.rows_per_group if expected_m is None else expected_m), **(config or {}))
     if BLOCK % cfg["BLOCK_M"] or BLOCK % cfg["BLOCK_N"]:
         raise ValueError("BLOCK_M and BLOCK_N must divide 128 (row-segment alignment, weight-scale blocks)")
     groups = a.groups if masked else 1
