@@ -51,6 +51,8 @@ class PagePool:
 
     def release(self, pages) -> None:
         pages = list(pages)
+        if not pages:
+            return
         if any(self._is_free[p] for p in pages) or len(set(pages)) != len(pages):
             raise KVCacheError(f"{self.kind} pool: releasing a page that is already free (double free)")
         for p in pages:
@@ -103,12 +105,16 @@ class BlockManager:
     # ---- changes ----------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, total: int) -> None:
         """Give `seq` slots for positions up to total - 1 in both kinds (no-op where it has them)."""
-        if not self.can_hold(seq, total):
+        need_full = self._full_needed(seq, total) if self.full is not None else 0
+        need_sliding = self._sliding_needed(seq, total) if self.sliding is not None else 0
+        if not need_full and not need_sliding:  # most decode steps: the last page has room
+            return
+        if (need_full and need_full > self.full.num_free) or (need_sliding and need_sliding > self.sliding.num_free):
             raise KVCacheError(f"request {seq.request_id}: not enough free pages for {total} tokens")
-        if self.full is not None:
-            seq.full_pages.extend(self.full.allocate(self._full_needed(seq, total)))
-        if self.sliding is not None:
-            seq.sliding_pages.extend(self.sliding.allocate(self._sliding_needed(seq, total)))
+        if need_full:
+            seq.full_pages.extend(self.full.allocate(need_full))
+        if need_sliding:
+            seq.sliding_pages.extend(self.sliding.allocate(need_sliding))
 
     def start_sliding_at(self, seq: Sequence, position: int) -> None:
         """For a sequence with no pages yet whose sliding layers hold K/V from `position` on (an import)."""
@@ -121,6 +127,8 @@ class BlockManager:
         if self.sliding is None:
             return 0
         first_needed_page = self.first_visible_position(seq.num_computed) // self.block_size
+        if seq.sliding_first >= first_needed_page:  # most steps: nothing left the window
+            return 0
         freed = []
         while seq.sliding_pages and seq.sliding_first < first_needed_page:
             freed.append(seq.sliding_pages.popleft())

@@ -38,17 +38,26 @@ def _to(device, array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array).to(device, non_blocking=True)
 
 
-def _group_meta(rows: list[np.ndarray], kv_lens: list[int], slots: list[np.ndarray], device) -> KVGroupMeta:
+def _group_meta(rows: list, kv_lens: list[int], slots: list[int], device) -> KVGroupMeta:
     width = max(1, max(len(r) for r in rows))
     tables = np.zeros((len(rows), width), dtype=np.int32)  # [B, P], padded with page 0
     for b, row in enumerate(rows):
-        tables[b, : len(row)] = row
+        if len(row):
+            tables[b, : len(row)] = row
     return KVGroupMeta(
         block_tables=_to(device, tables),
         kv_lens=_to(device, np.asarray(kv_lens, dtype=np.int32)),
-        slot_mapping=_to(device, np.concatenate(slots).astype(np.int64)),
+        slot_mapping=_to(device, np.asarray(slots, dtype=np.int64)),
         kv_lens_cpu=list(kv_lens),
     )
+
+
+def _chunk_slots(pages, first_page: int, start: int, end: int, bs: int) -> list[int]:
+    """Cache slots of positions start .. end - 1 through a table whose entry 0 is logical page first_page."""
+    if end - start <= 16:  # decode rows and short chunks: Python ints beat a dozen tiny numpy calls
+        return [int(pages[p // bs - first_page]) * bs + p % bs for p in range(start, end)]
+    pos = np.arange(start, end, dtype=np.int64)
+    return (np.asarray(pages, dtype=np.int64)[pos // bs - first_page] * bs + pos % bs).tolist()
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) -> StepInputs:
@@ -58,23 +67,27 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) ->
     count from that page's first position. A kind the model lacks gets tables no layer reads."""
     bs = block_size
     ids: list[int] = []
-    positions, full_rows, full_slots, sliding_rows, sliding_slots = [], [], [], [], []
+    positions: list[int] = []
+    full_rows, sliding_rows, full_slots, sliding_slots = [], [], [], []
     full_lens, sliding_lens, starts, sample_rows, logits_indices = [], [], [0], [], []
     for b, s in enumerate(scheduled):
-        seq = s.seq
-        ids += seq.token_slice(s.start, s.end)
-        pos = np.arange(s.start, s.end, dtype=np.int64)
-        positions.append(pos)
+        seq, start, end = s.seq, s.start, s.end
+        ids += seq.token_slice(start, end)
+        positions += range(start, end)
         full = seq.full_pages.array()
         full_rows.append(full)
-        full_lens.append(s.end)
-        full_slots.append(full[pos // bs] * bs + pos % bs if len(full) else np.zeros_like(pos))
-        live = np.fromiter(seq.sliding_pages, dtype=np.int64, count=len(seq.sliding_pages))
-        sliding_rows.append(live)
-        sliding_lens.append(s.end - seq.sliding_first * bs if len(live) else 0)
-        sliding_slots.append(live[pos // bs - seq.sliding_first] * bs + pos % bs if len(live) else np.zeros_like(pos))
-        starts.append(starts[-1] + s.num_tokens)
-        if s.samples:
+        full_lens.append(end)
+        full_slots += _chunk_slots(full, 0, start, end, bs) if len(full) else [0] * (end - start)
+        live = seq.sliding_pages
+        sliding_rows.append(live if not len(live) else np.fromiter(live, dtype=np.int32, count=len(live)))
+        if len(live):
+            sliding_lens.append(end - seq.sliding_first * bs)
+            sliding_slots += _chunk_slots(sliding_rows[-1], seq.sliding_first, start, end, bs)
+        else:
+            sliding_lens.append(0)
+            sliding_slots += [0] * (end - start)
+        starts.append(starts[-1] + end - start)
+        if end == seq.num_tokens:  # the chunk reaches the last known token: sample
             sample_rows.append(b)
             logits_indices.append(starts[-1] - 1)
     query_lens = [s.num_tokens for s in scheduled]
@@ -87,7 +100,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) ->
     )
     return StepInputs(
         input_ids=_to(device, np.asarray(ids, dtype=np.int64)),
-        positions=_to(device, np.concatenate(positions)),
+        positions=_to(device, np.asarray(positions, dtype=np.int64)),
         attention=attention,
         logits_indices=_to(device, np.asarray(logits_indices, dtype=np.int64)),
         sample_rows=sample_rows,

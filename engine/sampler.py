@@ -14,6 +14,10 @@ Filters apply in this order on the tempered distribution: top-k, then top-p on w
 (the smallest set of most likely tokens whose mass reaches top_p), then min-p (keep p >= min_p *
 p_max, which renormalisation does not change). Logprobs are those of the model's own distribution
 (log_softmax of the raw logits, before temperature and filters).
+
+When every sampling row sets top_k, only the top max(top_k) candidates can win: the sampler works on
+`topk` of them and hashes noise for those ids alone, instead of sorting and hashing the whole
+vocabulary. The noise of a token does not depend on the path, so both give the same tokens.
 """
 
 from __future__ import annotations
@@ -39,11 +43,28 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor,
                   token_hash: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1) [B, V], a pure function of (seed, step, token id)."""
+    """Uniforms in (0, 1), a pure function of (seed, step, token id): [B, V] for token_hash [V] (every
+    token), [B, K] for token_hash [B, K] (each row's candidate tokens)."""
     key = hash32(seed_lo ^ hash32(seed_hi ^ hash32((step + 0x9E3779B9) & _MASK32)))  # [B]
-    bits = hash32(key[:, None] ^ token_hash[None, :])  # [B, V]
+    bits = hash32(key[:, None] ^ token_hash)
     # 23 bits keep (k + 0.5) / 2**23 exactly representable in fp32, so u never rounds to 0 or 1.
     return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def _keep_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k and top-p keep mask [B, W] over logits sorted best first."""
+    rank = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
+    k = torch.where(top_k > 0, top_k, sorted_logits.shape[-1])
+    keep = rank[None, :] < k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely kept tokens
+    # top_p = 1 keeps everything even where the fp32 cumsum overshoots 1.
+    return keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    best = logits.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(logits - best < torch.log(min_p)[:, None], float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -53,22 +74,12 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     top_k [B] int64 (0: off), top_p [B] float (1: off), min_p [B] float (0: off). `sort` and
     `use_min_p` are host-side facts from the request parameters (False: skip that pass), so the
     device never reports back to the host here."""
-    vocab = logits.shape[-1]
     if sort:
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=logits.device)
-        k = torch.where(top_k > 0, top_k, vocab)
-        keep = rank[None, :] < k[:, None]
-        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely kept tokens
-        # top_p = 1 keeps everything even where the fp32 cumsum overshoots 1.
-        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+        keep = _keep_sorted(sorted_logits, top_k, top_p)
         drop = torch.empty_like(keep).scatter_(1, order, ~keep)
         logits = logits.masked_fill(drop, float("-inf"))
-    if use_min_p:
-        best = logits.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(logits - best < torch.log(min_p)[:, None], float("-inf"))
-    return logits
+    return _apply_min_p(logits, min_p) if use_min_p else logits
 
 
 @dataclass
@@ -86,6 +97,7 @@ class SamplingBatch:
     any_greedy: bool
     any_sort: bool  # some sampled row uses top-k or top-p
     any_min_p: bool
+    top_k_cap: int | None  # max top_k when every sampled row sets one: sample among that many candidates
     num_logprobs: int | None  # the largest top-N asked for; None: nobody wants logprobs
 
     @staticmethod
@@ -110,6 +122,7 @@ class SamplingBatch:
             any_greedy=any(greedy),
             any_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
             any_min_p=any(p.min_p > 0 for p in sampled),
+            top_k_cap=max(p.top_k for p in sampled) if sampled and all(p.top_k > 0 for p in sampled) else None,
             num_logprobs=max(wanted) if wanted else None,
         )
 
@@ -135,13 +148,21 @@ class Sampler:
             token_ids = greedy_ids
         else:
             temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-            tempered = logits / temperature[:, None]
-            if batch.any_sort or batch.any_min_p:
-                tempered = filter_logits(tempered, batch.top_k, batch.top_p, batch.min_p,
-                                         sort=batch.any_sort, use_min_p=batch.any_min_p)
-            u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, self.token_hash)
-            gumbel = -torch.log(-torch.log(u))
-            token_ids = (tempered + gumbel).argmax(dim=-1)
+            tempered = logits / temperature[:, None]  # [B, V]
+            if batch.top_k_cap is not None and batch.top_k_cap < self.vocab_size:
+                cand, cand_ids = tempered.topk(batch.top_k_cap, dim=-1)  # [B, K], best first
+                cand = cand.masked_fill(~_keep_sorted(cand, batch.top_k, batch.top_p), float("-inf"))
+                if batch.any_min_p:
+                    cand = _apply_min_p(cand, batch.min_p)
+                u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, self.token_hash[cand_ids])
+                pick = (cand - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)
+                token_ids = cand_ids.gather(1, pick)[:, 0]
+            else:
+                if batch.any_sort or batch.any_min_p:
+                    tempered = filter_logits(tempered, batch.top_k, batch.top_p, batch.min_p,
+                                             sort=batch.any_sort, use_min_p=batch.any_min_p)
+                u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, self.token_hash)
+                token_ids = (tempered - torch.log(-torch.log(u))).argmax(dim=-1)
             if greedy_ids is not None:
                 token_ids = torch.where(batch.temperature > 0, token_ids, greedy_ids)
         out = SamplerOutput(token_ids)

@@ -112,3 +112,25 @@ def test_greedy_rows_in_a_mixed_batch_and_logprobs():
     assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
     top, ids = ref.topk(5, dim=-1)
     assert torch.equal(out.top_ids, ids) and torch.allclose(out.top_logprobs, top)
+
+
+@pytest.mark.parametrize("vocab", [50, 989])
+def test_top_k_candidate_path_picks_what_the_full_vocabulary_path_picks(vocab):
+    """With top_k on every sampled row the sampler looks at max(top_k) candidates only; the token
+    must be the one Gumbel-max over the whole filtered vocabulary picks (same noise per token id)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    params = [SamplingParams(temperature=0.5 + (r % 5) / 4, top_k=1 + (r * 7) % 40, top_p=[1.0, 0.9, 0.5][r % 3],
+                             min_p=[0.0, 0.1][r % 2]) for r in range(rows)]
+    params[5] = SamplingParams(temperature=0.0, top_k=3)  # a greedy row rides along
+    seeds, steps = list(range(100, 100 + rows)), [r * 3 for r in range(rows)]
+    batch = _batch(params, seeds, steps)
+    assert batch.top_k_cap == 40
+    got = Sampler(vocab, "cpu")(logits, batch).token_ids
+    tempered = logits / batch.temperature.clamp(min=1e-9)[:, None]
+    full = filter_logits(tempered, batch.top_k, batch.top_p, batch.min_p)
+    u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, hash32(torch.arange(vocab)))
+    want = (full - torch.log(-torch.log(u))).argmax(dim=-1)
+    want[5] = logits[5].argmax()
+    assert got.tolist() == want.tolist()

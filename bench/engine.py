@@ -1,0 +1,212 @@
+"""Engine benchmark: offline throughput on the tiny model, host overhead per step, KV saved by freeing
+sliding-window pages. A command, not a test: it measures and reports, it asserts nothing.
+
+    python -m bench.engine                   # CPU, fp32 tiny model
+    python -m bench.engine --device cuda     # on a GPU host (bf16)
+
+Prints a table and writes bench/results/engine-<UTC time>-<device>.json.
+
+Host overhead = schedule + prepare (step metadata, H2D copies) + update (sequences, page freeing,
+deltas); it is what remains of a step when the forward is free, and the figure to hold under 5%
+of a GPU decode step at batch 64. `forward` also holds the sampler and the step's one device read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager, cdiv
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerateRequest, SamplingParams
+from engine.runner import build_step_inputs
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from kernels.attention import PagedKVCache
+from model.config import GptOssConfig
+from model.loader import load_model
+from model.tiny import TINY_DEFAULTS, make_tiny
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _us(seconds: list[float], q: float | None = None) -> float:
+    if not seconds:
+        return float("nan")
+    if q is None:
+        return 1e6 * statistics.median(seconds)
+    return 1e6 * sorted(seconds)[min(len(seconds) - 1, int(q * len(seconds)))]
+
+
+def throughput(model, device: str, mode: str, num_requests: int, max_tokens: int, seed: int) -> dict:
+    """All requests at once, as one continuous batch; every request runs to max_tokens."""
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024, device=device,
+                          kv_cache_bytes=256 * 2**20)
+    engine = LLMEngine(model, config)
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    sampling = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) if mode == "greedy" else
+                SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=max_tokens, ignore_eos=True))
+    warm = GenerateRequest("warmup", [1, 2, 3], SamplingParams(temperature=sampling.temperature, max_tokens=4))
+    engine.generate([warm])  # first-call allocations and kernel selection stay out of the timing
+    lengths = torch.randint(16, 257, (num_requests,), generator=g).tolist()
+    for i, n in enumerate(lengths):
+        engine.add_request(GenerateRequest(f"r{i}", torch.randint(0, vocab, (n,), generator=g).tolist(), sampling))
+    steps, decode64 = [], []
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        before = engine.metrics.prefill_tokens_total
+        batch = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        engine.step()
+        t = engine.metrics.last_step
+        steps.append(t)
+        if engine.metrics.prefill_tokens_total == before and batch == num_requests:
+            decode64.append(t)
+    wall = time.perf_counter() - start
+    snap = engine.metrics.snapshot()
+    out_tokens = num_requests * max_tokens
+    return {
+        "mode": mode, "requests": num_requests, "prompt_tokens": sum(lengths), "output_tokens": out_tokens,
+        "wall_s": wall, "steps": len(steps), "output_tok_per_s": out_tokens / wall,
+        "total_tok_per_s": (out_tokens + sum(lengths)) / wall,
+        "ttft_mean_ms": 1e3 * snap["ttft_seconds"]["mean"], "tpot_mean_ms": 1e3 * snap["tpot_seconds"]["mean"],
+        "step_us_median": {k: _us([getattr(s, k) for s in steps]) for k in ("schedule", "prepare", "forward", "update")},
+        "decode_steps_at_batch": num_requests,
+        "decode_step_us_median": _us([s.forward + s.host_overhead for s in decode64]),
+        "decode_host_overhead_us_median": _us([s.host_overhead for s in decode64]),
+        "decode_host_overhead_us_p90": _us([s.host_overhead for s in decode64], 0.9),
+        "decode_host_overhead_share": (statistics.median(s.host_overhead for s in decode64)
+                                       / statistics.median(s.forward + s.host_overhead for s in decode64)),
+    }
+
+
+def scheduler_overhead(device: str, batch: int, context: int, steps: int = 200) -> dict:
+    """The host side of decode steps at long context, without a model: schedule, metadata, page freeing."""
+    config = EngineConfig(block_size=16, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+                          max_model_len=context + steps + 1)
+    bm = BlockManager(16, 128, batch * cdiv(context + steps + 1, 16), batch * 10 + 2048 // 16)
+    sched = Scheduler(config, bm)
+    for i in range(batch):
+        seq = Sequence(f"s{i}", [1] * context, SamplingParams(max_tokens=steps + 1), seed=i, arrival=i)
+        sched.add(seq)
+        while seq.num_computed < context:  # as if prefilled in 2048-token chunks
+            seq.num_computed = min(context, seq.num_computed + 2048)
+            bm.allocate(seq, seq.num_computed)
+            bm.release_out_of_window(seq)
+        seq.output_ids.append(0)
+    sched.waiting, sched.running = [], list(sched.waiting)
+    times = {"schedule": [], "prepare": [], "update": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        build_step_inputs(out.scheduled, 16, device)
+        if device != "cpu":
+            torch.cuda.synchronize()  # count the copies as done
+        t2 = time.perf_counter()
+        for s in out.scheduled:
+            s.seq.num_computed = s.end
+            bm.release_out_of_window(s.seq)
+            s.seq.output_ids.append(0)
+        t3 = time.perf_counter()
+        for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[k].append(v)
+    per_step = [a + b + c for a, b, c in zip(*times.values())]
+    return {"batch": batch, "context": context, **{f"{k}_us_median": _us(v) for k, v in times.items()},
+            "host_us_median": _us(per_step), "host_us_p90": _us(per_step, 0.9)}
+
+
+def kv_saving(preset: str, length: int = 32768, block: int = 16) -> dict:
+    """Pages and bytes of one `length`-token sequence: window freeing vs every layer keeping every page."""
+    c = GptOssConfig.preset(preset)
+    n_sliding = sum(c.is_sliding(i) for i in range(c.num_hidden_layers))
+    n_full = c.num_hidden_layers - n_sliding
+    bm = BlockManager(block, c.sliding_window, cdiv(length, block), 64)
+    seq = Sequence("long", [0], SamplingParams(), 0, 0)
+    peak_sliding = 0
+    for pos in range(length):  # decode token by token to the full length
+        bm.allocate(seq, pos + 1)
+        peak_sliding = max(peak_sliding, len(seq.sliding_pages))
+        seq.num_computed = pos + 1
+        bm.release_out_of_window(seq)
+    page = {kind: PagedKVCache.bytes_per_block(n, c.num_key_value_heads, c.head_dim, block, torch.bfloat16)
+            for kind, n in (("full", n_full), ("sliding", n_sliding))}
+    pages = cdiv(length, block)
+    naive = pages * (page["full"] + page["sliding"])
+    windowed = pages * page["full"] + peak_sliding * page["sliding"]
+    return {"preset": preset, "tokens": length, "block_size": block, "full_pages": bm.full.num_used,
+            "sliding_pages_peak": peak_sliding, "naive_pages": 2 * pages, "naive_gib": naive / 2**30,
+            "windowed_gib": windowed / 2**30, "saving": 1 - windowed / naive}
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+
+    with tempfile.TemporaryDirectory() as folder:
+        make_tiny(folder, dtype=dtype)
+        model = load_model(folder, dtype=dtype, device=args.device, progress=False)
+        runs = [throughput(model, args.device, mode, args.requests, args.max_tokens, args.seed)
+                for mode in ("greedy", "sampled")]
+    overhead = [scheduler_overhead(args.device, 64, ctx) for ctx in (1024, 32768)]
+    savings = [kv_saving(p) for p in ("gpt-oss-120b", "gpt-oss-20b")]
+
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    for r in runs:
+        _table(f"throughput, tiny model ({TINY_DEFAULTS['num_hidden_layers']} layers, vocab "
+               f"{TINY_DEFAULTS['vocab_size']}), {args.device} {dtype}, {r['mode']}", [
+            ("requests x tokens", f"{r['requests']} x {args.max_tokens} (prompts 16..256, {r['prompt_tokens']} tokens)"),
+            ("wall", f"{r['wall_s']:.2f} s in {r['steps']} steps"),
+            ("output tokens/s", f"{r['output_tok_per_s']:.0f}  (prompt + output: {r['total_tok_per_s']:.0f}/s)"),
+            ("TTFT / TPOT mean", f"{r['ttft_mean_ms']:.1f} ms / {r['tpot_mean_ms']:.2f} ms"),
+            ("step median us", "  ".join(f"{k} {v:.0f}" for k, v in r["step_us_median"].items())),
+            (f"decode @{r['decode_steps_at_batch']}: step / host",
+             f"{r['decode_step_us_median']:.0f} us / {r['decode_host_overhead_us_median']:.0f}"
+                                        f" us (p90 {r['decode_host_overhead_us_p90']:.0f}),"
+                                        f" {100 * r['decode_host_overhead_share']:.1f}% of the step"),
+        ])
+    _table("scheduler + metadata + page freeing per decode step, no model (batch 64)", [
+        (f"context {o['context']}", f"{o['host_us_median']:.0f} us (p90 {o['host_us_p90']:.0f}): schedule "
+                                    f"{o['schedule_us_median']:.0f}, prepare {o['prepare_us_median']:.0f}, "
+                                    f"update {o['update_us_median']:.0f}") for o in overhead])
+    _table("KV of one 32k-token sequence, pages of 16, bf16", [
+        (s["preset"], f"{s['full_pages']} full + {s['sliding_pages_peak']} sliding pages = {s['windowed_gib']:.3f} GiB"
+                      f" vs naive {s['naive_pages']} pages = {s['naive_gib']:.3f} GiB: {100 * s['saving']:.1f}% saved")
+        for s in savings])
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"engine-{stamp}-{args.device.replace(':', '')}.json"
+    path.write_text(json.dumps({"date": stamp, "device": args.device, "device_name": device_name, "dtype": dtype,
+                                "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                "throughput": runs, "scheduler_overhead": overhead, "kv_saving": savings},
+                               indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
