@@ -5,13 +5,18 @@
 Decode, batch 1/8/64/256 x context 1k/8k/32k, GQA 64/8, head_dim 64, bf16 pages of 16 tokens in
 shuffled order, one new token per sequence: microseconds (median of triton.testing.do_bench, which
 flushes L2 before every call) and achieved KV bandwidth, for
-  triton      our kernel at the split count the backend picks (gpu_plan.decode_num_splits)
+  triton      our kernel at the split count the backend picks (gpu_plan.decode_num_splits), launched
+              from Python (includes ~tens of us of host launch cost at small sizes)
+  triton_graph  the same launches replayed from a CUDA graph, as the engine runs decode; one replay
+              walks enough disjoint copies of the batch (>= 256 MB) that L2 cannot serve them
   fi_sink     FlashInfer's BatchAttentionWithAttentionSinkWrapper used for decode (fa3 on sm90)
-  fi_decode   FlashInfer's BatchDecodeWithPagedKVCacheWrapper, no sinks (the bandwidth yardstick)
-plus the sliding-window layer (128 keys) for triton and fi_sink. Prefill: one sequence of 1k/8k/32k
+  fi_decode   FlashInfer's BatchDecodeWithPagedKVCacheWrapper, no sinks (CUDA-core decode kernel)
+  fi_decode_tc  the same wrapper with use_tensor_cores=True (its fa2 prefill kernel), no sinks
+plus the sliding-window layer (a 128-token table, as the engine keeps it) for triton and fi_sink. Prefill: one sequence of 1k/8k/32k
 tokens through the sink wrapper, full causal and sliding, in TFLOP/s. Every implementation's output
 is checked against kernels/attention/reference.py (fp32) before it is timed. `--sweep` times the
-decode kernel's launch shapes and split counts on three shapes (how DecodeConfig was chosen).
+decode kernel's launch shapes (two shapes) and split counts (graph-timed, five shapes): how
+DecodeConfig and gpu_plan's split policy were chosen.
 
 Notes (bytes and FLOPs first). Decode reads every visible K and V byte once:
   bytes = B * ctx * 8 kv heads * 64 dim * 2 (K, V) * 2 B = B * ctx * 2048 B
@@ -33,7 +38,6 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from kernels.attention import flashinfer_ops
@@ -93,6 +97,39 @@ def bench_triton(shape: DecodeShape, window, splits: int, config: DecodeConfig):
     return timed(run), err
 
 
+def bench_triton_graph(shape: DecodeShape, window, splits: int, config: DecodeConfig, gen):
+    """Median us per launch group, replayed from a CUDA graph over rotating disjoint page sets."""
+    ctx = min(shape.ctx, window) if window else shape.ctx
+    pages = -(-ctx // PAGE)
+    step_bytes = shape.batch * ctx * HKV * D * 2 * 2
+    copies = max(1, min(shape.k.shape[0] // (shape.batch * pages), -(-256 * 2**20 // step_bytes)))
+    perm = torch.randperm(shape.k.shape[0], generator=gen, device=DEV)[: copies * shape.batch * pages]
+    tables = perm.to(torch.int32).view(copies, shape.batch, pages)
+    kv_lens = torch.full((shape.batch,), ctx, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(shape.q)
+    part_o, part_lse = split_scratch(shape.batch, HQ, splits, D, DEV)
+
+    def launch(table):
+        sink_decode(shape.q, shape.k, shape.v, table, kv_lens, shape.sinks, SCALE, window, splits, out, part_o,
+                    part_lse, config)
+
+    launch(tables[-1])  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for table in tables:
+            launch(table)
+    graph.replay()
+    torch.cuda.synchronize()
+    # the last copy's output is what `out` holds: check it against fp32
+    keys = gather_pages(shape.k, tables[-1][0].long(), ctx)
+    values = gather_pages(shape.v, tables[-1][0].long(), ctx)
+    err = rel_err(out[:1], sink_attention(shape.q[:1], keys, values, shape.sinks, SCALE, window))
+    us = timed(graph.replay) / copies
+    del graph
+    return us, err, step_bytes
+
+
 def flashinfer_lists(shape: DecodeShape, window):
     lens = [min(shape.ctx, window)] * shape.batch if window else [shape.ctx] * shape.batch
     tables = shape.tables
@@ -116,8 +153,8 @@ def bench_fi_sink(shape: DecodeShape, window, workspace, backend: str):
     return timed(run), err
 
 
-def bench_fi_decode(shape: DecodeShape, workspace):
-    wrapper = flashinfer_ops.decode_wrapper(workspace)
+def bench_fi_decode(shape: DecodeShape, workspace, tensor_cores: bool = False):
+    wrapper = flashinfer_ops.decode_wrapper(workspace, tensor_cores)
     indptr, indices, last = flashinfer_lists(shape, None)
     flashinfer_ops.plan_decode(wrapper, indptr.to(DEV), indices, last.to(DEV), HQ, HKV, D, PAGE, SCALE)
     out = torch.empty_like(shape.q)
@@ -152,6 +189,7 @@ def run_decode(args, gen, workspace, fi_backend, results):
                 ("triton", lambda: bench_triton(shape, None, splits, DecodeConfig())),
                 ("fi_sink", lambda: bench_fi_sink(shape, None, workspace, fi_backend)),
                 ("fi_decode", lambda: bench_fi_decode(shape, workspace)),
+                ("fi_decode_tc", lambda: bench_fi_decode(shape, workspace, tensor_cores=True)),
                 ("triton_swa", lambda: bench_triton(shape, WINDOW, 1, DecodeConfig())),
                 ("fi_sink_swa", lambda: bench_fi_sink(shape, WINDOW, workspace, fi_backend)),
             ):
@@ -159,33 +197,40 @@ def run_decode(args, gen, workspace, fi_backend, results):
                 row[f"{name}_us"], row[f"{name}_err"] = us, err
                 if not name.endswith("swa"):
                     row[f"{name}_gbps"] = shape.kv_bytes / (us * 1e-6) / 1e9
+            for name, window in (("triton_graph", None), ("triton_graph_swa", WINDOW)):
+                us, err, step_bytes = bench_triton_graph(shape, window, 1 if window else splits, DecodeConfig(), gen)
+                row[f"{name}_us"], row[f"{name}_err"] = us, err
+                row[f"{name}_gbps"] = step_bytes / (us * 1e-6) / 1e9
             results["decode"].append(row)
             print(f"decode B={batch:<3} ctx={ctx:<6} " + " ".join(
-                f"{n}={row[n + '_us']:.1f}us" for n in ("triton", "fi_sink", "fi_decode", "triton_swa")), flush=True)
+                f"{n}={row[n + '_us']:.1f}us" for n in ("triton", "triton_graph", "fi_sink", "fi_decode", "fi_decode_tc",
+                                                       "triton_graph_swa")), flush=True)
         del pool_k, pool_v
         torch.cuda.empty_cache()
 
 
 def run_sweep(gen, results):
-    configs = [DecodeConfig(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
-    for batch, ctx in ((64, 8192), (8, 32768)):
-        blocks = batch * ctx // PAGE + 64
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    configs = [DecodeConfig(64, 4, 2), DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 2)]
+    shapes = {(64, 8192): configs, (8, 32768): configs, (1, 32768): [DecodeConfig()], (1, 8192): [DecodeConfig()],
+              (8, 1024): [DecodeConfig()], (64, 1024): [DecodeConfig()], (256, 1024): [DecodeConfig()]}
+    for (batch, ctx), shape_configs in shapes.items():
+        blocks = max(batch * ctx // PAGE * 4, 2**16)  # room for the graph's rotating copies
         pool_k = torch.randn(blocks, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
         pool_v = torch.randn(blocks, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
         shape = DecodeShape(pool_k, pool_v, batch, ctx, gen)
-        policy = decode_num_splits(batch, ctx, HKV, torch.cuda.get_device_properties(DEV).multi_processor_count)
-        trials = [(c, policy) for c in configs] + [(DecodeConfig(), s) for s in (1, 2, 4, 8, 16) if s != policy]
+        policy = decode_num_splits(batch, ctx, HKV, num_sms)
+        split_range = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max(1, ctx // 128)]
+        trials = [(c, policy) for c in shape_configs] + [(DecodeConfig(), s) for s in split_range if s != policy]
         for config, splits in trials:
-            try:
-                us, err = bench_triton(shape, None, splits, config)
-            except OutOfResources as exc:  # too much shared memory for this shape
-                print(f"sweep skip {config}: {exc}")
-                continue
-            gbps = shape.kv_bytes / (us * 1e-6) / 1e9
+            us, err, step_bytes = bench_triton_graph(shape, None, splits, config, gen)
             results["sweep"].append({"batch": batch, "ctx": ctx, "block_n": config.block_n, "num_warps": config.num_warps,
-                                     "num_stages": config.num_stages, "splits": splits, "us": us, "gbps": gbps, "err": err})
-        best = max((r for r in results["sweep"] if r["batch"] == batch and r["ctx"] == ctx), key=lambda r: r["gbps"])
-        print(f"sweep B={batch} ctx={ctx}: best {best}", flush=True)
+                                     "num_stages": config.num_stages, "splits": splits, "policy": splits == policy,
+                                     "graph_us": us, "gbps": step_bytes / (us * 1e-6) / 1e9, "err": err})
+        mine = [r for r in results["sweep"] if r["batch"] == batch and r["ctx"] == ctx]
+        best = max(mine, key=lambda r: r["gbps"])
+        at_policy = max((r for r in mine if r["policy"]), key=lambda r: r["gbps"])
+        print(f"sweep B={batch} ctx={ctx}: policy splits={policy} {at_policy['graph_us']:.1f}us; best {best}", flush=True)
         del pool_k, pool_v
         torch.cuda.empty_cache()
 
@@ -228,13 +273,14 @@ def run_prefill(args, gen, workspace, backends, results):
 
 def print_table(results):
     print(f"\n{results['device']}  copy ceiling {results['copy_gbps']:.0f} GB/s  ({results['date']})")
-    print(f"{'B':>4} {'ctx':>6} {'split':>5} | {'triton us':>9} {'GB/s':>6} | {'fi_sink us':>10} {'GB/s':>6} | "
-          f"{'fi_decode us':>12} {'GB/s':>6} | {'swa triton':>10} {'swa fi_sink':>11} | max err")
+    print("decode us (GB/s); triton_graph = CUDA-graph replay; swa = 128-key sliding layer")
+    cols = ("triton", "triton_graph", "fi_sink", "fi_decode", "fi_decode_tc")
+    print(f"{'B':>4} {'ctx':>6} {'spl':>3} | " + " | ".join(f"{c:>18}" for c in cols) + f" | {'swa graph':>9} {'swa fi':>7} | max err")
     for r in results["decode"]:
         err = max(r[k] for k in r if k.endswith("_err"))
-        print(f"{r['batch']:>4} {r['ctx']:>6} {r['splits']:>5} | {r['triton_us']:>9.1f} {r['triton_gbps']:>6.0f} | "
-              f"{r['fi_sink_us']:>10.1f} {r['fi_sink_gbps']:>6.0f} | {r['fi_decode_us']:>12.1f} {r['fi_decode_gbps']:>6.0f} | "
-              f"{r['triton_swa_us']:>10.1f} {r['fi_sink_swa_us']:>11.1f} | {err:.1e}")
+        cells = " | ".join(f"{r[c + '_us']:>9.1f} ({r[c + '_gbps']:>5.0f})" for c in cols)
+        print(f"{r['batch']:>4} {r['ctx']:>6} {r['splits']:>3} | {cells} | {r['triton_graph_swa_us']:>9.1f} "
+              f"{r['fi_sink_swa_us']:>7.1f} | {err:.1e}")
     for r in results["prefill"]:
         print(f"prefill {r['backend']} N={r['tokens']:>6} window={str(r['window']):>4}: {r['us']:>9.0f} us "
               f"{r['tflops']:>6.1f} TFLOP/s  err {r['err']:.1e}")

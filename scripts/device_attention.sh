@@ -10,16 +10,22 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws  # modules not prebuilt are JIT-compiled here
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 # FlashInfer loads a module from its AOT folder without invoking ninja; keep only those that load here.
-AOT=/tmp/site/flashinfer/data/aot
-for so in .jit/*/*.so; do
-  [ -e "$so" ] || continue
-  name=$(basename "$(dirname "$so")")
-  if python3 -c "import torch, tvm_ffi; torch.cuda.init(); tvm_ffi.load_module('$so')" 2>>"$OUT/aot.log"; then
-    mkdir -p "$AOT/$name" && cp "$so" "$AOT/$name/" && echo "prebuilt: $name"
-  else
-    echo "prebuilt $name does not load here; it will be JIT-compiled"
-  fi
-done
+python3 - "$OUT/aot.log" <<'PY'
+import pathlib, shutil, sys, traceback
+import torch, tvm_ffi
+torch.cuda.init()
+aot = pathlib.Path("/tmp/site/flashinfer/data/aot")
+for so in sorted(pathlib.Path(".jit").glob("*/*.so")):
+    try:
+        tvm_ffi.load_module(str(so))
+    except Exception:  # report and fall back to JIT for this module
+        open(sys.argv[1], "a").write(traceback.format_exc())
+        print(f"prebuilt {so.parent.name} does not load here; it will be JIT-compiled")
+        continue
+    (aot / so.parent.name).mkdir(parents=True, exist_ok=True)
+    shutil.copy(so, aot / so.parent.name)
+    print(f"prebuilt: {so.parent.name}")
+PY
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -ra -p no:cacheprovider ${TEST_ARGS:-tests/kernels/test_attention_gpu.py} 2>&1 \
   | tee "$OUT/tests.log" | tail -30
 timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.attention --out "$OUT/attention_h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45

@@ -29,7 +29,7 @@ class DecodeConfig:
 
     block_n: int = 64  # tokens per tile
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2  # 2 beat 3 by ~16% at batch 64 x 8k (bench/results/attention_h200.json, sweep)
 
 
 @triton.jit

@@ -4,8 +4,9 @@ What we use from it:
 - `BatchAttentionWithAttentionSinkWrapper` for sink attention over the paged cache (prefill, and the
   decode comparison in bench/attention.py). Its JIT module is specialised at construction on
   (backend fa2|fa3, sliding window on|off), so a backend owns one wrapper per layer kind.
-- `BatchDecodeWithPagedKVCacheWrapper`, FlashInfer's decode kernel without sinks: the bandwidth
-  yardstick the benchmark prints beside our Triton decode.
+- `BatchDecodeWithPagedKVCacheWrapper`, FlashInfer's decode without sinks (its CUDA-core decode
+  kernel, and with use_tensor_cores=True its fa2 prefill kernel): the bandwidth yardsticks the
+  benchmark prints beside our Triton decode.
 
 JIT cache. FlashInfer compiles each module on first use (about 70 s for one fa3 sink variant on
 16 cores) into `$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<arch>/cached_ops` (the
@@ -19,7 +20,7 @@ from __future__ import annotations
 import flashinfer
 import torch
 from flashinfer.jit import env as jit_env
-from flashinfer.jit import gen_batch_decode_module, gen_customize_batch_prefill_module
+from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module, gen_customize_batch_prefill_module
 from flashinfer.jit.attention.variants import attention_sink_decl
 from flashinfer.jit.core import JitSpec
 from flashinfer.jit.page import gen_page_module
@@ -104,9 +105,9 @@ def run_sink_prefill(
     return wrapper.run(q, (k_cache, v_cache), sinks, scale, out=out)
 
 
-def decode_wrapper(workspace: torch.Tensor) -> "flashinfer.BatchDecodeWithPagedKVCacheWrapper":
-    """FlashInfer's own decode kernel (CUDA cores, split-KV), without sinks: a yardstick only."""
-    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+def decode_wrapper(workspace: torch.Tensor, tensor_cores: bool = False) -> "flashinfer.BatchDecodeWithPagedKVCacheWrapper":
+    """FlashInfer's own decode (split-KV), without sinks: a yardstick only."""
+    return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD", use_tensor_cores=tensor_cores)
 
 
 def plan_decode(wrapper, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
@@ -136,12 +137,14 @@ def _sink_prefill_spec(backend: str, sliding: bool, head_dim: int) -> JitSpec:
 
 def jit_specs(head_dim: int = 64, backends: tuple[str, ...] = PREFILL_BACKENDS, with_decode: bool = True) -> list[JitSpec]:
     """Every FlashInfer module this project can load: sink prefill per backend x (full, sliding), the
-    page helper fa3 uses, and (for the benchmark) the no-sink bf16 decode kernel."""
+    page helper fa3 uses, and (for the benchmark) the no-sink bf16 decode kernels (CUDA-core decode
+    and the fa2 prefill kernel that use_tensor_cores=True runs)."""
     specs = [_sink_prefill_spec(b, sliding, head_dim) for b in backends for sliding in (False, True)]
     specs.append(gen_page_module())
     if with_decode:
         dtype = torch.bfloat16
         specs.append(gen_batch_decode_module(dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False))
+        specs.append(gen_batch_prefill_module("fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False))
     return specs
 
 
