@@ -1,0 +1,62 @@
+"""The engine on a CUDA device: the sampler never synchronises with the host, draws the same tokens as
+on the CPU (integer-hashed noise), and a whole engine run on the GPU reproduces the CPU engine.
+Skips without an NVIDIA GPU."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from engine.sampler import Sampler, SamplingBatch  # noqa: E402
+from model.loader import load_model  # noqa: E402
+from tests.engine.engine_testlib import engine_config, random_prompt, request, run_to_end  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+VOCAB = 201088
+
+PARAMS = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+          SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.2, min_p=0.05, logprobs=0),
+          SamplingParams(temperature=0.6)] * 13  # 65 rows: a decode batch of 64 and one more
+
+
+def _sample(device: str, params, logits: torch.Tensor):
+    batch = SamplingBatch.build(params, list(range(len(params))), [7] * len(params), device)
+    return Sampler(VOCAB, device)(logits.to(device), batch)
+
+
+def test_sampler_makes_no_host_sync():
+    for params in (PARAMS, [p for p in PARAMS if p.top_k]):  # mixed paths; the top-k candidate path alone
+        logits = torch.randn(len(params), VOCAB, device="cuda")
+        _sample("cuda", params, logits)  # warm up allocations
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _sample("cuda", params, logits)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(1, 2)])  # mixed paths; the top-k candidate path alone
+def test_gpu_and_cpu_sampler_agree(rows):
+    logits = torch.randn(len(PARAMS), VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    params = PARAMS[rows]
+    logits = logits[rows]
+    cpu, gpu = _sample("cpu", params, logits), _sample("cuda", params, logits)
+    assert gpu.token_ids.cpu().tolist() == cpu.token_ids.tolist()
+
+
+def test_engine_on_gpu_reproduces_the_cpu_engine(tiny_dir):
+    reqs = [request(f"g{i}", random_prompt(n, i), SamplingParams(temperature=0.0, max_tokens=m))
+            for i, (n, m) in enumerate([(1, 9), (8, 6), (13, 8), (30, 12)])]
+    reqs.append(request("s", random_prompt(6, 9), SamplingParams(temperature=0.9, top_k=40, seed=1, max_tokens=9)))
+    outputs = []
+    for device in ("cpu", "cuda"):
+        engine = LLMEngine(load_model(tiny_dir, dtype="float32", device=device, progress=False),
+                           engine_config(device=device, max_num_batched_tokens=16))
+        for r in reqs:
+            engine.add_request(r)
+        outputs.append({rid: r["ids"] for rid, r in run_to_end(engine).items()})
+    assert outputs[0] == outputs[1]
