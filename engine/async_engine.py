@@ -201,7 +201,12 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                self._dispatch(self.engine.step())
+                deltas = self.engine.step()
+                self._dispatch(deltas)
+                if not deltas and not self.engine.scheduler.running:
+                    # Waiting requests that cannot be admitted yet (pages held elsewhere): don't spin.
+                    self._wake.wait(0.005)
+                    self._wake.clear()
             except StepFailedError as exc:
                 log.error("engine step failed; failing requests %s", exc.request_ids, exc_info=exc)
                 self._fail(exc.request_ids, exc)
