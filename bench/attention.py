@@ -15,8 +15,8 @@ flushes L2 before every call) and achieved KV bandwidth, for
 plus the sliding-window layer (a 128-token table, as the engine keeps it) for triton and fi_sink. Prefill: one sequence of 1k/8k/32k
 tokens through the sink wrapper, full causal and sliding, in TFLOP/s. Every implementation's output
 is checked against kernels/attention/reference.py (fp32) before it is timed. `--sweep` times the
-decode kernel's launch shapes (two shapes) and split counts (graph-timed, five shapes): how
-DecodeConfig and gpu_plan's split policy were chosen.
+decode kernel's launch shapes at the policy's split count and its neighbour (graph-timed, five
+shapes): how default_decode_config was chosen.
 
 Notes (bytes and FLOPs first). Decode reads every visible K and V byte once:
   bytes = B * ctx * 8 kv heads * 64 dim * 2 (K, V) * 2 B = B * ctx * 2048 B
@@ -41,7 +41,7 @@ import triton
 from triton.testing import do_bench
 
 from kernels.attention import flashinfer_ops
-from kernels.attention.decode_triton import DecodeConfig, sink_decode, split_scratch
+from kernels.attention.decode_triton import DecodeConfig, default_decode_config, sink_decode, split_scratch
 from kernels.attention.gpu_plan import decode_num_splits, flashinfer_page_lists
 from kernels.attention.reference import gather_pages, sink_attention
 
@@ -84,7 +84,7 @@ class DecodeShape:
         return max(rel_err(out[b : b + 1], self.reference(b, window, sinks)) for b in {0, self.batch - 1})
 
 
-def bench_triton(shape: DecodeShape, window, splits: int, config: DecodeConfig):
+def bench_triton(shape: DecodeShape, window, splits: int, config: DecodeConfig | None):
     out = torch.empty_like(shape.q)
     part_o, part_lse = split_scratch(shape.batch, HQ, splits, D, DEV)
 
@@ -97,7 +97,7 @@ def bench_triton(shape: DecodeShape, window, splits: int, config: DecodeConfig):
     return timed(run), err
 
 
-def bench_triton_graph(shape: DecodeShape, window, splits: int, config: DecodeConfig, gen):
+def bench_triton_graph(shape: DecodeShape, window, splits: int, config: DecodeConfig | None, gen):
     """Median us per launch group, replayed from a CUDA graph over rotating disjoint page sets."""
     ctx = min(shape.ctx, window) if window else shape.ctx
     pages = -(-ctx // PAGE)
@@ -186,11 +186,11 @@ def run_decode(args, gen, workspace, fi_backend, results):
             splits = decode_num_splits(batch, ctx, HKV, torch.cuda.get_device_properties(DEV).multi_processor_count)
             row = {"batch": batch, "ctx": ctx, "kv_bytes": shape.kv_bytes, "splits": splits}
             for name, fn in (
-                ("triton", lambda: bench_triton(shape, None, splits, DecodeConfig())),
+                ("triton", lambda: bench_triton(shape, None, splits, None)),
                 ("fi_sink", lambda: bench_fi_sink(shape, None, workspace, fi_backend)),
                 ("fi_decode", lambda: bench_fi_decode(shape, workspace)),
                 ("fi_decode_tc", lambda: bench_fi_decode(shape, workspace, tensor_cores=True)),
-                ("triton_swa", lambda: bench_triton(shape, WINDOW, 1, DecodeConfig())),
+                ("triton_swa", lambda: bench_triton(shape, WINDOW, 1, None)),
                 ("fi_sink_swa", lambda: bench_fi_sink(shape, WINDOW, workspace, fi_backend)),
             ):
                 us, err = fn()
@@ -198,7 +198,7 @@ def run_decode(args, gen, workspace, fi_backend, results):
                 if not name.endswith("swa"):
                     row[f"{name}_gbps"] = shape.kv_bytes / (us * 1e-6) / 1e9
             for name, window in (("triton_graph", None), ("triton_graph_swa", WINDOW)):
-                us, err, step_bytes = bench_triton_graph(shape, window, 1 if window else splits, DecodeConfig(), gen)
+                us, err, step_bytes = bench_triton_graph(shape, window, 1 if window else splits, None, gen)
                 row[f"{name}_us"], row[f"{name}_err"] = us, err
                 row[f"{name}_gbps"] = step_bytes / (us * 1e-6) / 1e9
             results["decode"].append(row)
@@ -211,17 +211,20 @@ def run_decode(args, gen, workspace, fi_backend, results):
 
 def run_sweep(gen, results):
     num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    configs = [DecodeConfig(64, 4, 2), DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 2)]
-    shapes = {(64, 8192): configs, (8, 32768): configs, (1, 32768): [DecodeConfig()], (1, 8192): [DecodeConfig()],
-              (8, 1024): [DecodeConfig()], (64, 1024): [DecodeConfig()], (256, 1024): [DecodeConfig()]}
+    configs = [DecodeConfig(64, 4, 2), DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 3),
+               DecodeConfig(64, 8, 3)]
+    shapes = {(64, 8192): configs, (256, 8192): configs, (256, 32768): configs, (8, 32768): configs,
+              (1, 32768): configs}
     for (batch, ctx), shape_configs in shapes.items():
-        blocks = max(batch * ctx // PAGE * 4, 2**16)  # room for the graph's rotating copies
+        step_bytes = batch * ctx * HKV * D * 2 * 2
+        copies = min(128, -(-256 * 2**20 // step_bytes))  # room for the graph's rotating copies
+        blocks = batch * (ctx // PAGE) * copies + 64
         pool_k = torch.randn(blocks, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
         pool_v = torch.randn(blocks, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
         shape = DecodeShape(pool_k, pool_v, batch, ctx, gen)
         policy = decode_num_splits(batch, ctx, HKV, num_sms)
-        split_range = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max(1, ctx // 128)]
-        trials = [(c, policy) for c in shape_configs] + [(DecodeConfig(), s) for s in split_range if s != policy]
+        other = policy // 2 if policy > 1 else 2  # each config at a neighbouring split count too
+        trials = [(c, s) for c in shape_configs for s in (policy, other)]
         for config, splits in trials:
             us, err, step_bytes = bench_triton_graph(shape, None, splits, config, gen)
             results["sweep"].append({"batch": batch, "ctx": ctx, "block_n": config.block_n, "num_warps": config.num_warps,
@@ -299,7 +302,7 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(DEV),
         "torch": torch.__version__, "triton": triton.__version__, "flashinfer": flashinfer_ops.FLASHINFER_VERSION,
-        "decode_config": DecodeConfig().__dict__, "copy_gbps": copy_gbps(), "decode": [], "prefill": [], "sweep": [],
+        "decode_config": {s: default_decode_config(s).__dict__ for s in (1, 2)}, "copy_gbps": copy_gbps(), "decode": [], "prefill": [], "sweep": [],
     }
     if args.sweep:
         run_sweep(gen, results)

@@ -25,11 +25,18 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the split kernel; the defaults are the measured best on the H200 (NOTES.md)."""
+    """Launch shape of the split kernel (default_decode_config picks one per split count)."""
 
     block_n: int = 64  # tokens per tile
     num_warps: int = 4
-    num_stages: int = 2  # 2 beat 3 by ~16% at batch 64 x 8k (bench/results/attention_h200.json, sweep)
+    num_stages: int = 2
+
+
+def default_decode_config(num_splits: int) -> DecodeConfig:
+    """Measured on the H200 (kernels/attention/NOTES.md, bench/results/attention_h200.json): with
+    several splits, 128-token tiles in 2 stages (3 stages lost ~15% at batch 64 x 8k); with one
+    split (batch >= ~128) 64-token tiles in 3 stages (+6-10% over 2 stages at batch 256)."""
+    return DecodeConfig(64, 4, 3) if num_splits == 1 else DecodeConfig(128, 4, 2)
 
 
 @triton.jit
@@ -143,7 +150,7 @@ def sink_decode(
     out: torch.Tensor,  # [B, Hq, D]
     part_o: torch.Tensor | None = None,  # from split_scratch, needed when num_splits > 1
     part_lse: torch.Tensor | None = None,
-    config: DecodeConfig = DecodeConfig(),
+    config: DecodeConfig | None = None,  # None: default_decode_config(num_splits)
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -158,6 +165,7 @@ def sink_decode(
             raise ValueError(f"num_splits={num_splits} needs split scratch for {need} rows (see split_scratch)")
     else:
         part_o = part_lse = out  # unused by the single-split specialisation
+    config = config or default_decode_config(num_splits)
     _sink_decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, kv_lens, sinks,
         out, part_o, part_lse,
