@@ -272,6 +272,37 @@ def test_engine_metrics_reach_prometheus(http_port):
     assert re.search(r'ray_gptoss_kv_usage_ratio\{[^}]*pool="full"', text)
 
 
+def test_refused_request_is_an_invalid_request_error(http_port):
+    from engine.request import InvalidRequestError
+    from serve_app.ingress import ServeTokenBackend
+
+    backend = ServeTokenBackend(serve.get_deployment_handle(DECODE_NAME, APP), max_context=1024)
+    bad = GenerateRequest("bad-1", [], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError) as err:
+        run_async(collect(backend.generate(bad)))
+    assert err.value.param == "prompt_ids"  # the engine's own error, not a wrapped RayTaskError
+
+
+def test_client_disconnect_aborts_the_request_in_decode(http_port):
+    import httpx
+
+    before = stats(DECODE_NAME)["requests_finished_total"].get("abort", 0)
+    body = dict(CHAT, temperature=0, max_tokens=900, stream=True)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"http://127.0.0.1:{http_port}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= 6:
+                    break  # leave mid-stream: closing the connection must free the engine's slot
+
+    def aborted() -> bool:
+        s = stats(DECODE_NAME)
+        return (s["requests_finished_total"].get("abort", 0) == before + 1 and s["num_running"] == 0
+                and s["full_pages_free"] == s["full_pages_total"])
+
+    wait_until(aborted, 8, "the decode engine to abort the abandoned request")  # 900 tokens would take longer
+
+
 def test_decode_replica_killed_mid_stream(http_port, reference_port):
     request = dict(CHAT, temperature=0, max_tokens=600)
     want = client(reference_port).chat.completions.create(**request)
