@@ -258,9 +258,8 @@ DENSE = {"qkv": (5120, 2880), "o": (2880, 4096), "router_120b": (128, 2880), "ro
 def bench_dense(shard) -> list[dict]:
     """bf16 F.linear vs FP8 (per-token-per-128 activation quant + DeepGEMM 1x128/128x128 GEMM, and
     torch._scaled_mm rowwise) on the real shapes; 8 weight copies rotated except the unembedding."""
-    if not deep_gemm_ops.available():
-        return []
     rows = []
+    use_dg = deep_gemm_ops.available()
     for index, (name, (n, k)) in enumerate(DENSE.items()):
         if shard and index % shard[1] != shard[0]:
             continue
@@ -285,12 +284,14 @@ def bench_dense(shard) -> list[dict]:
                                                   for q, s in zip(w_row_q, w_rowwise)],
             }
             fns["fp8_act_quant"]()
-            try:  # FP8 error of the whole dense layer (weights and activations)
-                deep_gemm_ops.gemm(a, *wq[0], out)
-                diff = calc_diff(out, torch.nn.functional.linear(x, wb[0]))
-            except RuntimeError as exc:
-                print(f"dense {name} T={t} fp8_dg_gemm: failed ({str(exc).splitlines()[0][:100]})")
+            # FP8 error of the whole dense layer (weights and activations), rowwise torch FP8
+            ref = torch.nn.functional.linear(x, wb[0])
+            try:
+                diff = calc_diff(torch._scaled_mm(xq, w_row_q[0].t(), xs, w_rowwise[0].t(), out_dtype=torch.bfloat16), ref)
+            except RuntimeError:
                 diff = float("nan")
+            if not use_dg:
+                del fns["fp8_dg_gemm"]
             for variant, fn in fns.items():
                 try:
                     fn()
@@ -335,10 +336,7 @@ def write_mxfp4_layers(folder: Path, layers: int, experts: int) -> None:
 
 def probe_deep_gemm() -> int:
     """Is this deep_gemm build usable? Small dense / masked / contiguous FP8 GEMMs against the
-    dequantized reference, with our MN-major scale views and with row-major scale copies.
-    Exit code: 0 works as is, 2 works only with row-major scale copies, 1 unusable."""
-    import os
-
+    dequantized reference. Exit code 0: usable, 1: not."""
     from kernels.moe.routing_triton import plan_contiguous
 
     if not deep_gemm_ops.available():
@@ -357,31 +355,26 @@ def probe_deep_gemm() -> int:
     rows_ok = plan.m_indices >= 0
     want = ref_grouped(a, w, ws, plan.m_indices.long())
     masked_rows = torch.cat([torch.arange(c, device=DEV) + x_ * 256 for x_, c in enumerate([5, 0, 130, 64])])
-    verdict = {}
-    for mode in ("0", "1"):
-        os.environ["MOE_DG_CONTIGUOUS_SCALES"] = mode
-        checks = {}
-        out = torch.zeros(plan.num_rows, n, device=DEV, dtype=torch.bfloat16)
-        try:
-            deep_gemm_ops.gemm(a, w[2].contiguous(), ws[2].contiguous(), out)
-            dense_want = ref_grouped(a, w, ws, torch.full_like(plan.m_indices, 2).long())
-            checks["dense"] = calc_diff(out, dense_want)
-            out.zero_()
-            deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum)
-            checks["psum"] = calc_diff(out[rows_ok], want[rows_ok])
-            out.zero_()
-            deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices)
-            checks["m_indices"] = calc_diff(out[rows_ok], want[rows_ok])
-            outm = torch.zeros(e * 256, n, device=DEV, dtype=torch.bfloat16)
-            deep_gemm_ops.grouped_gemm_masked(am, w, ws, outm, plan.counts, 50)
-            checks["masked"] = calc_diff(outm[masked_rows], want[rows_ok])
-        except RuntimeError as exc:
-            checks["error"] = str(exc).splitlines()[0][:200]
-        good = "error" not in checks and all(v < 1e-4 for v in checks.values())
-        print(f"probe deep_gemm {deep_gemm_ops._module().__version__} contiguous_scales={mode}: {checks} -> {'OK' if good else 'FAIL'}")
-        verdict[mode] = good
-    os.environ.pop("MOE_DG_CONTIGUOUS_SCALES")
-    return 0 if verdict["0"] else 2 if verdict["1"] else 1
+    checks = {}
+    out = torch.zeros(plan.num_rows, n, device=DEV, dtype=torch.bfloat16)
+    try:
+        deep_gemm_ops.gemm(a, w[2].contiguous(), ws[2].contiguous(), out)
+        dense_want = ref_grouped(a, w, ws, torch.full_like(plan.m_indices, 2).long())
+        checks["dense"] = calc_diff(out, dense_want)
+        out.zero_()
+        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum)
+        checks["psum"] = calc_diff(out[rows_ok], want[rows_ok])
+        out.zero_()
+        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices)
+        checks["m_indices"] = calc_diff(out[rows_ok], want[rows_ok])
+        outm = torch.zeros(e * 256, n, device=DEV, dtype=torch.bfloat16)
+        deep_gemm_ops.grouped_gemm_masked(am, w, ws, outm, plan.counts, 50)
+        checks["masked"] = calc_diff(outm[masked_rows], want[rows_ok])
+    except RuntimeError as exc:
+        checks["error"] = str(exc).splitlines()[0][:200]
+    good = "error" not in checks and all(v < 1e-4 for v in checks.values())
+    print(f"probe deep_gemm {deep_gemm_ops._module().__version__}: {checks} -> {'OK' if good else 'FAIL'}")
+    return 0 if good else 1
 
 
 def ref_grouped(a: Fp8Rows, w, ws, expert_of_row):

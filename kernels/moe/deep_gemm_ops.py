@@ -13,14 +13,15 @@ Layouts DeepGEMM's SM90 FP8 kernels (the "1D2D" kernels) expect, read from its 0
   stored whole, so the rows per group must be a multiple of the tile rows (we use 128).
 Kernels are JIT-compiled per shape on first use (DG_JIT_CACHE_DIR; NVRTC with DG_JIT_USE_NVRTC=1).
 The calls use the names every sgl-deep-gemm 0.1.7..0.2.x exports (m_grouped_fp8_fp4_gemm_nt_*).
-MOE_DG_CONTIGUOUS_SCALES=1 hands DeepGEMM row-major scale copies instead of the MN-major views
-(it then transposes them itself): a diagnostic for builds that reject strided scale views.
+Status (H200, torch 2.11.0+cu130, 2026-11-29): the prebuilt sgl-deep-gemm wheels 0.1.7, 0.2.0 and
+0.2.1.post1 import but fail every GEMM call in DeepGEMM's first shape check ("dim == 2 or dim == 3"),
+with row-major or MN-major scales and apache-tvm-ffi 0.1.11 or 0.1.15 alike; 0.2.3.post2 does not
+load. `python -m bench.moe --probe` checks a build; kernels/moe/NOTES.md has the details.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -75,17 +76,13 @@ def check_scale_alignment(rows: int) -> None:
                                   "update SCALE_ROW_ALIGN in epilogues_triton.py")
 
 
-def _scales(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous() if os.environ.get("MOE_DG_CONTIGUOUS_SCALES") == "1" else t
-
-
 def grouped_gemm_contiguous(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
                             m_indices: torch.Tensor | None = None, psum: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] = A @ W[e]^T for the expert segments given by m_indices or (preferred) psum."""
     if (m_indices is None) == (psum is None):
         raise ValueError("pass exactly one of m_indices (per-row experts) and psum (segment ends)")
     dg = _dg()
-    a_pair = (a.data, _scales(a.scales_2d()))
+    a_pair = (a.data, a.scales_2d())
     if psum is not None:
         dg.m_grouped_fp8_fp4_gemm_nt_contiguous(a_pair, (w, w_scales), out, psum, use_psum_layout=True)
     else:
@@ -98,12 +95,12 @@ def grouped_gemm_masked(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
     """out [E * m_cap, N] = A @ W[e]^T on the first counts[e] rows of each expert's m_cap rows."""
     g, m = a.groups, a.rows_per_group
     dg = _dg()
-    dg.m_grouped_fp8_fp4_gemm_nt_masked((a.data.view(g, m, -1), _scales(a.scales_3d())), (w, w_scales),
+    dg.m_grouped_fp8_fp4_gemm_nt_masked((a.data.view(g, m, -1), a.scales_3d()), (w, w_scales),
                                     out.view(g, m, -1), counts, max(1, int(expected_m)))
     return out
 
 
 def gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Dense FP8 GEMM out [M, N] = A @ W^T (W [N, K] with 128x128 scales): the dense-layer comparison."""
-    _dg().fp8_fp4_gemm_nt((a.data, _scales(a.scales_2d())), (w, w_scales), out)
+    _dg().fp8_fp4_gemm_nt((a.data, a.scales_2d()), (w, w_scales), out)
     return out
