@@ -302,7 +302,9 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(DEV),
         "torch": torch.__version__, "triton": triton.__version__, "flashinfer": flashinfer_ops.FLASHINFER_VERSION,
-        "decode_config": {s: default_decode_config(s).__dict__ for s in (1, 2)}, "copy_gbps": copy_gbps(), "decode": [], "prefill": [], "sweep": [],
+        "decode_config": {"full": default_decode_config(2, None).__dict__,
+                          "sliding": default_decode_config(1, WINDOW).__dict__},
+        "copy_gbps": copy_gbps(), "decode": [], "prefill": [], "sweep": [],
     }
     if args.sweep:
         run_sweep(gen, results)

@@ -25,18 +25,20 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the split kernel (default_decode_config picks one per split count)."""
+    """Launch shape of the split kernel (default_decode_config picks one per layer kind)."""
 
-    block_n: int = 64  # tokens per tile
+    block_n: int = 128  # tokens per tile
     num_warps: int = 4
     num_stages: int = 2
 
 
-def default_decode_config(num_splits: int) -> DecodeConfig:
-    """Measured on the H200 (kernels/attention/NOTES.md, bench/results/attention_h200.json): with
-    several splits, 128-token tiles in 2 stages (3 stages lost ~15% at batch 64 x 8k); with one
-    split (batch >= ~128) 64-token tiles in 3 stages (+6-10% over 2 stages at batch 256)."""
-    return DecodeConfig(64, 4, 3) if num_splits == 1 else DecodeConfig(128, 4, 2)
+def default_decode_config(num_splits: int, window: int | None) -> DecodeConfig:
+    """Measured on the H200, 2026-11-29 (kernels/attention/NOTES.md, bench/results/attention_h200.json,
+    CUDA-graph sweep): for full layers 128-token tiles in 2 stages were best or within 2% of best at
+    every shape swept (batch 1/8/64/256, 8k-32k, 1 to 64 splits); 3 stages lost up to 15% with
+    64-token tiles and 8 warps up to 20%. Sliding layers read 128 keys and keep the shape the benchmark
+    timed for them (5-26 us from batch 1 to 256)."""
+    return DecodeConfig(64, 4, 3) if window else DecodeConfig(128, 4, 2)
 
 
 @triton.jit
@@ -150,7 +152,7 @@ def sink_decode(
     out: torch.Tensor,  # [B, Hq, D]
     part_o: torch.Tensor | None = None,  # from split_scratch, needed when num_splits > 1
     part_lse: torch.Tensor | None = None,
-    config: DecodeConfig | None = None,  # None: default_decode_config(num_splits)
+    config: DecodeConfig | None = None,  # None: default_decode_config(num_splits, window)
 ) -> torch.Tensor:
     batch, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -165,7 +167,7 @@ def sink_decode(
             raise ValueError(f"num_splits={num_splits} needs split scratch for {need} rows (see split_scratch)")
     else:
         part_o = part_lse = out  # unused by the single-split specialisation
-    config = config or default_decode_config(num_splits)
+    config = config or default_decode_config(num_splits, window)
     _sink_decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, kv_lens, sinks,
         out, part_o, part_lse,

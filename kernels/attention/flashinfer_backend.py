@@ -47,7 +47,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         max_kv_len: int = 131072,
         prefill_backend: str | None = None,  # "fa3" | "fa2"; default: fa3 on Hopper
         cuda_graph: bool = False,
-        decode_config: DecodeConfig | None = None,  # None: chosen per split count (decode_triton)
+        decode_config: DecodeConfig | None = None,  # None: default_decode_config
     ):
         super().__init__(layer_is_sliding, sliding_window, head_dim)
         if num_q_heads % num_kv_heads:
