@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from kernels.attention import flashinfer_ops  # noqa: E402
 from kernels.attention.decode_triton import sink_decode, split_scratch  # noqa: E402
 from kernels.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
+from kernels.attention.gpu_plan import flashinfer_page_lists  # noqa: E402
 from kernels.attention.kv_cache import PagedKVCache  # noqa: E402
 from kernels.attention.kv_write import write_kv  # noqa: E402
 from kernels.attention.metadata import AttentionBatch, KVGroupMeta  # noqa: E402
@@ -282,8 +283,6 @@ def test_flashinfer_sink_prefill_direct(backend, window):
     meta, layer = batch.group(sliding), 0 if sliding else 1
     k, v = world.new_kv()
     write_kv(k, v, world.cache.k[layer], world.cache.v[layer], meta.slot_mapping)
-    from kernels.attention.gpu_plan import flashinfer_page_lists
-
     indptr, indices, last = flashinfer_page_lists(meta.block_tables, meta.kv_lens_cpu, 16)
     wrapper = flashinfer_ops.sink_prefill_wrapper(flashinfer_ops.new_workspace(DEV), (window or 0) - 1, backend, D)
     flashinfer_ops.plan_sink_prefill(wrapper, batch.query_start_loc.cpu(), indptr, indices, last, HQ, HKV, D, 16,
