@@ -89,17 +89,25 @@ class DecodeServer:
         offer = self.transport.offer(payload_upper_bound(len(request.prompt_ids), len(sliding), sliding, window,
                                                          kv_heads, head_dim, dtype))
         call = asyncio.ensure_future(self._call_prefill(request, offer))
-        # The offer's slot is the prefill replica's to write until its call ends, whatever we decide
-        # meanwhile: release it only then.
-        call.add_done_callback(lambda _: self.transport.release(offer))
         try:
-            done, _ = await asyncio.wait({call}, timeout=self.config.prefill_timeout_s)
+            try:
+                done, _ = await asyncio.wait({call}, timeout=self.config.prefill_timeout_s)
+            except asyncio.CancelledError:  # the client went away while the prompt ran remotely
+                done = None
+                raise
+            finally:
+                if not done:
+                    # The call is not cancelled: the prefill finishes in the background and its K/V is
+                    # dropped. Until it ends it may still write into the offered slot: free it only then.
+                    call.add_done_callback(lambda _: self.transport.release(offer))
             if not done:
-                # Not cancelled: the prefill finishes in the background and its K/V is dropped.
                 raise asyncio.TimeoutError(f"no prefill answer within {self.config.prefill_timeout_s} s")
-            handle = call.result()
-            t_recv = time.perf_counter()
-            payload = await self.transport.receive(handle, offer, self.config.kv_transfer_timeout_s)
+            try:
+                handle = call.result()
+                t_recv = time.perf_counter()
+                payload = await self.transport.receive(handle, offer, self.config.kv_transfer_timeout_s)
+            finally:
+                self.transport.release(offer)  # the call has ended and receive copied the slot out
         except _REMOTE_FAILURES as err:
             self._fell_back(request, _reason(err), err)
             return None

@@ -5,8 +5,9 @@ One interface, two transports, and a three-message protocol that fits Serve's re
 1. decode: `offer = transport.offer(max_bytes)` says how it wants to receive (sent with the prompt);
 2. prefill: `handle = transport.send(payload, offer)` ships the K/V and returns a small, picklable handle
    (sent back with the first token);
-3. decode: `payload = await transport.receive(handle, offer, timeout_s)`, then `transport.release(offer)`
-   once the prefill call has finished, successfully or not.
+3. decode: `payload = await transport.receive(handle, offer, timeout_s)`, then `transport.release(offer)`;
+   a prefill call that was given up on (timeout) releases its offer only when it finally ends, since
+   until then the prefill replica may still write into the offered slot.
 
 Every transport packs the payload's K/V tensors into one flat byte buffer (one allocation, one copy, one
 handle), so per-transfer overhead does not grow with the number of layers.
@@ -283,11 +284,13 @@ class CudaIpcTransport(ObjectStoreTransport):
             raise KVTransferError(f"handle {handle.kind!r} ({handle.nbytes} bytes) does not match the offer "
                                   f"{offer.kind!r} ({offer.slot_nbytes} bytes)")
         t0 = time.perf_counter()
-        # The sender synchronized before answering, so the slot is complete. Copy it out: the slot is
-        # freed as soon as the prefill call ends, while the engine writes K/V into pages only when it
-        # next schedules the request.
+        # The sender synchronized before answering, so the slot is complete. Copy it out, because the
+        # engine writes K/V into its pages only when it next schedules the request, and wait for the
+        # copy: once `release` frees the slot another prefill process may write into it, and nothing
+        # orders its writes after our copy.
         slot = self._arena.buffer[offer.slot_offset: offer.slot_offset + handle.nbytes]
         flat = slot.clone()
+        torch.cuda.current_stream(self.device).synchronize()
         payload = join_payload(handle.skeleton, unpack(flat, handle.specs))
         self.last_stats = TransferStats(handle.kind, handle.nbytes, handle.pack_ms, (time.perf_counter() - t0) * 1e3)
         return payload

@@ -18,8 +18,7 @@ from serve_app.builder import DECODE_NAME, build_app
 from tests.serve_app.serve_helpers import running_replicas, start_ray, stop_ray, wait_until
 
 APP = "autoscale"
-ARGS = {
-    "max_context": "1024",
+ARGS = {  # no max_context: the ingress asks the decode deployment for the engine's limit at start
     "kv_cache_memory_gib": "0.0625",
     "prefill.num_replicas": "1",
     "decode.graceful_shutdown_timeout_s": "2",
@@ -91,3 +90,4 @@ def test_decode_scales_up_under_load_and_back_down(http_port):
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=60)
     reply = api.chat.completions.create(model="gpt-oss", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.usage.completion_tokens == 4
+    assert api.models.list().data[0].max_model_len == 131072  # the tiny model's context, learned from decode
