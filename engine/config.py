@@ -28,6 +28,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # weights and KV cache; auto: the checkpoint's dtype
     seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
+    # Kernels (engine/model_factory.py): auto = GPU kernels on CUDA, the pure-torch twins on CPU.
+    attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
+    moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
+    cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -52,6 +56,12 @@ class EngineConfig:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for name, allowed in (("attention_backend", ("auto", "torch", "flashinfer")),
+                              ("moe_backend", ("auto", "torch", "fp8"))):
+            if getattr(self, name) not in allowed:
+                raise EngineConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise EngineConfigError("cuda_graphs=True needs device 'cuda' or 'cuda:N'")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise EngineConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
 

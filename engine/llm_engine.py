@@ -78,6 +78,12 @@ class LLMEngine:
                                           self.runner.has_full, self.runner.has_sliding)
         self._check_pools(num_full, num_sliding)
         self.runner.allocate_kv_cache(num_full, num_sliding)
+        self.graph_capture_seconds: dict[int, float] = {}
+        if config.cuda_graphs:
+            from engine.cuda_graphs import DecodeGraphs, default_buckets
+
+            self.runner.decode_graphs = DecodeGraphs(model, default_buckets(config.max_num_seqs))
+            self.graph_capture_seconds = self.runner.decode_graphs.capture()
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(mc.vocab_size, model.device)
         self.metrics = EngineMetrics()
@@ -88,9 +94,14 @@ class LLMEngine:
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path, config: EngineConfig, progress: bool = False) -> "LLMEngine":
-        from model.loader import load_model
+        from engine.model_factory import build_model
+        from model.loader import read_config, resolve_dtype
 
-        return cls(load_model(folder, dtype=config.dtype, device=config.device, progress=progress), config)
+        mc = read_config(folder)
+        model = build_model(mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend,
+                            config.moe_backend, checkpoint=folder, max_batch=config.max_num_seqs,
+                            max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, progress=progress)
+        return cls(model, config)
 
     def _check_pools(self, num_full: int, num_sliding: int) -> None:
         bs = self.config.block_size

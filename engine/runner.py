@@ -137,6 +137,7 @@ class ModelRunner:
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_dtype = model.dtype
         self.kv_cache: PagedKVCache | None = None
+        self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
 
     @property
     def has_full(self) -> bool:
@@ -176,6 +177,10 @@ class ModelRunner:
         """Logits [N, V] (fp32) of the sequences that sample this step."""
         # Rebinding is a pointer swap; it keeps two engines over one model object (tests) apart.
         self.model.backend.bind_cache(self.kv_cache)
+        graphs = self.decode_graphs
+        if graphs is not None and inputs.attention.is_decode and graphs.bucket_for(inputs.attention.num_seqs):
+            logits = graphs.run(inputs.input_ids, inputs.positions, inputs.attention)  # [B, V]
+            return logits.index_select(0, inputs.logits_indices).float()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D]
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 

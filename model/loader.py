@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from kernels.moe.fp8_experts import Fp8Experts
 from model.config import GptOssConfig
 from model.gpt_oss import GptOssForCausalLM
 from model.mxfp4 import dequantize_mxfp4
@@ -219,6 +220,9 @@ def load_weights(model: GptOssForCausalLM, folder: str | Path, progress: bool = 
         del value
         bar.update(1)
     bar.close()
+    # FP8 experts (kernels/moe/fp8_experts.py) hold buffers, not parameters: model/convert.py loads them.
+    if any(isinstance(m, Fp8Experts) for m in model.modules()):
+        used.update(n for n in ck.names() if ".mlp.experts." in n)
     unexpected = sorted(ck.names() - used)
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]} in {ck.where(unexpected[0])}"

@@ -73,8 +73,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.scratch_pages = 0
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
+        # Rebinding the bound cache (the runner does it every step) keeps the decode buffers: captured
+        # CUDA graphs (engine/cuda_graphs.py) read them at fixed addresses.
+        rebind = kv_cache is not None and kv_cache is self.kv_cache and bool(self.decode_buffers)
         super().bind_cache(kv_cache)
-        if kv_cache is None:
+        if kv_cache is None or rebind:
             return
         # Sliding tables are short in decode, but sizing both alike accepts any table width the
         # engine pads to; 256 x 8192 int32 is 8 MB.

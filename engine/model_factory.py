@@ -1,0 +1,143 @@
+"""Build a GptOssForCausalLM for one device with the kernels that device runs.
+
+Two sources of weights:
+- a checkpoint folder (`checkpoint=`): dense weights through model/loader.py; with the FP8 MoE the
+  experts come from model/convert.py (an FP8-converted checkpoint read as is, MXFP4/bf16 converted on
+  the device);
+- random weights of the real shapes (`random_weights=True`), made directly on the device: the
+  benchmarks run the full 20b/120b shapes where the real checkpoints cannot be downloaded. FP8 experts
+  are drawn expert by expert straight into FP8, so the 120b experts (117 GB in FP8) never exist in bf16.
+
+Backends: "auto" picks the GPU kernels on CUDA (FlashInfer + our Triton decode for attention, the
+Triton FP8 grouped GEMMs for the MoE) and the pure-torch twins on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from model.config import GptOssConfig
+from model.gpt_oss import GptOssForCausalLM
+from model.parallel import SINGLE, Parallel
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+MOE_BACKENDS = ("auto", "torch", "fp8")
+# Triton, not DeepGEMM: the sgl-deep-gemm wheels fail every call on the H200 image's torch 2.11
+# (kernels/moe/NOTES.md, "DeepGEMM status").
+FP8_KERNELS = "triton"
+
+
+class ModelFactoryError(ValueError):
+    """A backend choice does not fit the device, or the weight source is missing; the message says what to change."""
+
+
+def resolve_backends(attention: str, moe: str, device: torch.device) -> tuple[str, str]:
+    """("torch" | "flashinfer", "torch" | "fp8") for `device`; auto = GPU kernels on CUDA, twins on CPU."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ModelFactoryError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    if moe not in MOE_BACKENDS:
+        raise ModelFactoryError(f"moe_backend must be one of {MOE_BACKENDS}, got {moe!r}")
+    cuda = device.type == "cuda"
+    if attention == "flashinfer" and not cuda:
+        raise ModelFactoryError(f"attention_backend 'flashinfer' needs a CUDA device, got {device}; use 'torch' or 'auto'")
+    attention = ("flashinfer" if cuda else "torch") if attention == "auto" else attention
+    moe = ("fp8" if cuda else "torch") if moe == "auto" else moe
+    return attention, moe
+
+
+def make_attention_backend(config: GptOssConfig, parallel: Parallel, device: torch.device,
+                           max_batch: int = 256, max_kv_len: int | None = None, cuda_graph: bool = False):
+    """The FlashInfer/Triton backend for this rank's heads. `cuda_graph=True` fixes the decode split
+    count per batch size (from `max_kv_len`), which captured graphs need."""
+    from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(
+        [config.is_sliding(i) for i in range(config.num_hidden_layers)], config.sliding_window, config.head_dim,
+        config.num_attention_heads // parallel.tp_size, config.num_key_value_heads // parallel.tp_size, device,
+        max_batch=max_batch, max_kv_len=max_kv_len or config.max_position_embeddings, cuda_graph=cuda_graph)
+
+
+def _fp8_experts_module(config: GptOssConfig, parallel: Parallel, device: torch.device):
+    from kernels.moe.fp8_experts import Fp8Experts
+
+    num_local = config.num_local_experts // parallel.ep_size
+    return Fp8Experts(num_local, parallel.ep_rank * num_local, config.hidden_size, config.intermediate_size,
+                      config.swiglu_alpha, config.swiglu_limit, device,
+                      backend=FP8_KERNELS if device.type == "cuda" else "torch")
+
+
+@torch.no_grad()
+def random_fp8_experts(config: GptOssConfig, parallel: Parallel, device: torch.device,
+                       generator: torch.Generator):
+    """One layer's Fp8Experts with random weights: values ~N(0, 1) rounded to e4m3, block scales
+    1/sqrt(K), so a layer keeps activations O(1) like a trained one. K padding stays zero."""
+    module = _fp8_experts_module(config, parallel, device)
+    for w, s, k in ((module.w13, module.s13, config.hidden_size), (module.w2, module.s2, config.intermediate_size)):
+        s.fill_(1.0 / math.sqrt(k))
+        for e in range(w.shape[0]):  # one expert at a time: a bf16 temporary of ~34 MB, never a layer
+            tmp = torch.empty(w.shape[1], k, dtype=torch.bfloat16, device=device).normal_(generator=generator)
+            w[e, :, :k].copy_(tmp.to(w.dtype))
+    module.b13.normal_(0.0, 0.02, generator=generator)
+    module.b2.normal_(0.0, 0.02, generator=generator)
+    return module
+
+
+@torch.no_grad()
+def randomize_dense(model: GptOssForCausalLM, generator: torch.Generator) -> None:
+    """Random dense weights (everything but FP8 experts, which random_fp8_experts fills): N(0, 1/fan_in)
+    for matrices, small biases, unit norms, N(0, 1) sinks."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dim() >= 2:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=generator)
+        else:
+            p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.02, generator=generator)
+
+
+def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                attention_backend: str = "auto", moe_backend: str = "auto", checkpoint: str | Path | None = None,
+                random_weights: bool = False, seed: int = 0, parallel: Parallel = SINGLE,
+                max_batch: int = 256, max_kv_len: int | None = None, cuda_graph: bool = False,
+                progress: bool = False) -> GptOssForCausalLM:
+    """The model on `device` with resolved backends, from `checkpoint` or (random_weights=True) random."""
+    if (checkpoint is None) == (not random_weights):
+        raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
+    device = torch.device(device)
+    attention, moe = resolve_backends(attention_backend, moe_backend, device)
+    backend = (make_attention_backend(config, parallel, device, max_batch, max_kv_len, cuda_graph)
+               if attention == "flashinfer" else None)
+    if checkpoint is not None:
+        from model.loader import load_model
+
+        factory = None
+        if moe == "fp8":
+            from model.convert import load_fp8_experts
+
+            factory = iter(load_fp8_experts(checkpoint, parallel, device, backend=FP8_KERNELS
+                                            if device.type == "cuda" else "torch")).__next__
+        return load_model(checkpoint, dtype=dtype, device=device, parallel=parallel, progress=progress,
+                          backend=backend, experts_factory=factory)
+    generator = torch.Generator(device).manual_seed(seed)
+    factory = None
+    if moe == "fp8":
+        def factory():
+            return random_fp8_experts(config, parallel, device, generator)
+    model = GptOssForCausalLM(config, parallel, dtype, device, backend=backend, experts_factory=factory)
+    randomize_dense(model, generator)
+    return model.eval()
+
+
+def weight_bytes(model: GptOssForCausalLM) -> dict[str, int]:
+    """Bytes held by the experts and by everything else (dense), for memory planning and reports."""
+    experts = dense = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        n = t.numel() * t.element_size()
+        if ".experts." in name:
+            experts += n
+        elif not name.endswith("inv_freq"):
+            dense += n
+    return {"experts": experts, "dense": dense}
