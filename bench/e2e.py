@@ -1,0 +1,356 @@
+"""End to end on one GPU: prefill TTFT and decode speed/cost for gpt-oss-20b and gpt-oss-120b.
+
+    python -m bench.e2e --device cuda --out bench/results/e2e_h200.json      (the H200 run)
+    python -m bench.e2e --device cpu --tiny                                  (smoke test of the code)
+
+Weights are random with the real shapes, made on the device (engine/model_factory.py): FP8 experts
+(Triton grouped GEMMs), bf16 dense layers, FlashInfer sink prefill, our Triton split-KV decode.
+
+- prefill: batch 1, one forward over N tokens written into the paged cache, plus the last row's
+  logits; median of 3 after a warm-up. TTFT excludes queueing and sampling (~0.1 ms).
+- decode: SYNTHETIC contexts: K/V pages are filled with random values and sequence lengths set to
+  the context, instead of prefilling 32k tokens per sequence. Each sequence owns its own pages (no
+  page sharing, so K/V bytes really stream). A step = plan (host) + CUDA-graph replay + argmax;
+  the argmax feeds the next step's ids. tok/s per user = 1 / step, per GPU = batch / step.
+- max throughput at 1k/1k and 8k/1k is ESTIMATED from the measured prefill rate and decode steps at
+  the largest batch that fits (bench/e2e_costs.estimate_throughput), not a full run.
+- per point: top kernels (torch.profiler over one eager step: graphs hide kernel names) and the
+  fraction of the roofline (bench/e2e_costs.py).
+A time guard stops adding points when --budget-s is spent; JSON is rewritten after every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from bench import e2e_costs as costs
+from engine.cuda_graphs import DecodeGraphs, default_buckets
+from engine.model_factory import build_model
+from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
+from model.config import GptOssConfig
+
+BLOCK = 16
+PREFILL_LENS = [1024, 2048, 4096, 8192, 16384, 32768]
+CONTEXTS = [8192, 32768]
+# Decode contexts of the throughput estimates: the mean context over a 1k/1k and an 8k/1k request.
+THROUGHPUT = {"1k/1k": (1024, 1024, 1536), "8k/1k": (8192, 1024, 8704)}
+
+
+def tiny_config() -> GptOssConfig:
+    """A small GPT-OSS for the CPU smoke run (and the GPU tests): every code path, none of the size."""
+    return GptOssConfig(num_hidden_layers=4, num_local_experts=8, vocab_size=2048, hidden_size=256,
+                        intermediate_size=256, num_attention_heads=16, num_key_value_heads=2,
+                        max_position_embeddings=40960)
+
+
+class Clock:
+    def __init__(self, budget_s: float):
+        self.start, self.budget = time.perf_counter(), budget_s
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int = 3) -> float:
+    """Median seconds of fn() over `reps` (CUDA events on GPU)."""
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return sorted(out)[len(out) // 2]
+
+
+def top_kernels(fn, device, n: int = 6) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        fn()
+        _sync(device)
+    attr = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    return [{"name": e.key[:90], "us": round(getattr(e, attr), 1), "share": round(getattr(e, attr) / total, 3),
+             "calls": e.count} for e in events[:n]]
+
+
+class Harness:
+    """One model on the device with a KV pool and decode graphs."""
+
+    def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float):
+        t0 = time.perf_counter()
+        self.name, self.config, self.device = name, config, device
+        self.model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                 random_weights=True, max_batch=max_batch, max_kv_len=max_ctx + 2 * BLOCK,
+                                 cuda_graph=device.type == "cuda")
+        _sync(device)
+        self.build_s = time.perf_counter() - t0
+        self.shape = costs.ModelShape.of(self.model, name)
+        sliding = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
+        attn = self.model.model.layers[0].self_attn
+        full_b = PagedKVCache.bytes_per_block(sum(not s for s in sliding), attn.num_kv_heads, attn.head_dim, BLOCK,
+                                              self.model.dtype)
+        slide_b = PagedKVCache.bytes_per_block(sum(sliding), attn.num_kv_heads, attn.head_dim, BLOCK, self.model.dtype)
+        # Sliding pages: the live window of every decode row, and a whole prefill of max_ctx tokens.
+        self.num_sliding = max(max_batch * (config.sliding_window // BLOCK + 2), max_ctx // BLOCK + 2)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free - headroom * 2**30 - self.num_sliding * slide_b
+        else:
+            budget = 2**30
+        self.num_full = max(1, int(budget // full_b))
+        self.kv = PagedKVCache.allocate(sliding, self.num_full, self.num_sliding, BLOCK, attn.num_kv_heads,
+                                        attn.head_dim, self.model.dtype, device)
+        gen = torch.Generator(device).manual_seed(1)
+        for t in self.kv.k + self.kv.v:  # random K/V: the synthetic contexts read real-looking values
+            t.normal_(generator=gen)
+        self.model.backend.bind_cache(self.kv)
+        self.graphs = None
+        self.capture = {}
+        if device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, default_buckets(max_batch))
+            self.capture = self.graphs.capture()
+
+    def max_batch_at(self, ctx: int) -> int:
+        return self.num_full // math.ceil((ctx + 1) / BLOCK)
+
+    # ---- batches --------------------------------------------------------------------------------
+    def decode_batch(self, batch: int, ctx: int) -> AttentionBatch:
+        """`batch` sequences that each hold `ctx` cached tokens and decode position ctx."""
+        d, bs, w = self.device, BLOCK, self.config.sliding_window
+        pages = math.ceil((ctx + 1) / bs)
+        full = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        first = max(0, ctx - (w - 1)) // bs  # first page still holding a position in the window
+        live = ctx // bs - first + 1
+        per_seq = w // bs + 2
+        sliding = (torch.arange(batch, dtype=torch.int32)[:, None] * per_seq + torch.arange(live, dtype=torch.int32))
+        full_slot = full[:, ctx // bs].long() * bs + ctx % bs
+        slide_slot = sliding[:, -1].long() * bs + ctx % bs
+        lens = [ctx + 1] * batch
+        slens = [ctx + 1 - first * bs] * batch
+        return AttentionBatch(
+            torch.arange(batch + 1, dtype=torch.int32, device=d), [1] * batch,
+            KVGroupMeta(full.to(d), torch.tensor(lens, dtype=torch.int32, device=d), full_slot.to(d), lens),
+            KVGroupMeta(sliding.to(d), torch.tensor(slens, dtype=torch.int32, device=d), slide_slot.to(d), slens),
+            is_decode=True)
+
+    def prefill_batch(self, tokens: int) -> AttentionBatch:
+        d, bs = self.device, BLOCK
+        pages = math.ceil(tokens / bs)
+        table = torch.arange(pages, dtype=torch.int32, device=d)[None]
+        slots = torch.arange(tokens, dtype=torch.int64, device=d)
+        meta = KVGroupMeta(table, torch.tensor([tokens], dtype=torch.int32, device=d), slots, [tokens])
+        meta_s = KVGroupMeta(table.clone(), meta.kv_lens.clone(), slots.clone(), [tokens])
+        return AttentionBatch(torch.tensor([0, tokens], dtype=torch.int32, device=d), [tokens], meta, meta_s)
+
+    # ---- measurements ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, tokens: int, profile: bool) -> dict:
+        ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
+        pos = torch.arange(tokens, device=self.device)
+        batch = self.prefill_batch(tokens)
+
+        def run():
+            hidden = self.model(ids, pos, batch)
+            return self.model.compute_logits(hidden[-1:]).float().argmax(-1)
+
+        run()
+        _sync(self.device)
+        s = timed(run, self.device)
+        floor = costs.prefill_floor_s(self.shape, tokens)
+        point = {"tokens": tokens, "ttft_ms": s * 1e3, "usd_per_m_input": costs.dollars_per_million(tokens / s),
+                 "input_tok_s": tokens / s, "roofline_fraction": floor / s, "floor_ms": floor * 1e3,
+                 "flops": self.shape.prefill_flops(tokens)}
+        if profile:
+            point["top_kernels"] = top_kernels(run, self.device)
+        return point
+
+    @torch.inference_mode()
+    def decode(self, batch: int, ctx: int, steps: int, profile: bool) -> dict:
+        attn = self.decode_batch(batch, ctx)
+        ids = torch.randint(0, self.config.vocab_size, (batch,), device=self.device)
+        pos = torch.full((batch,), ctx, dtype=torch.long, device=self.device)
+        graphed = self.graphs is not None and self.graphs.bucket_for(batch) is not None
+        state = {"ids": ids}
+
+        def step():
+            if graphed:
+                logits = self.graphs.run(state["ids"], pos, attn)
+            else:
+                logits = self.model.compute_logits(self.model(state["ids"], pos, attn))
+            state["ids"] = logits.argmax(-1)  # stays on the device: the next step's input
+
+        def loop():
+            for _ in range(steps):
+                step()
+
+        for _ in range(3):
+            step()
+        _sync(self.device)
+        s = timed(loop, self.device) / steps
+        parts = self.shape.decode_bytes(batch, ctx)
+        floor = sum(parts.values()) / costs.COPY_BYTES_PER_S
+        point = {"batch": batch, "ctx": ctx, "step_ms": s * 1e3, "tok_s_user": 1 / s, "tok_s_gpu": batch / s,
+                 "usd_per_m_output": costs.dollars_per_million(batch / s), "cuda_graph": graphed,
+                 "bytes": parts, "floor_ms": floor * 1e3, "roofline_fraction": floor / s, "synthetic_kv": True}
+        if profile:
+            eager = (lambda: self.graphs.run_eager(state["ids"], pos, attn)) if graphed else step
+            point["top_kernels_eager_step"] = top_kernels(eager, self.device)
+        return point
+
+
+def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict, save) -> None:
+    device = torch.device(args.device)
+    max_ctx = max(args.prefill_lens + args.contexts)
+    model_deadline = clock.left() * args.model_share  # build and capture count against it
+    t_model = time.perf_counter()
+    h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb)
+    r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
+    r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
+             weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
+                           "dense_per_layer": h.shape.dense_bytes_per_layer, "embed": h.shape.embed_bytes},
+             kv_pool={"full_pages": h.num_full, "sliding_pages": h.num_sliding, "block": BLOCK})
+    save()
+    contexts = args.contexts
+    batches = [b for b in default_buckets(args.max_batch)]
+    plan = [("decode", 1, contexts[0]), ("prefill", 8192 if 8192 in args.prefill_lens else args.prefill_lens[-1]),
+            ("prefill", 4096 if 4096 in args.prefill_lens else args.prefill_lens[0])]
+    plan += [("decode", b, contexts[0]) for b in batches[1:]]
+    plan += [("prefill", n) for n in args.prefill_lens]
+    plan += [("decode", b, c) for c in contexts[1:] for b in batches]
+    plan += [("throughput", k) for k in THROUGHPUT]
+    plan.append(("decode", 1, 1024))  # the HF baseline's decode point (bench/e2e_hf.py)
+    done: set = set()
+    for item in plan:
+        if item in done:
+            continue
+        done.add(item)
+        if clock.left() < 5 or time.perf_counter() - t_model > model_deadline:
+            r["stopped_by_time_guard"] = True
+            print(f"[{name}] time guard: skipping {item} and the rest", flush=True)
+            break
+        try:
+            if item[0] == "prefill":
+                point = h.prefill(item[1], profile=item[1] in (4096, 8192))
+                r["prefill"].append(point)
+                print(f"[{name}] prefill {item[1]}: {point['ttft_ms']:.2f} ms", flush=True)
+            elif item[0] == "decode":
+                _, b, c = item
+                if b > h.max_batch_at(c):
+                    r["decode"].append({"batch": b, "ctx": c, "skipped": f"KV pool holds {h.max_batch_at(c)} "
+                                        f"sequences of {c} tokens"})
+                    continue
+                point = h.decode(b, c, args.steps, profile=b in (1, 64) and c == contexts[0])
+                r["decode"].append(point)
+                print(f"[{name}] decode b={b} ctx={c}: {point['step_ms']:.3f} ms/step "
+                      f"{point['tok_s_user']:.1f} tok/s/user {point['tok_s_gpu']:.0f} tok/s/GPU", flush=True)
+            else:
+                r["throughput"].append(throughput_point(h, item[1], r, args))
+        except torch.OutOfMemoryError as e:
+            r.setdefault("errors", []).append(f"{item}: out of memory ({str(e)[:120]})")
+            torch.cuda.empty_cache()
+        save()
+    del h
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def throughput_point(h: Harness, scenario: str, r: dict, args) -> dict:
+    in_len, out_len, ctx = THROUGHPUT[scenario]
+    prefill = [p for p in r["prefill"] if "ttft_ms" in p]
+    if not prefill:
+        raise RuntimeError("throughput estimates need a measured prefill point")
+    # The prompts of a batch prefill as long chunks: use the best measured prefill rate up to 16k tokens.
+    rate = max(p["input_tok_s"] for p in prefill if p["tokens"] <= 16384)
+    batch = max(1, min(args.max_batch, h.max_batch_at(ctx + out_len)))
+    batch = 1 << (batch.bit_length() - 1)  # a captured bucket
+    step = h.decode(batch, ctx, args.steps, profile=False)
+    est = costs.estimate_throughput(1 / rate, step["step_ms"] / 1e3, batch, out_len, in_len)
+    est.update(scenario=scenario, decode_ctx=ctx, step_ms=step["step_ms"], prefill_tok_s=rate,
+               method="estimated: measured decode step at the mean context x out_len + batch prompts at the "
+                      "measured prefill rate (no full run)")
+    print(f"[{h.name}] throughput {scenario}: {est['output_tok_s']:.0f} output tok/s/GPU (batch {batch})", flush=True)
+    return est
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke run)")
+    p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
+    p.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10, help="decode steps per timed loop")
+    p.add_argument("--budget-s", type=float, default=400.0)
+    p.add_argument("--model-share", type=float, default=0.5, help="fraction of the remaining time one model may use")
+    p.add_argument("--headroom-gb", type=float, default=10.0, help="GPU memory kept free of the KV pool")
+    p.add_argument("--hf-baseline", action="store_true", help="then HF transformers bf16 on 20b (random weights)")
+    p.add_argument("--out", default="bench/results/e2e.json")
+    args = p.parse_args(argv)
+    args.prefill_lens = [int(x) for x in args.prefill_lens.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    clock = Clock(args.budget_s)
+    device = torch.device(args.device)
+    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": _device_name(device),
+               "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()},
+               "notes": ["random weights of the real shapes (no checkpoint download possible)",
+                         "decode contexts are synthetic: random K/V pages + set lengths, no 32k prefill",
+                         "throughput 1k/1k and 8k/1k are estimates from measured prefill/decode points",
+                         f"cost at ${costs.DOLLARS_PER_GPU_HOUR:.2f} per GPU-hour"],
+               "models": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(results, indent=1, default=str))
+
+    names = ["tiny"] if args.tiny else args.models.split(",")
+    for i, name in enumerate(names):
+        config = tiny_config() if args.tiny else GptOssConfig.preset(name)
+        share = args.model_share
+        args.model_share = 1.0 if i == len(names) - 1 and not args.hf_baseline else share
+        run_model(name, config, args, clock, results, save)
+        args.model_share = share
+    if args.hf_baseline and clock.left() > 30:
+        from bench.e2e_hf import hf_baseline
+
+        results["hf_baseline"] = hf_baseline(device, clock.left() - 10, tiny=args.tiny)
+        save()
+    if device.type == "cuda" or args.tiny:
+        results["plots"] = costs.plot(results, out.parent, out.stem)
+    save()
+    costs.print_table(results)
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
