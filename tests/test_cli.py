@@ -101,3 +101,32 @@ def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
         assert main(list(args)) == 2, args
         err = capsys.readouterr().err
         assert message in err and err.startswith("gptoss generate: error:"), err
+
+
+def test_generate_on_a_transformers_written_checkpoint_gives_transformers_tokens(tmp_path):
+    # The checkpoint is written by transformers' save_pretrained, not by our tool.
+    import torch
+    from transformers import GptOssConfig as HFConfig, GptOssForCausalLM
+
+    torch.manual_seed(1)
+    cfg = HFConfig(num_hidden_layers=3, num_local_experts=5, num_experts_per_tok=4, vocab_size=500, hidden_size=48,
+                   intermediate_size=40, head_dim=8, num_attention_heads=6, num_key_value_heads=2, sliding_window=6,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    hf = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers initialises sinks and biases near zero: make them matter
+        for name, p in hf.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 11, 12], [400]]
+    done = gptoss("generate", str(tmp_path), *sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), []),
+                  "--max-tokens", "24", "--json")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2
+    for prompt, line in zip(prompts, lines):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0].tolist()
+        assert line["prompt_ids"] == prompt
+        assert prompt + line["output_ids"] == expected
