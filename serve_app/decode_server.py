@@ -21,7 +21,8 @@ from ray.serve.exceptions import RayServeException
 from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.request import GenerateRequest, TokenDelta
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import engine_stats, log, replica_device, report_metrics_forever, start_engine
+from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
+                                   stop_hosting)
 from serve_app.kv_transfer import CudaIpcTransport, KVTransferError, ReceiveOffer, make_transport, payload_upper_bound
 from serve_app.metrics import ServerMetrics
 
@@ -144,12 +145,7 @@ class DecodeServer:
         return out
 
     def __del__(self):
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None:
-            reporter.cancel()
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        stop_hosting(self)
 
 
 def _reason(err: BaseException) -> str:

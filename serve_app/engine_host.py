@@ -59,3 +59,13 @@ async def report_metrics_forever(engine, metrics: ServerMetrics, interval_s: flo
 def engine_stats(engine) -> dict:
     """Pool usage and counters of the replica's engine (the servers' `stats` debug method)."""
     return engine.metrics()
+
+
+def stop_hosting(server) -> None:
+    """Stop a server's metrics reporter and its engine (from `__del__`, so attributes may be missing)."""
+    reporter = getattr(server, "_reporter", None)
+    if reporter is not None:
+        reporter.cancel()
+    engine = getattr(server, "engine", None)
+    if engine is not None:
+        engine.shutdown()

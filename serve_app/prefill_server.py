@@ -13,7 +13,8 @@ import time
 
 from engine.request import GenerateRequest
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import engine_stats, log, replica_device, report_metrics_forever, start_engine
+from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
+                                   stop_hosting)
 from serve_app.kv_transfer import KVHandle, ReceiveOffer, make_transport
 from serve_app.metrics import ServerMetrics
 
@@ -50,9 +51,4 @@ class PrefillServer:
         return {"device": self.device, "transport": self.transport.name, **engine_stats(self.engine)}
 
     def __del__(self):
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None:
-            reporter.cancel()
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        stop_hosting(self)
