@@ -2,6 +2,7 @@
 
     gptoss make-tiny DIR [--vocab 1000 --layers 2 ...]
     gptoss generate [MODEL_DIR] --prompt-ids 1,2,3 --prompt-ids 4,5 --prompt "Hi" --json
+    gptoss generate [MODEL_DIR] --tp 2 --ep 2 ...   (one process per rank: this one is rank 0)
 
 All prompts of one `generate` run as one continuous batch; output comes back in input order (the
 order the --prompt-ids / --prompt / --prompts-jsonl flags appear, a JSONL file's lines in place).
@@ -139,7 +140,7 @@ def cmd_generate(args) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request import GenerateRequest, SamplingParams
-    from model.loader import load_model, read_config
+    from model.loader import read_config
     from serve_app.harmony.encoding import load_harmony_encoding
 
     prompts = collect_prompts(args.prompts or [])
@@ -150,13 +151,18 @@ def cmd_generate(args) -> int:
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
-                          device=args.device, dtype=args.dtype, seed=args.seed or 0)
+                          device=args.device, dtype=args.dtype, seed=args.seed or 0, tp_size=args.tp,
+                          ep_size=args.ep, dp_size=args.dp)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    engine = LLMEngine(load_model(folder, dtype=args.dtype, device=args.device, progress=False), config)
+    engine = LLMEngine.from_checkpoint(folder, config)  # with --tp/--ep > 1: spawns ranks 1..N-1
     requests = [GenerateRequest(str(i), ids, sampling) for i, ids in enumerate(prompts)]
     encoding = load_harmony_encoding()
-    for completion in engine.generate(requests):
+    try:
+        completions = engine.generate(requests)
+    finally:
+        engine.close()
+    for completion in completions:
         text = encoding.decode(completion.output_ids)
         if args.json:
             print(json.dumps({"prompt_ids": completion.prompt_ids, "output_ids": completion.output_ids,
@@ -204,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--max-model-len", type=int, help="default: longest prompt + max tokens")
     gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
+    gen.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")
+    gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
     gen.set_defaults(func=cmd_generate)
     return parser
 
@@ -211,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from engine.config import EngineConfigError
+    from engine.distributed.handles import WorkerFailedError
+    from engine.llm_engine import StepFailedError
     from engine.request import InvalidRequestError
     from model.config import ConfigError
     from model.loader import CheckpointError
@@ -220,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, InvalidRequestError, EngineConfigError, ConfigError, CheckpointError) as exc:
         print(f"gptoss {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (WorkerFailedError, StepFailedError) as exc:  # a rank of a --tp/--ep run failed, or the model
+        print(f"gptoss {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
+    # One model instance over tp/ep ranks, one process and one device each (engine/distributed/); tp and
+    # ep are each 1 or the world size. Ranks > 0 use the devices after `device` (cuda:1, cuda:2, ...).
+    tp_size: int = 1
+    ep_size: int = 1
+    dp_size: int = 1  # data-parallel attention: not implemented, see engine/distributed/README.md
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,6 +69,20 @@ class EngineConfig:
             raise EngineConfigError("cuda_graphs=True needs device 'cuda' or 'cuda:N'")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise EngineConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("tp_size", "ep_size", "dp_size"):
+            _check_positive_int(name, getattr(self, name))
+        if self.tp_size not in (1, self.world_size) or self.ep_size not in (1, self.world_size):
+            raise EngineConfigError(f"tp_size={self.tp_size} and ep_size={self.ep_size} must each be 1 or the "
+                                    f"number of ranks {self.world_size}: TP and EP run over the same ranks")
+        if self.dp_size != 1:
+            raise EngineConfigError(
+                f"dp_size={self.dp_size}: data-parallel attention is not implemented; use dp_size=1 and run "
+                f"{self.dp_size} engines (Serve replicas) for data parallelism")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, devices) of one model instance."""
+        return max(self.tp_size, self.ep_size)
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -59,16 +59,23 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, model: GptOssForCausalLM, config: EngineConfig):
+    def __init__(self, model: GptOssForCausalLM, config: EngineConfig, runner: ModelRunner | None = None):
+        """`runner`: engine/distributed's rank-0 runner when the model spans several ranks (built by
+        `from_checkpoint`); None runs the model in this process."""
         self.config = config
         self.model = model
         mc = model.config
+        split = (model.parallel.tp_size, model.parallel.ep_size)
+        if split != (config.tp_size, config.ep_size):
+            raise EngineConfigError(f"the model is split tp={split[0]}, ep={split[1]} but the config asks "
+                                    f"tp_size={config.tp_size}, ep_size={config.ep_size}: build multi-rank "
+                                    "engines with LLMEngine.from_checkpoint")
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise EngineConfigError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                                     f"max_position_embeddings ({mc.max_position_embeddings})")
-        self.runner = ModelRunner(model, config.block_size)
+        self.runner = runner or ModelRunner(model, config.block_size)
         if config.num_full_pages is not None:
             num_full, num_sliding = config.num_full_pages, config.num_sliding_pages
         else:
@@ -94,6 +101,12 @@ class LLMEngine:
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path, config: EngineConfig, progress: bool = False) -> "LLMEngine":
+        """Load and start an engine. With tp_size or ep_size > 1 this process becomes rank 0 and starts
+        one worker process per other rank (engine/distributed); `close()` stops them."""
+        if config.world_size > 1:
+            from engine.distributed import launch_engine
+
+            return launch_engine(folder, config, progress=progress)
         from engine.model_factory import build_model
         from model.loader import read_config, resolve_dtype
 
@@ -102,6 +115,10 @@ class LLMEngine:
                             config.moe_backend, checkpoint=folder, max_batch=config.max_num_seqs,
                             max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, progress=progress)
         return cls(model, config)
+
+    def close(self) -> None:
+        """Release the K/V cache and stop the other ranks' workers, if any. The engine is unusable after."""
+        self.runner.close()
 
     def _check_pools(self, num_full: int, num_sliding: int) -> None:
         bs = self.config.block_size
@@ -158,7 +175,8 @@ class LLMEngine:
         if payload.request_id != request.request_id or payload.prompt_ids != list(request.prompt_ids):
             raise KVPayloadError(f"payload for {payload.request_id!r} does not match request "
                                  f"{request.request_id!r} (ids or prompt differ)")
-        payload.check_compatible(self.runner.layer_is_sliding, self.runner.kv_heads, self.runner.head_dim)
+        payload.check_compatible(self.runner.layer_is_sliding, self.runner.payload_kv_heads,
+                                 self.runner.head_dim)
         seq = self._new_sequence(request, payload.seed, prefill_only=False)
         now = time.monotonic()
         for i, token in enumerate(payload.output_ids):

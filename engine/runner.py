@@ -2,8 +2,10 @@
 
 Nothing here decides what runs (the scheduler does) or which token comes next (the sampler does):
 with tensor parallelism, rank 0 schedules and every rank runs `prepare` + `execute` on the same
-scheduled step. `build_step_inputs` is the one place that turns a scheduled step into the flat batch
-and paging metadata of kernels/attention/metadata.py, for the pure-torch backend and the GPU one alike.
+scheduled step. `build_step_arrays` is the one place that turns a scheduled step into the flat batch
+and paging metadata of kernels/attention/metadata.py (as host arrays, which rank 0 can send to the
+other ranks; `StepArrays.to_inputs` copies them to the device), for the pure-torch backend and the
+GPU one alike.
 
 Legend: T = new tokens in the step, B = sequences, N = sequences that sample, V = vocabulary,
 P = pages in a table row, Hkv / Dh = K/V heads on this rank / head dim.
@@ -32,24 +34,55 @@ class StepInputs:
     attention: AttentionBatch
     logits_indices: torch.Tensor  # int64 [N]: the last token of each sequence that samples
     sample_rows: list[int]  # host: which scheduled entries sample, in logits order
+    host: "StepArrays | None" = None  # what these were built from (rank 0 sends it to the other ranks)
+
+
+@dataclass
+class StepArrays:
+    """A scheduled step as host arrays, before any device copy. With several ranks, rank 0 sends these
+    (engine/distributed/wire.py packs them) and every rank builds identical StepInputs from them."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [B+1]
+    full_tables: np.ndarray  # int32 [B, P], padded with page 0
+    full_lens: np.ndarray  # int32 [B]
+    full_slots: np.ndarray  # int64 [T]
+    sliding_tables: np.ndarray  # int32 [B, P]
+    sliding_lens: np.ndarray  # int32 [B]
+    sliding_slots: np.ndarray  # int64 [T]
+    logits_indices: np.ndarray  # int64 [N]
+    sample_rows: list[int]
+
+    def to_inputs(self, device) -> StepInputs:
+        query_lens = np.diff(self.query_start_loc).tolist()
+        attention = AttentionBatch(
+            query_start_loc=_to(device, self.query_start_loc),
+            query_lens_cpu=query_lens,
+            full=_group_meta(self.full_tables, self.full_lens, self.full_slots, device),
+            sliding=_group_meta(self.sliding_tables, self.sliding_lens, self.sliding_slots, device),
+            is_decode=all(n == 1 for n in query_lens),
+        )
+        return StepInputs(_to(device, self.input_ids), _to(device, self.positions), attention,
+                          _to(device, self.logits_indices), list(self.sample_rows), self)
 
 
 def _to(device, array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array).to(device, non_blocking=True)
 
 
-def _group_meta(rows: list, kv_lens: list[int], slots: list[int], device) -> KVGroupMeta:
+def _tables(rows: list) -> np.ndarray:
     width = max(1, max(len(r) for r in rows))
     tables = np.zeros((len(rows), width), dtype=np.int32)  # [B, P], padded with page 0
     for b, row in enumerate(rows):
         if len(row):
             tables[b, : len(row)] = row
-    return KVGroupMeta(
-        block_tables=_to(device, tables),
-        kv_lens=_to(device, np.asarray(kv_lens, dtype=np.int32)),
-        slot_mapping=_to(device, np.asarray(slots, dtype=np.int64)),
-        kv_lens_cpu=list(kv_lens),
-    )
+    return tables
+
+
+def _group_meta(tables: np.ndarray, kv_lens: np.ndarray, slots: np.ndarray, device) -> KVGroupMeta:
+    return KVGroupMeta(block_tables=_to(device, tables), kv_lens=_to(device, kv_lens),
+                       slot_mapping=_to(device, slots), kv_lens_cpu=kv_lens.tolist())
 
 
 def _chunk_slots(pages, first_page: int, start: int, end: int, bs: int) -> list[int]:
@@ -60,8 +93,9 @@ def _chunk_slots(pages, first_page: int, start: int, end: int, bs: int) -> list[
     return (np.asarray(pages, dtype=np.int64)[pos // bs - first_page] * bs + pos % bs).tolist()
 
 
-def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) -> StepInputs:
-    """Flat batch + paging metadata for both layer kinds. Call after the scheduler allocated pages.
+def build_step_arrays(scheduled: list[ScheduledSeq], block_size: int) -> StepArrays:
+    """Flat batch + paging metadata for both layer kinds, on the host. Call after the scheduler
+    allocated pages.
 
     Full tables hold every page; sliding tables start at the first live page, and their kv_lens
     count from that page's first position. A kind the model lacks gets tables no layer reads."""
@@ -90,21 +124,24 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) ->
         if end == seq.num_tokens:  # the chunk reaches the last known token: sample
             sample_rows.append(b)
             logits_indices.append(starts[-1] - 1)
-    query_lens = [s.num_tokens for s in scheduled]
-    attention = AttentionBatch(
-        query_start_loc=_to(device, np.asarray(starts, dtype=np.int32)),
-        query_lens_cpu=query_lens,
-        full=_group_meta(full_rows, full_lens, full_slots, device),
-        sliding=_group_meta(sliding_rows, sliding_lens, sliding_slots, device),
-        is_decode=all(n == 1 for n in query_lens),
-    )
-    return StepInputs(
-        input_ids=_to(device, np.asarray(ids, dtype=np.int64)),
-        positions=_to(device, np.asarray(positions, dtype=np.int64)),
-        attention=attention,
-        logits_indices=_to(device, np.asarray(logits_indices, dtype=np.int64)),
+    return StepArrays(
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=np.asarray(positions, dtype=np.int64),
+        query_start_loc=np.asarray(starts, dtype=np.int32),
+        full_tables=_tables(full_rows),
+        full_lens=np.asarray(full_lens, dtype=np.int32),
+        full_slots=np.asarray(full_slots, dtype=np.int64),
+        sliding_tables=_tables(sliding_rows),
+        sliding_lens=np.asarray(sliding_lens, dtype=np.int32),
+        sliding_slots=np.asarray(sliding_slots, dtype=np.int64),
+        logits_indices=np.asarray(logits_indices, dtype=np.int64),
         sample_rows=sample_rows,
     )
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) -> StepInputs:
+    """StepInputs (device tensors) of a scheduled step: build_step_arrays, then one copy per array."""
+    return build_step_arrays(scheduled, block_size).to_inputs(device)
 
 
 def plan_pool_sizes(config: EngineConfig, budget_bytes: int, full_page_bytes: int, sliding_page_bytes: int,
@@ -134,7 +171,10 @@ class ModelRunner:
         config = model.config
         self.layer_is_sliding = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
         attn = model.model.layers[0].self_attn
-        self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's heads
+        # Heads of the K/V that read_kv returns and write_kv takes (PrefilledKV): all of them, whatever
+        # the TP size, so prefill and decode engines need not share one. Ranks split them in engine/distributed.
+        self.payload_kv_heads = attn.num_kv_heads * model.parallel.tp_size
         self.kv_dtype = model.dtype
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
@@ -185,43 +225,64 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
     # ---- K/V by token, for the prefill -> decode hand-off -----------------------------------------
-    def _slots(self, seq: Sequence, sliding: bool, start: int, end: int) -> torch.Tensor:
+    # With several ranks, rank 0 computes the slots (it owns the page tables) and every rank reads or
+    # writes its own heads at them: see engine/distributed/runner.py.
+    def kv_slots(self, seq: Sequence, sliding_start: int, end: int) -> dict[bool, np.ndarray]:
+        """Cache slots (int64) of positions 0 (full layers) or sliding_start (sliding layers) to end - 1,
+        keyed by `is_sliding`; only the kinds this model has."""
         bs = self.block_size
-        pos = np.arange(start, end, dtype=np.int64)
-        if sliding:
-            pages = np.fromiter(seq.sliding_pages, dtype=np.int64, count=len(seq.sliding_pages))
-            slots = pages[pos // bs - seq.sliding_first] * bs + pos % bs
-        else:
-            slots = seq.full_pages.array()[pos // bs].astype(np.int64) * bs + pos % bs
-        return _to(self.device, slots)
+        out = {}
+        for sliding in set(self.layer_is_sliding):
+            pos = np.arange(sliding_start if sliding else 0, end, dtype=np.int64)
+            if sliding:
+                pages = np.fromiter(seq.sliding_pages, dtype=np.int64, count=len(seq.sliding_pages))
+                out[sliding] = pages[pos // bs - seq.sliding_first] * bs + pos % bs
+            else:
+                out[sliding] = seq.full_pages.array()[pos // bs].astype(np.int64) * bs + pos % bs
+        return out
 
     @torch.inference_mode()
-    def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per layer K and V [tokens, Hkv, Dh] of positions 0 (full) or sliding_start (sliding) to num_computed."""
-        end = seq.num_computed
-        slots = {s: self._slots(seq, s, sliding_start if s else 0, end) for s in set(self.layer_is_sliding)}
+    def read_kv_slots(self, slots: dict[bool, np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind."""
+        index = {s: _to(self.device, a) for s, a in slots.items()}
         ks, vs = [], []
         for layer, sliding in enumerate(self.layer_is_sliding):
             kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-            ks.append(kc.view(-1, *kc.shape[2:]).index_select(0, slots[sliding]))
-            vs.append(vc.view(-1, *vc.shape[2:]).index_select(0, slots[sliding]))
+            ks.append(kc.view(-1, *kc.shape[2:]).index_select(0, index[sliding]))
+            vs.append(vc.view(-1, *vc.shape[2:]).index_select(0, index[sliding]))
         return ks, vs
 
     @torch.inference_mode()
-    def write_kv(self, seq: Sequence, payload: PrefilledKV) -> None:
-        """Write imported K/V into the pages the scheduler gave `seq`."""
-        end = payload.num_cached
+    def write_kv_slots(self, slots: dict[bool, np.ndarray], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        """Write per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind."""
+        index = {s: _to(self.device, a) for s, a in slots.items()}
+        for layer, sliding in enumerate(self.layer_is_sliding):
+            kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
+            kc.view(-1, *kc.shape[2:]).index_copy_(0, index[sliding], ks[layer].to(self.device, kc.dtype))
+            vc.view(-1, *vc.shape[2:]).index_copy_(0, index[sliding], vs[layer].to(self.device, vc.dtype))
+
+    def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer K and V [tokens, Hkv, Dh] of positions 0 (full) or sliding_start (sliding) to num_computed."""
+        return self.read_kv_slots(self.kv_slots(seq, sliding_start, seq.num_computed))
+
+    def import_slots(self, seq: Sequence, payload: PrefilledKV) -> tuple[dict[bool, np.ndarray], list, list]:
+        """Where imported K/V goes in the pages the scheduler gave `seq`, and the K/V padded to match."""
         # The first live sliding page also holds positions before sliding_start, which the window masks
         # out; they are written as zeros because a masked key still meets its value in 0 * V (NaN stays NaN).
         page_start = seq.sliding_first * self.block_size
         pad = payload.sliding_start - page_start
-        slots = {s: self._slots(seq, s, page_start if s else 0, end) for s in set(self.layer_is_sliding)}
-        for layer, sliding in enumerate(self.layer_is_sliding):
-            kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-            k = payload.k[layer].to(self.device, kc.dtype)
-            v = payload.v[layer].to(self.device, vc.dtype)
-            if sliding and pad:
-                k = torch.cat([k.new_zeros(pad, *k.shape[1:]), k])
-                v = torch.cat([v.new_zeros(pad, *v.shape[1:]), v])
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, slots[sliding], k)
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, slots[sliding], v)
+        ks, vs = list(payload.k), list(payload.v)
+        if pad:
+            for layer, sliding in enumerate(self.layer_is_sliding):
+                if sliding:
+                    ks[layer] = torch.cat([ks[layer].new_zeros(pad, *ks[layer].shape[1:]), ks[layer]])
+                    vs[layer] = torch.cat([vs[layer].new_zeros(pad, *vs[layer].shape[1:]), vs[layer]])
+        return self.kv_slots(seq, page_start, payload.num_cached), ks, vs
+
+    def write_kv(self, seq: Sequence, payload: PrefilledKV) -> None:
+        """Write imported K/V into the pages the scheduler gave `seq`."""
+        self.write_kv_slots(*self.import_slots(seq, payload))
+
+    def close(self) -> None:
+        """Release the K/V cache (one rank: nothing else to stop; engine/distributed adds its workers)."""
+        self.kv_cache = None

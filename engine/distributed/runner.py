@@ -1,0 +1,101 @@
+"""Rank 0's ModelRunner over a group: each call that touches the model tells the other ranks to do the same.
+
+Rank 0 owns scheduling, paging and sampling; the other ranks mirror its runner calls in the same order:
+
+    kv_budget_bytes  KV_BUDGET, then the MIN over ranks (GPUs of one replica may differ in free memory)
+    allocate         ALLOCATE (same page counts everywhere: rank 0's page ids index every rank's cache)
+    execute          STEP with the step's host arrays; every rank copies them to its device and runs the
+                     forward; the model all-gathers the vocabulary-split logits, so rank 0 samples them all
+    write_kv         IMPORT_KV with the slots, then a scatter: rank r receives the heads it holds
+    read_kv          EXPORT_KV with the slots, then a gather of every rank's heads to rank 0
+
+K/V payloads (PrefilledKV) always carry all K/V heads, so a prefill engine and a decode engine need not
+share a TP size. With tp = 1 (EP only) every rank holds every head: import broadcasts, export is local.
+At world size 1 the scatter and gather run anyway (over one rank), so the single-GPU test covers them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.distributed.wire import Op, flatten_kv, pack_slots, pack_step, unflatten_kv
+from engine.kv_payload import PrefilledKV
+from engine.runner import ModelRunner, StepInputs
+from engine.sequence import Sequence
+
+
+class DistributedRunner(ModelRunner):
+    def __init__(self, model, block_size: int, executor, owns_executor: bool):
+        super().__init__(model, block_size)
+        self.executor = executor
+        self.owns_executor = owns_executor
+        self.tp_size = model.parallel.tp_size
+        self.world_size = executor.spec.world_size
+
+    def kv_budget_bytes(self, config) -> int:
+        with self.executor.guard("KV budget") as channel:
+            channel.send(Op.KV_BUDGET)
+            budget = torch.tensor([super().kv_budget_bytes(config)], dtype=torch.int64)
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=channel.group)
+        return int(budget.item())
+
+    def allocate_kv_cache(self, num_full_pages: int, num_sliding_pages: int) -> None:
+        with self.executor.guard("K/V cache allocation") as channel:
+            channel.send(Op.ALLOCATE, np.array([num_full_pages, num_sliding_pages], dtype=np.int64))
+            super().allocate_kv_cache(num_full_pages, num_sliding_pages)
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.host is None:
+            raise ValueError("a multi-rank step needs the host arrays it was built from: use runner.prepare")
+        with self.executor.guard("step") as channel:
+            channel.send(Op.STEP, pack_step(inputs.host))
+            return super().execute(inputs)
+
+    # ---- K/V hand-off ---------------------------------------------------------------------------------
+    def _rows(self, slots: dict[bool, np.ndarray]) -> list[int]:
+        return [len(slots[sliding]) for sliding in self.layer_is_sliding]
+
+    @torch.inference_mode()
+    def write_kv(self, seq: Sequence, payload: PrefilledKV) -> None:
+        slots, ks, vs = self.import_slots(seq, payload)
+        ks = [k.to(self.device, self.kv_dtype) for k in ks]
+        vs = [v.to(self.device, self.kv_dtype) for v in vs]
+        with self.executor.guard("K/V import") as channel:
+            channel.send(Op.IMPORT_KV, pack_slots(slots))
+            if self.tp_size == 1 and self.world_size > 1:
+                mine = flatten_kv(ks, vs)
+                dist.broadcast(mine, 0)
+            else:
+                h = self.kv_heads  # rank r holds heads [r h, (r + 1) h)
+                parts = [flatten_kv([k[:, r * h:(r + 1) * h] for k in ks], [v[:, r * h:(r + 1) * h] for v in vs])
+                         for r in range(self.world_size)]
+                mine = torch.empty_like(parts[0])
+                dist.scatter(mine, parts, src=0)
+        self.write_kv_slots(slots, *unflatten_kv(mine, self._rows(slots), self.kv_heads, self.head_dim))
+
+    @torch.inference_mode()
+    def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        slots = self.kv_slots(seq, sliding_start, seq.num_computed)
+        if self.tp_size == 1 and self.world_size > 1:  # every rank holds every head
+            return self.read_kv_slots(slots)
+        with self.executor.guard("K/V export") as channel:
+            channel.send(Op.EXPORT_KV, pack_slots(slots))
+            flat = flatten_kv(*self.read_kv_slots(slots))
+            parts = [torch.empty_like(flat) for _ in range(self.world_size)]
+            dist.gather(flat, parts, dst=0)
+        per_rank = [unflatten_kv(p, self._rows(slots), self.kv_heads, self.head_dim) for p in parts]
+        layers = range(len(self.layer_is_sliding))
+        ks = [torch.cat([k[layer] for k, _ in per_rank], dim=1) for layer in layers]  # [tokens, Hkv, Dh]
+        vs = [torch.cat([v[layer] for _, v in per_rank], dim=1) for layer in layers]
+        return ks, vs
+
+    def close(self) -> None:
+        """Drop the model on every rank; with owns_executor also stop the worker processes."""
+        super().close()
+        try:
+            self.executor.unload()
+        finally:
+            if self.owns_executor:
+                self.executor.shutdown()

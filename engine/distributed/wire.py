@@ -1,0 +1,133 @@
+"""What rank 0 tells the other ranks, and how it travels.
+
+Every command is one broadcast of a fixed header (opcode, payload kind, length) over the control group,
+then, when there is one, a broadcast of the payload: an int64 array for the per-step messages (built
+from numpy without pickling) or a pickled object for the rare ones (load, shut down). The control
+group is always gloo on CPU tensors, so metadata never waits behind the device's queue, and it has a
+long timeout because a worker may sit idle between requests for hours.
+
+Legend: T = new tokens, B = sequences, N = sequences that sample, P = pages per table row.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.runner import StepArrays
+
+
+class Op(enum.IntEnum):
+    LOAD = 1  # object: LoadSpec; build the model shard and its runner
+    KV_BUDGET = 2  # none; all-reduce MIN of each rank's KV byte budget
+    ALLOCATE = 3  # int64 [num_full_pages, num_sliding_pages]
+    STEP = 4  # int64: pack_step(StepArrays); run the forward
+    IMPORT_KV = 5  # int64: pack_slots; then a scatter of each rank's K/V heads
+    EXPORT_KV = 6  # int64: pack_slots; then a gather of each rank's K/V heads to rank 0
+    UNLOAD = 7  # none; drop the model and its cache (the process stays for the next LOAD)
+    SHUTDOWN = 8  # none; leave the loop
+
+
+_NONE, _INT64, _PICKLE = 0, 1, 2
+
+
+class ControlChannel:
+    """Rank 0 sends, every other rank receives, in the same order (one gloo group, CPU tensors)."""
+
+    def __init__(self, group, rank: int):
+        self.group = group
+        self.rank = rank
+        self._header = torch.zeros(3, dtype=torch.int64)
+
+    def send(self, op: Op, payload: np.ndarray | object | None = None) -> None:
+        if isinstance(payload, np.ndarray):
+            kind, data = _INT64, torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64))
+        elif payload is None:
+            kind, data = _NONE, None
+        else:
+            kind = _PICKLE
+            data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+        self._header[0], self._header[1], self._header[2] = int(op), kind, 0 if data is None else data.numel()
+        dist.broadcast(self._header, 0, group=self.group)
+        if data is not None and data.numel():
+            dist.broadcast(data, 0, group=self.group)
+
+    def recv(self) -> tuple[Op, np.ndarray | object | None]:
+        dist.broadcast(self._header, 0, group=self.group)
+        op, kind, n = (int(x) for x in self._header.tolist())
+        if kind == _NONE:
+            return Op(op), None
+        data = torch.empty(n, dtype=torch.int64 if kind == _INT64 else torch.uint8)
+        if n:
+            dist.broadcast(data, 0, group=self.group)
+        if kind == _INT64:
+            return Op(op), data.numpy()
+        return Op(op), pickle.loads(data.numpy().tobytes())
+
+
+# ---- a step as one int64 array ----------------------------------------------------------------------
+_STEP_HEADER = 5  # B, T, N, full table width, sliding table width
+
+
+def pack_step(a: StepArrays) -> np.ndarray:
+    b, t, n = len(a.full_lens), len(a.input_ids), len(a.logits_indices)
+    header = np.array([b, t, n, a.full_tables.shape[1], a.sliding_tables.shape[1]], dtype=np.int64)
+    parts = (header, a.input_ids, a.positions, a.query_start_loc, a.full_tables.ravel(), a.full_lens, a.full_slots,
+             a.sliding_tables.ravel(), a.sliding_lens, a.sliding_slots, a.logits_indices,
+             np.asarray(a.sample_rows, dtype=np.int64))
+    return np.concatenate([p.astype(np.int64, copy=False) for p in parts])
+
+
+def unpack_step(buf: np.ndarray) -> StepArrays:
+    b, t, n, pf, ps = (int(x) for x in buf[:_STEP_HEADER])
+    at = _STEP_HEADER
+
+    def take(count: int, dtype, shape=None) -> np.ndarray:
+        nonlocal at
+        out = buf[at: at + count].astype(dtype)
+        at += count
+        return out.reshape(shape) if shape is not None else out
+
+    a = StepArrays(
+        input_ids=take(t, np.int64), positions=take(t, np.int64), query_start_loc=take(b + 1, np.int32),
+        full_tables=take(b * pf, np.int32, (b, pf)), full_lens=take(b, np.int32), full_slots=take(t, np.int64),
+        sliding_tables=take(b * ps, np.int32, (b, ps)), sliding_lens=take(b, np.int32),
+        sliding_slots=take(t, np.int64), logits_indices=take(n, np.int64), sample_rows=take(n, np.int64).tolist())
+    if at != len(buf):
+        raise ValueError(f"step message has {len(buf)} int64 values, its header describes {at}")
+    return a
+
+
+# ---- K/V slots of one sequence --------------------------------------------------------------------------
+def pack_slots(slots: dict[bool, np.ndarray]) -> np.ndarray:
+    """{is_sliding: slots} of the kinds the model has -> [has_full, n_full, has_sliding, n_sliding, ...]."""
+    full, sliding = slots.get(False), slots.get(True)
+    header = [full is not None, 0 if full is None else len(full), sliding is not None,
+              0 if sliding is None else len(sliding)]
+    return np.concatenate([np.asarray(header, dtype=np.int64), *(s for s in (full, sliding) if s is not None)])
+
+
+def unpack_slots(buf: np.ndarray) -> dict[bool, np.ndarray]:
+    has_full, n_full, has_sliding, n_sliding = (int(x) for x in buf[:4])
+    out = {}
+    if has_full:
+        out[False] = buf[4: 4 + n_full]
+    if has_sliding:
+        out[True] = buf[4 + n_full: 4 + n_full + n_sliding]
+    return out
+
+
+def flatten_kv(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer K and V [rows, Hkv, Dh] -> one flat tensor (K of every layer, then V), for one collective."""
+    return torch.cat([t.reshape(-1) for t in (*ks, *vs)])
+
+
+def unflatten_kv(flat: torch.Tensor, rows: list[int], heads: int, head_dim: int) -> tuple[list, list]:
+    """Inverse of flatten_kv; rows[layer] rows per layer."""
+    shapes = [(r, heads, head_dim) for r in rows] * 2
+    parts = [p.view(shape) for p, shape in zip(flat.split([a * b * c for a, b, c in shapes]), shapes)]
+    return parts[: len(rows)], parts[len(rows):]

@@ -1,0 +1,309 @@
+"""The engine over several processes (gloo on CPU, a tiny fp32 model): every TP/EP split generates exactly
+what one process generates, K/V hands off between engines of different TP sizes, a failing or killed
+worker surfaces on rank 0 as WorkerFailedError, and nothing is left running afterwards.
+
+The worker processes are spawned once per world size; each split loads into them in turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig, EngineConfigError
+from engine.distributed import Executor, WorkerFailedError, check_parallel
+from engine.distributed.executor import check_devices
+from engine.distributed.wire import Op, pack_slots, pack_step, unpack_slots, unpack_step
+from engine.llm_engine import LLMEngine, StepFailedError
+from engine.request import GenerateRequest, SamplingParams
+from engine.runner import StepArrays
+from model.loader import load_model, read_config
+from model.tiny import make_tiny
+from tests.engine.engine_testlib import assert_pool_full, run_to_end
+
+ROOT = Path(__file__).resolve().parents[2]
+# 8 query / 4 K/V heads and 8 experts: TP and EP up to 4. 4 layers: sliding, full, sliding, full.
+TINY = dict(vocab_size=1000, sliding_window=8, dtype="float32", hidden_size=32, head_dim=8, intermediate_size=32,
+            num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, seed=11)
+SPLITS = {2: [(2, 1), (1, 2), (2, 2)], 4: [(4, 1), (1, 4), (4, 4)]}  # (tp, ep) per world size
+SPECS = [(1, 9), (5, 7), (9, 8), (17, 6), (30, 5)]  # (prompt length, max tokens): around window 8, pages of 4
+
+
+def config(**overrides) -> EngineConfig:
+    # 16 tokens a step: the 17- and 30-token prompts prefill in chunks, next to other sequences' decodes.
+    settings = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64, num_full_pages=128,
+                    num_sliding_pages=128)
+    return EngineConfig(**{**settings, **overrides})
+
+
+def requests() -> list[GenerateRequest]:
+    out = []
+    for i, (n, m) in enumerate(SPECS):
+        prompt = torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(i)).tolist()
+        out.append(GenerateRequest(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=m, logprobs=2)))
+    return out
+
+
+def prefill_and_export(engine: LLMEngine) -> dict:
+    for r in requests():
+        engine.add_request(r, prefill_only=True)
+    run_to_end(engine, engine.step_prefill)
+    payloads = {r.request_id: engine.export_kv(r.request_id) for r in requests()}
+    assert_pool_full(engine)
+    return payloads
+
+
+def import_and_decode(engine: LLMEngine, payloads: dict) -> dict[str, list[int]]:
+    out = {}
+    for r in requests():
+        (delta,) = engine.import_prefilled(r, payloads[r.request_id])
+        out[r.request_id] = list(delta.token_ids)
+    for rid, r in run_to_end(engine).items():
+        out[rid] += r["ids"]
+    assert_pool_full(engine)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tp-engine")
+    make_tiny(folder, **TINY)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    """World size 1 in this process: generations (ids + logprobs) and the K/V a prefill exports."""
+    engine = LLMEngine(load_model(checkpoint, dtype="float32", progress=False), config())
+    reqs = requests()
+    for r in reqs:
+        engine.add_request(r)
+    out = run_to_end(engine)
+    return {"ids": {rid: r["ids"] for rid, r in out.items()},
+            "logprobs": {rid: r["logprobs"] for rid, r in out.items()},
+            "payloads": prefill_and_export(engine), "engine": engine}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_split_generates_what_one_process_does(world, checkpoint, single):
+    """Per split: concurrent greedy generation (chunked prefill + decodes in one batch); decoding K/V that
+    an engine of another TP size prefilled; prefilling K/V for the next. The chain of hand-offs is
+    world 1 -> each split in turn -> world 1, so gather (export) and scatter (import) meet every TP size."""
+    executor = Executor.spawn(world)
+    try:
+        _run_every_split(executor, checkpoint, single)
+    finally:
+        executor.shutdown()
+    for rank, p in executor.workers.processes.items():
+        assert not p.is_alive() and p.exitcode == 0, (rank, p.exitcode)  # left on SHUTDOWN, not killed
+
+
+def _run_every_split(executor, checkpoint, single):
+    world = executor.spec.world_size
+    payloads = single["payloads"]
+    for tp, ep in SPLITS[world]:
+        split = f"tp{tp} ep{ep}"
+        engine = executor.start_engine(checkpoint, config(tp_size=tp, ep_size=ep))
+        try:
+            assert engine.runner.kv_heads == TINY["num_key_value_heads"] // tp  # rank 0's cache: its heads only
+            for r in requests():
+                engine.add_request(r)
+            out = run_to_end(engine)
+            assert {rid: r["ids"] for rid, r in out.items()} == single["ids"], split
+            for rid, r in out.items():  # logits within fp32 noise of world 1: logprobs agree closely
+                for got, want in zip(r["logprobs"], single["logprobs"][rid]):
+                    assert abs(got.logprob - want.logprob) < 1e-4, split
+                    assert [t for t, _ in got.top] == [t for t, _ in want.top], split
+            assert import_and_decode(engine, payloads) == single["ids"], split
+            payloads = prefill_and_export(engine)
+            for rid, p in payloads.items():  # all heads, gathered from every rank, equal world 1's K/V
+                want = single["payloads"][rid]
+                assert p.num_cached == want.num_cached and p.sliding_start == want.sliding_start
+                for got_k, want_k, got_v, want_v in zip(p.k, want.k, p.v, want.v):
+                    assert got_k.shape == want_k.shape and got_k.shape[1] == TINY["num_key_value_heads"]
+                    assert (got_k - want_k).abs().max().item() < 1e-5 and (got_v - want_v).abs().max().item() < 1e-5
+        finally:
+            engine.close()
+    single_engine = single["engine"]
+    assert import_and_decode(single_engine, payloads) == single["ids"]
+
+
+def _wait_dead(pid: int, timeout_s: float = 30.0) -> bool:
+    """The process is gone or a zombie (a container's PID 1 may never reap an orphan)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _step_until_failure(engine: LLMEngine) -> StepFailedError:
+    for _ in range(50):
+        try:
+            engine.step()
+        except StepFailedError as exc:
+            return exc
+    raise AssertionError("the engine kept stepping after its worker failed")
+
+
+def test_worker_errors_surface_on_rank_0_and_stop_the_group(checkpoint):
+    # 1) A worker raises: a malformed step message (an int64 array too short to hold a step) fails to
+    #    decode on rank 1; its traceback reaches rank 0 inside WorkerFailedError.
+    ex = Executor.spawn(2)
+    try:
+        engine = ex.start_engine(checkpoint, config(tp_size=2))
+        for r in requests():
+            engine.add_request(r)
+        engine.step()
+        ex.channel.send(Op.STEP, np.arange(3, dtype=np.int64))
+        err = _step_until_failure(engine).__cause__
+        assert isinstance(err, WorkerFailedError) and err.rank == 1
+        assert "ValueError" in err.detail and "unpack_step" in err.detail
+        with pytest.raises(StepFailedError) as again:  # broken for good, at once, no hang
+            engine.step()
+        assert isinstance(again.value.__cause__, WorkerFailedError)
+        engine.close()
+    finally:
+        ex.shutdown()
+    assert not ex.workers.processes[1].is_alive()
+
+    # 2) A worker is killed (a crash without a report): rank 0 says which rank and how it died.
+    ex = Executor.spawn(2)
+    try:
+        engine = ex.start_engine(checkpoint, config(ep_size=2))
+        for r in requests():
+            engine.add_request(r)
+        engine.step()
+        os.kill(ex.workers.pids[1], signal.SIGKILL)
+        err = _step_until_failure(engine).__cause__
+        assert isinstance(err, WorkerFailedError) and err.rank == 1
+        assert f"worker process {ex.workers.pids[1]} killed by signal 9" in str(err)
+        engine.close()
+    finally:
+        ex.shutdown()
+
+
+def test_workers_exit_when_rank_0_dies_without_shutdown(tmp_path):
+    """Rank 0 vanishes (os._exit: no shutdown, no atexit): its workers notice and exit, no orphans."""
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import os\nfrom engine.distributed import Executor\n"
+        "if __name__ == '__main__':\n"
+        "    ex = Executor.spawn(2)\n"
+        "    print(ex.workers.pids[1], flush=True)\n"
+        "    os._exit(0)\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert _wait_dead(int(done.stdout.split()[0]))
+
+
+def test_cli_generate_tp2_matches_one_process(checkpoint, single):
+    reqs = requests()[:3]
+    flags = [arg for r in reqs for arg in ("--prompt-ids", ",".join(map(str, r.prompt_ids)))]
+    done = subprocess.run([sys.executable, "-m", "engine.cli", "generate", str(checkpoint), *flags, "--tp", "2",
+                           "--max-tokens", "6", "--json", "--block-size", "4", "--max-num-batched-tokens", "16",
+                           "--max-num-seqs", "8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt_ids"] for line in lines] == [r.prompt_ids for r in reqs]
+    for line, r in zip(lines, reqs):
+        assert line["output_ids"] == single["ids"][r.request_id][:6]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "8"], "num_key_value_heads=4 is not divisible by tp=8"),
+    (["--ep", "3"], "num_local_experts=8 is not divisible by ep=3"),
+    (["--tp", "2", "--ep", "4"], "tp_size=2 and ep_size=4 must each be 1 or the number of ranks 4"),
+    (["--dp", "2"], "dp_size=2: data-parallel attention is not implemented"),
+])
+def test_cli_rejects_splits_that_do_not_fit(checkpoint, capsys, flags, message):
+    from engine.cli import main
+
+    assert main(["generate", str(checkpoint), "--prompt-ids", "1,2", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_errors_name_the_numbers(checkpoint):
+    mc = read_config(checkpoint)
+    with pytest.raises(EngineConfigError, match=r"tp_size=3, ep_size=1 do not fit the model: num_key_value_heads=4"):
+        check_parallel(config(tp_size=3), mc)
+    n = torch.cuda.device_count()
+    with pytest.raises(EngineConfigError, match=rf"{n + 1} ranks from cuda need cuda:0..cuda:{n}, one GPU per rank, "
+                                                rf"but {n} CUDA device\(s\) are visible"):
+        check_devices(n + 1, "cuda")
+    with pytest.raises(EngineConfigError, match="cuda_graphs=True works with one rank only"):
+        check_parallel(EngineConfig(device="cuda", cuda_graphs=True, tp_size=2), mc)
+    model = load_model(checkpoint, dtype="float32", progress=False)
+    with pytest.raises(EngineConfigError, match="the model is split tp=1, ep=1 but the config asks tp_size=2"):
+        LLMEngine(model, config(tp_size=2))
+
+
+@pytest.mark.parametrize("batch", [[1], [3, 1, 17], [1] * 7, [29, 2]])
+def test_step_messages_round_trip(batch):
+    g = np.random.default_rng(len(batch))
+    b, t = len(batch), sum(batch)
+    n = int(g.integers(0, b + 1))
+    ints = lambda shape, dtype: g.integers(0, 1 << 20, shape).astype(dtype)  # noqa: E731
+    a = StepArrays(ints(t, np.int64), ints(t, np.int64), np.concatenate([[0], np.cumsum(batch)]).astype(np.int32),
+                   ints((b, 5), np.int32), ints(b, np.int32), ints(t, np.int64), ints((b, 2), np.int32),
+                   ints(b, np.int32), ints(t, np.int64), ints(n, np.int64),
+                   sorted(g.choice(b, n, replace=False).tolist()))
+    back = unpack_step(pack_step(a))
+    for name in StepArrays.__dataclass_fields__:
+        got, want = getattr(back, name), getattr(a, name)
+        if isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), name
+        else:
+            assert got == want, name
+    inputs = back.to_inputs("cpu")
+    assert inputs.attention.query_lens_cpu == batch and inputs.attention.is_decode == all(x == 1 for x in batch)
+    for slots in ({False: ints(7, np.int64)}, {True: ints(3, np.int64)},
+                  {False: ints(0, np.int64), True: ints(5, np.int64)}):
+        back = unpack_slots(pack_slots(slots))
+        assert back.keys() == slots.keys() and all((back[k] == slots[k]).all() for k in slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_world_1_matches_the_single_process_engine(checkpoint):
+    """On one GPU the multi-rank path runs whole over NCCL: step broadcast, pool-size MIN, and the K/V
+    scatter and gather over a group of one. Pure-torch kernels on both sides, so tokens must match."""
+    import torch.distributed as dist
+
+    cfg = config(device="cuda", attention_backend="torch", moe_backend="torch")
+    plain = LLMEngine(load_model(checkpoint, dtype="float32", device="cuda", progress=False), cfg)
+    for r in requests():
+        plain.add_request(r)
+    expected = {rid: r["ids"] for rid, r in run_to_end(plain).items()}
+    plain_payloads = prefill_and_export(plain)
+    ex = Executor.spawn(1, "cuda")
+    try:
+        assert dist.get_backend() == "nccl"
+        engine = ex.start_engine(checkpoint, cfg)
+        for r in requests():
+            engine.add_request(r)
+        assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == expected
+        assert import_and_decode(engine, plain_payloads) == expected  # scatter over NCCL
+        payloads = prefill_and_export(engine)  # gather over NCCL
+        for rid, p in payloads.items():
+            for got, want in zip([*p.k, *p.v], [*plain_payloads[rid].k, *plain_payloads[rid].v]):
+                assert got.device.type == "cuda" and (got - want).abs().max().item() < 1e-6
+        engine.close()
+    finally:
+        ex.shutdown()
+    assert import_and_decode(plain, payloads) == expected
