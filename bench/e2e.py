@@ -242,6 +242,9 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     plan += [("decode", b, c) for c in contexts[1:] for b in batches]
     plan += [("throughput", k) for k in THROUGHPUT]
     plan.append(("decode", 1, 1024))  # the HF baseline's decode point (bench/e2e_hf.py)
+    # Profiles last: CUPTI next to CUDA graphs is the riskiest part of the run.
+    plan += [("profile", "decode", 1, contexts[0]), ("profile", "decode", 64, contexts[0]),
+             ("profile", "prefill", 8192), ("profile", "prefill", 1024)]
     done: set = set()
     for item in plan:
         if item in done:
@@ -253,7 +256,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
             break
         try:
             if item[0] == "prefill":
-                point = h.prefill(item[1], profile=item[1] in (4096, 8192))
+                point = h.prefill(item[1], profile=False)
                 r["prefill"].append(point)
                 print(f"[{name}] prefill {item[1]}: {point['ttft_ms']:.2f} ms", flush=True)
             elif item[0] == "decode":
@@ -262,20 +265,37 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
                     r["decode"].append({"batch": b, "ctx": c, "skipped": f"KV pool holds {h.max_batch_at(c)} "
                                         f"sequences of {c} tokens"})
                     continue
-                point = h.decode(b, c, args.steps, profile=b in (1, 64) and c == contexts[0])
+                point = h.decode(b, c, args.steps, profile=False)
                 r["decode"].append(point)
                 print(f"[{name}] decode b={b} ctx={c}: {point['step_ms']:.3f} ms/step "
                       f"{point['tok_s_user']:.1f} tok/s/user {point['tok_s_gpu']:.0f} tok/s/GPU", flush=True)
-            else:
+            elif item[0] == "throughput":
                 r["throughput"].append(throughput_point(h, item[1], r, args))
+            else:
+                attach_profile(h, item[1:], r)
         except torch.OutOfMemoryError as e:
             r.setdefault("errors", []).append(f"{item}: out of memory ({str(e)[:120]})")
             torch.cuda.empty_cache()
+        except RuntimeError as e:  # a failing point (kernel, profiler) must not lose the others
+            r.setdefault("errors", []).append(f"{item}: {type(e).__name__}: {str(e)[:300]}")
+            print(f"[{name}] {item} failed: {e}", flush=True)
         save()
     del h
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def attach_profile(h: Harness, what: tuple, r: dict) -> None:
+    """Top kernels of one measured point, stored in that point's record."""
+    if what[0] == "decode":
+        points = [d for d in r["decode"] if d.get("batch") == what[1] and d.get("ctx") == what[2] and "step_ms" in d]
+        if points:
+            points[0]["top_kernels_eager_step"] = h.decode(what[1], what[2], 1, profile=True)["top_kernels_eager_step"]
+    else:
+        points = [p for p in r["prefill"] if p["tokens"] == what[1]]
+        if points:
+            points[0]["top_kernels"] = h.prefill(what[1], profile=True)["top_kernels"]
 
 
 def throughput_point(h: Harness, scenario: str, r: dict, args) -> dict:

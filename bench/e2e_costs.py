@@ -106,6 +106,9 @@ def print_table(results: dict) -> None:
             print(f"prefill {p['tokens']:>6} tok: TTFT {p['ttft_ms']:8.2f} ms  ${p['usd_per_m_input']:.4f}/M in  "
                   f"{100 * p['roofline_fraction']:.0f}% of roofline")
         for d in r.get("decode", []):
+            if "step_ms" not in d:
+                print(f"decode ctx {d['ctx']:>6} b {d['batch']:>4}: {d.get('skipped', 'not measured')}")
+                continue
             print(f"decode ctx {d['ctx']:>6} b {d['batch']:>4}: {d['tok_s_user']:8.1f} tok/s/user "
                   f"{d['tok_s_gpu']:9.0f} tok/s/GPU  ${d['usd_per_m_output']:.3f}/M out  "
                   f"{100 * d['roofline_fraction']:.0f}% of copy floor")
@@ -140,8 +143,8 @@ def plot(results: dict, folder, stem: str) -> list[str]:
     written.append(f"{folder}/{stem}_prefill.png")
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for model, r in results.get("models", {}).items():
-        for ctx in sorted({d["ctx"] for d in r.get("decode", [])}):
-            pts = [d for d in r["decode"] if d["ctx"] == ctx]
+        for ctx in sorted({d["ctx"] for d in r.get("decode", []) if "step_ms" in d}):
+            pts = [d for d in r["decode"] if d["ctx"] == ctx and "step_ms" in d]
             a1.plot([d["tok_s_gpu"] for d in pts], [d["tok_s_user"] for d in pts], "o-", label=f"{model} ctx {ctx}")
             a2.plot([d["batch"] for d in pts], [d["usd_per_m_output"] for d in pts], "o-", label=f"{model} ctx {ctx}")
     a1.set(xscale="log", xlabel="output tok/s per GPU", ylabel="tok/s per user", title="Decode (CUDA graphs)")

@@ -114,6 +114,10 @@ class DecodeGraphs:
         if self.model.backend.kv_cache is None:
             raise CudaGraphError("bind the KV cache (ModelRunner.allocate_kv_cache) before capturing decode graphs")
         block_size = self.model.backend.kv_cache.block_size
+        # Plan every bucket first: the backend grows its split scratch on plan, and a growth after a
+        # capture would free memory that graph still points to.
+        for size in self.buckets:
+            self.model.backend.plan(dummy_decode_batch(size, block_size, self.model.device))
         for size in reversed(self.buckets):
             start = time.perf_counter()
             self.model.backend.plan(dummy_decode_batch(size, block_size, self.model.device))
