@@ -1,12 +1,12 @@
 """What rank 0 tells the other ranks, and how it travels.
 
 Every command is one broadcast of a fixed header (opcode, payload kind, length) over the control group,
-then, when there is one, a broadcast of the payload: an int64 array for the per-step messages (built
-from numpy without pickling) or a pickled object for the rare ones (load, shut down). The control
+then, when there is one, a broadcast of the payload: raw bytes or int64 for the per-step messages
+(numpy arrays, no pickling) or a pickled object for the rare ones (load). The control
 group is always gloo on CPU tensors, so metadata never waits behind the device's queue, and it has a
 long timeout because a worker may sit idle between requests for hours.
 
-Legend: T = new tokens, B = sequences, N = sequences that sample, P = pages per table row.
+Legend: T = new tokens, B = sequences, N = sequences that sample.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ class Op(enum.IntEnum):
     LOAD = 1  # object: LoadSpec; build the model shard and its runner
     KV_BUDGET = 2  # none; all-reduce MIN of each rank's KV byte budget
     ALLOCATE = 3  # int64 [num_full_pages, num_sliding_pages]
-    STEP = 4  # int64: pack_step(StepArrays); run the forward
+    STEP = 4  # bytes: pack_step(StepArrays); run the forward
     IMPORT_KV = 5  # int64: pack_slots; then a scatter of each rank's K/V heads
     EXPORT_KV = 6  # int64: pack_slots; then a gather of each rank's K/V heads to rank 0
     UNLOAD = 7  # none; drop the model and its cache (the process stays for the next LOAD)
     SHUTDOWN = 8  # none; leave the loop
 
 
-_NONE, _INT64, _PICKLE = 0, 1, 2
+_NONE, _INT64, _BYTES, _PICKLE = 0, 1, 2, 3
 
 
 class ControlChannel:
@@ -44,8 +44,10 @@ class ControlChannel:
         self._header = torch.zeros(3, dtype=torch.int64)
 
     def send(self, op: Op, payload: np.ndarray | object | None = None) -> None:
-        if isinstance(payload, np.ndarray):
-            kind, data = _INT64, torch.from_numpy(np.ascontiguousarray(payload, dtype=np.int64))
+        """payload: an int64 or uint8 array (sent as is), None, or any picklable object."""
+        if isinstance(payload, np.ndarray) and payload.dtype in (np.int64, np.uint8):
+            kind = _INT64 if payload.dtype == np.int64 else _BYTES
+            data = torch.from_numpy(np.ascontiguousarray(payload))
         elif payload is None:
             kind, data = _NONE, None
         else:
@@ -64,41 +66,51 @@ class ControlChannel:
         data = torch.empty(n, dtype=torch.int64 if kind == _INT64 else torch.uint8)
         if n:
             dist.broadcast(data, 0, group=self.group)
-        if kind == _INT64:
-            return Op(op), data.numpy()
-        return Op(op), pickle.loads(data.numpy().tobytes())
+        if kind == _PICKLE:
+            return Op(op), pickle.loads(data.numpy().tobytes())
+        return Op(op), data.numpy()
 
 
-# ---- a step as one int64 array ----------------------------------------------------------------------
-_STEP_HEADER = 5  # B, T, N, full table width, sliding table width
+# ---- a step as one byte array --------------------------------------------------------------------------
+# Each array keeps its dtype (page tables stay int32: they are most of the bytes at long contexts);
+# int64 arrays come first so every part stays aligned.
+_STEP_HEADER = 5  # B, T, N, full table width, sliding table width (int64)
 
 
 def pack_step(a: StepArrays) -> np.ndarray:
     b, t, n = len(a.full_lens), len(a.input_ids), len(a.logits_indices)
     header = np.array([b, t, n, a.full_tables.shape[1], a.sliding_tables.shape[1]], dtype=np.int64)
-    parts = (header, a.input_ids, a.positions, a.query_start_loc, a.full_tables.ravel(), a.full_lens, a.full_slots,
-             a.sliding_tables.ravel(), a.sliding_lens, a.sliding_slots, a.logits_indices,
-             np.asarray(a.sample_rows, dtype=np.int64))
-    return np.concatenate([p.astype(np.int64, copy=False) for p in parts])
+    wide = (header, a.input_ids, a.positions, a.full_slots, a.sliding_slots, a.logits_indices,
+            np.asarray(a.sample_rows, dtype=np.int64))
+    narrow = (a.query_start_loc, a.full_tables, a.full_lens, a.sliding_tables, a.sliding_lens)
+    parts = [np.ascontiguousarray(x, dtype=np.int64) for x in wide] + [np.ascontiguousarray(x, dtype=np.int32)
+                                                                       for x in narrow]
+    return np.concatenate([x.reshape(-1).view(np.uint8) for x in parts])
 
 
 def unpack_step(buf: np.ndarray) -> StepArrays:
-    b, t, n, pf, ps = (int(x) for x in buf[:_STEP_HEADER])
-    at = _STEP_HEADER
+    if buf.dtype != np.uint8 or len(buf) < 8 * _STEP_HEADER:
+        raise ValueError(f"a step message is at least {8 * _STEP_HEADER} bytes (uint8); got {len(buf)} {buf.dtype} "
+                         "values: rank 0 and this worker run different code")
+    b, t, n, pf, ps = (int(x) for x in buf[: 8 * _STEP_HEADER].view(np.int64))
+    at = 8 * _STEP_HEADER
 
     def take(count: int, dtype, shape=None) -> np.ndarray:
         nonlocal at
-        out = buf[at: at + count].astype(dtype)
-        at += count
+        size = count * np.dtype(dtype).itemsize
+        out = buf[at: at + size].view(dtype).copy()  # owned and writable: torch.from_numpy wants that
+        at += size
         return out.reshape(shape) if shape is not None else out
 
+    ids, positions, full_slots, sliding_slots = (take(t, np.int64) for _ in range(4))
+    logits_indices, sample_rows = take(n, np.int64), take(n, np.int64).tolist()
     a = StepArrays(
-        input_ids=take(t, np.int64), positions=take(t, np.int64), query_start_loc=take(b + 1, np.int32),
-        full_tables=take(b * pf, np.int32, (b, pf)), full_lens=take(b, np.int32), full_slots=take(t, np.int64),
+        input_ids=ids, positions=positions, query_start_loc=take(b + 1, np.int32),
+        full_tables=take(b * pf, np.int32, (b, pf)), full_lens=take(b, np.int32), full_slots=full_slots,
         sliding_tables=take(b * ps, np.int32, (b, ps)), sliding_lens=take(b, np.int32),
-        sliding_slots=take(t, np.int64), logits_indices=take(n, np.int64), sample_rows=take(n, np.int64).tolist())
+        sliding_slots=sliding_slots, logits_indices=logits_indices, sample_rows=sample_rows)
     if at != len(buf):
-        raise ValueError(f"step message has {len(buf)} int64 values, its header describes {at}")
+        raise ValueError(f"step message has {len(buf)} bytes, its header describes {at}")
     return a
 
 
