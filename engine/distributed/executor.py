@@ -91,6 +91,7 @@ class Executor:
         self.device = spec.device_of(0)
         self.failure: WorkerFailure | None = None
         self.closed = False
+        self.loaded = None  # the DistributedRunner whose model the workers hold
         self.channel: ControlChannel | None = None
         self._threads_before = torch.get_num_threads()
         if self.device.type == "cuda":
@@ -117,6 +118,7 @@ class Executor:
         """This process (a Serve replica) is rank 0; `actors` are RankWorker actors for ranks 1 .. N-1,
         constructed with the same `spec` (see engine/distributed/README.md)."""
         if len(actors) != spec.world_size - 1:
+            RayWorkers(actors, run=False).kill()  # they would wait for the rendezvous until its timeout
             raise EngineConfigError(f"{len(actors)} worker actors for a group of {spec.world_size} ranks; "
                                     f"start one per rank 1..{spec.world_size - 1}")
         return cls(spec, RayWorkers(actors))
@@ -159,9 +161,13 @@ class Executor:
             raise WorkerFailedError(self.failure)
 
     @contextlib.contextmanager
-    def guard(self, what: str):
-        """Run one distributed operation; any error in it breaks the executor (the ranks are out of step)."""
+    def guard(self, what: str, runner=None):
+        """Run one distributed operation; any error in it breaks the executor (the ranks are out of step).
+        runner: the engine's runner, which must still be the one loaded on the workers."""
         self.check()
+        if runner is not None and runner is not self.loaded:
+            raise ExecutorStateError(f"{what}: this engine was closed or replaced by a newer start_engine on the "
+                                     "same executor; its model is no longer loaded on the other ranks")
         try:
             yield self.channel
         except Exception as exc:
@@ -198,18 +204,20 @@ class Executor:
         except Exception as exc:  # e.g. CheckpointError: the caller sees it as is; the workers are stopped
             self._break(self.workers.wait_failure(1.0) or WorkerFailure(0, f"rank 0 could not load: {exc!r}"))
             raise
-        runner = DistributedRunner(model, config.block_size, self, owns_executor)
+        runner = self.loaded = DistributedRunner(model, config.block_size, self, owns_executor)
         try:
             return LLMEngine(model, config, runner=runner)
         except BaseException:
             runner.close()
             raise
 
-    def unload(self) -> None:
-        """Drop the model on ranks 1 .. N-1 (rank 0's runner drops its own)."""
-        if not self.closed and self.failure is None:
+    def unload(self, runner) -> None:
+        """Drop `runner`'s model on ranks 1 .. N-1 (rank 0's runner drops its own); a no-op if another
+        engine has been loaded since."""
+        if not self.closed and self.failure is None and runner is self.loaded:
             with self.guard("unload") as channel:
                 channel.send(Op.UNLOAD)
+            self.loaded = None
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the workers (cleanly when they are healthy, else by kill) and leave the group. Idempotent."""

@@ -116,9 +116,9 @@ class RayWorkers:
 
     POLL_INTERVAL_S = 0.5  # ray.wait costs a round trip to the raylet: don't pay it every step
 
-    def __init__(self, actors: list):
+    def __init__(self, actors: list, run: bool = True):
         self.actors = list(actors)
-        self.refs = [a.run.remote() for a in self.actors]
+        self.refs = [a.run.remote() for a in self.actors] if run else []
         self._last_poll = 0.0
 
     def _check(self, timeout_s: float) -> WorkerFailure | None:

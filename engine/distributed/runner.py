@@ -35,21 +35,21 @@ class DistributedRunner(ModelRunner):
         self.world_size = executor.spec.world_size
 
     def kv_budget_bytes(self, config) -> int:
-        with self.executor.guard("KV budget") as channel:
+        with self.executor.guard("KV budget", self) as channel:
             channel.send(Op.KV_BUDGET)
             budget = torch.tensor([super().kv_budget_bytes(config)], dtype=torch.int64)
             dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=channel.group)
         return int(budget.item())
 
     def allocate_kv_cache(self, num_full_pages: int, num_sliding_pages: int) -> None:
-        with self.executor.guard("K/V cache allocation") as channel:
+        with self.executor.guard("K/V cache allocation", self) as channel:
             channel.send(Op.ALLOCATE, np.array([num_full_pages, num_sliding_pages], dtype=np.int64))
             super().allocate_kv_cache(num_full_pages, num_sliding_pages)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.host is None:
             raise ValueError("a multi-rank step needs the host arrays it was built from: use runner.prepare")
-        with self.executor.guard("step") as channel:
+        with self.executor.guard("step", self) as channel:
             channel.send(Op.STEP, pack_step(inputs.host))
             return super().execute(inputs)
 
@@ -62,7 +62,7 @@ class DistributedRunner(ModelRunner):
         slots, ks, vs = self.import_slots(seq, payload)
         ks = [k.to(self.device, self.kv_dtype) for k in ks]
         vs = [v.to(self.device, self.kv_dtype) for v in vs]
-        with self.executor.guard("K/V import") as channel:
+        with self.executor.guard("K/V import", self) as channel:
             channel.send(Op.IMPORT_KV, pack_slots(slots))
             if self.tp_size == 1 and self.world_size > 1:
                 mine = flatten_kv(ks, vs)
@@ -80,7 +80,7 @@ class DistributedRunner(ModelRunner):
         slots = self.kv_slots(seq, sliding_start, seq.num_computed)
         if self.tp_size == 1 and self.world_size > 1:  # every rank holds every head
             return self.read_kv_slots(slots)
-        with self.executor.guard("K/V export") as channel:
+        with self.executor.guard("K/V export", self) as channel:
             channel.send(Op.EXPORT_KV, pack_slots(slots))
             flat = flatten_kv(*self.read_kv_slots(slots))
             parts = [torch.empty_like(flat) for _ in range(self.world_size)]
@@ -95,7 +95,7 @@ class DistributedRunner(ModelRunner):
         """Drop the model on every rank; with owns_executor also stop the worker processes."""
         super().close()
         try:
-            self.executor.unload()
+            self.executor.unload(self)
         finally:
             if self.owns_executor:
                 self.executor.shutdown()

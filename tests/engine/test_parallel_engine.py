@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, EngineConfigError
-from engine.distributed import Executor, WorkerFailedError, check_parallel
+from engine.distributed import Executor, ExecutorStateError, WorkerFailedError, check_parallel
 from engine.distributed.executor import check_devices
 from engine.distributed.wire import Op, pack_slots, pack_step, unpack_slots, unpack_step
 from engine.llm_engine import LLMEngine, StepFailedError
@@ -132,6 +132,10 @@ def _run_every_split(executor, checkpoint, single):
                     assert (got_k - want_k).abs().max().item() < 1e-5 and (got_v - want_v).abs().max().item() < 1e-5
         finally:
             engine.close()
+    engine.add_request(requests()[0])  # a closed engine's model is gone from the workers: refused, not run
+    with pytest.raises(StepFailedError) as closed:
+        engine.step()
+    assert isinstance(closed.value.__cause__, ExecutorStateError)
     single_engine = single["engine"]
     assert import_and_decode(single_engine, payloads) == single["ids"]
 
