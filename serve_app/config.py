@@ -262,6 +262,8 @@ class ServeAppConfig(_Settings):
             device=device,
             dtype=self.dtype,
             seed=self.seed,
+            tp_size=self.tp_size,
+            ep_size=self.ep_size,
         )
 
     # ---- parsing ---------------------------------------------------------------------------------

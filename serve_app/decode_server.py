@@ -40,9 +40,9 @@ class DecodeServer:
                                         int(self.config.cuda_ipc_buffer_gib * GIB))
         if isinstance(self.transport, CudaIpcTransport):
             self.transport.reserve_arena()  # before the engine sizes its KV pools from free memory
-        self.engine = await asyncio.to_thread(start_engine, self.config, self.device)
+        self.engine = await asyncio.to_thread(start_engine, self.config, self.config.decode, self.device)
         runner = self.engine.engine.runner
-        self._kv_shape = (runner.layer_is_sliding, runner.kv_heads, runner.head_dim, runner.kv_dtype,
+        self._kv_shape = (runner.layer_is_sliding, runner.payload_kv_heads, runner.head_dim, runner.kv_dtype,
                           self.engine.engine.model.config.sliding_window)
         self.metrics = ServerMetrics("decode")
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))

@@ -1,10 +1,11 @@
 """What prefill and decode replicas share: picking the device, loading the engine, reporting its metrics.
 
-A replica runs one model instance. With tp_size = ep_size = dp_size = 1 (every CPU replica, and a GPU
-replica of one GPU) the engine runs in the replica's own process. Multi-rank replicas need the worker
-runtime (rank 0 here schedules and broadcasts each step to ranks 1..N-1, started by
-`placement.start_rank_workers` in the replica's placement group); until it exists they fail fast with
-a message that says so, at replica start rather than at the first request.
+A replica runs one model instance. With tp_size = ep_size = 1 the engine runs in the replica's own
+process. With TP/EP over N GPUs the replica process is rank 0 (it schedules, samples and broadcasts
+each step) and ranks 1..N-1 are `engine.distributed.RankWorker` Ray actors pinned to bundles 1..N-1 of
+the replica's STRICT_PACK placement group (`placement.start_rank_workers`), so one model instance
+never spans nodes. On CPU, ranks 1..N-1 are spawned processes. Several model instances per replica
+(dp_size > 1) are not built: such replicas fail at start with a message that says so.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from serve_app.config import ServeAppConfig, tiny_model_path
+from serve_app.config import DeploymentSettings, ServeAppConfig, tiny_model_path
 from serve_app.metrics import ServerMetrics
-from serve_app.placement import local_cuda_device
+from serve_app.placement import ReplicaResources, local_cuda_device, start_rank_workers
 
 # Serve routes this logger to the replica's log file (and the dashboard's log view).
 log = logging.getLogger("ray.serve")
@@ -23,7 +24,7 @@ METRICS_INTERVAL_S = 2.0
 
 
 class MultiRankReplicaError(RuntimeError):
-    """A replica of more than one GPU was requested; the multi-process worker runtime is not built yet."""
+    """A replica layout the runtime does not build (dp_size > 1: several model instances per replica)."""
 
 
 def replica_device(config: ServeAppConfig) -> str:
@@ -32,21 +33,34 @@ def replica_device(config: ServeAppConfig) -> str:
     return "cpu" if device == "cpu" else local_cuda_device()
 
 
-def start_engine(config: ServeAppConfig, device: str):
+def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: str):
     """Load the model and start an AsyncEngine on `device` (blocking: minutes for a real checkpoint)."""
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
 
-    if config.gpus_per_replica > 1:
+    if config.dp_size > 1:
         raise MultiRankReplicaError(
-            f"tp_size={config.tp_size}, ep_size={config.ep_size}, dp_size={config.dp_size} asks for "
-            f"{config.gpus_per_replica} GPUs per replica, and the multi-rank worker runtime is not available "
-            "yet: use tp_size=ep_size=dp_size=1 (one GPU per replica) for now")
+            f"dp_size={config.dp_size} asks for {config.dp_size} model instances per replica, which is not "
+            "built: use dp_size=1 and more replicas (autoscaling) instead")
     folder = config.model or str(tiny_model_path())
-    engine = LLMEngine.from_checkpoint(folder, config.engine_config(device))
-    log.info("engine ready on %s: model %s, context %d, pages %s", device, folder, engine.max_model_len,
-             engine.block_manager.usage())
+    engine_config = config.engine_config(device)
+    if engine_config.world_size > 1 and device != "cpu":
+        engine = _start_over_rank_actors(folder, engine_config, ReplicaResources.of(config, settings, "cuda"))
+    else:  # one rank, or CPU ranks as spawned processes
+        engine = LLMEngine.from_checkpoint(folder, engine_config)
+    log.info("engine ready on %s (tp=%d, ep=%d): model %s, context %d, pages %s", device, config.tp_size,
+             config.ep_size, folder, engine.max_model_len, engine.block_manager.usage())
     return AsyncEngine(engine)
+
+
+def _start_over_rank_actors(folder: str, engine_config, resources: ReplicaResources):
+    import ray
+
+    from engine.distributed import Executor, RankWorker, local_group
+
+    spec = local_group(engine_config.world_size, device=engine_config.device)  # localhost: STRICT_PACK = one node
+    actors = start_rank_workers(ray.remote(RankWorker), resources, spec, local_cuda_device)
+    return Executor.over_ray_actors(spec, actors).start_engine(folder, engine_config, owns_executor=True)
 
 
 async def report_metrics_forever(engine, metrics: ServerMetrics, interval_s: float = METRICS_INTERVAL_S) -> None:
@@ -69,3 +83,4 @@ def stop_hosting(server) -> None:
     engine = getattr(server, "engine", None)
     if engine is not None:
         engine.shutdown()
+        engine.engine.close()  # frees the K/V cache and stops rank workers, if any

@@ -25,7 +25,7 @@ class PrefillServer:
         self.device = replica_device(self.config)
         self.transport = make_transport(self.config.resolved_transport(self.config.resolved_device()), self.device,
                                         int(self.config.cuda_ipc_buffer_gib * GIB))
-        self.engine = await asyncio.to_thread(start_engine, self.config, self.device)
+        self.engine = await asyncio.to_thread(start_engine, self.config, self.config.prefill, self.device)
         self.metrics = ServerMetrics("prefill")
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
 

@@ -89,12 +89,12 @@ def test_exported_payload_fits_the_bound_and_survives_packing(small_engine, prom
     skeleton, tensors = split_payload(payload)
     specs, total = plan_layout(tensors)
     bound = payload_upper_bound(prompt_len, len(runner.layer_is_sliding), runner.layer_is_sliding,
-                                engine.model.config.sliding_window, runner.kv_heads, runner.head_dim, runner.kv_dtype)
+                                engine.model.config.sliding_window, runner.payload_kv_heads, runner.head_dim, runner.kv_dtype)
     assert total <= bound
     flat = torch.empty(total, dtype=torch.uint8)
     pack_into(flat, tensors, specs)
     restored = join_payload(skeleton, unpack(flat, specs))
-    restored.check_compatible(runner.layer_is_sliding, runner.kv_heads, runner.head_dim)
+    restored.check_compatible(runner.layer_is_sliding, runner.payload_kv_heads, runner.head_dim)
     assert restored.output_ids == payload.output_ids and restored.seed == payload.seed
     for a, b in zip((*payload.k, *payload.v), (*restored.k, *restored.v)):
         assert torch.equal(a, b)
