@@ -156,31 +156,35 @@ class Harness:
             KVGroupMeta(sliding.to(d), torch.tensor(slens, dtype=torch.int32, device=d), slide_slot.to(d), slens),
             is_decode=True)
 
-    def prefill_batch(self, tokens: int) -> AttentionBatch:
+    def prefill_batch(self, start: int, end: int) -> AttentionBatch:
+        """Tokens start..end-1 of one sequence whose positions 0..start-1 are cached already (both
+        layer kinds use pages 0.. of their pool; the sliding window masks what it must not see)."""
         d, bs = self.device, BLOCK
-        pages = math.ceil(tokens / bs)
+        pages = math.ceil(end / bs)
         table = torch.arange(pages, dtype=torch.int32, device=d)[None]
-        slots = torch.arange(tokens, dtype=torch.int64, device=d)
-        meta = KVGroupMeta(table, torch.tensor([tokens], dtype=torch.int32, device=d), slots, [tokens])
-        meta_s = KVGroupMeta(table.clone(), meta.kv_lens.clone(), slots.clone(), [tokens])
-        return AttentionBatch(torch.tensor([0, tokens], dtype=torch.int32, device=d), [tokens], meta, meta_s)
+        slots = torch.arange(start, end, dtype=torch.int64, device=d)
+        meta = KVGroupMeta(table, torch.tensor([end], dtype=torch.int32, device=d), slots, [end])
+        meta_s = KVGroupMeta(table.clone(), meta.kv_lens.clone(), slots.clone(), [end])
+        return AttentionBatch(torch.tensor([0, end - start], dtype=torch.int32, device=d), [end - start], meta, meta_s)
 
     # ---- measurements ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, tokens: int, profile: bool) -> dict:
+    def prefill(self, tokens: int, profile: bool, chunk: int) -> dict:
         ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
         pos = torch.arange(tokens, device=self.device)
-        batch = self.prefill_batch(tokens)
+        bounds = [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
+        batches = [self.prefill_batch(s, e) for s, e in bounds]
 
-        def run():
-            hidden = self.model(ids, pos, batch)
+        def run():  # chunked prefill, as the engine runs prompts longer than max_num_batched_tokens
+            for (s, e), batch in zip(bounds, batches):
+                hidden = self.model(ids[s:e], pos[s:e], batch)
             return self.model.compute_logits(hidden[-1:]).float().argmax(-1)
 
         run()
         _sync(self.device)
         s = timed(run, self.device)
         floor = costs.prefill_floor_s(self.shape, tokens)
-        point = {"tokens": tokens, "ttft_ms": s * 1e3, "usd_per_m_input": costs.dollars_per_million(tokens / s),
+        point = {"tokens": tokens, "chunks": len(bounds), "ttft_ms": s * 1e3, "usd_per_m_input": costs.dollars_per_million(tokens / s),
                  "input_tok_s": tokens / s, "roofline_fraction": floor / s, "floor_ms": floor * 1e3,
                  "flops": self.shape.prefill_flops(tokens)}
         if profile:
@@ -244,7 +248,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     plan.append(("decode", 1, 1024))  # the HF baseline's decode point (bench/e2e_hf.py)
     # Profiles last: CUPTI next to CUDA graphs is the riskiest part of the run.
     plan += [("profile", "decode", 1, contexts[0]), ("profile", "decode", 64, contexts[0]),
-             ("profile", "prefill", 8192), ("profile", "prefill", 1024)]
+             ("profile", "prefill", 8192, args.prefill_chunk), ("profile", "prefill", 1024, args.prefill_chunk)]
     done: set = set()
     for item in plan:
         if item in done:
@@ -256,7 +260,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
             break
         try:
             if item[0] == "prefill":
-                point = h.prefill(item[1], profile=False)
+                point = h.prefill(item[1], profile=False, chunk=args.prefill_chunk)
                 r["prefill"].append(point)
                 print(f"[{name}] prefill {item[1]}: {point['ttft_ms']:.2f} ms", flush=True)
             elif item[0] == "decode":
@@ -295,7 +299,7 @@ def attach_profile(h: Harness, what: tuple, r: dict) -> None:
     else:
         points = [p for p in r["prefill"] if p["tokens"] == what[1]]
         if points:
-            points[0]["top_kernels"] = h.prefill(what[1], profile=True)["top_kernels"]
+            points[0]["top_kernels"] = h.prefill(what[1], profile=True, chunk=what[2])["top_kernels"]
 
 
 def throughput_point(h: Harness, scenario: str, r: dict, args) -> dict:
@@ -328,6 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=400.0)
     p.add_argument("--model-share", type=float, default=0.5, help="fraction of the remaining time one model may use")
     p.add_argument("--headroom-gb", type=float, default=10.0, help="GPU memory kept free of the KV pool")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="longest prefill forward (longer prompts chunk)")
     p.add_argument("--hf-baseline", action="store_true", help="then HF transformers bf16 on 20b (random weights)")
     p.add_argument("--out", default="bench/results/e2e.json")
     args = p.parse_args(argv)

