@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")
     gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
     gen.set_defaults(func=cmd_generate)
+
+    from model.convert import add_convert_parser
+
+    add_convert_parser(sub)  # gptoss convert SRC DST: pre-converted FP8 experts
     return parser
 
 

@@ -130,3 +130,18 @@ def test_generate_on_a_transformers_written_checkpoint_gives_transformers_tokens
                                    pad_token_id=0)[0].tolist()
         assert line["prompt_ids"] == prompt
         assert prompt + line["output_ids"] == expected
+
+
+def test_convert_writes_an_fp8_checkpoint(tiny, tmp_path):
+    from safetensors import safe_open
+
+    done = gptoss("convert", str(tiny / "a"), str(tmp_path / "fp8"), "--device", "cpu", "--quiet")
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())
+    fp8 = [n for n in index["weight_map"] if "experts" in n]
+    assert fp8, "no expert tensors written"
+    dtypes = set()
+    for name in fp8:
+        with safe_open(tmp_path / "fp8" / index["weight_map"][name], "pt") as f:
+            dtypes.add(str(f.get_tensor(name).dtype))
+    assert "torch.float8_e4m3fn" in dtypes
