@@ -171,3 +171,26 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model):
             ids = graphs.run(ids, pos, batch).argmax(-1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_engine_with_cuda_graphs_generates_what_it_does_eagerly():
+    # The engine's own graph path (ModelRunner.execute -> DecodeGraphs) against the same engine without
+    # graphs, same random weights: identical greedy tokens for a mixed batch.
+    def engine(graphs: bool) -> LLMEngine:
+        model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=8,
+                            max_kv_len=2048, cuda_graph=graphs)
+        with torch.no_grad():
+            model.lm_head.weight[:16] *= 8
+        return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
+                                             num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs))
+
+    prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 130, 700)]
+    outputs = []
+    for graphs in (False, True):
+        llm = engine(graphs)
+        if graphs:
+            assert llm.graph_capture_seconds, "no decode graph was captured"
+        reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        outputs.append([c.output_ids for c in llm.generate(reqs)])
+    assert outputs[0] == outputs[1]
