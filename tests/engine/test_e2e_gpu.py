@@ -175,10 +175,12 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model):
 
 def test_engine_with_cuda_graphs_generates_what_it_does_eagerly():
     # The engine's own graph path (ModelRunner.execute -> DecodeGraphs) against the same engine without
-    # graphs, same random weights: identical greedy tokens for a mixed batch.
+    # graphs, same random weights: identical greedy tokens for a mixed batch. Both backends are built for
+    # graphs (split counts fixed by batch size): a backend planned per step picks other split counts,
+    # which changes the summation order and, on this tiny model, flipped a near-tie on the H200.
     def engine(graphs: bool) -> LLMEngine:
         model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=8,
-                            max_kv_len=2048, cuda_graph=graphs)
+                            max_kv_len=2048, cuda_graph=True)
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
