@@ -42,16 +42,40 @@ def _module():
 
 
 def available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and not isinstance(_module(), Exception)
+    return why_unavailable() == ""
 
 
+@functools.lru_cache(maxsize=1)
 def why_unavailable() -> str:
+    """"" when DeepGEMM imports AND runs a GEMM here; otherwise the reason. A build that imports but
+    cannot run (the prebuilt wheels on torch 2.11, above) must not be picked by `auto` backends."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability()[0] != 9:
         return f"DeepGEMM's FP8 1D2D kernels need SM90, this GPU is SM{''.join(map(str, torch.cuda.get_device_capability()))}"
     mod = _module()
-    return f"import deep_gemm failed: {mod!r}" if isinstance(mod, Exception) else ""
+    if isinstance(mod, Exception):
+        return f"import deep_gemm failed: {mod!r}"
+    return _probe()
+
+
+def _probe() -> str:
+    """One tiny masked grouped GEMM through the same wrapper the MoE uses; its error, or ""."""
+    device = torch.device("cuda")
+    a = Fp8Rows.empty(1, 128, 128, device)
+    a.data.fill_(0.5)
+    a.scale_storage.fill_(1.0)
+    w = torch.full((1, 128, 128), 0.5, device=device).to(a.data.dtype)
+    out = torch.empty(128, 128, dtype=torch.bfloat16, device=device)
+    try:
+        grouped_gemm_masked(a, w, torch.ones(1, 1, 1, device=device), out,
+                            torch.full((1,), 128, dtype=torch.int32, device=device), expected_m=128)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:  # DeepGEMM reports every failure as RuntimeError through tvm-ffi
+        return f"deep_gemm imports but its GEMM fails here: {exc}"
+    if not torch.allclose(out.float(), torch.full_like(out, 32.0, dtype=torch.float32)):
+        return "deep_gemm ran a probe GEMM but returned wrong values"
+    return ""
 
 
 def _dg():
