@@ -106,17 +106,12 @@ def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
 def test_generate_on_a_transformers_written_checkpoint_gives_transformers_tokens(tmp_path):
     # The checkpoint is written by transformers' save_pretrained, not by our tool.
     import torch
-    from transformers import GptOssConfig as HFConfig, GptOssForCausalLM
 
-    torch.manual_seed(1)
-    cfg = HFConfig(num_hidden_layers=3, num_local_experts=5, num_experts_per_tok=4, vocab_size=500, hidden_size=48,
-                   intermediate_size=40, head_dim=8, num_attention_heads=6, num_key_value_heads=2, sliding_window=6,
-                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    hf = GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():  # transformers initialises sinks and biases near zero: make them matter
-        for name, p in hf.named_parameters():
-            if name.endswith(("sinks", "bias")):
-                p.normal_(0, 0.5)
+    from tests.model.references import random_hf_model
+
+    hf = random_hf_model(1, num_hidden_layers=3, num_local_experts=5, num_experts_per_tok=4, vocab_size=500,
+                         hidden_size=48, intermediate_size=40, head_dim=8, num_attention_heads=6, num_key_value_heads=2,
+                         sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     hf.save_pretrained(tmp_path)
     prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 11, 12], [400]]
     done = gptoss("generate", str(tmp_path), *sum((["--prompt-ids", ",".join(map(str, p))] for p in prompts), []),

@@ -273,22 +273,10 @@ InputItem = Annotated[
 ]
 
 
-class ResponsesTool(Lenient):
+class ResponsesTool(FunctionDefinition):
+    """Responses API tools are flat: the function's fields sit beside `type`."""
+
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return check_tool_name(value)
-
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, value: dict | None) -> dict | None:
-        return check_tool_schema(value)
 
 
 class ReasoningOptions(Lenient):

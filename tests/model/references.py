@@ -44,3 +44,17 @@ def hf_reference(folder):
     from transformers import GptOssForCausalLM
 
     return GptOssForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def random_hf_model(seed: int, **config):
+    """A transformers GptOssForCausalLM with random weights; sinks and biases (initialised near zero by
+    transformers) are redrawn so that they matter."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    hf = GptOssForCausalLM(GptOssConfig(**config)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.normal_(0, 0.5)
+    return hf

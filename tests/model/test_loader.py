@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from model.loader import CheckpointError, load_model
 from model.tiny import make_tiny
+from tests.model.references import random_hf_model
 
 SMALL = dict(dtype="float32", vocab_size=211, num_hidden_layers=2, seed=4)
 
@@ -70,17 +71,9 @@ def test_missing_shard_file_is_named(tmp_path):
 
 
 def test_transformers_written_checkpoint_gives_transformers_greedy_tokens(tmp_path):
-    from transformers import GptOssConfig as HFConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    cfg = HFConfig(num_hidden_layers=2, num_local_experts=3, num_experts_per_tok=2, vocab_size=300, hidden_size=48,
-                   intermediate_size=40, head_dim=8, num_attention_heads=6, num_key_value_heads=2, sliding_window=5,
-                   layer_types=["sliding_attention", "full_attention"])
-    hf = GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():  # transformers initialises sinks and biases near zero: make them matter
-        for name, p in hf.named_parameters():
-            if name.endswith(("sinks", "bias")):
-                p.normal_(0, 0.5)
+    hf = random_hf_model(0, num_hidden_layers=2, num_local_experts=3, num_experts_per_tok=2, vocab_size=300,
+                         hidden_size=48, intermediate_size=40, head_dim=8, num_attention_heads=6, num_key_value_heads=2,
+                         sliding_window=5, layer_types=["sliding_attention", "full_attention"])
     hf.save_pretrained(tmp_path)
     ours = load_model(tmp_path, progress=False)
     prompt = [5, 17, 250, 3, 99, 42, 7, 8]
