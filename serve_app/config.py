@@ -153,6 +153,9 @@ class ServeAppConfig(_Settings):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="New tokens in one forward pass: the chunked-prefill budget.")
     seed: int = Field(0, ge=0, description="Seeds requests that bring none, so a run is reproducible.")
+    cuda_graphs: bool = Field(
+        True, description="Replay decode steps as CUDA graphs at batch buckets up to max_num_seqs. Applies to "
+                          "GPU replicas of one rank; CPU replicas and TP/EP replicas run eagerly.")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "
@@ -262,6 +265,7 @@ class ServeAppConfig(_Settings):
             device=device,
             dtype=self.dtype,
             seed=self.seed,
+            cuda_graphs=self.cuda_graphs and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
             tp_size=self.tp_size,
             ep_size=self.ep_size,
         )

@@ -201,3 +201,10 @@ def test_cluster_serve_yaml_builds_a_valid_config():
 
 class _Dummy:
     pass
+
+
+def test_cuda_graphs_apply_to_single_rank_gpu_replicas_only():
+    gpu = ServeAppConfig.from_args({"device": "cuda"})
+    assert gpu.engine_config("cuda:0").cuda_graphs is True
+    assert gpu.engine_config("cpu").cuda_graphs is False
+    assert ServeAppConfig.from_args({"device": "cuda", "cuda_graphs": "false"}).engine_config("cuda:0").cuda_graphs is False
