@@ -79,11 +79,12 @@ class Fp8Rows:
 def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride_x, stride_a,
                            rows_per_group, sf_group_stride, sf_k_stride,
                            TOP_K: tl.constexpr, NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr):
+    # grid (pairs, k-block groups): each 128-channel block has its own scale, so blocks are independent.
     pair = tl.program_id(0)
     row = tl.load(row_of_pair_ptr + pair)
     if row >= 0:
         token = pair // TOP_K
-        kb = tl.arange(0, BLOCK_KB)
+        kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
         col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
         v = tl.load(x_ptr + token.to(tl.int64) * stride_x + col, mask=col < hidden, other=0.0).to(tl.float32)
         # Per-128 FP8 quantization; scale = max(amax, 1e-4) / 448 with IEEE division, as in the twin.
@@ -100,27 +101,35 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
                          inter, stride_h, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
                          NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr):
+    # grid (pairs, k-block groups). Output column j comes from gate 2j and up 2j+1: each k-block reads
+    # its 256 interleaved inputs as one contiguous run and splits them in registers.
     pair = tl.program_id(0)
     row = tl.load(row_of_pair_ptr + pair)
     if row >= 0:
         e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-        kb = tl.arange(0, BLOCK_KB)
-        col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]  # output column j <- gate 2j, up 2j+1
-        ok = col < inter
-        h = h_ptr + row.to(tl.int64) * stride_h
-        b = bias_ptr + e.to(tl.int64) * stride_bias
-        gate = tl.load(h + 2 * col, mask=ok, other=0.0).to(tl.float32) + tl.load(b + 2 * col, mask=ok, other=0.0)
-        up = tl.load(h + 2 * col + 1, mask=ok, other=0.0).to(tl.float32) + tl.load(b + 2 * col + 1, mask=ok, other=0.0)
+        kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
+        src = kb[:, None] * 256 + tl.arange(0, 256)[None, :]  # interleaved (gate, up) inputs
+        ok_src = src < 2 * inter
+        h = tl.load(h_ptr + row.to(tl.int64) * stride_h + src, mask=ok_src, other=0.0).to(tl.float32)
+        h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)
+        gate, up = tl.split(tl.reshape(h, (BLOCK_KB, 128, 2)))
+        col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-        act = tl.where(ok, act, 0.0)
+        act = tl.where(col < inter, act, 0.0)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
         q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
         tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
         g = row // rows_per_group
         tl.store(sf_ptr + g.to(tl.int64) * sf_group_stride + kb * sf_k_stride + (row - g * rows_per_group),
                  scale, mask=kb < NUM_KB)
+
+
+def _kb_per_program(pairs: int, num_kb: int) -> int:
+    """k-blocks per program: one while there are few pairs (decode: spread a row over the SMs), more once
+    pairs alone fill the GPU (prefill: fewer, larger programs)."""
+    return 1 if pairs <= 512 else min(8, triton.next_power_of_2(num_kb))
 
 
 @triton.jit
@@ -149,10 +158,11 @@ def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: 
         x = x.contiguous()
     p = row_of_pair.numel()
     if p:
-        _dispatch_quant_kernel[(p,)](
+        kbp = _kb_per_program(p, out.k_blocks)
+        _dispatch_quant_kernel[(p, triton.cdiv(out.k_blocks, kbp))](
             x, row_of_pair, out.data, out.scale_storage, x.shape[1], x.stride(0), out.data.stride(0),
             out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=triton.next_power_of_2(out.k_blocks), num_warps=4)
+            TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=kbp, num_warps=1 if kbp == 1 else 4)
     return out
 
 
@@ -161,11 +171,12 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
     """GEMM-1 output rows h [rows, 2I] (bf16) -> FP8 rows of the SwiGLU activation [rows, Ip]."""
     p = row_of_pair.numel()
     if p:
-        _swiglu_quant_kernel[(p,)](
+        kbp = _kb_per_program(p, out.k_blocks)
+        _swiglu_quant_kernel[(p, triton.cdiv(out.k_blocks, kbp))](
             h, row_of_pair, expert_ids, bias, out.data, out.scale_storage,
             h.shape[1] // 2, h.stride(0), out.data.stride(0), bias.stride(0), first_expert, float(alpha), float(limit),
             out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            NUM_KB=out.k_blocks, BLOCK_KB=triton.next_power_of_2(out.k_blocks), num_warps=4)
+            NUM_KB=out.k_blocks, BLOCK_KB=kbp, num_warps=1 if kbp == 1 else 4)
     return out
 
 

@@ -116,8 +116,11 @@ def test_contiguous_plan(num_tokens, num_experts, first, num_local, top_k):
     assert plan.num_rows % 128 == 0 and int(plan.psum[-1]) <= plan.num_rows
 
 
-@pytest.mark.parametrize("hidden", [200, 256])
-def test_dispatch_quant(hidden):
+# k-blocks per program: 1 (decode grids), 2 (uneven split of 3 blocks), 8 (more than there are)
+@pytest.mark.parametrize("kb_per_program", [1, 2, 8])
+@pytest.mark.parametrize("hidden", [200, 300])
+def test_dispatch_quant(hidden, kb_per_program, monkeypatch):
+    monkeypatch.setattr(epi, "_kb_per_program", lambda pairs, num_kb: kb_per_program)
     t, k, rows = 9, 2, 256
     x = torch.randn(t, hidden).bfloat16() * 4
     row_of_pair = torch.randperm(rows)[: t * k].int()
@@ -131,8 +134,11 @@ def test_dispatch_quant(hidden):
     assert (a.data[~written].float() == 7.0).all()  # rows without a pair stay untouched
 
 
-def test_swiglu_quant():
-    rows, inter, e_local, first = 24, 136, 3, 5
+@pytest.mark.parametrize("kb_per_program", [1, 2, 8])
+@pytest.mark.parametrize("inter", [136, 300])
+def test_swiglu_quant(inter, kb_per_program, monkeypatch):
+    monkeypatch.setattr(epi, "_kb_per_program", lambda pairs, num_kb: kb_per_program)
+    rows, e_local, first = 24, 3, 5
     h = (torch.randn(rows, 2 * inter) * 4).bfloat16()
     bias = torch.randn(e_local, 2 * inter)
     ids = torch.randint(first, first + e_local, (rows,)).int()
