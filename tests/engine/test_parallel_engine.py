@@ -311,3 +311,36 @@ def test_nccl_world_1_matches_the_single_process_engine(checkpoint):
     finally:
         ex.shutdown()
     assert import_and_decode(plain, payloads) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_splits_over_several_gpus_match_the_single_process_engine(checkpoint, world):
+    """TP/EP over `world` GPUs with NCCL (one rank per GPU): the same tokens and K/V hand-offs as one
+    process on one GPU. Pure-torch kernels in fp32 on both sides."""
+    import torch.distributed as dist
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(var, value)  # never NVLink multicast on shared hosts
+    cfg = config(device="cuda", attention_backend="torch", moe_backend="torch")
+    plain = LLMEngine(load_model(checkpoint, dtype="float32", device="cuda", progress=False), cfg)
+    for r in requests():
+        plain.add_request(r)
+    expected = {rid: r["ids"] for rid, r in run_to_end(plain).items()}
+    plain_payloads = prefill_and_export(plain)
+    ex = Executor.spawn(world, "cuda")
+    try:
+        assert dist.get_backend() == "nccl"
+        for tp, ep in SPLITS[world]:
+            engine = ex.start_engine(checkpoint, config(device="cuda", attention_backend="torch",
+                                                        moe_backend="torch", tp_size=tp, ep_size=ep))
+            for r in requests():
+                engine.add_request(r)
+            assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == expected, (tp, ep)
+            assert import_and_decode(engine, plain_payloads) == expected, (tp, ep)
+            engine.close()
+    finally:
+        ex.shutdown()
