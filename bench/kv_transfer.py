@@ -1,6 +1,6 @@
 """Benchmark: K/V hand-off prefill -> decode over CUDA IPC vs. staging through host memory (one GPU node).
 
-    python -m serve_app.bench_kv_transfer [--prompts 1024,8192,32768] [--json out.json]
+    python -m bench.kv_transfer [--prompts 1024,8192,32768] [--json out.json]
 
 Payloads have gpt-oss-120b's K/V shapes (36 layers alternating sliding/full, 8 KV heads x 64, bf16; the
 sliding layers carry only their last 127 tokens). A spawned process plays the prefill replica: it packs
