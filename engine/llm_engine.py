@@ -107,14 +107,9 @@ class LLMEngine:
             from engine.distributed import launch_engine
 
             return launch_engine(folder, config, progress=progress)
-        from engine.model_factory import build_model
-        from model.loader import read_config, resolve_dtype
+        from engine.model_factory import load_for_engine
 
-        mc = read_config(folder)
-        model = build_model(mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend,
-                            config.moe_backend, checkpoint=folder, max_batch=config.max_num_seqs,
-                            max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, progress=progress)
-        return cls(model, config)
+        return cls(load_for_engine(folder, config, progress=progress), config)
 
     def close(self) -> None:
         """Release the K/V cache and stop the other ranks' workers, if any. The engine is unusable after."""

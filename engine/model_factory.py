@@ -141,3 +141,14 @@ def weight_bytes(model: GptOssForCausalLM) -> dict[str, int]:
         elif not name.endswith("inv_freq"):
             dense += n
     return {"experts": experts, "dense": dense}
+
+
+def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
+    """The model an engine with EngineConfig `config` runs: this rank's shard of the checkpoint in `folder`,
+    with the kernels and buffer sizes the config asks for (the one place that maps EngineConfig to build_model)."""
+    from model.loader import read_config, resolve_dtype
+
+    mc = read_config(folder)
+    return build_model(mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend,
+                       config.moe_backend, checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs,
+                       max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, progress=progress)

@@ -66,15 +66,15 @@ class LoadSpec:
 def load_shard(spec: LoadSpec, rank: int, device: torch.device, progress: bool = False):
     """This rank's part of the model (its heads, vocabulary rows and experts; only those bytes are read),
     with the kernels the config picks for the device."""
-    from engine.model_factory import build_model
-    from model.loader import read_config, resolve_dtype
+    from dataclasses import replace
+
+    from engine.model_factory import load_for_engine
     from model.parallel import Parallel
 
     c = spec.config
-    mc = read_config(spec.folder)
-    return build_model(mc, device, resolve_dtype(c.dtype, mc), c.attention_backend, c.moe_backend,
-                       checkpoint=spec.folder, parallel=Parallel(tp_size=c.tp_size, ep_size=c.ep_size, rank=rank),
-                       max_batch=c.max_num_seqs, max_kv_len=c.max_model_len, progress=progress)
+    # every rank builds for its own device (rank 0's config names rank 0's)
+    return load_for_engine(spec.folder, replace(c, device=str(device)),
+                           Parallel(tp_size=c.tp_size, ep_size=c.ep_size, rank=rank), progress)
 
 
 def join_group(spec: GroupSpec, rank: int, device: torch.device) -> ControlChannel:
