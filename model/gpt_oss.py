@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import layers
 from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
 from kernels.moe import TorchExperts, route
 from model.config import GptOssConfig
@@ -29,9 +30,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.float()
-        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (t * self.weight).to(x.dtype)
+        return layers.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add fused with the norm that reads its result."""
+        return layers.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,12 +66,6 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos() * self.concentration, freqs.sin() * self.concentration
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, H, Dh]; cos/sin [T, Dh/2] cast to x's dtype first, as the reference does
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 class AttentionBlock(nn.Module):
     """GQA with biases on q/k/v/o and a learned per-head sink logit; even layers see 128 tokens."""
@@ -91,11 +88,8 @@ class AttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
-        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # q [T, Hq, Dh], k / v [T, Hkv, Dh]; q and k rotated (cos/sin cast to x's dtype first, as the reference does)
+        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(self.layer, q, k, v, self.sinks)  # [T, Hq, Dh]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         bias = self.o_proj.bias if self.parallel.tp_rank == 0 else None
@@ -127,9 +121,17 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.mlp = MLPBlock(config, parallel, experts, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + delta is the residual stream entering this block (delta: the previous block's MLP output,
+        None for the first block). Returns (residual before the MLP, MLP output): each residual add is
+        done by the norm that reads it, so the stream is written once per add."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin))
+        return x, self.mlp(h)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -166,9 +168,10 @@ class GptOssModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary(positions)
+        delta = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin)
+        return self.norm.add_and_norm(x, delta)[1]
 
 
 class GptOssForCausalLM(nn.Module):

@@ -1,18 +1,13 @@
 """The MoE Triton kernels against their torch twins, run on CPU tensors under Triton's interpreter.
 
 Not collected by the main test run: tests/kernels/test_moe_cpu.py runs this file in a subprocess
-with TRITON_INTERPRET=1, which must be set before triton is imported.
-
-The interpreter's own float casts (fp32 -> bf16 / fp8) round 0b1...1 mantissas without carrying
-into the exponent (128 -> 64 in e4m3); GPUs convert in hardware, so the casts are swapped for
-torch's here, and everything else in the kernels runs as written.
+with TRITON_INTERPRET=1 (tests/kernels/interpreter.py: why, and the float-cast fix it installs).
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,8 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_moe_cpu.py (needs TRITON_INTERPRET=1 before triton is imported)",
                 allow_module_level=True)
 
-from triton.runtime import interpreter  # noqa: E402
-
+from tests.kernels.interpreter import fresh_seed  # noqa: E402,F401  (autouse fixture)
 from kernels.moe import epilogues_triton as epi  # noqa: E402
 from kernels.moe import fp8_reference as ref  # noqa: E402
 from kernels.moe import routing_triton as rt  # noqa: E402
@@ -29,33 +23,6 @@ from kernels.moe import triton_grouped_gemm as tgg  # noqa: E402
 from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
 from kernels.moe.fp8_quant import FP8, padded, quantize_weight_blocks  # noqa: E402
 from kernels.moe.reference import TorchExperts  # noqa: E402
-
-@pytest.fixture(autouse=True)
-def _fresh_seed():
-    """Fresh random inputs every run, with the seed printed (pytest shows it for a failing case, and the
-    parent test repeats that output), so a failure can be replayed with GPTOSS_TEST_SEED."""
-    seed = int(os.environ.get("GPTOSS_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-    torch.manual_seed(seed)
-    print(f"seed {seed}")
-
-
-_TORCH_FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
-                 "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
-_INT_OF_WIDTH = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
-_interpreter_convert = interpreter._convert_float
-
-
-def _torch_convert_float(data, src_dtype, dst_dtype, rounding_mode):
-    src, dst = _TORCH_FLOATS.get(src_dtype.name), _TORCH_FLOATS.get(dst_dtype.name)
-    if src is None or dst is None:
-        return _interpreter_convert(data, src_dtype, dst_dtype, rounding_mode)
-    src_bits, dst_bits = src_dtype.primitive_bitwidth, dst_dtype.primitive_bitwidth
-    raw = torch.from_numpy(np.ascontiguousarray(data).view(f"uint{src_bits}").astype(np.int64))
-    out = raw.to(_INT_OF_WIDTH[src_bits]).view(src).to(dst).view(_INT_OF_WIDTH[dst_bits]).numpy()
-    return out.view(f"uint{dst_bits}").reshape(data.shape)
-
-
-interpreter._convert_float = _torch_convert_float
 
 
 def fp8_equal_or_adjacent(a: torch.Tensor, b: torch.Tensor, max_fraction: float) -> None:

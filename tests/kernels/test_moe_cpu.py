@@ -4,11 +4,7 @@ under Triton's interpreter against its twin."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,7 @@ from kernels.moe.fp8_quant import (FP8, FP8_MAX, dequantize_rows, dequantize_wei
                                    padded, quantize_rows, quantize_weight_blocks)
 from kernels.moe.reference import TorchExperts, route
 from model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.kernels.interpreter import run_cases
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """1 - 2<x,y> / (|x|^2 + |y|^2): 0 for equal tensors, scale-free (DeepGEMM's test measure)."""
@@ -187,12 +181,5 @@ def test_convert_round_trip(tmp_path, mxfp4):
 
 # ---- the Triton kernels themselves, under Triton's interpreter ----------------------------------
 def test_triton_kernels_under_interpreter():
-    """Runs tests/kernels/moe_interpreter_cases.py in a fresh interpreter with TRITON_INTERPRET=1
-    (it must be set before triton is imported, so it cannot share this process)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-                           str(ROOT / "tests" / "kernels" / "moe_interpreter_cases.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+    """tests/kernels/moe_interpreter_cases.py: every MoE Triton kernel against its twin (interpreter)."""
+    run_cases("moe_interpreter_cases.py")

@@ -1,0 +1,37 @@
+"""Norms and rotary of the transformer blocks: Triton on CUDA tensors (fewer launches), the pure-torch
+twins (reference.py) everywhere else. Both compute the same formulas; see the two modules."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.layers import reference
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and x.dim() == 2:
+        from kernels.layers import triton_ops
+
+        return triton_ops.add_rms_norm(x.contiguous(), None, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and x.dim() == 2:
+        from kernels.layers import triton_ops
+
+        return triton_ops.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+    return reference.add_rms_norm(x, delta, weight, eps)
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if qkv.is_cuda:
+        from kernels.layers import triton_ops
+
+        return triton_ops.rotary_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads,
+                                     num_kv_heads, head_dim)
+    return reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+__all__ = ["add_rms_norm", "reference", "rms_norm", "rotary_qkv"]

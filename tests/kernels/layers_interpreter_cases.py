@@ -1,0 +1,43 @@
+"""kernels/layers Triton kernels (add + RMSNorm, rotary) against their torch twins, on CPU tensors under
+Triton's interpreter. Run by tests/kernels/test_layers_cpu.py in a subprocess (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_layers_cpu.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+
+from tests.kernels.interpreter import fresh_seed  # noqa: E402,F401  (autouse fixture)
+from kernels.layers import reference as ref  # noqa: E402
+from kernels.layers import triton_ops  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,d", [(1, 2880), (7, 100), (33, 64)])
+def test_rms_norm_and_residual_add(t, d, dtype):
+    x = (torch.randn(t, d) * 3).to(dtype)
+    delta = torch.randn(t, d).to(dtype)
+    w = torch.rand(d) + 0.5
+    torch.testing.assert_close(triton_ops.add_rms_norm(x, None, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    s, h = triton_ops.add_rms_norm(x, delta, w, 1e-5)
+    want_s, want_h = ref.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(s, want_s)  # the residual add rounds exactly like torch's
+    torch.testing.assert_close(h, want_h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,hq,hkv,dh", [(1, 8, 2, 16), (5, 64, 8, 64), (3, 3, 1, 8)])
+def test_rotary_qkv_matches_twin_exactly(t, hq, hkv, dh, dtype):
+    qkv = torch.randn(t, (hq + 2 * hkv) * dh).to(dtype)
+    angles = torch.rand(t, dh // 2) * 50
+    cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
+    got = triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, dh)
+    want = ref.rotary_qkv(qkv, cos, sin, hq, hkv, dh)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(g, w)

@@ -1,0 +1,50 @@
+"""kernels/layers on the GPU: add + RMSNorm and rotary (Triton) against their torch twins at gpt-oss
+shapes (D 2880, 64 / 8 heads of 64) and awkward token counts, fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+from kernels.layers import reference as ref  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 17, 4099])
+def test_add_rms_norm(t, dtype):
+    from kernels.layers import triton_ops
+
+    x = (torch.randn(t, 2880, device=DEV) * 4).to(dtype)
+    delta = torch.randn(t, 2880, device=DEV).to(dtype)
+    w = torch.rand(2880, device=DEV) + 0.5
+    torch.testing.assert_close(triton_ops.add_rms_norm(x, None, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    s, h = triton_ops.add_rms_norm(x, delta, w, 1e-5)
+    want_s, want_h = ref.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(s, want_s)
+    torch.testing.assert_close(h, want_h)
+
+
+@pytest.mark.parametrize("t,hq,hkv", [(1, 64, 8), (13, 16, 2), (2049, 64, 8)])
+def test_rotary_qkv_bf16_is_bitwise_the_twin(t, hq, hkv):
+    from kernels.layers import triton_ops
+
+    qkv = torch.randn(t, (hq + 2 * hkv) * 64, device=DEV, dtype=torch.bfloat16)
+    angles = torch.arange(t, device=DEV, dtype=torch.float32)[:, None] * torch.rand(32, device=DEV)
+    cos, sin = angles.cos() * 1.35, angles.sin() * 1.35
+    for got, want in zip(triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, 64), ref.rotary_qkv(qkv, cos, sin, hq, hkv, 64)):
+        assert torch.equal(got, want)
+
+
+def test_rotary_qkv_fp32_within_an_ulp():
+    """fp32: the GPU may fuse a product into the sum (FMA), torch rounds each op: one ulp apart at most."""
+    from kernels.layers import triton_ops
+
+    qkv = torch.randn(5, (8 + 2 * 2) * 64, device=DEV)
+    angles = torch.rand(5, 32, device=DEV) * 100
+    for got, want in zip(triton_ops.rotary_qkv(qkv, angles.cos(), angles.sin(), 8, 2, 64),
+                         ref.rotary_qkv(qkv, angles.cos(), angles.sin(), 8, 2, 64)):
+        torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-6)
