@@ -10,7 +10,8 @@ Variants, each checked against TorchExperts (bf16, same dequantized weights) bef
   bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
 Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
 forwards on R different random routings (R = 4 for T <= 512), divided by R.
-Also: the grouped GEMM alone at 512 tokens per expert (gate_up shape), and the dense layers
+Also: the grouped GEMM alone at 512 tokens per expert (gate_up shape), the decode GEMMs alone
+(T = 1, 8, 64: tile sweep of the decode kernel vs the general kernel and DeepGEMM), and the dense layers
 (QKV, O, router, unembedding) in bf16 vs FP8 at T = 1, 64, 4096.
 
 Bytes and FLOPs first (D = I = 2880, K padded to 2944):
@@ -251,6 +252,56 @@ def bench_grouped_gemm(shard) -> list[dict]:
     return rows
 
 
+DECODE_SWEEP = [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for st in (3, 4, 6)
+                for w in ((4, 8) if bn == 128 else (4,))]
+
+
+def bench_decode_gemm(shard) -> list[dict]:
+    """The decode grouped GEMMs alone (masked layout, T = 1, 8, 64; gate_up and down shapes; 20b and
+    120b expert counts): the decode kernel's tile configs, the general Triton kernel, DeepGEMM masked.
+    GB/s = bytes of the active experts' FP8 weights / time (L2 flushed before each call)."""
+    from kernels.moe import triton_grouped_gemm as tgg
+    from kernels.moe.routing_triton import plan_masked
+
+    rows = []
+    for model, e in MODELS.items():
+        weights = {n: quantize_weight_blocks(torch.randn(e, n, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5)
+                   for n in (2 * I, D)}
+        for t in (1, 8, 64):
+            if shard and (t // 8) % shard[1] != shard[0]:
+                continue
+            ids = route(torch.randn(t, e, device=DEV), TOP_K)[0]
+            plan = plan_masked(ids, 0, e, -(-t // 128) * 128)
+            active = int(plan.num_active.item())
+            a = Fp8Rows.empty(e, plan.rows_per_group, padded(D), DEV)
+            a.data.copy_((torch.randn(a.data.shape, device=DEV) * 30).to(a.data.dtype))
+            a.scale_storage.fill_(0.01)
+            for n, (w, ws) in weights.items():
+                out = torch.empty(a.data.shape[0], n, device=DEV, dtype=torch.bfloat16)
+                cases = {f"decode_n{c['BLOCK_N']}_s{c['num_stages']}_w{c['num_warps']}":
+                         (lambda c=c: tgg.grouped_gemm_decode(a, w, ws, out, plan.counts, plan.active, plan.num_active, t, c))
+                         for c in DECODE_SWEEP}
+                cases["general_masked"] = lambda: tgg.grouped_gemm(a, w, ws, out, plan.counts, True, expected_m=t)
+                if deep_gemm_ops.available():
+                    cases["dg_masked"] = lambda: deep_gemm_ops.grouped_gemm_masked(a, w, ws, out, plan.counts, max(1, t * TOP_K // e))
+                for name, fn in cases.items():
+                    try:
+                        fn()
+                    except Exception as exc:  # noqa: BLE001 (a config that fails to compile is reported, not fatal)
+                        print(f"decode GEMM {model} T={t} N={n} {name}: FAILED {str(exc).splitlines()[0][:160]}", flush=True)
+                        rows.append(dict(model=model, tokens=t, n=n, case=name, error=str(exc)[:300]))
+                        continue
+                    if shard:
+                        continue
+                    us = median_us(fn)
+                    gbps = active * n * padded(D) / us / 1e3
+                    rows.append(dict(model=model, tokens=t, n=n, case=name, us=us, weight_gbps=gbps, active_experts=active))
+                    print(f"decode GEMM {model:>4} T={t:<3} N={n} {name:<22} {us:7.1f} us {gbps:6.0f} GB/s", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 DENSE = {"qkv": (5120, 2880), "o": (2880, 4096), "router_120b": (128, 2880), "router_20b": (32, 2880),
          "unembedding": (201088, 2880)}
 
@@ -404,9 +455,9 @@ def stage_breakdown(layer: Layer, x, ids, weights, backend: str) -> dict:
     stages = {
         "plan": make_plan,
         "dispatch_quant": lambda: epi.dispatch_quant(x, plan.row_of_pair, k, a),
-        "gemm_gate_up": lambda: m._gemm(backend, a, m.w13, m.s13, h, plan, t * k),
+        "gemm_gate_up": lambda: m._gemm(backend, a, m.w13, m.s13, h, plan, t),
         "swiglu_quant": lambda: epi.swiglu_quant(h, plan.row_of_pair, ids, m.b13, 0, 1.702, 7.0, a2),
-        "gemm_down": lambda: m._gemm(backend, a2, m.w2, m.s2, y, plan, t * k),
+        "gemm_down": lambda: m._gemm(backend, a2, m.w2, m.s2, y, plan, t),
         "combine": lambda: epi.combine(y, plan.row_of_pair, ids, weights, m.b2, 0, out),
     }
     result = {}
@@ -443,7 +494,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/moe_h200.json")
     parser.add_argument("--warmup-shard", default=None, help="I/N: compile the I-th of N case groups, no timing")
     parser.add_argument("--load-bench", default=None, help="folder for the checkpoint load-time comparison")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,gemm,dense")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,gemm,decode,dense")
     parser.add_argument("--probe", action="store_true", help="only check that deep_gemm works here (exit 0/1)")
     args = parser.parse_args()
     if args.probe:
@@ -454,6 +505,7 @@ def main() -> None:
               "deep_gemm": deep_gemm_ops.available() or deep_gemm_ops.why_unavailable(),
               "torch": torch.__version__}
     result["grouped_gemm"] = [] if "gemm" in skip else bench_grouped_gemm(shard)
+    result["decode_gemm"] = [] if "decode" in skip else bench_decode_gemm(shard)
     result["layers"] = [] if "layers" in skip else bench_layers(args.quick, shard)
     result["dense"] = [] if "dense" in skip else bench_dense(shard)
     if args.load_bench and not shard:
@@ -482,6 +534,17 @@ def print_table(result: dict) -> None:
     for r in result["grouped_gemm"]:
         if "us" in r:
             print(f"gate_up 32x512 {r['case']:<24} {r['us']:8.1f} us {r['tflops']:6.0f} TFLOP/s")
+    best = {}
+    for r in result.get("decode_gemm", []):
+        key = (r["model"], r["tokens"], r["n"])
+        if "us" in r and r["case"].startswith("decode") and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    keyed = {(r["model"], r["tokens"], r["n"], r["case"]): r for r in result.get("decode_gemm", []) if "us" in r}
+    for key, r in best.items():
+        default = keyed.get(key + ("decode_n64_s4_w4",))
+        others = " ".join(f"{c} {keyed[key + (c,)]['us']:.1f}" for c in ("general_masked", "dg_masked") if key + (c,) in keyed)
+        print(f"decode GEMM {key[0]:>4} T={key[1]:<3} N={key[2]}: best {r['case']} {r['us']:.1f} us ({r['weight_gbps']:.0f} GB/s); "
+              f"default {default['us'] if default else float('nan'):.1f}; {others}")
 
 
 if __name__ == "__main__":

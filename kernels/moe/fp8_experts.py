@@ -7,7 +7,8 @@ experts [first_expert, first_expert + E_local); other ids are ignored (expert pa
 
 Backends: "deep_gemm" (SM90 + sgl-deep-gemm), "triton" (any CUDA GPU Triton supports FP8 dots on),
 "torch" (the twin in fp8_reference.py: the CPU path). Decode-sized batches (T <= masked_max_tokens) use the
-masked layout, larger ones the contiguous layout. Neither reads anything back to the host, so a
+masked layout (with Triton up to 64 tokens: the decode GEMM over active experts only), larger ones the
+contiguous layout. Neither reads anything back to the host, so a
 forward can be captured in a CUDA graph for a fixed T.
 """
 
@@ -147,11 +148,11 @@ class Fp8Experts(nn.Module):
         a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
         epi.dispatch_quant(x, plan.row_of_pair, k, a)
         h = torch.empty(plan.num_rows, self.w13.shape[1], dtype=torch.bfloat16, device=x.device)
-        self._gemm(backend, a, self.w13, self.s13, h, plan, t * k)
+        self._gemm(backend, a, self.w13, self.s13, h, plan, t)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
         y = torch.empty(plan.num_rows, self.hidden, dtype=torch.bfloat16, device=x.device)
-        self._gemm(backend, a2, self.w2, self.s2, y, plan, t * k)
+        self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 
     def _alignment(self, backend: str) -> int:
@@ -161,8 +162,9 @@ class Fp8Experts(nn.Module):
             return deep_gemm_ops.mk_alignment()
         return BLOCK
 
-    def _gemm(self, backend, a, w, s, out, plan, num_pairs: int) -> None:
+    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int) -> None:
         masked = plan.layout == "masked"
+        num_pairs = plan.row_of_pair.numel()
         if backend == "deep_gemm":
             from kernels.moe import deep_gemm_ops as dg
 
@@ -175,8 +177,12 @@ class Fp8Experts(nn.Module):
         else:
             from kernels.moe import triton_grouped_gemm
 
-            triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked,
-                                             expected_m=-(-num_pairs // self.num_local))
+            if masked and num_tokens <= triton_grouped_gemm.DECODE_MAX_TOKENS:
+                triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active,
+                                                        num_tokens)
+            else:
+                triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked,
+                                                 expected_m=-(-num_pairs // self.num_local))
 
     def extra_repr(self) -> str:
         return (f"experts=[{self.first_expert}, {self.first_expert + self.num_local}), hidden={self.hidden}, "

@@ -63,7 +63,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 
 
 @triton.jit
-def _count_rank_kernel(ids_ptr, counts_ptr, ranks_ptr, row_of_pair_ptr, num_pairs, first_expert, num_local,
+def _count_rank_kernel(ids_ptr, counts_ptr, ranks_ptr, row_of_pair_ptr, active_ptr, num_pairs, first_expert, num_local,
                        m_cap, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = pairs < num_pairs
@@ -76,6 +76,12 @@ def _count_rank_kernel(ids_ptr, counts_ptr, ranks_ptr, row_of_pair_ptr, num_pair
     tl.store(ranks_ptr + pairs, rank, mask=in_range)
     if MASKED:
         tl.store(row_of_pair_ptr + pairs, tl.where(local, e * m_cap + rank, -1), mask=in_range)
+        # The pair ranked 0 of an expert lists it as active: counts[num_local] counts the active
+        # experts, active[slot] names them (in no fixed order), so decode GEMMs launch one program
+        # row per active expert instead of one per local expert.
+        first = rank == 0
+        slot = tl.atomic_add(counts_ptr + num_local + tl.zeros_like(pairs), 1, mask=first)
+        tl.store(active_ptr + slot, e, mask=first)
 
 
 @triton.jit
@@ -121,6 +127,9 @@ class MoePlan:
     rows_per_group: int  # masked: m_cap; contiguous: num_rows (one group)
     m_indices: torch.Tensor | None = None
     psum: torch.Tensor | None = None
+    # masked: the experts with pairs, active[:num_active] in no fixed order (num_active: [1] int32)
+    active: torch.Tensor | None = None
+    num_active: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -128,19 +137,21 @@ class MoePlan:
 
 
 def plan_masked(expert_ids: torch.Tensor, first_expert: int, num_local: int, m_cap: int | None = None) -> MoePlan:
-    """Masked layout: one launch (count + rank + row). m_cap defaults to T: a token picks distinct
-    experts, so no expert gets more than T pairs."""
+    """Masked layout: one launch (count + rank + row + active experts). m_cap defaults to T: a token
+    picks distinct experts, so no expert gets more than T pairs."""
     t, k = expert_ids.shape
     m_cap = t if m_cap is None else m_cap
     p = t * k
     dev = expert_ids.device
-    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=dev)  # last: number of active experts
     ranks = torch.empty(p, dtype=torch.int32, device=dev)
     row_of_pair = torch.empty(p, dtype=torch.int32, device=dev)
+    active = torch.empty(max(1, min(p, num_local)), dtype=torch.int32, device=dev)
     if p:
         _count_rank_kernel[(triton.cdiv(p, 256),)](
-            expert_ids, counts, ranks, row_of_pair, p, first_expert, num_local, m_cap, MASKED=True, BLOCK=256)
-    return MoePlan("masked", row_of_pair, counts, num_local * m_cap, m_cap)
+            expert_ids, counts, ranks, row_of_pair, active, p, first_expert, num_local, m_cap, MASKED=True, BLOCK=256)
+    return MoePlan("masked", row_of_pair, counts[:num_local], num_local * m_cap, m_cap,
+                   active=active, num_active=counts[num_local:])
 
 
 def plan_contiguous(expert_ids: torch.Tensor, first_expert: int, num_local: int, align_rows: int) -> MoePlan:
@@ -156,7 +167,7 @@ def plan_contiguous(expert_ids: torch.Tensor, first_expert: int, num_local: int,
     psum = torch.empty(num_local, dtype=torch.int32, device=dev)
     if p:
         _count_rank_kernel[(triton.cdiv(p, 256),)](
-            expert_ids, counts, ranks, row_of_pair, p, first_expert, num_local, 0, MASKED=False, BLOCK=256)
+            expert_ids, counts, ranks, row_of_pair, ranks, p, first_expert, num_local, 0, MASKED=False, BLOCK=256)
     block = 128
     _contiguous_layout_kernel[(triton.cdiv(max(num_rows, p), block),)](
         expert_ids, counts, ranks, row_of_pair, m_indices, psum, p, num_rows, first_expert, num_local,

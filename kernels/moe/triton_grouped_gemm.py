@@ -8,6 +8,12 @@ D[rows of expert e] = A[rows] @ W[e]^T with A in 1x128 scaled FP8 rows (`Fp8Rows
 
 Each 128-deep K step is one FP8 tensor-core dot in fp32, then scaled by the row scales of A times
 the block scale of W (BLOCK_N <= 128 keeps one weight scale per tile). Twin: fp8_reference.grouped_gemm.
+
+Decode (`grouped_gemm_decode`, masked layout, T <= 64 tokens): streaming the active experts' weights
+is the whole cost, so programs tile only N, one program row per *active* expert (the plan lists them),
+and the dot is swapped (W tile [BLOCK_N, 128] times A^T [128, BLOCK_T]) so the weights fill the
+tensor-core M side and the few tokens the narrow N side. At T=1 the general kernel ran 45 column
+tiles x 4 experts of 64x128 (~1.1 TB/s, kernels/moe/NOTES.md); here it is N/BLOCK_N x 4 programs.
 """
 
 from __future__ import annotations
@@ -95,4 +101,67 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
         a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(0),
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         MASKED=masked, BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, **cfg)
+    return out
+
+
+@triton.jit
+def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
+                                    rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
+                                    sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
+                                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    NUM_KB: tl.constexpr):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    if slot < tl.load(num_active_ptr):
+        expert = tl.load(active_ptr + slot)
+        count = tl.load(counts_ptr + expert)
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        t_ok = offs_t < count
+        n_ok = offs_n < n
+        rows = expert.to(tl.int64) * rows_per_group + offs_t
+        a_ptrs = a_ptr + rows[None, :] * stride_a + offs_k[:, None]  # A^T tile [BLOCK_K, BLOCK_T]
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+        sfa_ptrs = sfa_ptr + expert.to(tl.int64) * sfa_group_stride + offs_t
+        sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for kb in range(NUM_KB):
+            b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
+            sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
+            sb = tl.load(sfb_ptrs + kb)
+            acc += tl.dot(b, a) * (sb * sa[None, :])
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        d_ptrs = d_ptr + rows[None, :] * stride_d + offs_n[:, None]
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
+
+
+# H200, bench/moe.py --decode-sweep (2026-11-30): see kernels/moe/NOTES.md.
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=4)
+DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
+
+
+def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
+                        counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
+                        config: dict | None = None) -> torch.Tensor:
+    """Masked-layout grouped GEMM for decode: out rows [e * m_cap, e * m_cap + counts[e]) = A @ W[e]^T for
+    the experts active[:num_active] (`routing_triton.plan_masked`). `max_tokens` >= every count
+    (the step's T); one program row per possible active expert, len(active) of them."""
+    e, n, kp = w.shape
+    if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
+        raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
+                         f"K must match and W's scales must be [E, ceil(N/128), K/128]")
+    if max_tokens > DECODE_MAX_TOKENS or max_tokens > a.rows_per_group:
+        raise ValueError(f"grouped_gemm_decode covers up to {DECODE_MAX_TOKENS} rows per expert (and m_cap {a.rows_per_group}); got {max_tokens}")
+    cfg = dict(DECODE_CONFIG, **(config or {}))
+    if BLOCK % cfg["BLOCK_N"]:
+        raise ValueError("BLOCK_N must divide 128 (one weight scale per tile)")
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel())
+    _fp8_grouped_gemm_decode_kernel[grid](
+        a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
+        a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
+        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, **cfg)
     return out

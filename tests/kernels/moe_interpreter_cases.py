@@ -69,6 +69,10 @@ def test_masked_plan(num_tokens, num_experts, first, num_local):
     for x in range(num_local):
         got = sorted(ranks[e[local] == x].tolist())
         assert got == list(range(int(counts[x])))
+    # the active list names each expert with pairs once (any order)
+    num_active = int(plan.num_active.item())
+    assert plan.active.numel() == min(ids.numel(), num_local)
+    assert sorted(plan.active[:num_active].tolist()) == torch.nonzero(counts).flatten().tolist()
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,first,num_local,top_k", [(1, 4, 0, 4, 2), (37, 12, 3, 6, 4), (300, 32, 0, 32, 4)])
@@ -165,6 +169,30 @@ def test_grouped_gemm(masked):
     want = ref.grouped_gemm(a.data, a.scales_rows(), w, w_scales, expert_of_row)
     valid = expert_of_row >= 0
     torch.testing.assert_close(out[valid].float(), want[valid].float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("max_tokens,counts", [(1, [0, 1, 0, 1, 1]), (19, [5, 0, 19, 3, 0]), (64, [64, 2, 0, 0, 40])])
+def test_grouped_gemm_decode(max_tokens, counts):
+    """The decode kernel (active experts only, swapped dot) against the twin; rows past each count untouched."""
+    e_local, n, k = len(counts), 200, 384
+    w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, k) * 0.05)
+    m_cap = 128
+    counts = torch.tensor(counts, dtype=torch.int32)
+    active = torch.nonzero(counts).flatten().int().flip(0)  # any order
+    active = torch.cat([active, torch.full((2,), 99, dtype=torch.int32)])  # slots past num_active are ignored
+    num_active = torch.tensor([int((counts > 0).sum())], dtype=torch.int32)
+    a = epi.Fp8Rows.empty(e_local, m_cap, k, "cpu")
+    a.data.copy_((torch.randn(a.data.shape) * 50).to(FP8))
+    a.scale_storage.copy_(torch.rand(a.scale_storage.shape) + 0.5)
+    expert_of_row = torch.full((e_local * m_cap,), -1)
+    for x, c in enumerate(counts.tolist()):
+        expert_of_row[x * m_cap: x * m_cap + c] = x
+    out = torch.full((a.data.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    tgg.grouped_gemm_decode(a, w, w_scales, out, counts, active, num_active, max_tokens, config={"BLOCK_N": 32})
+    want = ref.grouped_gemm(a.data, a.scales_rows(), w, w_scales, expert_of_row)
+    valid = expert_of_row >= 0
+    torch.testing.assert_close(out[valid].float(), want[valid].float(), rtol=2 ** -7, atol=1e-3)
+    assert out[~valid].isnan().all()
 
 
 @pytest.mark.parametrize("num_tokens,masked_max_tokens", [(5, 64), (40, 0)])
