@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Source at the start of a device call (repo root on the GPU machine):  source scripts/device_env.sh
+# Sets up, from what `carry` brought:
+#  - .whl/*.whl (flashinfer-python, apache-tvm-ffi, ...) installed into /tmp/site, on PYTHONPATH;
+#  - FlashInfer's sink-prefill modules: prebuilt ones from .jit/*.tgz (<name>/<name>.so), else built
+#    now in parallel (FI_BUILD=1, in the background: wait on $FI_PID) and packed into
+#    $OUT/flashinfer_jit.tgz for the next call's .jit/;
+#  - deep_gemm: a built package from .dg_src/dg_site.tgz, else (DG_BUILD=1) built from source with
+#    scripts/build_deep_gemm.sh in the background (wait on $DG_PID), packed into $OUT/dg_site.tgz;
+#  - Triton and DeepGEMM JIT caches from .jit/jit_cache*.tgz into /tmp/jit (pack_jit_cache writes
+#    $OUT/jit_cache.tgz for the next call).
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
+    DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
+# DeepGEMM finds nvcc through CUDA_HOME (a wrapper nvcc on PATH would point it at /usr/local).
+[ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+LOGS=/tmp/logs  # setup logs; pack_logs puts them in $OUT/logs.tgz (a call returns at most 8 files)
+mkdir -p "$OUT" "$LOGS" /tmp/site /tmp/jit/triton /tmp/jit/deep_gemm /tmp/dg_site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$LOGS/pip.log" 2>&1 || { echo "wheel install failed"; tail -5 "$LOGS/pip.log"; }
+export PYTHONPATH=/tmp/dg_site:/tmp/site:$PWD:${PYTHONPATH:-}
+for t in .jit/jit_cache*.tgz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/jit; done
+# FlashInfer loads a module from its AOT folder without invoking ninja.
+AOT=/tmp/site/flashinfer/data/aot
+mkdir -p "$AOT"
+for t in .jit/flashinfer*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$AOT"; done
+FI_PID=""
+if [ "${FI_BUILD:-0}" = 1 ] && [ -z "$(ls .jit/flashinfer*.tgz 2>/dev/null)" ]; then
+    ( python3 - <<'PY'
+
+import concurrent.futures, pathlib, shutil, tarfile, time, os
+from kernels.attention import flashinfer_ops
+specs = flashinfer_ops.jit_specs(64, ("fa3",), with_decode=False)
+start = time.time()
+with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+    list(pool.map(lambda s: s.build(verbose=False), specs))
+print(f"built {[s.name for s in specs]} in {time.time() - start:.0f} s")
+with tarfile.open(os.environ["OUT"] + "/flashinfer_jit.tgz", "w:gz") as tar:
+    for s in specs:
+        so = next(pathlib.Path(flashinfer_ops.jit_cache_dir()).rglob(f"{s.name}.so"))
+        tar.add(so, arcname=f"{s.name}/{s.name}.so")
+print("packed", os.path.getsize(os.environ["OUT"] + "/flashinfer_jit.tgz"), "bytes")
+PY
+    ) > "$LOGS/flashinfer_build.log" 2>&1 &
+    FI_PID=$!
+fi
+DG_PID=""
+if [ -f .dg_src/dg_site.tgz ]; then
+    tar xzf .dg_src/dg_site.tgz -C /tmp/dg_site
+elif [ "${DG_BUILD:-0}" = 1 ] && [ -f .dg_src/deepgemm_src.tgz ]; then
+    ( OUT=$LOGS bash scripts/build_deep_gemm.sh /tmp/dg_site > "$LOGS/dg_build_stdout.log" 2>&1 \
+        && tar czf "$OUT/dg_site.tgz" -C /tmp/dg_site . ; echo "deep_gemm build exit $?" >> "$LOGS/dg_build_stdout.log" ) &
+    DG_PID=$!
+fi
+pack_logs() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+pack_jit_cache() { tar czf "$OUT/jit_cache.tgz" -C /tmp/jit triton deep_gemm 2>/dev/null; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
