@@ -36,6 +36,12 @@ def test_rotary_qkv_bf16_is_bitwise_the_twin(t, hq, hkv):
     angles = torch.arange(t, device=DEV, dtype=torch.float32)[:, None] * torch.rand(32, device=DEV)
     cos, sin = angles.cos() * 1.35, angles.sin() * 1.35
     for got, want in zip(triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, 64), ref.rotary_qkv(qkv, cos, sin, hq, hkv, 64)):
+        differ = got != want
+        if differ.any():  # say how, before failing: which values, how far apart (in bf16 steps)
+            steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            idx = differ.nonzero()[:3].tolist()
+            print(f"{int(differ.sum())} of {got.numel()} differ, max {int(steps.max())} bf16 steps; e.g. at {idx}: "
+                  f"got {[got[tuple(i)].item() for i in idx]} want {[want[tuple(i)].item() for i in idx]}")
         assert torch.equal(got, want)
 
 
