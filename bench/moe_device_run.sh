@@ -11,7 +11,7 @@ set -u
 LIMIT_S=${LIMIT_S:-560}
 start=$(date +%s)
 left() { echo $(( LIMIT_S - ($(date +%s) - start) )); }
-FI_BUILD=${FI_BUILD:-1} DG_BUILD=${DG_BUILD:-1} source scripts/device_env.sh
+FI_BUILD=${FI_BUILD:-1} DG_BUILD=${DG_BUILD:-1} DG_USE=${DG_USE:-1} source scripts/device_env.sh
 timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_layers_gpu.py tests/kernels/test_moe_gpu.py \
     > "$LOGS/tests_triton.log" 2>&1
 echo "triton kernel tests exit $? at $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/tests_triton.log")"

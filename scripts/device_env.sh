@@ -5,7 +5,8 @@
 #  - FlashInfer's sink-prefill modules: prebuilt ones from .jit/*.tgz (<name>/<name>.so), else built
 #    now in parallel (FI_BUILD=1, in the background: wait on $FI_PID) and packed into
 #    $OUT/flashinfer_jit.tgz for the next call's .jit/;
-#  - deep_gemm: a built package from .dg_src/dg_site.tgz, else (DG_BUILD=1) built from source with
+#  - deep_gemm (only with DG_USE=1: the from-source build segfaults in its first GEMM on the H200,
+#    2026-11-30): a built package from .dg_src/dg_site.tgz, else (DG_BUILD=1) built from source with
 #    scripts/build_deep_gemm.sh in the background (wait on $DG_PID), packed into $OUT/dg_site.tgz;
 #  - Triton and DeepGEMM JIT caches from .jit/jit_cache*.tgz into /tmp/jit (pack_jit_cache writes
 #    $OUT/jit_cache.tgz for the next call).
@@ -44,7 +45,9 @@ PY
     FI_PID=$!
 fi
 DG_PID=""
-if [ -f .dg_src/dg_site.tgz ]; then
+if [ "${DG_USE:-0}" != 1 ]; then
+    :
+elif [ -f .dg_src/dg_site.tgz ]; then
     tar xzf .dg_src/dg_site.tgz -C /tmp/dg_site
 elif [ "${DG_BUILD:-0}" = 1 ] && [ -f .dg_src/deepgemm_src.tgz ]; then
     ( OUT=$LOGS bash scripts/build_deep_gemm.sh /tmp/dg_site > "$LOGS/dg_build_stdout.log" 2>&1 \

@@ -50,7 +50,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 @triton.jit
 def _round(v, dtype: tl.constexpr):
-    return v.to(dtype).to(tl.float32)
+    """fp32 v rounded to `dtype` (nearest even) and back to fp32, as torch rounds each bf16 op.
+    For bf16 the rounding is done on the bits: a plain truncf/extf pair was optimized away on the
+    H200 (23% of rotary outputs one bf16 step off torch's, 2026-11-30), and integer ops also keep
+    the compiler from contracting the product into the following sum (FMA)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
