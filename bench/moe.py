@@ -252,8 +252,8 @@ def bench_grouped_gemm(shard) -> list[dict]:
     return rows
 
 
-DECODE_SWEEP = [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for st in (3, 4, 6)
-                for w in ((4, 8) if bn == 128 else (4,))]
+DECODE_SWEEP = [dict(BLOCK_N=bn, num_warps=4 if bn < 128 else 8, num_stages=3, splits=sk)
+                for bn in (32, 64, 128) for sk in (1, 2, 4, 8)]
 
 
 def bench_decode_gemm(shard) -> list[dict]:
@@ -271,19 +271,29 @@ def bench_decode_gemm(shard) -> list[dict]:
             if shard and (t // 8) % shard[1] != shard[0]:
                 continue
             ids = route(torch.randn(t, e, device=DEV), TOP_K)[0]
-            plan = plan_masked(ids, 0, e, -(-t // 128) * 128)
+            plan = plan_masked(ids, 0, e, t)  # groups of T rows, as Fp8Experts uses with this kernel
             active = int(plan.num_active.item())
             a = Fp8Rows.empty(e, plan.rows_per_group, padded(D), DEV)
             a.data.copy_((torch.randn(a.data.shape, device=DEV) * 30).to(a.data.dtype))
             a.scale_storage.fill_(0.01)
             for n, (w, ws) in weights.items():
                 out = torch.empty(a.data.shape[0], n, device=DEV, dtype=torch.bfloat16)
-                cases = {f"decode_n{c['BLOCK_N']}_s{c['num_stages']}_w{c['num_warps']}":
-                         (lambda c=c: tgg.grouped_gemm_decode(a, w, ws, out, plan.counts, plan.active, plan.num_active, t, c))
-                         for c in DECODE_SWEEP}
-                cases["general_masked"] = lambda: tgg.grouped_gemm(a, w, ws, out, plan.counts, True, expected_m=t)
+                parts = {sk: torch.empty(sk, a.data.shape[0], n, device=DEV) for sk in (2, 4, 8)}
+                cases = {}
+                for c in DECODE_SWEEP:
+                    if t > 8 and c["splits"] > 2:
+                        continue
+                    cfg = {key: v for key, v in c.items() if key != "splits"}
+                    dst = out if c["splits"] == 1 else parts[c["splits"]]
+                    cases[f"decode_n{c['BLOCK_N']}_k{c['splits']}"] = (
+                        lambda cfg=cfg, dst=dst: tgg.grouped_gemm_decode(a, w, ws, dst, plan.counts, plan.active,
+                                                                         plan.num_active, t, cfg))
+                am = Fp8Rows.empty(e, 128, padded(D), DEV)  # the general kernel and DeepGEMM: 128-row groups
+                outm = torch.empty(e * 128, n, device=DEV, dtype=torch.bfloat16)
+                cases["general_masked"] = lambda: tgg.grouped_gemm(am, w, ws, outm, plan.counts, True, expected_m=t)
                 if deep_gemm_ops.available():
-                    cases["dg_masked"] = lambda: deep_gemm_ops.grouped_gemm_masked(a, w, ws, out, plan.counts, max(1, t * TOP_K // e))
+                    cases["dg_masked"] = lambda: deep_gemm_ops.grouped_gemm_masked(am, w, ws, outm, plan.counts,
+                                                                                   max(1, t * TOP_K // e))
                 for name, fn in cases.items():
                     try:
                         fn()
@@ -541,7 +551,7 @@ def print_table(result: dict) -> None:
             best[key] = r
     keyed = {(r["model"], r["tokens"], r["n"], r["case"]): r for r in result.get("decode_gemm", []) if "us" in r}
     for key, r in best.items():
-        default = keyed.get(key + ("decode_n64_s4_w4",))
+        default = keyed.get(key + ("decode_n64_k4" if key[1] <= 4 else "decode_n64_k1",))
         others = " ".join(f"{c} {keyed[key + (c,)]['us']:.1f}" for c in ("general_masked", "dg_masked") if key + (c,) in keyed)
         print(f"decode GEMM {key[0]:>4} T={key[1]:<3} N={key[2]}: best {r['case']} {r['us']:.1f} us ({r['weight_gbps']:.0f} GB/s); "
               f"default {default['us'] if default else float('nan'):.1f}; {others}")

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_rounding import round_to_bf16
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
@@ -50,14 +52,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 @triton.jit
 def _round(v, dtype: tl.constexpr):
-    """fp32 v rounded to `dtype` (nearest even) and back to fp32, as torch rounds each bf16 op.
-    For bf16 the rounding is done on the bits: a plain truncf/extf pair was optimized away on the
-    H200 (23% of rotary outputs one bf16 step off torch's, 2026-11-30), and integer ops also keep
-    the compiler from contracting the product into the following sum (FMA)."""
+    """fp32 v rounded to `dtype` and back to fp32, as torch rounds each bf16 op (see kernels/triton_rounding.py)."""
     if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return round_to_bf16(v)
     else:
         return v.to(dtype).to(tl.float32)
 

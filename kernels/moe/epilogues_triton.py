@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.fp8_quant import BLOCK, FP8, align
+from kernels.triton_rounding import round_to_bf16
 
 # TMA needs the MN-major scale rows 16-byte aligned: 4 fp32 (DeepGEMM's get_tma_aligned_size).
 SCALE_ROW_ALIGN = 4
@@ -98,9 +99,9 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 
 @triton.jit
 def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_ptr,
-                         inter, stride_h, stride_a, stride_bias, first_expert, alpha, limit,
+                         inter, stride_h, stride_split, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
-                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr):
+                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr):
     # grid (pairs, k-block groups). Output column j comes from gate 2j and up 2j+1: each k-block reads
     # its 256 interleaved inputs as one contiguous run and splits them in registers.
     pair = tl.program_id(0)
@@ -111,6 +112,10 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
         src = kb[:, None] * 256 + tl.arange(0, 256)[None, :]  # interleaved (gate, up) inputs
         ok_src = src < 2 * inter
         h = tl.load(h_ptr + row.to(tl.int64) * stride_h + src, mask=ok_src, other=0.0).to(tl.float32)
+        if SPLITS > 1:  # split-K partial sums of the decode GEMM, rounded as its unsplit bf16 output is
+            for s in tl.static_range(1, SPLITS):
+                h += tl.load(h_ptr + s * stride_split + row.to(tl.int64) * stride_h + src, mask=ok_src, other=0.0)
+            h = round_to_bf16(h)
         h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)
         gate, up = tl.split(tl.reshape(h, (BLOCK_KB, 128, 2)))
         col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -134,8 +139,8 @@ def _kb_per_program(pairs: int, num_kb: int) -> int:
 
 @triton.jit
 def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr,
-                    hidden, stride_y, stride_bias, stride_out, first_expert,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                    hidden, stride_y, stride_split, stride_bias, stride_out, first_expert,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden
@@ -147,6 +152,10 @@ def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_
             e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
             w = tl.load(weights_ptr + pair).to(tl.float32)
             y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+            if SPLITS > 1:
+                for s in tl.static_range(1, SPLITS):
+                    y += tl.load(y_ptr + s * stride_split + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0)
+                y = round_to_bf16(y)
             y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
             acc += w * y
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -168,25 +177,30 @@ def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: 
 
 def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor, bias: torch.Tensor,
                  first_expert: int, alpha: float, limit: float, out: Fp8Rows) -> Fp8Rows:
-    """GEMM-1 output rows h [rows, 2I] (bf16) -> FP8 rows of the SwiGLU activation [rows, Ip]."""
+    """GEMM-1 output rows h [rows, 2I] (bf16), or [S, rows, 2I] split-K partial sums (fp32) -> FP8 rows of
+    the SwiGLU activation [rows, Ip]."""
     p = row_of_pair.numel()
+    splits = h.shape[0] if h.dim() == 3 else 1
     if p:
         kbp = _kb_per_program(p, out.k_blocks)
         _swiglu_quant_kernel[(p, triton.cdiv(out.k_blocks, kbp))](
             h, row_of_pair, expert_ids, bias, out.data, out.scale_storage,
-            h.shape[1] // 2, h.stride(0), out.data.stride(0), bias.stride(0), first_expert, float(alpha), float(limit),
-            out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            NUM_KB=out.k_blocks, BLOCK_KB=kbp, num_warps=1 if kbp == 1 else 4)
+            h.shape[-1] // 2, h.stride(-2), h.stride(0) if splits > 1 else 0, out.data.stride(0), bias.stride(0),
+            first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
+            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, num_warps=1 if kbp == 1 else 4)
     return out
 
 
 def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
             bias: torch.Tensor, first_expert: int, out: torch.Tensor) -> torch.Tensor:
-    """out [T, D] = sum_j w[t, j] * (y[row(t, j)] + bias[e]) over this rank's experts."""
+    """out [T, D] = sum_j w[t, j] * (y[row(t, j)] + bias[e]) over this rank's experts; y [rows, D], or
+    [S, rows, D] split-K partial sums (fp32)."""
     t, k = expert_ids.shape
+    splits = y.shape[0] if y.dim() == 3 else 1
     if t:
         block_h = 1024
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
-            y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(0), bias.stride(0),
-            out.stride(0), first_expert, TOP_K=k, BLOCK_H=block_h, num_warps=4)
+            y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
+            y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
+            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4)
     return out

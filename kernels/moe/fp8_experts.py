@@ -135,23 +135,35 @@ class Fp8Experts(nn.Module):
     def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
         from kernels.moe import epilogues_triton as epi
         from kernels.moe import routing_triton
+        from kernels.moe import triton_grouped_gemm as tgg
 
         t, k = ids.shape
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         if t == 0:
             return out
         masked = t <= self.masked_max_tokens
+        # The Triton decode GEMM (T <= 64) reads only each expert's counts[e] rows: groups of T rows
+        # suffice. DeepGEMM stores whole 128-row tiles (see MASKED_ROW_ALIGN).
+        decode = masked and backend == "triton" and t <= tgg.DECODE_MAX_TOKENS
         if masked:
-            plan = routing_triton.plan_masked(ids, self.first_expert, self.num_local, align(t, MASKED_ROW_ALIGN))
+            plan = routing_triton.plan_masked(ids, self.first_expert, self.num_local,
+                                              t if decode else align(t, MASKED_ROW_ALIGN))
         else:
             plan = routing_triton.plan_contiguous(ids, self.first_expert, self.num_local, self._alignment(backend))
+        splits = tgg.decode_splits(t) if decode else 1
+
+        def gemm_out(n: int) -> torch.Tensor:  # [rows, N] bf16, or [S, rows, N] fp32 partial sums
+            if splits == 1:
+                return torch.empty(plan.num_rows, n, dtype=torch.bfloat16, device=x.device)
+            return torch.empty(splits, plan.num_rows, n, dtype=torch.float32, device=x.device)
+
         a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
         epi.dispatch_quant(x, plan.row_of_pair, k, a)
-        h = torch.empty(plan.num_rows, self.w13.shape[1], dtype=torch.bfloat16, device=x.device)
+        h = gemm_out(self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
-        y = torch.empty(plan.num_rows, self.hidden, dtype=torch.bfloat16, device=x.device)
+        y = gemm_out(self.hidden)
         self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 

@@ -106,18 +106,21 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
 
 @triton.jit
 def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
-                                    rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
+                                    rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d, stride_split,
                                     sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    NUM_KB: tl.constexpr):
+                                    NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
+    split = tl.program_id(2)
     if slot < tl.load(num_active_ptr):
         expert = tl.load(active_ptr + slot)
         count = tl.load(counts_ptr + expert)
+        kb_per_split: tl.constexpr = (NUM_KB + SPLIT_K - 1) // SPLIT_K
+        kb0 = split * kb_per_split
         offs_t = tl.arange(0, BLOCK_T)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = kb0 * BLOCK_K + tl.arange(0, BLOCK_K)
         t_ok = offs_t < count
         n_ok = offs_n < n
         rows = expert.to(tl.int64) * rows_per_group + offs_t
@@ -126,7 +129,7 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         sfa_ptrs = sfa_ptr + expert.to(tl.int64) * sfa_group_stride + offs_t
         sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for kb in range(NUM_KB):
+        for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
             b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
             sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
@@ -134,13 +137,20 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
             acc += tl.dot(b, a) * (sb * sa[None, :])
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        d_ptrs = d_ptr + rows[None, :] * stride_d + offs_n[:, None]
+        d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
 
 
-# H200, bench/moe.py --decode-sweep (2026-11-30): see kernels/moe/NOTES.md.
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=4)
+# H200, bench/moe.py decode section (2026-11-30): see kernels/moe/NOTES.md.
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
+
+
+def decode_splits(num_tokens: int) -> int:
+    """K splits of the decode GEMM at T tokens. At T=1 one program's 23 serial 128-deep steps took ~14 us
+    whatever the tile (a fixed cost: doubling N added 7.5 us, H200 2026-11-30); splitting K shortens the
+    chain. Partial sums go out in fp32 [splits, rows, N] and the next stage adds them (no atomics)."""
+    return 4 if num_tokens <= 4 else 1
 
 
 def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
@@ -148,7 +158,8 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
                         config: dict | None = None) -> torch.Tensor:
     """Masked-layout grouped GEMM for decode: out rows [e * m_cap, e * m_cap + counts[e]) = A @ W[e]^T for
     the experts active[:num_active] (`routing_triton.plan_masked`). `max_tokens` >= every count
-    (the step's T); one program row per possible active expert, len(active) of them."""
+    (the step's T); one program row per possible active expert, len(active) of them.
+    `out` [rows, N] gets the products; `out` [S, rows, N] (fp32) gets S partial sums over K splits."""
     e, n, kp = w.shape
     if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
         raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
@@ -158,10 +169,14 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
     cfg = dict(DECODE_CONFIG, **(config or {}))
     if BLOCK % cfg["BLOCK_N"]:
         raise ValueError("BLOCK_N must divide 128 (one weight scale per tile)")
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel())
+    splits = out.shape[0] if out.dim() == 3 else 1
+    if splits > 1 and out.dtype != torch.float32:
+        raise ValueError("split-K partial sums must be fp32")
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
     _fp8_grouped_gemm_decode_kernel[grid](
         a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
-        a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
+        out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
-        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, **cfg)
+        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits, **cfg)
     return out

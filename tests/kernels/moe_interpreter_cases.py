@@ -114,9 +114,17 @@ def test_dispatch_quant(hidden, kb_per_program, monkeypatch):
     assert (a.data[~written].float() == 7.0).all()  # rows without a pair stay untouched
 
 
+def split_into(total: torch.Tensor, splits: int) -> torch.Tensor:
+    """[splits, *total.shape] fp32 random partial sums adding up to total (as split-K GEMM outputs)."""
+    parts = torch.randn(splits, *total.shape)
+    parts[-1] = total.float() - parts[:-1].sum(0)
+    return parts
+
+
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("kb_per_program", [1, 2, 8])
 @pytest.mark.parametrize("inter", [136, 300])
-def test_swiglu_quant(inter, kb_per_program, monkeypatch):
+def test_swiglu_quant(inter, kb_per_program, splits, monkeypatch):
     monkeypatch.setattr(epi, "_kb_per_program", lambda pairs, num_kb: kb_per_program)
     rows, e_local, first = 24, 3, 5
     h = (torch.randn(rows, 2 * inter) * 4).bfloat16()
@@ -124,7 +132,7 @@ def test_swiglu_quant(inter, kb_per_program, monkeypatch):
     ids = torch.randint(first, first + e_local, (rows,)).int()
     row_of_pair = torch.randperm(rows).int()
     out = epi.Fp8Rows.empty(1, rows, padded(inter), "cpu")
-    epi.swiglu_quant(h, row_of_pair, ids, bias, first, 1.702, 7.0, out)
+    epi.swiglu_quant(split_into(h, splits) if splits > 1 else h, row_of_pair, ids, bias, first, 1.702, 7.0, out)
     pair_of_row = torch.empty(rows, dtype=torch.long)
     pair_of_row[row_of_pair.long()] = torch.arange(rows)
     want, want_scales = ref.swiglu_quant(h, bias[ids[pair_of_row].long() - first], 1.702, 7.0)
@@ -132,7 +140,8 @@ def test_swiglu_quant(inter, kb_per_program, monkeypatch):
     torch.testing.assert_close(out.scales_rows(), want_scales, rtol=1e-5, atol=0)
 
 
-def test_combine():
+@pytest.mark.parametrize("splits", [1, 4])
+def test_combine(splits):
     t, k, hidden, e_local, first = 11, 3, 200, 4, 2
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).int()
     weights = torch.softmax(torch.randn(t, k), -1)
@@ -141,7 +150,7 @@ def test_combine():
     y = torch.randn(t * k, hidden).bfloat16()
     bias = torch.randn(e_local, hidden)
     out = torch.empty(t, hidden, dtype=torch.bfloat16)
-    epi.combine(y, row_of_pair, ids, weights, bias, first, out)
+    epi.combine(split_into(y, splits) if splits > 1 else y, row_of_pair, ids, weights, bias, first, out)
     want = ref.combine(y, row_of_pair, ids, weights, bias, first, torch.float32)
     torch.testing.assert_close(out.float(), want, rtol=2 ** -8, atol=1e-6)
 
@@ -171,12 +180,13 @@ def test_grouped_gemm(masked):
     torch.testing.assert_close(out[valid].float(), want[valid].float(), rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("max_tokens,counts", [(1, [0, 1, 0, 1, 1]), (19, [5, 0, 19, 3, 0]), (64, [64, 2, 0, 0, 40])])
-def test_grouped_gemm_decode(max_tokens, counts):
+@pytest.mark.parametrize("max_tokens,counts,splits", [(1, [0, 1, 0, 1, 1], 2), (19, [5, 0, 19, 3, 0], 1),
+                                                     (64, [64, 2, 0, 0, 40], 1), (4, [4, 0, 3, 0, 1], 3)])
+def test_grouped_gemm_decode(max_tokens, counts, splits):
     """The decode kernel (active experts only, swapped dot) against the twin; rows past each count untouched."""
     e_local, n, k = len(counts), 200, 384
     w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, k) * 0.05)
-    m_cap = 128
+    m_cap = max_tokens
     counts = torch.tensor(counts, dtype=torch.int32)
     active = torch.nonzero(counts).flatten().int().flip(0)  # any order
     active = torch.cat([active, torch.full((2,), 99, dtype=torch.int32)])  # slots past num_active are ignored
@@ -187,15 +197,20 @@ def test_grouped_gemm_decode(max_tokens, counts):
     expert_of_row = torch.full((e_local * m_cap,), -1)
     for x, c in enumerate(counts.tolist()):
         expert_of_row[x * m_cap: x * m_cap + c] = x
-    out = torch.full((a.data.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    if splits == 1:
+        out = torch.full((a.data.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    else:
+        out = torch.full((splits, a.data.shape[0], n), float("nan"))
     tgg.grouped_gemm_decode(a, w, w_scales, out, counts, active, num_active, max_tokens, config={"BLOCK_N": 32})
+    if splits > 1:  # K = 384 is 3 blocks: with 2 splits, 2 + 1; with 3, one each
+        out = out.sum(0)
     want = ref.grouped_gemm(a.data, a.scales_rows(), w, w_scales, expert_of_row)
     valid = expert_of_row >= 0
     torch.testing.assert_close(out[valid].float(), want[valid].float(), rtol=2 ** -7, atol=1e-3)
     assert out[~valid].isnan().all()
 
 
-@pytest.mark.parametrize("num_tokens,masked_max_tokens", [(5, 64), (40, 0)])
+@pytest.mark.parametrize("num_tokens,masked_max_tokens", [(3, 64), (5, 64), (40, 0)])
 def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
     e, hidden, inter, k = 6, 200, 136, 2
     te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)

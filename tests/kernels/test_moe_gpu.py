@@ -174,10 +174,10 @@ def test_grouped_gemm_matches_twin(impl, masked, n):
     assert calc_diff(out[valid], want[valid]) < 1e-5
 
 
-@pytest.mark.parametrize("t", [1, 5, 64])
+@pytest.mark.parametrize("t,splits", [(1, 4), (1, 1), (3, 8), (5, 2), (64, 1)])
 @pytest.mark.parametrize("n", [2 * I, D])
 @pytest.mark.parametrize("block_n", [32, 64, 128])
-def test_grouped_gemm_decode_matches_twin(t, n, block_n):
+def test_grouped_gemm_decode_matches_twin(t, splits, n, block_n):
     """The decode kernel on a real plan (20b: 32 experts, top-4) at every BLOCK_N the sweep tries."""
     from kernels.moe.epilogues_triton import Fp8Rows
     from kernels.moe.routing_triton import plan_masked
@@ -186,15 +186,18 @@ def test_grouped_gemm_decode_matches_twin(t, n, block_n):
     e, kp = E20, padded(D)
     w, ws = quantize_weight_blocks(torch.randn(e, n, D, device=DEV) * D ** -0.5)
     ids = route(torch.randn(t, e, device=DEV), K)[0]
-    plan = plan_masked(ids, 0, e, 128)
-    a = Fp8Rows.empty(e, 128, kp, DEV)
+    plan = plan_masked(ids, 0, e, t)
+    a = Fp8Rows.empty(e, t, kp, DEV)
     a.data.copy_((torch.randn(a.data.shape, device=DEV) * 60).to(FP8))
     a.scale_storage.copy_(torch.rand(a.scale_storage.shape, device=DEV) * 0.02 + 0.001)
-    out = torch.full((a.data.shape[0], n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    shape = (a.data.shape[0], n) if splits == 1 else (splits, a.data.shape[0], n)
+    out = torch.full(shape, float("nan"), device=DEV, dtype=torch.bfloat16 if splits == 1 else torch.float32)
     grouped_gemm_decode(a, w, ws, out, plan.counts, plan.active, plan.num_active, t, config={"BLOCK_N": block_n})
-    expert_of_row = torch.full((e * 128,), -1, device=DEV)
+    if splits > 1:
+        out = out.sum(0)
+    expert_of_row = torch.full((e * t,), -1, device=DEV)
     for x, c in enumerate(plan.counts.tolist()):
-        expert_of_row[x * 128: x * 128 + c] = x
+        expert_of_row[x * t: x * t + c] = x
     valid = expert_of_row >= 0
     want = ref.grouped_gemm(a.data, a.scales_rows(), w, ws, expert_of_row)
     assert torch.isfinite(out[valid]).all() and out[~valid].isnan().all()
