@@ -9,7 +9,7 @@ set -u
 LIMIT_S=${LIMIT_S:-520}
 start=$(date +%s)
 source scripts/device_env.sh
-if [ "${TEST_ARGS:-x}" != "" ]; then
+if [ "${TEST_ARGS-x}" != "" ]; then
     timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -ra -p no:cacheprovider ${TEST_ARGS:-tests/engine/test_e2e_gpu.py} \
         > "$LOGS/tests.log" 2>&1
     echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/tests.log")"
