@@ -198,7 +198,7 @@ def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor
     t, k = expert_ids.shape
     splits = y.shape[0] if y.dim() == 3 else 1
     if t:
-        block_h = 1024
+        block_h = 256 if t <= 64 else 1024  # decode: a few tokens, spread each row over more programs
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
             y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
             y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
