@@ -85,6 +85,13 @@ if (( DRY == 0 )); then
   # setup.py builds with setuptools' own build_ext (not torch's BuildExtension): the compiler is the one
   # Python was built with (sysconfig CXX, e.g. x86_64-linux-gnu-g++), or $CXX.
   PY_CXX=$("$PY" -c 'import sysconfig; print((sysconfig.get_config_var("CXX") or "g++").split()[0])')
+  # The H200 image exports CC/CXX=/opt/gcc/bin/{gcc,g++}, a wrapper whose builds link libstdc++
+  # statically: _C then crashed in its first GEMM, in std::regex's locale code (2026-11-30; the
+  # distribution's g++ 13, libstdc++ dynamic, works). Prefer the distribution compiler (DG_CXX).
+  DG_CXX=${DG_CXX:-$(command -v x86_64-linux-gnu-g++ || true)}
+  if [[ -n "$DG_CXX" && -x "$DG_CXX" ]]; then
+    export CC=$DG_CXX CXX=$DG_CXX   # setuptools compiles and links C++ extensions with CC
+  fi
   if [[ -z "${CXX:-}" ]] && ! command -v "$PY_CXX" >/dev/null; then
     command -v g++ >/dev/null || die "no C++ compiler ($PY_CXX or g++)"
     export CC=gcc CXX=g++

@@ -16,7 +16,7 @@ SYS_CC=$SYS_CXX  # setuptools compiles and links C++ extensions with CC: g++ als
   ls -la /usr/bin/*g++* 2>&1 | head; } >&2
 for v in A B C; do
     case $v in A) X="$SYS_CXX"; C="$SYS_CC"; L="";; B) X=""; C=""; L="-pthread";; C) X="$SYS_CXX"; C="$SYS_CC"; L="-pthread";; esac
-    ( export ${X:+CXX=$X} ${C:+CC=$C}
+    ( if [ -n "$X" ]; then export CXX=$X CC=$C DG_CXX=$X; else export DG_CXX=/opt/gcc/bin/g++; fi
       LDFLAGS="$L" DG_BUILD_ROOT=/tmp/dgb_$v OUT=$LOGS/dg_$v bash scripts/build_deep_gemm.sh /tmp/dgs_$v \
           > "$LOGS/dg_build_$v.log" 2>&1
       cd /tmp && PYTHONPATH=/tmp/dgs_$v:$PYTHONPATH DG_JIT_CACHE_DIR=/tmp/jit/dg_$v timeout 150 \
