@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
-# One device call: deep_gemm build variants (scripts/deep_gemm_variants.sh); with a working one, the
-# DeepGEMM GPU tests and python -m bench.moe (args passed through), the build back as $OUT/dg_site.tgz.
+# One device call for DeepGEMM: deep_gemm from .dg_src (built now if no dg_site.tgz is carried), its
+# smoke test, the MoE GPU tests, then python -m bench.moe (args passed through) after parallel
+# warm-up shards. The build comes back as $OUT/dg_site.tgz (carry it in .dg_src/ next time).
 set -u
 S=$(date +%s)
-source scripts/device_env.sh
-python3 -c "import torch; print(torch.__config__.show())" | grep -i -E "gcc|compiler" | head -2
-W=$(bash scripts/deep_gemm_variants.sh)
-echo "working variant: ${W:-none} at $(( $(date +%s) - S )) s"
-if [ -n "$W" ]; then
-    tar czf "$OUT/dg_site.tgz" -C /tmp/dgs_$W .
-    export PYTHONPATH=/tmp/dgs_$W:$PYTHONPATH DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
-    timeout 150 python3 -m pytest -q -ra -p no:cacheprovider -k "deep_gemm or layer" tests/kernels/test_moe_gpu.py \
-        > "$LOGS/tests_dg.log" 2>&1
-    echo "deep_gemm tests: $(tail -1 "$LOGS/tests_dg.log") at $(( $(date +%s) - S )) s"
-    grep -E "^FAILED" "$LOGS/tests_dg.log" | head -5
-    for i in $(seq 0 7); do timeout 150 python3 -m bench.moe --warmup-shard "$i/8" "$@" >> "$LOGS/warmup.log" 2>&1 & done
-    wait
-    echo "warm-up done at $(( $(date +%s) - S )) s"
-    timeout $(( 560 - ($(date +%s) - S) )) python3 -m bench.moe --out "$OUT/moe_h200.json" "$@" > "$OUT/bench.log" 2>&1
-    echo "bench exit $? at $(( $(date +%s) - S )) s"
-    grep -E "^ *(20b|120b) |^gate_up" "$OUT/bench.log" | tail -24
-fi
+DG_USE=1 DG_BUILD=1 source scripts/device_env.sh
+[ -n "$DG_PID" ] && wait "$DG_PID"
+tail -1 "$LOGS/dg_build_stdout.log" 2>/dev/null
+( cd /tmp && timeout 150 python3 -m scripts.deep_gemm_smoke > "$LOGS/dg_smoke.log" 2>&1 ); echo "smoke exit $? at $(( $(date +%s) - S )) s"
+grep why_unavailable "$LOGS/dg_smoke.log"
+timeout 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_moe_gpu.py > "$LOGS/tests_moe.log" 2>&1
+echo "MoE GPU tests: $(tail -1 "$LOGS/tests_moe.log") at $(( $(date +%s) - S )) s"
+grep -E "^FAILED|^SKIPPED" "$LOGS/tests_moe.log" | head -5
+for i in $(seq 0 7); do timeout 150 python3 -m bench.moe --warmup-shard "$i/8" "$@" >> "$LOGS/warmup.log" 2>&1 & done
+wait
+echo "warm-up done at $(( $(date +%s) - S )) s"
+timeout $(( 565 - ($(date +%s) - S) )) python3 -m bench.moe --out "$OUT/moe_h200.json" "$@" > "$OUT/bench.log" 2>&1
+echo "bench exit $? at $(( $(date +%s) - S )) s"
+grep -E "^ *(20b|120b) +[0-9]+ |^gate_up" "$OUT/bench.log" | tail -16
 pack_jit_cache; pack_logs
