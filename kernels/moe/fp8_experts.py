@@ -54,6 +54,10 @@ class Fp8Experts(nn.Module):
         self.masked_max_tokens = masked_max_tokens
         # Contiguous-layout psum grouping (DeepGEMM schedules only real row blocks) vs m_indices.
         self.use_psum = True
+        # Decode (masked, T <= 64) GEMMs: our Triton decode kernel also under the deep_gemm backend: on
+        # the H200 it beat DeepGEMM's masked GEMM at every decode size measured (20b T=1 44 vs 64 us per
+        # layer, 120b T=64 711 vs 752; bench/results/moe_h200_deep_gemm.json). "deep_gemm" to compare.
+        self.decode_kernel = "triton"
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -144,7 +148,7 @@ class Fp8Experts(nn.Module):
         masked = t <= self.masked_max_tokens
         # The Triton decode GEMM (T <= 64) reads only each expert's counts[e] rows: groups of T rows
         # suffice. DeepGEMM stores whole 128-row tiles (see MASKED_ROW_ALIGN).
-        decode = masked and backend == "triton" and t <= tgg.DECODE_MAX_TOKENS
+        decode = self._decode_kernel_runs(backend, masked, t)
         if masked:
             plan = routing_triton.plan_masked(ids, self.first_expert, self.num_local,
                                               t if decode else align(t, MASKED_ROW_ALIGN))
@@ -174,10 +178,19 @@ class Fp8Experts(nn.Module):
             return deep_gemm_ops.mk_alignment()
         return BLOCK
 
+    def _decode_kernel_runs(self, backend: str, masked: bool, num_tokens: int) -> bool:
+        from kernels.moe.triton_grouped_gemm import DECODE_MAX_TOKENS
+
+        return masked and num_tokens <= DECODE_MAX_TOKENS and (backend == "triton" or self.decode_kernel == "triton")
+
     def _gemm(self, backend, a, w, s, out, plan, num_tokens: int) -> None:
+        from kernels.moe import triton_grouped_gemm
+
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
-        if backend == "deep_gemm":
+        if self._decode_kernel_runs(backend, masked, num_tokens):
+            triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens)
+        elif backend == "deep_gemm":
             from kernels.moe import deep_gemm_ops as dg
 
             if masked:
@@ -187,14 +200,8 @@ class Fp8Experts(nn.Module):
             else:
                 dg.grouped_gemm_contiguous(a, w, s, out, m_indices=plan.m_indices)
         else:
-            from kernels.moe import triton_grouped_gemm
-
-            if masked and num_tokens <= triton_grouped_gemm.DECODE_MAX_TOKENS:
-                triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active,
-                                                        num_tokens)
-            else:
-                triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked,
-                                                 expected_m=-(-num_pairs // self.num_local))
+            triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked,
+                                             expected_m=-(-num_pairs // self.num_local))
 
     def extra_repr(self) -> str:
         return (f"experts=[{self.first_expert}, {self.first_expert + self.num_local}), hidden={self.hidden}, "
