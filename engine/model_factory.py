@@ -25,9 +25,9 @@ from model.parallel import SINGLE, Parallel
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 MOE_BACKENDS = ("auto", "torch", "fp8")
-# Triton, not DeepGEMM: the sgl-deep-gemm wheels fail every call on the H200 image's torch 2.11
-# (kernels/moe/NOTES.md, "DeepGEMM status").
-FP8_KERNELS = "triton"
+# DeepGEMM where a build works here (deep_gemm_ops.available() runs a probe GEMM), else Triton. The
+# prebuilt sgl-deep-gemm wheels fail on torch 2.11; a from-source build works (kernels/moe/NOTES.md).
+FP8_KERNELS = "auto"
 
 
 class ModelFactoryError(ValueError):
