@@ -1,6 +1,6 @@
-"""The one module that imports DeepGEMM (`sgl-deep-gemm` 0.2.0 provides `deep_gemm`).
+"""The one module that imports DeepGEMM (the `deep_gemm` module).
 
-Layouts DeepGEMM's SM90 FP8 kernels (the "1D2D" kernels) expect, read from its 0.2.0 API:
+Layouts DeepGEMM's SM90 FP8 kernels (the "1D2D" kernels) expect:
 - A: FP8 [M, K] (contiguous) or [G, M, K] (masked), K-major; scales fp32 1x128 per row,
   MN-major and TMA-aligned: [.., M, K/128] with strides (1, align(M, 4)) (per group for masked).
   Anything else is transposed by DeepGEMM on every call; `Fp8Rows` writes this layout directly.
@@ -11,12 +11,12 @@ Layouts DeepGEMM's SM90 FP8 kernels (the "1D2D" kernels) expect, read from its 0
   128-aligned): then only real blocks are scheduled, padding blocks cost nothing.
 - masked: masked_m [G] = counts, expected_m a host hint for the tile heuristics. D tiles are
   stored whole, so the rows per group must be a multiple of the tile rows (we use 128).
-Kernels are JIT-compiled per shape on first use (DG_JIT_CACHE_DIR; NVRTC with DG_JIT_USE_NVRTC=1).
-The calls use the names every sgl-deep-gemm 0.1.7..0.2.x exports (m_grouped_fp8_fp4_gemm_nt_*).
-Status (H200, torch 2.11.0+cu130, 2026-11-29): the prebuilt sgl-deep-gemm wheels 0.1.7, 0.2.0 and
-0.2.1.post1 import but fail every GEMM call in DeepGEMM's first shape check ("dim == 2 or dim == 3"),
-with row-major or MN-major scales and apache-tvm-ffi 0.1.11 or 0.1.15 alike; 0.2.3.post2 does not
-load. `python -m bench.moe --probe` checks a build; kernels/moe/NOTES.md has the details.
+Kernels are JIT-compiled per shape on first use (DG_JIT_CACHE_DIR; nvcc from CUDA_HOME).
+The calls use names DeepGEMM 2.x and sgl-deep-gemm 0.1.7..0.2.x both export (m_grouped_fp8_fp4_gemm_nt_*).
+Status (H200, torch 2.11.0+cu130, 2026-11-30): the prebuilt sgl-deep-gemm wheels fail every GEMM
+("dim == 2 or dim == 3"); DeepGEMM 2.6.1 built from source on the host with the distribution's g++
+(`scripts/build_deep_gemm.sh`) passes every test here and runs the gate_up grouped GEMM at 1,182
+TFLOP/s. `python -m scripts.deep_gemm_smoke` checks a build step by step; kernels/moe/NOTES.md has the rest.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kernels.moe.epilogues_triton import SCALE_ROW_ALIGN, Fp8Rows
 
 
 class DeepGemmUnavailable(RuntimeError):
-    """deep_gemm cannot be used here; the message says why (install sgl-deep-gemm==0.2.0 on an SM90 GPU)."""
+    """deep_gemm cannot be used here; the message says why (build it with scripts/build_deep_gemm.sh on an SM90 GPU)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,7 +71,7 @@ def _probe() -> str:
         grouped_gemm_masked(a, w, torch.ones(1, 1, 1, device=device), out,
                             torch.full((1,), 128, dtype=torch.int32, device=device), expected_m=128)
         torch.cuda.synchronize()
-    except RuntimeError as exc:  # DeepGEMM reports every failure as RuntimeError through tvm-ffi
+    except RuntimeError as exc:  # DeepGEMM reports failures as RuntimeError (pybind11 or tvm-ffi builds)
         return f"deep_gemm imports but its GEMM fails here: {exc}"
     if not torch.allclose(out.float(), torch.full_like(out, 32.0, dtype=torch.float32)):
         return "deep_gemm ran a probe GEMM but returned wrong values"
@@ -81,8 +81,8 @@ def _probe() -> str:
 def _dg():
     mod = _module()
     if isinstance(mod, Exception):
-        raise DeepGemmUnavailable(f"deep_gemm is not usable ({mod!r}); pip install sgl-deep-gemm==0.2.0 "
-                                  "(and apache-tvm-ffi) on the GPU host, or use the Triton backend")
+        raise DeepGemmUnavailable(f"deep_gemm is not usable ({mod!r}); build it on the GPU host with "
+                                  "scripts/build_deep_gemm.sh, or use the Triton backend")
     return mod
 
 
