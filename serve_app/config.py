@@ -119,6 +119,10 @@ class IngressSettings(_Settings):
     num_replicas: int = Field(1, ge=1, description="Ingress replicas (each parses Harmony for its requests).")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
     max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests per ingress replica.")
+    conversation_start_date: str | None = Field(
+        None, pattern=r"^\d{4}-\d{2}-\d{2}$",
+        description="YYYY-MM-DD in the Harmony system message. None: today's UTC date at each request (the "
+                    "prompt, and so the output, then changes at midnight; pin it for reproducible runs).")
 
 
 class ServeAppConfig(_Settings):

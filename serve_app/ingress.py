@@ -55,13 +55,16 @@ class ServeTokenBackend:
 class HarmonyIngress:
     """HTTP ingress. `decode`: the DecodeServer handle; the context limit is asked from it at start."""
 
-    async def __init__(self, decode, served_model_name: str, max_context: int | None = None):
+    async def __init__(self, decode, served_model_name: str, max_context: int | None = None,
+                       conversation_start_date: str | None = None):
         if max_context is None:
             max_context = await decode.max_context.remote()
         self.backend = ServeTokenBackend(decode, max_context)
         self.served_model_name = served_model_name
+        self.conversation_start_date = conversation_start_date
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import create_app
 
-        return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context)
+        return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
+                          conversation_start_date=self.conversation_start_date)

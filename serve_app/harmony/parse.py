@@ -94,7 +94,10 @@ class HarmonyOutputParser:
     """Feed generated token ids one at a time; each call returns the item events it completes.
 
     `last_token_kind` tells which item kind the last fed token's text belongs to (None for header and
-    control tokens), so the caller can attribute logprobs and count reasoning tokens.
+    control tokens), so the caller can attribute logprobs and count reasoning tokens. Header tokens
+    that turn out not to be Harmony become content later: `take_recovered()` returns them (in order,
+    text-carrying ones only, never the token of the feed() call itself) after the feed() or finish() call
+    that recovered them.
     """
 
     def __init__(self, encoding: HarmonyEncoding | None = None, *, request_id: str = "",
@@ -113,6 +116,7 @@ class HarmonyOutputParser:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.warned = False
         self.last_token_kind: ItemKind | None = None
+        self._recovered: list[int] = []
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -138,7 +142,13 @@ class HarmonyOutputParser:
             self._header_tokens.append(token_id)
             if len(self._header_tokens) > self._max_header_tokens:
                 self._recover(f"no <|message|> within {self._max_header_tokens} header tokens", [], events)
+                self._recovered.pop()  # the token being fed: reported through last_token_kind instead
         return events
+
+    def take_recovered(self) -> list[int]:
+        """Header tokens (fed earlier, reported with kind None) whose text just became content."""
+        recovered, self._recovered = self._recovered, []
+        return recovered
 
     def finish(self) -> list[ParseEvent]:
         """End of generation: close the open item, recovering an unfinished plain-text header."""
@@ -212,7 +222,10 @@ class HarmonyOutputParser:
         self._header_tokens = []
         # The broken header is text as a whole, even if it holds a <|start|>; a live token may resync.
         for token_id in pending:
-            self._feed_recovering(token_id, self._enc.is_special_token(token_id), events, resync=False)
+            special = self._enc.is_special_token(token_id)
+            self._feed_recovering(token_id, special, events, resync=False)
+            if not special:
+                self._recovered.append(token_id)
         for token_id in tokens:
             self._feed_recovering(token_id, self._enc.is_special_token(token_id), events)
 

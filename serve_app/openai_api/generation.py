@@ -148,6 +148,9 @@ class Generation:
         self._first: TokenDelta | None = None
         self._backend_done = False
         self._closed = False
+        # (token id, logprob) of the tokens fed since the last one that went into an item: header and
+        # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
+        self._unplaced: list[tuple[int, TokenLogprob | None]] = []
 
     async def start(self) -> None:
         """Send the request and wait for its first delta (InvalidRequestError surfaces here)."""
@@ -162,7 +165,8 @@ class Generation:
             if step.events or step.content_logprobs:
                 yield step
             delta = None if self._backend_done else await self._next_delta()
-        yield Step(self._finish())
+        events = self._finish()
+        yield Step(events, self._recovered_logprobs())
 
     async def close(self) -> None:
         """Abort the backend request unless it ran to its end; safe to call more than once."""
@@ -206,14 +210,33 @@ class Generation:
             self.completion_tokens += 1
             for event in self._parser.feed(token_id):
                 self._apply_stop(event, step.events)
+            step.content_logprobs += self._recovered_logprobs()
             kind = self._parser.last_token_kind
+            lp = logprobs[i] if i < len(logprobs) else None
+            if kind is None:
+                self._unplaced.append((token_id, lp))
+            else:
+                self._unplaced.clear()
             if kind is ItemKind.REASONING:
                 self.reasoning_tokens += 1
-            elif kind is ItemKind.CONTENT and i < len(logprobs):
-                step.content_logprobs.append(logprobs[i])
+            elif kind is ItemKind.CONTENT and lp is not None:
+                step.content_logprobs.append(lp)
             if self._stopped_by_string:
                 break
         return step
+
+    def _recovered_logprobs(self) -> list[TokenLogprob]:
+        """Logprobs of header tokens the parser just recovered as content: the newest unplaced tokens."""
+        recovered = self._parser.take_recovered()
+        if not recovered:
+            return []
+        text_tokens = [(t, lp) for t, lp in self._unplaced if not self.ctx.encoding.is_special_token(t)]
+        matched = text_tokens[-len(recovered):]
+        self._unplaced.clear()
+        if [t for t, _ in matched] != recovered:  # cannot happen if both sides count the same tokens
+            log.warning("request %s: recovered header tokens do not match the buffered ones", self.request_id)
+            return []
+        return [lp for _, lp in matched if lp is not None]
 
     def _apply_stop(self, event: ParseEvent, out: list[ParseEvent]) -> None:
         """Pass events through, cutting content at the first stop string (OpenAI leaves it out)."""

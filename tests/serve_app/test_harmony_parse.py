@@ -180,3 +180,23 @@ def test_random_tokens_never_raise(seed):
         ids = [t for _ in range(rng.randint(0, 40)) for t in rng.choice(pieces)]
         events, _ = run(ids)
         check_event_invariants(events)
+
+
+@pytest.mark.parametrize("max_header_tokens", [5, 1000])
+def test_recovered_header_tokens_are_reported_once_in_order(max_header_tokens):
+    """Plain text where a header belongs: every text token ends up either reported as content when fed
+    (last_token_kind) or, later, through take_recovered(); never both, never lost, in output order."""
+    ids = ENC.encode("plain words where a header should be, repeated words words", allowed_special="all")
+    parser = HarmonyOutputParser(ENC, max_header_tokens=max_header_tokens)
+    placed: list[int] = []
+    unplaced: list[int] = []
+    for token_id in ids:
+        parser.feed(token_id)
+        recovered = parser.take_recovered()
+        assert recovered == unplaced[len(unplaced) - len(recovered):] if recovered else True
+        placed += recovered
+        unplaced = unplaced[: len(unplaced) - len(recovered)] if recovered else unplaced
+        (placed if parser.last_token_kind is ItemKind.CONTENT else unplaced).append(token_id)
+    parser.finish()
+    placed += parser.take_recovered()
+    assert placed == ids

@@ -201,3 +201,26 @@ def test_models_and_health(client, server):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_logprobs_cover_text_recovered_from_a_broken_header(client, backend):
+    """Plain text where a Harmony header belongs is returned as content once the parser gives up on it
+    (at the end of the output, or after too many header tokens); its tokens keep their logprobs."""
+    from serve_app.harmony.parse import MAX_HEADER_TOKENS
+
+    short = "no harmony here"  # cut by max_tokens while still looking like a header
+    long = " ".join(["words"] * (MAX_HEADER_TOKENS + 10)) + "<|return|>"  # given up on mid-stream
+    for text, max_tokens in ((short, len(ENC.encode(short))), (long, None)):
+        for stream in (False, True):
+            backend.push(text, chunk=3)
+            kwargs = dict(model=MODEL, messages=HI, logprobs=True, top_logprobs=1, max_tokens=max_tokens)
+            if stream:
+                chunks = list(client.chat.completions.create(**kwargs, stream=True))
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                           for e in c.choices[0].logprobs.content]
+            else:
+                r = client.chat.completions.create(**kwargs)
+                content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
+            assert content == text.replace("<|return|>", "")
+            assert b"".join(bytes(e.bytes) for e in entries).decode() == content, (text[:20], stream)
