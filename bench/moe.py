@@ -127,8 +127,8 @@ def graph_time_us(fn, sets) -> tuple[float, str]:
     return us, mode
 
 
-def layer_cases(quick: bool):
-    tokens = [1, 64, 4096] if quick else TOKENS
+def layer_cases(quick: bool, tokens: list[int] | None = None):
+    tokens = tokens or ([1, 64, 4096] if quick else TOKENS)
     for model, e in MODELS.items():
         for t in tokens:
             yield model, e, t
@@ -148,9 +148,9 @@ def variants_for(t: int) -> list[tuple[str, str, int, bool]]:
     return out
 
 
-def bench_layers(quick: bool, shard: tuple[int, int] | None) -> list[dict]:
+def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] | None = None) -> list[dict]:
     rows, layers = [], {}
-    for index, (model, e, t) in enumerate(layer_cases(quick)):
+    for index, (model, e, t) in enumerate(layer_cases(quick, tokens)):
         if shard and index % shard[1] != shard[0]:
             continue
         if e not in layers:
@@ -501,6 +501,7 @@ def bench_load(folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = 1, 64, 4096 only")
+    parser.add_argument("--tokens", default=None, help="comma list of T for the layer section (overrides --quick)")
     parser.add_argument("--out", default="bench/results/moe_h200.json")
     parser.add_argument("--warmup-shard", default=None, help="I/N: compile the I-th of N case groups, no timing")
     parser.add_argument("--load-bench", default=None, help="folder for the checkpoint load-time comparison")
@@ -516,7 +517,8 @@ def main() -> None:
               "torch": torch.__version__}
     result["grouped_gemm"] = [] if "gemm" in skip else bench_grouped_gemm(shard)
     result["decode_gemm"] = [] if "decode" in skip else bench_decode_gemm(shard)
-    result["layers"] = [] if "layers" in skip else bench_layers(args.quick, shard)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+    result["layers"] = [] if "layers" in skip else bench_layers(args.quick, shard, tokens)
     result["dense"] = [] if "dense" in skip else bench_dense(shard)
     if args.load_bench and not shard:
         result["load"] = bench_load(Path(args.load_bench))
