@@ -4,9 +4,10 @@
     python -m bench.moe --warmup-shard I/N     # compile the kernels of every I-th case only, no timing
 
 Variants, each checked against TorchExperts (bf16, same dequantized weights) before it is timed:
-  fp8_dg     Fp8Experts, DeepGEMM grouped GEMMs (masked layout for T <= 64, contiguous/psum above)
+  fp8_dg     Fp8Experts, DeepGEMM grouped GEMMs only (masked layout for T <= 64, contiguous/psum above)
   fp8_dg_alt the other layout at T = 64 and 512 (how the threshold was chosen)
-  fp8_tr     Fp8Experts, the Triton grouped GEMM
+  fp8_tr     Fp8Experts, Triton only (the decode GEMM for T <= 64, the grouped GEMM above)
+The engine runs fp8_tr's path at T <= 64 and fp8_dg's above (Fp8Experts.decode_kernel = "triton").
   bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
 Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
 forwards on R different random routings (R = 4 for T <= 512), divided by R.
@@ -133,6 +134,7 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
                 fn = layer.bf16_forward
             else:
                 layer.fp8.backend, layer.fp8.masked_max_tokens, layer.fp8.use_psum = backend, masked_max, use_psum
+                layer.fp8.decode_kernel = "deep_gemm" if backend == "deep_gemm" else "triton"
                 fn = layer.fp8
             try:
                 out = fn(*sets[0])
