@@ -238,23 +238,17 @@ def ref_grouped(a: Fp8Rows, w, ws, expert_of_row):
 def stage_breakdown(layer: Layer, x, ids, weights, backend: str) -> dict:
     """Microseconds of each stage of one Fp8Experts forward (each timed alone, in a CUDA graph)."""
     from kernels.moe import epilogues_triton as epi
-    from kernels.moe import routing_triton as rt
 
     m = layer.fp8
     m.backend = backend
     t, k = ids.shape
-    masked = t <= m.masked_max_tokens
-    align_rows = deep_gemm_ops.mk_alignment() if backend == "deep_gemm" else 128
-    make_plan = (lambda: rt.plan_masked(ids, 0, m.num_local, -(-t // 128) * 128)) if masked else (
-        lambda: rt.plan_contiguous(ids, 0, m.num_local, align_rows))
-    plan = make_plan()
+    plan, splits = m.plan_step(ids, backend)  # the layout Fp8Experts' forward uses for this T
     a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, m.w13.shape[2], DEV)
     a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, m.w2.shape[2], DEV)
-    h = torch.empty(plan.num_rows, m.w13.shape[1], dtype=torch.bfloat16, device=DEV)
-    y = torch.empty(plan.num_rows, D, dtype=torch.bfloat16, device=DEV)
+    h, y = m.gemm_output(plan, splits, m.w13.shape[1]), m.gemm_output(plan, splits, D)
     out = torch.empty(t, D, dtype=torch.bfloat16, device=DEV)
     stages = {
-        "plan": make_plan,
+        "plan": lambda: m.plan_step(ids, backend),
         "dispatch_quant": lambda: epi.dispatch_quant(x, plan.row_of_pair, k, a),
         "gemm_gate_up": lambda: m._gemm(backend, a, m.w13, m.s13, h, plan, t),
         "swiglu_quant": lambda: epi.swiglu_quant(h, plan.row_of_pair, ids, m.b13, 0, 1.702, 7.0, a2),

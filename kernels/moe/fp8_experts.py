@@ -138,13 +138,28 @@ class Fp8Experts(nn.Module):
 
     def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
         from kernels.moe import epilogues_triton as epi
-        from kernels.moe import routing_triton
-        from kernels.moe import triton_grouped_gemm as tgg
 
         t, k = ids.shape
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         if t == 0:
             return out
+        plan, splits = self.plan_step(ids, backend)
+        a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
+        epi.dispatch_quant(x, plan.row_of_pair, k, a)
+        h = self.gemm_output(plan, splits, self.w13.shape[1])
+        self._gemm(backend, a, self.w13, self.s13, h, plan, t)
+        a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
+        epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
+        y = self.gemm_output(plan, splits, self.hidden)
+        self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
+        return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
+
+    def plan_step(self, ids: torch.Tensor, backend: str):
+        """(routing plan, K splits of the GEMM outputs) of a forward over ids [T, k] on `backend`."""
+        from kernels.moe import routing_triton
+        from kernels.moe import triton_grouped_gemm as tgg
+
+        t = ids.shape[0]
         masked = t <= self.masked_max_tokens
         # The Triton decode GEMM (T <= 64) reads only each expert's counts[e] rows: groups of T rows
         # suffice. DeepGEMM stores whole 128-row tiles (see MASKED_ROW_ALIGN).
@@ -154,22 +169,14 @@ class Fp8Experts(nn.Module):
                                               t if decode else align(t, MASKED_ROW_ALIGN))
         else:
             plan = routing_triton.plan_contiguous(ids, self.first_expert, self.num_local, self._alignment(backend))
-        splits = tgg.decode_splits(t) if decode else 1
+        return plan, tgg.decode_splits(t) if decode else 1
 
-        def gemm_out(n: int) -> torch.Tensor:  # [rows, N] bf16, or [S, rows, N] fp32 partial sums
-            if splits == 1:
-                return torch.empty(plan.num_rows, n, dtype=torch.bfloat16, device=x.device)
-            return torch.empty(splits, plan.num_rows, n, dtype=torch.float32, device=x.device)
-
-        a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
-        epi.dispatch_quant(x, plan.row_of_pair, k, a)
-        h = gemm_out(self.w13.shape[1])
-        self._gemm(backend, a, self.w13, self.s13, h, plan, t)
-        a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
-        epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
-        y = gemm_out(self.hidden)
-        self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
-        return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
+    def gemm_output(self, plan, splits: int, n: int) -> torch.Tensor:
+        """A grouped GEMM's output: [rows, N] bf16, or [S, rows, N] fp32 split-K partial sums."""
+        device = plan.row_of_pair.device
+        if splits == 1:
+            return torch.empty(plan.num_rows, n, dtype=torch.bfloat16, device=device)
+        return torch.empty(splits, plan.num_rows, n, dtype=torch.float32, device=device)
 
     def _alignment(self, backend: str) -> int:
         if backend == "deep_gemm":
