@@ -1,19 +1,15 @@
-"""Model execution: step metadata, the paged KV cache, the forward, and K/V import/export by token.
+"""Model execution: the paged KV cache, the forward, and K/V import/export by token.
 
 Nothing here decides what runs (the scheduler does) or which token comes next (the sampler does):
 with tensor parallelism, rank 0 schedules and every rank runs `prepare` + `execute` on the same
-scheduled step. `build_step_arrays` is the one place that turns a scheduled step into the flat batch
-and paging metadata of kernels/attention/metadata.py (as host arrays, which rank 0 can send to the
-other ranks; `StepArrays.to_inputs` copies them to the device), for the pure-torch backend and the
-GPU one alike.
+scheduled step. The step's metadata comes from engine/step_arrays.py.
 
 Legend: T = new tokens in the step, B = sequences, N = sequences that sample, V = vocabulary,
-P = pages in a table row, Hkv / Dh = K/V heads on this rank / head dim.
+Hkv / Dh = K/V heads on this rank / head dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,125 +19,9 @@ from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.kv_payload import PrefilledKV
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
+from engine.step_arrays import StepArrayBuilder, StepInputs, to_device
+from kernels.attention import PagedKVCache
 from model.gpt_oss import GptOssForCausalLM
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    attention: AttentionBatch
-    logits_indices: torch.Tensor  # int64 [N]: the last token of each sequence that samples
-    sample_rows: list[int]  # host: which scheduled entries sample, in logits order
-    host: "StepArrays | None" = None  # what these were built from (rank 0 sends it to the other ranks)
-
-
-@dataclass
-class StepArrays:
-    """A scheduled step as host arrays, before any device copy. With several ranks, rank 0 sends these
-    (engine/distributed/wire.py packs them) and every rank builds identical StepInputs from them."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    query_start_loc: np.ndarray  # int32 [B+1]
-    full_tables: np.ndarray  # int32 [B, P], padded with page 0
-    full_lens: np.ndarray  # int32 [B]
-    full_slots: np.ndarray  # int64 [T]
-    sliding_tables: np.ndarray  # int32 [B, P]
-    sliding_lens: np.ndarray  # int32 [B]
-    sliding_slots: np.ndarray  # int64 [T]
-    logits_indices: np.ndarray  # int64 [N]
-    sample_rows: list[int]
-
-    def to_inputs(self, device) -> StepInputs:
-        query_lens = np.diff(self.query_start_loc).tolist()
-        attention = AttentionBatch(
-            query_start_loc=_to(device, self.query_start_loc),
-            query_lens_cpu=query_lens,
-            full=_group_meta(self.full_tables, self.full_lens, self.full_slots, device),
-            sliding=_group_meta(self.sliding_tables, self.sliding_lens, self.sliding_slots, device),
-            is_decode=all(n == 1 for n in query_lens),
-        )
-        return StepInputs(_to(device, self.input_ids), _to(device, self.positions), attention,
-                          _to(device, self.logits_indices), list(self.sample_rows), self)
-
-
-def _to(device, array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array).to(device, non_blocking=True)
-
-
-def _tables(rows: list) -> np.ndarray:
-    width = max(1, max(len(r) for r in rows))
-    tables = np.zeros((len(rows), width), dtype=np.int32)  # [B, P], padded with page 0
-    for b, row in enumerate(rows):
-        if len(row):
-            tables[b, : len(row)] = row
-    return tables
-
-
-def _group_meta(tables: np.ndarray, kv_lens: np.ndarray, slots: np.ndarray, device) -> KVGroupMeta:
-    return KVGroupMeta(block_tables=_to(device, tables), kv_lens=_to(device, kv_lens),
-                       slot_mapping=_to(device, slots), kv_lens_cpu=kv_lens.tolist())
-
-
-def _chunk_slots(pages, first_page: int, start: int, end: int, bs: int) -> list[int]:
-    """Cache slots of positions start .. end - 1 through a table whose entry 0 is logical page first_page."""
-    if end - start <= 16:  # decode rows and short chunks: Python ints beat a dozen tiny numpy calls
-        return [int(pages[p // bs - first_page]) * bs + p % bs for p in range(start, end)]
-    pos = np.arange(start, end, dtype=np.int64)
-    return (np.asarray(pages, dtype=np.int64)[pos // bs - first_page] * bs + pos % bs).tolist()
-
-
-def build_step_arrays(scheduled: list[ScheduledSeq], block_size: int) -> StepArrays:
-    """Flat batch + paging metadata for both layer kinds, on the host. Call after the scheduler
-    allocated pages.
-
-    Full tables hold every page; sliding tables start at the first live page, and their kv_lens
-    count from that page's first position. A kind the model lacks gets tables no layer reads."""
-    bs = block_size
-    ids: list[int] = []
-    positions: list[int] = []
-    full_rows, sliding_rows, full_slots, sliding_slots = [], [], [], []
-    full_lens, sliding_lens, starts, sample_rows, logits_indices = [], [], [0], [], []
-    for b, s in enumerate(scheduled):
-        seq, start, end = s.seq, s.start, s.end
-        ids += seq.token_slice(start, end)
-        positions += range(start, end)
-        full = seq.full_pages.array()
-        full_rows.append(full)
-        full_lens.append(end)
-        full_slots += _chunk_slots(full, 0, start, end, bs) if len(full) else [0] * (end - start)
-        live = seq.sliding_pages
-        sliding_rows.append(live if not len(live) else np.fromiter(live, dtype=np.int32, count=len(live)))
-        if len(live):
-            sliding_lens.append(end - seq.sliding_first * bs)
-            sliding_slots += _chunk_slots(sliding_rows[-1], seq.sliding_first, start, end, bs)
-        else:
-            sliding_lens.append(0)
-            sliding_slots += [0] * (end - start)
-        starts.append(starts[-1] + end - start)
-        if end == seq.num_tokens:  # the chunk reaches the last known token: sample
-            sample_rows.append(b)
-            logits_indices.append(starts[-1] - 1)
-    return StepArrays(
-        input_ids=np.asarray(ids, dtype=np.int64),
-        positions=np.asarray(positions, dtype=np.int64),
-        query_start_loc=np.asarray(starts, dtype=np.int32),
-        full_tables=_tables(full_rows),
-        full_lens=np.asarray(full_lens, dtype=np.int32),
-        full_slots=np.asarray(full_slots, dtype=np.int64),
-        sliding_tables=_tables(sliding_rows),
-        sliding_lens=np.asarray(sliding_lens, dtype=np.int32),
-        sliding_slots=np.asarray(sliding_slots, dtype=np.int64),
-        logits_indices=np.asarray(logits_indices, dtype=np.int64),
-        sample_rows=sample_rows,
-    )
-
-
-def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) -> StepInputs:
-    """StepInputs (device tensors) of a scheduled step: build_step_arrays, then one copy per array."""
-    return build_step_arrays(scheduled, block_size).to_inputs(device)
 
 
 def plan_pool_sizes(config: EngineConfig, budget_bytes: int, full_page_bytes: int, sliding_page_bytes: int,
@@ -178,6 +58,7 @@ class ModelRunner:
         self.kv_dtype = model.dtype
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
+        self.step_arrays = StepArrayBuilder(block_size)
 
     @property
     def has_full(self) -> bool:
@@ -210,7 +91,7 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        return build_step_inputs(scheduled, self.block_size, self.device)
+        return self.step_arrays.build(scheduled).to_inputs(self.device)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
@@ -244,7 +125,7 @@ class ModelRunner:
     @torch.inference_mode()
     def read_kv_slots(self, slots: dict[bool, np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind."""
-        index = {s: _to(self.device, a) for s, a in slots.items()}
+        index = {s: to_device(self.device, a) for s, a in slots.items()}
         ks, vs = [], []
         for layer, sliding in enumerate(self.layer_is_sliding):
             kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
@@ -255,7 +136,7 @@ class ModelRunner:
     @torch.inference_mode()
     def write_kv_slots(self, slots: dict[bool, np.ndarray], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         """Write per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind."""
-        index = {s: _to(self.device, a) for s, a in slots.items()}
+        index = {s: to_device(self.device, a) for s, a in slots.items()}
         for layer, sliding in enumerate(self.layer_is_sliding):
             kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
             kc.view(-1, *kc.shape[2:]).index_copy_(0, index[sliding], ks[layer].to(self.device, kc.dtype))

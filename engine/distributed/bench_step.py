@@ -23,7 +23,7 @@ from engine.distributed.executor import Executor
 from engine.distributed.wire import pack_step, unpack_step
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
-from engine.runner import StepArrays
+from engine.step_arrays import StepArrays
 
 TINY = dict(vocab_size=1000, sliding_window=8, dtype="float32", hidden_size=64, head_dim=16, intermediate_size=64,
             num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, seed=3)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from engine.distributed.wire import Op, flatten_kv, pack_slots, pack_step, unflatten_kv
 from engine.kv_payload import PrefilledKV
-from engine.runner import ModelRunner, StepInputs
+from engine.runner import ModelRunner
+from engine.step_arrays import StepInputs
 from engine.sequence import Sequence
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.runner import StepArrays
+from engine.step_arrays import StepArrays
 
 
 class Op(enum.IntEnum):

@@ -24,7 +24,7 @@ from engine.distributed.executor import check_devices
 from engine.distributed.wire import Op, pack_slots, pack_step, unpack_slots, unpack_step
 from engine.llm_engine import LLMEngine, StepFailedError
 from engine.request import GenerateRequest, SamplingParams
-from engine.runner import StepArrays
+from engine.step_arrays import StepArrays
 from model.loader import load_model, read_config
 from model.tiny import make_tiny
 from tests.engine.engine_testlib import assert_pool_full, run_to_end

@@ -6,7 +6,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import SamplingParams
-from engine.runner import ModelRunner, build_step_inputs, plan_pool_sizes
+from engine.runner import ModelRunner, plan_pool_sizes
+from engine.step_arrays import build_step_inputs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from tests.engine.engine_testlib import BLOCK, WINDOW, random_prompt

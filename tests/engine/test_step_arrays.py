@@ -1,0 +1,76 @@
+"""StepArrayBuilder (the decode fast path of the step metadata) against build_step_arrays, its definition:
+every step of engines that cross page edges, free sliding pages, admit and finish sequences mid-run
+and preempt under a tiny pool must get identical arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine.step_arrays import StepArrays, build_step_arrays
+from tests.engine.engine_testlib import BLOCK, greedy, random_prompt, request, run_to_end
+
+
+def assert_same(fast: StepArrays, slow: StepArrays) -> None:
+    for f in dataclasses.fields(StepArrays):
+        a, b = getattr(fast, f.name), getattr(slow, f.name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f.name
+        else:
+            assert a == b, f.name
+
+
+def checked(engine) -> dict:
+    """Make `engine` compare every step's arrays with build_step_arrays; count fast-path steps."""
+    builder, counts = engine.runner.step_arrays, {"fast": 0, "steps": 0}
+    build, advance = builder.build, builder._advance
+
+    def counting_advance(*args):
+        counts["fast"] += 1
+        return advance(*args)
+
+    def checking_build(scheduled):
+        fast = build(scheduled)
+        assert_same(fast, build_step_arrays(scheduled, BLOCK))
+        counts["steps"] += 1
+        return fast
+
+    builder._advance, builder.build = counting_advance, checking_build
+    return counts
+
+
+SPECS = [(3, 30), (9, 25), (1, 20), (17, 12), (6, 28), (2, 33), (11, 21), (5, 26), (8, 19), (4, 31)]
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_fast_path_arrays_equal_build_step_arrays(make_engine, pool):
+    # 10 sequences (the fast path needs a batch of >= StepArrayBuilder.MIN_BATCH = 8); "tight": the
+    # pool cannot hold them all to the end, so sequences are preempted and come back.
+    engine = make_engine(max_num_seqs=12, max_model_len=48) if pool == "roomy" else make_engine(
+        max_num_seqs=12, max_model_len=48, num_full_pages=56, num_sliding_pages=36, max_num_batched_tokens=32)
+    counts = checked(engine)
+    # Prompts shorter and longer than the window (8) and the page (4); outputs long enough to cross
+    # several page edges and free sliding pages while decoding.
+    for i, (n, m) in enumerate(SPECS):
+        engine.add_request(request(f"r{i}", random_prompt(n, i), greedy(m)))
+    for _ in range(6):  # a few steps in, a new sequence joins the batch
+        engine.step()
+    engine.add_request(request("late", random_prompt(5, 99), greedy(15)))
+    out = run_to_end(engine)
+    assert set(out) >= {"r0", "late"}
+    assert counts["fast"] > counts["steps"] // 4, counts  # the fast path did a good share of the steps
+    if pool == "tight":
+        assert engine.metrics.snapshot()["preemptions_total"] > 0
+
+
+def test_outputs_do_not_depend_on_the_fast_path(make_engine):
+    reqs = [request(f"r{i}", random_prompt(n, i), greedy(m)) for i, (n, m) in enumerate(SPECS)]
+    with_fast, without = make_engine(max_num_seqs=12, max_model_len=48), make_engine(max_num_seqs=12, max_model_len=48)
+    without.runner.step_arrays._continues = lambda *_: False
+    for e in (with_fast, without):
+        for r in reqs:
+            e.add_request(r)
+    assert {k: v["ids"] for k, v in run_to_end(with_fast).items()} == \
+           {k: v["ids"] for k, v in run_to_end(without).items()}
