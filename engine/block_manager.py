@@ -116,6 +116,25 @@ class BlockManager:
         if need_sliding:
             seq.sliding_pages.extend(self.sliding.allocate(need_sliding))
 
+    def allocate_next_tokens(self, seqs: list[Sequence]) -> bool:
+        """Slots for one more token (position num_computed) for every one of `seqs`, or for none of them
+        (False: not enough free pages). Same pages as allocate(seq, num_computed + 1) one by one; batched
+        for the decode step, where most sequences need no new page."""
+        bs = self.block_size
+        need_full = [(s, n) for s in seqs if (n := -(-(s.num_computed + 1) // bs) - len(s.full_pages)) > 0] \
+            if self.full is not None else []
+        need_sliding = [(s, n) for s in seqs
+                        if (n := -(-(s.num_computed + 1) // bs) - s.sliding_first - len(s.sliding_pages)) > 0] \
+            if self.sliding is not None else []
+        if (need_full and sum(n for _, n in need_full) > self.full.num_free) or \
+                (need_sliding and sum(n for _, n in need_sliding) > self.sliding.num_free):
+            return False
+        for s, n in need_full:
+            s.full_pages.extend(self.full.allocate(n))
+        for s, n in need_sliding:
+            s.sliding_pages.extend(self.sliding.allocate(n))
+        return True
+
     def start_sliding_at(self, seq: Sequence, position: int) -> None:
         """For a sequence with no pages yet whose sliding layers hold K/V from `position` on (an import)."""
         if len(seq.full_pages) or seq.sliding_pages:

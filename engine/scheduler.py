@@ -11,6 +11,9 @@ Policy (first come, first served):
   prefills prompt + output again). The oldest sequence therefore always progresses, and since the
   pools hold one max_model_len sequence (checked at engine start) nothing deadlocks.
 
+The common step, every running sequence decoding one token with pages to spare, takes a shortcut
+with the same outcome (one batched page check instead of the per-sequence loop).
+
 Three step kinds share the policy: MIXED (decodes and prefill chunks in one forward, the default),
 PREFILL (prefill chunks only: a prefill replica) and DECODE (decodes only, plus admission of
 sequences whose K/V was imported from a prefill replica).
@@ -125,6 +128,13 @@ class Scheduler:
     def schedule(self, kind: StepKind = StepKind.MIXED) -> SchedulerOutput:
         out = SchedulerOutput(kind)
         budget = self.config.max_num_batched_tokens
+        if self._all_decode(kind) and len(self.running) <= budget \
+                and self.block_manager.allocate_next_tokens(self.running):
+            # The common step: every running sequence decodes one token and the pages suffice, so the
+            # per-sequence loop below would schedule exactly this, preempting nobody.
+            out.scheduled = [ScheduledSeq(seq, seq.num_computed, 1, False) for seq in self.running]
+            self._admit(kind, budget - len(self.running), out)
+            return out
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -140,6 +150,10 @@ class Scheduler:
             i += 1
         self._admit(kind, budget, out)
         return out
+
+    def _all_decode(self, kind: StepKind) -> bool:
+        return kind is not StepKind.PREFILL and bool(self.running) and all(
+            s.output_ids and s.num_computed == len(s.prompt_ids) + len(s.output_ids) - 1 for s in self.running)
 
     def _make_room(self, seq: Sequence, want: int, out: SchedulerOutput) -> int:
         """Tokens `seq` can compute this step, preempting the newest running sequences if needed."""

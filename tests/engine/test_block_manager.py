@@ -115,3 +115,31 @@ def test_import_starts_sliding_table_at_window():
     assert len(seq.full_pages) == cdiv(30, 4)
     with pytest.raises(KVCacheError, match="already holds pages"):
         bm.start_sliding_at(seq, 0)
+
+
+def test_allocate_next_tokens_equals_one_by_one_and_is_all_or_none():
+    rng = random.Random(3)
+    batched, single = BlockManager(4, 8, 200, 200), BlockManager(4, 8, 200, 200)
+    seqs_b, seqs_s = [_seq(f"b{i}") for i in range(9)], [_seq(f"s{i}") for i in range(9)]
+    for sb, ss in zip(seqs_b, seqs_s):  # awkward starting points: page edges and mid-page
+        n = rng.randrange(1, 30)
+        for bm, s in ((batched, sb), (single, ss)):
+            _decode(bm, s, n, chunk=rng.choice([1, 5]))
+    for _ in range(25):
+        assert batched.allocate_next_tokens(seqs_b)
+        for s in seqs_s:
+            single.allocate(s, s.num_computed + 1)
+        for sb, ss in zip(seqs_b, seqs_s):
+            assert (len(sb.full_pages), sb.sliding_first, len(sb.sliding_pages)) == \
+                   (len(ss.full_pages), ss.sliding_first, len(ss.sliding_pages))
+        for bm, seqs in ((batched, seqs_b), (single, seqs_s)):
+            for s in seqs:
+                s.num_computed += 1
+                bm.release_out_of_window(s)
+        assert batched.usage() == single.usage()
+    # Too few free pages for everyone: nothing is allocated.
+    tight = BlockManager(4, 8, 3, 200)
+    seqs = [_seq(f"t{i}") for i in range(4)]
+    assert not tight.allocate_next_tokens(seqs)  # 4 sequences need a first full page each, 3 are free
+    assert tight.full.num_free == 3 and all(len(s.full_pages) == 0 for s in seqs)
+    assert tight.allocate_next_tokens(seqs[:3]) and tight.full.num_free == 0

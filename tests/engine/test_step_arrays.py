@@ -74,3 +74,60 @@ def test_outputs_do_not_depend_on_the_fast_path(make_engine):
             e.add_request(r)
     assert {k: v["ids"] for k, v in run_to_end(with_fast).items()} == \
            {k: v["ids"] for k, v in run_to_end(without).items()}
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_scheduler_decode_fast_path_schedules_what_the_loop_would(make_engine, pool):
+    """Two engines in lockstep, one with the scheduler's all-decode fast path switched off: the same
+    sequences, positions, preemptions and pages at every step, and the same outputs."""
+    kw = dict(max_num_seqs=12, max_model_len=48)
+    if pool == "tight":
+        kw.update(num_full_pages=56, num_sliding_pages=36, max_num_batched_tokens=32)
+    fast, loop = make_engine(**kw), make_engine(**kw)
+    loop.scheduler._all_decode = lambda kind: False
+    taken = {"fast": 0}
+    all_decode = fast.scheduler._all_decode
+
+    def counting(kind):
+        result = all_decode(kind)
+        taken["fast"] += result
+        return result
+
+    fast.scheduler._all_decode = counting
+    for e in (fast, loop):
+        for i, (n, m) in enumerate(SPECS):
+            e.add_request(request(f"r{i}", random_prompt(n, i), greedy(m)))
+
+    def state(engine, out):
+        return ([(s.seq.request_id, s.start, s.num_tokens, s.is_prefill) for s in out.scheduled],
+                [s.request_id for s in out.preempted],
+                sorted((s.request_id, len(s.full_pages), s.sliding_first, len(s.sliding_pages))
+                       for s in engine.scheduler.running))
+
+    outputs = {"fast": {}, "loop": {}}
+    for step in range(500):
+        if step == 6:  # a sequence joins mid-run (in the tight pool it forces preemptions)
+            for e in (fast, loop):
+                e.add_request(request("late", random_prompt(5, 99), greedy(15)))
+        if not (fast.has_unfinished() or loop.has_unfinished()):
+            break
+        got = []
+        for name, e in (("fast", fast), ("loop", loop)):
+            schedule = e.scheduler.schedule
+            seen = {}
+
+            def spy(kind=None, schedule=schedule, seen=seen, e=e):
+                out = schedule(kind) if kind is not None else schedule()
+                seen["state"] = state(e, out)
+                return out
+
+            e.scheduler.schedule = spy
+            for d in e.step():
+                outputs[name].setdefault(d.request_id, []).extend(d.token_ids)
+            e.scheduler.schedule = schedule
+            got.append(seen.get("state"))
+        assert got[0] == got[1], f"step {step}"
+    assert outputs["fast"] == outputs["loop"]
+    assert taken["fast"] > 10
+    if pool == "tight":
+        assert fast.metrics.snapshot()["preemptions_total"] > 0
