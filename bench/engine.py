@@ -131,6 +131,60 @@ def scheduler_overhead(device: str, batch: int, context: int, steps: int = 200) 
             "build_step_arrays_from_scratch_us_median": _us(scratch)}
 
 
+def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0, rounds: int = 6) -> dict:
+    """The engine's two decode fast paths (scheduler shortcut, incremental step metadata) against the
+    general paths, alternating in one engine and one process. The forward is replaced by a busy wait
+    of gpu_ms (a GPU step: CUDA's default synchronization spins, so the host core stays busy), so the
+    host side is measured as a GPU host would run it."""
+    from engine.step_arrays import build_step_inputs
+
+    cfg = GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=1024, hidden_size=64,
+                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=2 * context)
+    from model.gpt_oss import GptOssForCausalLM
+
+    engine = LLMEngine(GptOssForCausalLM(cfg), EngineConfig(
+        max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=context + 1024, device="cpu",
+        kv_cache_bytes=batch * (context + 1024) * 2 * 2 * 16 * 4 * 2))
+    runner, sched = engine.runner, engine.scheduler
+    logits = torch.zeros(batch, cfg.vocab_size)
+
+    def gpu_step(inputs):
+        end = time.perf_counter() + gpu_ms / 1e3
+        while time.perf_counter() < end:
+            pass
+        return logits[: len(inputs.sample_rows)]
+
+    runner.execute = gpu_step
+    sampling = SamplingParams(temperature=0, max_tokens=1 + rounds * 2 * 15 * 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(GenerateRequest(f"r{i}", [(i + j) % 1000 + 1 for j in range(context)], sampling))
+    while engine.scheduler.waiting or any(s.is_prefill for s in sched.running):
+        engine.step()
+    fast_prepare, fast_schedule = runner.prepare, sched._all_decode
+    variants = {
+        "prepare": {"fast": fast_prepare, "general": lambda scheduled: build_step_inputs(scheduled, 16, runner.device)},
+        "schedule": {"fast": fast_schedule, "general": lambda kind: False},
+    }
+    out = {"batch": batch, "context": context, "gpu_ms": gpu_ms}
+    for part, fns in variants.items():
+        times = {"fast": [], "general": []}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                if part == "prepare":
+                    runner.prepare = fn
+                    runner.step_arrays._arrays = None
+                else:
+                    sched._all_decode = fn
+                for i in range(15):
+                    engine.step()
+                    if i >= 2:  # the first steps after a switch rebuild their caches
+                        times[name].append(getattr(engine.metrics.last_step, part))
+        runner.prepare, sched._all_decode = fast_prepare, fast_schedule
+        out[part] = {name: _us(v) for name, v in times.items()}
+    return out
+
+
 def kv_saving(preset: str, length: int = 32768, block: int = 16) -> dict:
     """Pages and bytes of one `length`-token sequence: window freeing vs every layer keeping every page."""
     c = GptOssConfig.preset(preset)
@@ -178,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [throughput(model, args.device, mode, args.requests, args.max_tokens, args.seed)
                 for mode in ("greedy", "sampled")]
     overhead = [scheduler_overhead(args.device, 64, ctx) for ctx in (1024, 32768)]
+    fast_paths = [decode_fast_paths(b) for b in (16, 64, 256)]
     savings = [kv_saving(p) for p in ("gpt-oss-120b", "gpt-oss-20b")]
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -198,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         (f"context {o['context']}", f"{o['host_us_median']:.0f} us (p90 {o['host_us_p90']:.0f}): schedule "
                                     f"{o['schedule_us_median']:.0f}, prepare {o['prepare_us_median']:.0f}, "
                                     f"update {o['update_us_median']:.0f}") for o in overhead])
+    _table("decode fast paths vs general paths, one engine, forward = 5 ms busy wait, context 8k (median us)", [
+        (f"batch {f['batch']}", f"schedule {f['schedule']['general']:.0f} -> {f['schedule']['fast']:.0f}, "
+                                f"step metadata {f['prepare']['general']:.0f} -> {f['prepare']['fast']:.0f}")
+        for f in fast_paths])
     _table("KV of one 32k-token sequence, pages of 16, bf16", [
         (s["preset"], f"{s['full_pages']} full + {s['sliding_pages_peak']} sliding pages = {s['windowed_gib']:.3f} GiB"
                       f" vs naive {s['naive_pages']} pages = {s['naive_gib']:.3f} GiB: {100 * s['saving']:.1f}% saved")
@@ -208,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"engine-{stamp}-{args.device.replace(':', '')}.json"
     path.write_text(json.dumps({"date": stamp, "device": args.device, "device_name": device_name, "dtype": dtype,
                                 "torch": torch.__version__, "threads": torch.get_num_threads(),
-                                "throughput": runs, "scheduler_overhead": overhead, "kv_saving": savings},
+                                "throughput": runs, "scheduler_overhead": overhead,
+                                "decode_fast_paths": fast_paths, "kv_saving": savings},
                                indent=2))
     print(f"\nwrote {path}")
     return 0

@@ -141,18 +141,19 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) ->
 
 
 class StepArrayBuilder:
-    """build_step_arrays with a fast path for consecutive decode steps of the same batch of >= 8.
+    """build_step_arrays with a fast path for consecutive decode steps of the same batch of >= 24.
 
     The fast path applies when the step schedules the previous step's sequences in the same order, each
     for exactly the token after the previous one, every row holding pages of both kinds. Everything
     else (a prefill chunk, a sequence joining, finishing or preempted, a model without one layer kind)
     builds from scratch. Arrays handed out are never modified afterwards.
 
-    Host time of the step metadata per decode step at context 8k (`python -m bench.engine`'s
-    scheduler-overhead section, this machine's CPU, 2026-11-30): batch 64 294 -> ~95 us, batch 256
-    1,238 -> ~300 us; below batch ~8 the from-scratch build is cheaper (13 vs ~25 us at batch 1)."""
+    Step metadata per decode step inside the engine at context 8k (`python -m bench.engine`, decode
+    fast paths section; this machine's CPU, 2026-11-30): batch 64 370 -> 205 us, batch 256 1,391 ->
+    528 us, incl. the tensor wrapping; at batch 16 the from-scratch build was cheaper (125 vs 139 us),
+    the two crossing near 20."""
 
-    MIN_BATCH = 8
+    MIN_BATCH = 24
 
     def __init__(self, block_size: int):
         self.block_size = block_size

@@ -23,8 +23,10 @@ def assert_same(fast: StepArrays, slow: StepArrays) -> None:
 
 
 def checked(engine) -> dict:
-    """Make `engine` compare every step's arrays with build_step_arrays; count fast-path steps."""
+    """Make `engine` compare every step's arrays with build_step_arrays; count fast-path steps. The fast
+    path's batch threshold (a speed trade-off, MIN_BATCH) is lowered so that small tests exercise it."""
     builder, counts = engine.runner.step_arrays, {"fast": 0, "steps": 0}
+    builder.MIN_BATCH = 8
     build, advance = builder.build, builder._advance
 
     def counting_advance(*args):
@@ -46,7 +48,7 @@ SPECS = [(3, 30), (9, 25), (1, 20), (17, 12), (6, 28), (2, 33), (11, 21), (5, 26
 
 @pytest.mark.parametrize("pool", ["roomy", "tight"])
 def test_fast_path_arrays_equal_build_step_arrays(make_engine, pool):
-    # 10 sequences (the fast path needs a batch of >= StepArrayBuilder.MIN_BATCH = 8); "tight": the
+    # 10 sequences (the fast path needs a batch of >= MIN_BATCH, set to 8 by `checked`); "tight": the
     # pool cannot hold them all to the end, so sequences are preempted and come back.
     engine = make_engine(max_num_seqs=12, max_model_len=48) if pool == "roomy" else make_engine(
         max_num_seqs=12, max_model_len=48, num_full_pages=56, num_sliding_pages=36, max_num_batched_tokens=32)
@@ -68,6 +70,7 @@ def test_fast_path_arrays_equal_build_step_arrays(make_engine, pool):
 def test_outputs_do_not_depend_on_the_fast_path(make_engine):
     reqs = [request(f"r{i}", random_prompt(n, i), greedy(m)) for i, (n, m) in enumerate(SPECS)]
     with_fast, without = make_engine(max_num_seqs=12, max_model_len=48), make_engine(max_num_seqs=12, max_model_len=48)
+    with_fast.runner.step_arrays.MIN_BATCH = 8
     without.runner.step_arrays._continues = lambda *_: False
     for e in (with_fast, without):
         for r in reqs:
