@@ -87,7 +87,7 @@ def hf_baseline(device: torch.device, budget_s: float, tiny: bool = False) -> di
         s = _seconds(decode, device) / steps
         result["decode"].append({"batch": 1, "ctx": ctx, "step_ms": s * 1e3, "tok_s_user": 1 / s})
         result["points"].append(f"decode b=1 ctx {ctx}: {1 / s:.1f} tok/s")
-    del model
+    model = None  # free the weights before the caller goes on
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result

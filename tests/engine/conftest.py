@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.llm_engine import LLMEngine
 from tests.engine.engine_testlib import VOCAB, WINDOW, engine_config

@@ -1,7 +1,6 @@
 """Tensor and expert parallelism on CPU with gloo: the logits of every split equal world size 1."""
 
 import json
-import os
 import socket
 
 import pytest
