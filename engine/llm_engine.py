@@ -94,6 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(mc.vocab_size, model.device)
         self.metrics = EngineMetrics()
+        self._last_sampling: tuple[list[Sequence], list[int], SamplingBatch] | None = None
         self.seqs: dict[str, Sequence] = {}  # every unfinished request: waiting, running or prefilled
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -252,8 +253,7 @@ class LLMEngine:
                 seq.pending_kv = None
             t2 = time.perf_counter()
             rows = [out.scheduled[b].seq for b in inputs.sample_rows]
-            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows],
-                                        [len(s.output_ids) for s in rows], self.runner.device)
+            batch = self._sampling_batch(rows)
             logits = self.runner.execute(inputs)
             token_ids, logprobs, top = [], None, None
             if rows:  # a step of partial prefill chunks samples nothing
@@ -272,6 +272,20 @@ class LLMEngine:
         self.metrics.record_step(out.num_prefill_tokens, out.num_decode_tokens, len(out.preempted), times)
         self._update_state_metrics()
         return deltas
+
+    def _sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
+        """The step's SamplingBatch. When the same sequences sample again, each one token further (a
+        decode step of an unchanged batch), the last batch is reused with its step counters moved on
+        the device: no rebuild, no host-to-device copies."""
+        steps = [len(s.output_ids) for s in rows]
+        last = self._last_sampling
+        if last is not None and len(last[0]) == len(rows) and all(a is b for a, b in zip(last[0], rows)) \
+                and all(n == m + 1 for n, m in zip(steps, last[1])):
+            batch = last[2].next_step()
+        else:
+            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.runner.device)
+        self._last_sampling = (rows, steps, batch)
+        return batch
 
     def _apply(self, out: SchedulerOutput, rows: list[Sequence], token_ids: list[int],
                logprobs: list[float] | None, top) -> list[TokenDelta]:

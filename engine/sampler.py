@@ -22,6 +22,7 @@ vocabulary. The noise of a token does not depend on the path, so both give the s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,10 @@ class SamplingBatch:
     any_min_p: bool
     top_k_cap: int | None  # max top_k when every sampled row sets one: sample among that many candidates
     num_logprobs: int | None  # the largest top-N asked for; None: nobody wants logprobs
+
+    def next_step(self) -> "SamplingBatch":
+        """The same rows one token later (every row sampled once since): only `step` moves, on the device."""
+        return dataclasses.replace(self, step=self.step + 1)
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int],

@@ -134,3 +134,33 @@ def test_scheduler_decode_fast_path_schedules_what_the_loop_would(make_engine, p
     assert taken["fast"] > 10
     if pool == "tight":
         assert fast.metrics.snapshot()["preemptions_total"] > 0
+
+
+def test_sampling_batch_reuse_gives_the_same_samples(make_engine, monkeypatch):
+    """Seeded sampling with the SamplingBatch carried from step to step (step counters moved on the
+    device) equals rebuilding it every step; and the carried path is taken."""
+    from engine.request import SamplingParams
+    from engine.sampler import SamplingBatch
+
+    def reqs():
+        return [request(f"r{i}", random_prompt(n, i), SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=m))
+                for i, (n, m) in enumerate(SPECS)]
+
+    carried = {"n": 0}
+    real_next = SamplingBatch.next_step
+
+    def counting_next(self):
+        carried["n"] += 1
+        return real_next(self)
+
+    monkeypatch.setattr(SamplingBatch, "next_step", counting_next)
+    reuse, rebuild = make_engine(max_num_seqs=12, max_model_len=48), make_engine(max_num_seqs=12, max_model_len=48)
+    rebuild._last_sampling = None
+    rebuild._sampling_batch = lambda rows: SamplingBatch.build(
+        [s.sampling for s in rows], [s.seed for s in rows], [len(s.output_ids) for s in rows], rebuild.runner.device)
+    for e in (reuse, rebuild):
+        for r in reqs():
+            e.add_request(r)
+    got, want = run_to_end(reuse), run_to_end(rebuild)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+    assert carried["n"] > 10
