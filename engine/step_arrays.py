@@ -162,8 +162,12 @@ class StepArrayBuilder:
         self._full_counts = np.zeros(0, dtype=np.int64)
         self._sliding_firsts = np.zeros(0, dtype=np.int64)
         self._sliding_counts = np.zeros(0, dtype=np.int64)
+        # After a fast-path build: (the previous arrays, rows whose full table changed, rows whose
+        # sliding table changed), what rank 0 needs to send other ranks the step as a delta.
+        self.last_delta: tuple[StepArrays, np.ndarray, np.ndarray] | None = None
 
     def build(self, scheduled: list[ScheduledSeq]) -> StepArrays:
+        self.last_delta = None
         if len(scheduled) < self.MIN_BATCH:
             self._arrays = None
             return build_step_arrays(scheduled, self.block_size)
@@ -172,7 +176,11 @@ class StepArrayBuilder:
         sliding_firsts = np.fromiter((q.sliding_first for q in seqs), dtype=np.int64, count=len(seqs))
         sliding_counts = np.fromiter((len(q.sliding_pages) for q in seqs), dtype=np.int64, count=len(seqs))
         if self._continues(scheduled, seqs) and full_counts.all() and sliding_counts.all():
-            arrays = self._advance(seqs, full_counts, sliding_firsts, sliding_counts)
+            full_changed = np.flatnonzero(full_counts != self._full_counts)
+            sliding_changed = np.flatnonzero((sliding_counts != self._sliding_counts)
+                                             | (sliding_firsts != self._sliding_firsts))
+            self.last_delta = (self._arrays, full_changed, sliding_changed)
+            arrays = self._advance(seqs, full_counts, sliding_firsts, sliding_counts, full_changed, sliding_changed)
         else:
             arrays = build_step_arrays(scheduled, self.block_size)
         self._seqs, self._arrays = seqs, arrays
@@ -191,13 +199,11 @@ class StepArrayBuilder:
                 return False
         return True
 
-    def _advance(self, seqs: list, full_counts: np.ndarray, sliding_firsts: np.ndarray,
-                 sliding_counts: np.ndarray) -> StepArrays:
+    def _advance(self, seqs: list, full_counts: np.ndarray, sliding_firsts: np.ndarray, sliding_counts: np.ndarray,
+                 full_changed: np.ndarray, sliding_changed: np.ndarray) -> StepArrays:
         prev, bs, rows = self._arrays, self.block_size, np.arange(len(seqs))
         positions = prev.positions + 1
-        full = self._patched(prev.full_tables, full_counts, full_counts != self._full_counts,
-                             lambda q: q.full_pages.array(), seqs)
-        sliding_changed = (sliding_counts != self._sliding_counts) | (sliding_firsts != self._sliding_firsts)
+        full = self._patched(prev.full_tables, full_counts, full_changed, lambda q: q.full_pages.array(), seqs)
         sliding = self._patched(prev.sliding_tables, sliding_counts, sliding_changed,
                                 lambda q: np.fromiter(q.sliding_pages, dtype=np.int32, count=len(q.sliding_pages)),
                                 seqs)
@@ -218,11 +224,16 @@ class StepArrayBuilder:
     @staticmethod
     def _patched(prev: np.ndarray, counts: np.ndarray, changed: np.ndarray, pages_of, seqs: list) -> np.ndarray:
         """The previous step's table with the changed rows rebuilt; as wide as build_step_arrays makes it."""
-        width = max(1, int(counts.max()))
-        table = np.zeros((len(seqs), width), dtype=np.int32)
-        keep = min(width, prev.shape[1])
-        table[:, :keep] = prev[:, :keep]
-        for b in np.flatnonzero(changed):
+        table = resized_table(prev, max(1, int(counts.max())))
+        for b in changed:
             table[b] = 0
             table[b, : counts[b]] = pages_of(seqs[b])
         return table
+
+
+def resized_table(prev: np.ndarray, width: int) -> np.ndarray:
+    """A copy of a [B, P] page table, cut or zero-padded to `width` columns."""
+    table = np.zeros((prev.shape[0], width), dtype=np.int32)
+    keep = min(width, prev.shape[1])
+    table[:, :keep] = prev[:, :keep]
+    return table

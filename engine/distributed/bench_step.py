@@ -20,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.executor import Executor
-from engine.distributed.wire import pack_step, unpack_step
+from engine.distributed.wire import apply_step_delta, pack_step, pack_step_delta, unpack_step
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
 from engine.step_arrays import StepArrays
@@ -47,8 +47,9 @@ def decode_step_ms(engine: LLMEngine, batch: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def message_us(batch: int, context: int, block_size: int, repeat: int = 200) -> tuple[float, int]:
-    """(us to pack + unpack one decode-step message, its bytes) for `batch` sequences of `context` tokens."""
+def message_us(batch: int, context: int, block_size: int, repeat: int = 200) -> tuple[float, int, float, int]:
+    """(us to pack + unpack one decode-step message, its bytes; the same for the step as a delta of the
+    previous one, one sequence in block_size crossing a page edge) for `batch` sequences of `context` tokens."""
     pages = -(-context // block_size)
     g = np.random.default_rng(0)
     arrays = StepArrays(g.integers(0, 1000, batch), np.full(batch, context - 1), np.arange(batch + 1, dtype=np.int32),
@@ -60,7 +61,13 @@ def message_us(batch: int, context: int, block_size: int, repeat: int = 200) -> 
     for _ in range(repeat):
         buf = pack_step(arrays)
         unpack_step(buf)
-    return (time.perf_counter() - t0) / repeat * 1e6, buf.nbytes
+    full_us = (time.perf_counter() - t0) / repeat * 1e6
+    rows = np.arange(0, batch, block_size)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        delta = pack_step_delta(arrays, rows, rows, 0)
+        apply_step_delta(arrays, 0, delta)
+    return full_us, buf.nbytes, (time.perf_counter() - t0) / repeat * 1e6, delta.nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['split']:<12}{r['step_ms']:>10.2f}")
     messages = []
     for batch, context in ((8, 1024), (64, 8192), (256, 32768)):
-        us, nbytes = message_us(batch, context, 16)
-        messages.append({"batch": batch, "context": context, "bytes": nbytes, "pack_unpack_us": us})
-        print(f"step message: batch {batch}, context {context}: {nbytes} bytes, pack + unpack {us:.0f} us")
+        us, nbytes, delta_us, delta_bytes = message_us(batch, context, 16)
+        messages.append({"batch": batch, "context": context, "bytes": nbytes, "pack_unpack_us": us,
+                         "delta_bytes": delta_bytes, "delta_pack_apply_us": delta_us})
+        print(f"step message: batch {batch}, context {context}: {nbytes} bytes, pack + unpack {us:.0f} us; "
+              f"as a decode delta: {delta_bytes} bytes, pack + apply {delta_us:.0f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "device": args.device, "world": w, "rows": rows, "messages": messages},

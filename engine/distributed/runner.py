@@ -4,8 +4,9 @@ Rank 0 owns scheduling, paging and sampling; the other ranks mirror its runner c
 
     kv_budget_bytes  KV_BUDGET, then the MIN over ranks (GPUs of one replica may differ in free memory)
     allocate         ALLOCATE (same page counts everywhere: rank 0's page ids index every rank's cache)
-    execute          STEP with the step's host arrays; every rank copies them to its device and runs the
-                     forward; the model all-gathers the vocabulary-split logits, so rank 0 samples them all
+    execute          STEP with the step's host arrays (STEP_DELTA: only what changed since the last step,
+                     for consecutive decode steps of one batch); every rank copies them to its device and
+                     runs the forward; the model all-gathers the vocabulary-split logits, so rank 0 samples
     write_kv         IMPORT_KV with the slots, then a scatter: rank r receives the heads it holds
     read_kv          EXPORT_KV with the slots, then a gather of every rank's heads to rank 0
 
@@ -20,10 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.distributed.wire import Op, flatten_kv, pack_slots, pack_step, unflatten_kv
+from engine.distributed.wire import Op, flatten_kv, pack_slots, pack_step, pack_step_delta, unflatten_kv
 from engine.kv_payload import PrefilledKV
 from engine.runner import ModelRunner
-from engine.step_arrays import StepInputs
+from engine.step_arrays import StepArrays, StepInputs
 from engine.sequence import Sequence
 
 
@@ -34,6 +35,9 @@ class DistributedRunner(ModelRunner):
         self.owns_executor = owns_executor
         self.tp_size = model.parallel.tp_size
         self.world_size = executor.spec.world_size
+        self._sent: StepArrays | None = None  # the last step the other ranks ran, and its number
+        self._sent_number = 0
+        self.delta_steps = 0  # steps sent as deltas (STEP_DELTA), for tests and benchmarks
 
     def kv_budget_bytes(self, config) -> int:
         with self.executor.guard("KV budget", self) as channel:
@@ -51,7 +55,14 @@ class DistributedRunner(ModelRunner):
         if inputs.host is None:
             raise ValueError("a multi-rank step needs the host arrays it was built from: use runner.prepare")
         with self.executor.guard("step", self) as channel:
-            channel.send(Op.STEP, pack_step(inputs.host))
+            delta = self.step_arrays.last_delta
+            number = self._sent_number + 1
+            if delta is not None and delta[0] is self._sent and self._sent is not None:
+                channel.send(Op.STEP_DELTA, pack_step_delta(inputs.host, delta[1], delta[2], self._sent_number))
+                self.delta_steps += 1
+            else:
+                channel.send(Op.STEP, pack_step(inputs.host))
+            self._sent, self._sent_number = inputs.host, number
             return super().execute(inputs)
 
     # ---- K/V hand-off ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed.wire import (ControlChannel, Op, flatten_kv, unflatten_kv, unpack_slots,
+from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, flatten_kv, unflatten_kv, unpack_slots,
                                      unpack_step)
 
 # NVLink SHARP / multicast stays off in every rank: it is unavailable or unreliable on the lent H200
@@ -117,6 +117,7 @@ class RankWorker:
         self.spec = spec
         self._device = device
         self.runner = None
+        self._last_step, self._last_number = None, 0  # the step this rank ran last (STEP_DELTA applies to it)
 
     def run(self, report: Callable[[str], None] | None = None) -> str | None:
         """Serve until SHUTDOWN. Returns None after a clean shutdown, or the error text after a failure
@@ -157,7 +158,12 @@ class RankWorker:
             elif op is Op.ALLOCATE:
                 self.runner.allocate_kv_cache(int(payload[0]), int(payload[1]))
             elif op is Op.STEP:
-                self._step(unpack_step(payload))
+                self._last_step, self._last_number = unpack_step(payload), self._last_number + 1
+                self._step(self._last_step)
+            elif op is Op.STEP_DELTA:
+                self._last_step = apply_step_delta(self._last_step, self._last_number, payload)
+                self._last_number += 1
+                self._step(self._last_step)
             elif op is Op.IMPORT_KV:
                 self._import_kv(unpack_slots(payload))
             elif op is Op.EXPORT_KV:
@@ -170,6 +176,7 @@ class RankWorker:
 
         self.runner = None  # free the previous model first
         self.config = spec.config
+        self._last_step, self._last_number = None, 0  # a new engine numbers its steps from 1
         self.runner = ModelRunner(load_shard(spec, self.rank, device), spec.config.block_size)
 
     @torch.inference_mode()

@@ -21,7 +21,8 @@ import torch
 from engine.config import EngineConfig, EngineConfigError
 from engine.distributed import Executor, ExecutorStateError, WorkerFailedError, check_parallel
 from engine.distributed.executor import check_devices
-from engine.distributed.wire import Op, pack_slots, pack_step, unpack_slots, unpack_step
+from engine.distributed.wire import (Op, apply_step_delta, pack_slots, pack_step, pack_step_delta, unpack_slots,
+                                     unpack_step)
 from engine.llm_engine import LLMEngine, StepFailedError
 from engine.request import GenerateRequest, SamplingParams
 from engine.step_arrays import StepArrays
@@ -280,6 +281,64 @@ def test_step_messages_round_trip(batch):
                   {False: ints(0, np.int64), True: ints(5, np.int64)}):
         back = unpack_slots(pack_slots(slots))
         assert back.keys() == slots.keys() and all((back[k] == slots[k]).all() for k in slots)
+
+
+def test_step_delta_round_trip_and_mismatch():
+    """A decode step sent as a delta of the previous one rebuilds exactly on the receiving side, with
+    table widths growing and shrinking and some rows replaced; a delta against another base is refused."""
+    g = np.random.default_rng(5)
+    b = 6
+    ints = lambda shape, dtype: g.integers(0, 1 << 20, shape).astype(dtype)  # noqa: E731
+    prev = StepArrays(ints(b, np.int64), ints(b, np.int64), np.arange(b + 1, dtype=np.int32), ints((b, 4), np.int32),
+                      ints(b, np.int32), ints(b, np.int64), ints((b, 3), np.int32), ints(b, np.int32),
+                      ints(b, np.int64), np.arange(b, dtype=np.int64), list(range(b)))
+    for pf, ps in ((5, 2), (4, 3), (3, 4)):
+        full_rows, sliding_rows = np.array([1, 4]), np.array([0, 2, 5])
+        full = np.zeros((b, pf), dtype=np.int32)
+        full[:, : min(pf, 4)] = prev.full_tables[:, : min(pf, 4)]
+        full[full_rows] = ints((2, pf), np.int32)
+        sliding = np.zeros((b, ps), dtype=np.int32)
+        sliding[:, : min(ps, 3)] = prev.sliding_tables[:, : min(ps, 3)]
+        sliding[sliding_rows] = ints((3, ps), np.int32)
+        cur = StepArrays(ints(b, np.int64), prev.positions + 1, prev.query_start_loc, full, prev.full_lens + 1,
+                         ints(b, np.int64), sliding, ints(b, np.int32), ints(b, np.int64), prev.logits_indices,
+                         prev.sample_rows)
+        back = apply_step_delta(prev, 7, pack_step_delta(cur, full_rows, sliding_rows, 7))
+        for name in StepArrays.__dataclass_fields__:
+            got, want = getattr(back, name), getattr(cur, name)
+            if isinstance(want, np.ndarray):
+                assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all(), (name, pf, ps)
+            else:
+                assert got == want, name
+    with pytest.raises(ValueError, match="out of step"):
+        apply_step_delta(prev, 6, pack_step_delta(cur, full_rows, sliding_rows, 7))
+
+
+def test_decode_steps_travel_as_deltas(checkpoint):
+    """With rank 0's step-metadata fast path on (its batch threshold lowered for 6 sequences), decode
+    steps go to the other ranks as deltas and generations still equal world 1's."""
+    def long_requests():
+        g = torch.Generator().manual_seed(11)
+        return [GenerateRequest(f"d{i}", torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist(),
+                                SamplingParams(temperature=0.0, max_tokens=24)) for i, n in enumerate([2, 6, 9, 13, 3, 7])]
+
+    one = LLMEngine(load_model(checkpoint, dtype="float32", progress=False), config(max_num_batched_tokens=64))
+    for r in long_requests():
+        one.add_request(r)
+    want = {rid: r["ids"] for rid, r in run_to_end(one).items()}
+    executor = Executor.spawn(2)
+    try:
+        engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, max_num_batched_tokens=64))
+        try:
+            engine.runner.step_arrays.MIN_BATCH = 3
+            for r in long_requests():
+                engine.add_request(r)
+            assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want
+            assert engine.runner.delta_steps > 10
+        finally:
+            engine.close()
+    finally:
+        executor.shutdown()
 
 
 @pytest.mark.gpu
