@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Offline wheelhouse for GPU hosts without registry access: this project's dependencies with the
-# [gpu] extra (flashinfer-python, apache-tvm-ffi, sgl-deep-gemm and what they pull in), as wheels
+# [gpu] extra (flashinfer-python, apache-tvm-ffi and what they pull in; DeepGEMM is built from source), as wheels
 # for the hosts' Python and platform. Left out: torch, triton and the CUDA runtime wheels that the
 # host's own CUDA build of torch brings (a registry torch would be a different, multi-GB build).
 #
