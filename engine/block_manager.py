@@ -120,6 +120,8 @@ class BlockManager:
         """Slots for one more token (position num_computed) for every one of `seqs`, or for none of them
         (False: not enough free pages). Same pages as allocate(seq, num_computed + 1) one by one; batched
         for the decode step, where most sequences need no new page."""
+        # _full_needed / _sliding_needed at total = num_computed + 1, inlined: this runs for every decoding
+        # sequence every step, and the calls doubled the scheduler's time (bench/engine.py, 2026-11-30).
         bs = self.block_size
         need_full = [(s, n) for s in seqs if (n := -(-(s.num_computed + 1) // bs) - len(s.full_pages)) > 0] \
             if self.full is not None else []

@@ -66,7 +66,6 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos() * self.concentration, freqs.sin() * self.concentration
 
 
-
 class AttentionBlock(nn.Module):
     """GQA with biases on q/k/v/o and a learned per-head sink logit; even layers see 128 tokens."""
 

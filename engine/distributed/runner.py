@@ -57,7 +57,7 @@ class DistributedRunner(ModelRunner):
         with self.executor.guard("step", self) as channel:
             delta = self.step_arrays.last_delta
             number = self._sent_number + 1
-            if delta is not None and delta[0] is self._sent and self._sent is not None:
+            if delta is not None and delta[0] is self._sent:  # the other ranks hold the delta's base
                 channel.send(Op.STEP_DELTA, pack_step_delta(inputs.host, delta[1], delta[2], self._sent_number))
                 self.delta_steps += 1
             else:

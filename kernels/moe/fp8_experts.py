@@ -5,11 +5,11 @@ fp32 block scales, fp32 biases. `forward(x [T, D], expert_ids [T, k], expert_wei
 this rank's contribution exactly like TorchExperts.forward: the routing-weighted sum over the local
 experts [first_expert, first_expert + E_local); other ids are ignored (expert parallelism sums ranks).
 
-Backends: "deep_gemm" (SM90 + DeepGEMM built by scripts/build_deep_gemm.sh), "triton" (any CUDA GPU Triton supports FP8 dots on),
-"torch" (the twin in fp8_reference.py: the CPU path). Decode-sized batches (T <= masked_max_tokens) use the
-masked layout (with Triton up to 64 tokens: the decode GEMM over active experts only), larger ones the
-contiguous layout. Neither reads anything back to the host, so a
-forward can be captured in a CUDA graph for a fixed T.
+Backends: "deep_gemm" (SM90 + DeepGEMM built by scripts/build_deep_gemm.sh), "triton" (any CUDA GPU
+Triton supports FP8 dots on), "torch" (the twin in fp8_reference.py: the CPU path). Decode-sized batches
+(T <= masked_max_tokens) use the masked layout (up to 64 tokens: the Triton decode GEMM over active
+experts only, see decode_kernel), larger ones the contiguous layout. Neither reads anything back to the
+host, so a forward can be captured in a CUDA graph for a fixed T.
 """
 
 from __future__ import annotations
