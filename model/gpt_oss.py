@@ -88,8 +88,10 @@ class AttentionBlock(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
         # q [T, Hq, Dh], k / v [T, Hkv, Dh]; q and k rotated (cos/sin cast to x's dtype first, as the reference does)
-        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(self.layer, q, k, v, self.sinks)  # [T, Hq, Dh]
+        # the backend may let the rotary kernel write k/v into its paged cache (one launch instead of two)
+        dest = self.backend.kv_destination(self.layer)
+        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest)
+        o = self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=dest is not None)  # [T, Hq, Dh]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         bias = self.o_proj.bias if self.parallel.tp_rank == 0 else None
         return self.parallel.all_reduce_tp(F.linear(o.reshape(t, -1), self.o_proj.weight, bias))
@@ -106,8 +108,12 @@ class MLPBlock(nn.Module):
         self.experts = experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
-        out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
+        routed_forward = getattr(self.experts, "routed_forward", None)
+        if routed_forward is not None:  # experts that fuse the router into their first launch (Fp8Experts)
+            out = routed_forward(x, self.router.weight, self.router.bias, self.top_k)
+        else:
+            expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
+            out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
         return self.parallel.all_reduce_ep(out)
 
 

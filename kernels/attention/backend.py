@@ -36,6 +36,11 @@ class AttentionBackend:
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_is_sliding[layer] else None
 
+    def kv_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache, slot_mapping) where this step's k/v rows of `layer` go, for a caller that
+        writes them itself (the rotary kernel) and then passes kv_written=True; None: forward writes."""
+        return None
+
     def forward(
         self,
         layer: int,
@@ -43,6 +48,7 @@ class AttentionBackend:
         k: torch.Tensor,  # [T, Hkv, D] after RoPE
         v: torch.Tensor,  # [T, Hkv, D]
         sinks: torch.Tensor,  # [Hq] fp32
+        kv_written: bool = False,  # the caller wrote k/v at kv_destination(layer) already
     ) -> torch.Tensor:  # [T, Hq, D]
         raise NotImplementedError
 
@@ -56,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
         kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
 
-    def forward(self, layer, q, k, v, sinks):
+    def forward(self, layer, q, k, v, sinks, kv_written=False):
         batch = self.batch
         window = self.window(layer)
         out = torch.empty_like(q)
@@ -66,7 +72,8 @@ class TorchAttentionBackend(AttentionBackend):
                 s, e = starts[b], starts[b + 1]
                 out[s:e] = sink_attention(q[s:e], k[s:e], v[s:e], sinks, self.scale, window)
             return out
-        self.write_kv(layer, k, v)
+        if not kv_written:
+            self.write_kv(layer, k, v)
         meta = batch.group(self.layer_is_sliding[layer])
         kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
         bs = self.kv_cache.block_size

@@ -56,6 +56,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.max_batch, self.max_kv_len = max_batch, max_kv_len
         self.cuda_graph = cuda_graph
+        # the model's rotary kernel writes k/v into the cache (kv_destination): one launch less per layer
+        self.fuse_kv_write = True
         self.decode_config = decode_config
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.prefill_backend = prefill_backend or flashinfer_ops.default_prefill_backend(self.device)
@@ -142,7 +144,15 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # -- per layer --------------------------------------------------------------------------------
 
-    def forward(self, layer, q, k, v, sinks):
+    def kv_destination(self, layer: int):
+        batch = self.batch
+        if not self.fuse_kv_write or batch is None or not batch.has_cache:
+            return None
+        sliding = self.layer_is_sliding[layer]
+        slots = self.decode_buffers[sliding].slot_mapping if batch.is_decode else batch.group(sliding).slot_mapping
+        return self.kv_cache.k[layer], self.kv_cache.v[layer], slots
+
+    def forward(self, layer, q, k, v, sinks, kv_written=False):
         batch = self.batch
         sliding = self.layer_is_sliding[layer]
         q = q.contiguous()
@@ -157,9 +167,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
         if batch.is_decode:
             buffers = self.decode_buffers[sliding]
-            write_kv(k, v, k_cache, v_cache, buffers.slot_mapping)
+            if not kv_written:
+                write_kv(k, v, k_cache, v_cache, buffers.slot_mapping)
             return sink_decode(
                 q, k_cache, v_cache, buffers.block_tables, buffers.kv_lens, sinks, self.scale,
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
-        write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
         return flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache, sinks, self.scale, out)

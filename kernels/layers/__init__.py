@@ -25,13 +25,19 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) [T, H, Dh] with q and k rotated; with kv_cache = (k_cache, v_cache, slot_mapping) also
+    writes k and v into the paged cache (slot -1: skipped), on CUDA in the same launch."""
     if qkv.is_cuda:
         from kernels.layers import triton_ops
 
         return triton_ops.rotary_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads,
-                                     num_kv_heads, head_dim)
-    return reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+                                     num_kv_heads, head_dim, kv_cache)
+    q, k, v = reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    if kv_cache is not None:
+        reference.write_kv(k, v, *kv_cache)
+    return q, k, v
 
 
 __all__ = ["add_rms_norm", "reference", "rms_norm", "rotary_qkv"]

@@ -38,3 +38,13 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     q = _rotate(q.reshape(t, num_heads, head_dim), cos, sin)
     k = _rotate(k.reshape(t, num_kv_heads, head_dim), cos, sin)
     return q, k, v.reshape(t, num_kv_heads, head_dim)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v [T, Hkv, Dh] into the paged caches [pages, PAGE, Hkv, Dh] at slots[:T] (-1: skipped)."""
+    t = k.shape[0]
+    slots = slots[:t].long()
+    keep = slots >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)

@@ -60,12 +60,14 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_t, stride_cos, num_heads, num_kv_heads,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr,
+                       stride_t, stride_cos, num_heads, num_kv_heads, stride_cb, stride_ct, stride_ch,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr, PAGE: tl.constexpr):
+    # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache)
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # over the Hq + Hkv rotated heads
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
-    ok = heads[:, None] < num_heads + num_kv_heads
+    ok = heads[:, None] < num_heads + (2 if WRITE_CACHE else 1) * num_kv_heads
     dtype = q_ptr.dtype.element_ty
     c = _round(tl.load(cos_ptr + token * stride_cos + d), dtype)[None, :]
     s = _round(tl.load(sin_ptr + token * stride_cos + d), dtype)[None, :]
@@ -75,16 +77,32 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_t, stride
     o1 = (_round(x1 * c, dtype) - _round(x2 * s, dtype)).to(dtype)
     o2 = (_round(x2 * c, dtype) + _round(x1 * s, dtype)).to(dtype)
     is_q = heads[:, None] < num_heads
+    is_k = ~is_q & (heads[:, None] < num_heads + num_kv_heads)
     q_dst = q_ptr + (token * num_heads + heads[:, None]) * (2 * HALF) + d[None, :]
     k_dst = k_ptr + (token * num_kv_heads + heads[:, None] - num_heads) * (2 * HALF) + d[None, :]
     tl.store(q_dst, o1, mask=ok & is_q)
     tl.store(q_dst + HALF, o2, mask=ok & is_q)
-    tl.store(k_dst, o1, mask=ok & ~is_q)
-    tl.store(k_dst + HALF, o2, mask=ok & ~is_q)
+    tl.store(k_dst, o1, mask=ok & is_k)
+    tl.store(k_dst + HALF, o2, mask=ok & is_k)
+    if WRITE_CACHE:  # this token's k (rotated) and v rows into its paged-cache slot; slot -1: padding
+        slot = tl.load(slot_ptr + token + tl.zeros([BLOCK_H, 1], dtype=tl.int32))  # [BLOCK_H, 1], all alike
+        live = ok & (slot >= 0)
+        page_row = (tl.maximum(slot, 0) // PAGE) * stride_cb + (tl.maximum(slot, 0) % PAGE) * stride_ct
+        is_v = live & ~is_q & ~is_k
+        kv_head = tl.where(is_k, heads[:, None] - num_heads, heads[:, None] - num_heads - num_kv_heads)
+        dst = page_row + kv_head * stride_ch + d[None, :]
+        write_k = live & is_k
+        tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=write_k)
+        tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=write_k)
+        tl.store(vc_ptr + dst, x1.to(vc_ptr.dtype.element_ty), mask=is_v)
+        tl.store(vc_ptr + dst + HALF, x2.to(vc_ptr.dtype.element_ty), mask=is_v)
 
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k rotated, v a view of qkv. With kv_cache = (k_cache, v_cache [pages, PAGE, Hkv, Dh], slots [>=T]
+    int64) the same launch also writes each token's k and v rows to the cache (kv_write.write_kv's job)."""
     t, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1 or head_dim % 2 \
             or head_dim & (head_dim - 1) or cos.shape != (t, head_dim // 2) or cos.stride() != sin.stride():
@@ -93,9 +111,22 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
+    write = kv_cache is not None
+    if write:
+        k_cache, v_cache, slots = kv_cache
+        if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.shape[2:] != (num_kv_heads, head_dim) \
+                or slots.numel() < t:
+            raise ValueError(f"rotary_qkv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                             f"[pages, page, {num_kv_heads}, {head_dim}] alike with >= {t} slots")
+    else:
+        k_cache = v_cache = slots = q  # unused pointers
     if t:
         block_h = 16
-        grid = (t, triton.cdiv(num_heads + num_kv_heads, block_h))
-        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), num_heads, num_kv_heads,
-                                 HALF=head_dim // 2, BLOCK_H=block_h, num_warps=4)
+        heads = num_heads + (2 if write else 1) * num_kv_heads
+        grid = (t, triton.cdiv(heads, block_h))
+        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0),
+                                 num_heads, num_kv_heads, k_cache.stride(0) if write else 0,
+                                 k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0,
+                                 HALF=head_dim // 2, BLOCK_H=block_h, WRITE_CACHE=write,
+                                 PAGE=k_cache.shape[1] if write else 1, num_warps=4)
     return q, k, v

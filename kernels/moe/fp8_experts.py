@@ -58,6 +58,9 @@ class Fp8Experts(nn.Module):
         # the H200 it beat DeepGEMM's masked GEMM at every decode size measured (20b T=1 44 vs 64 us per
         # layer, 120b T=64 711 vs 752; bench/results/moe_h200_deep_gemm.json). "deep_gemm" to compare.
         self.decode_kernel = "triton"
+        # routed_forward fuses router + routing + plan + quantization into one launch where it can
+        # (decode_front_triton); False: the unfused launches, to compare
+        self.fused_front = True
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -66,6 +69,8 @@ class Fp8Experts(nn.Module):
         self.register_buffer("w2", torch.zeros(num_local, hidden, ip, dtype=FP8, **kw))
         self.register_buffer("s2", torch.ones(num_local, -(-hidden // BLOCK), ip // BLOCK, **kw))
         self.register_buffer("b2", torch.zeros(num_local, hidden, **kw))
+        # the fused decode front's ticket counter (zero between calls; see decode_front_triton)
+        self.register_buffer("front_ticket", torch.zeros(1, dtype=torch.int32, **kw), persistent=False)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -136,16 +141,46 @@ class Fp8Experts(nn.Module):
                                                  self.w2, self.s2, self.b2, self.first_expert, self.alpha, self.limit)
         return self._forward_gpu(x, expert_ids.contiguous(), expert_weights.contiguous(), backend)
 
+    def routed_forward(self, x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,
+                       top_k: int) -> torch.Tensor:
+        """Router + top-k + this layer, as MLPBlock computes them. Decode-sized bf16 batches on the Triton
+        decode GEMM take the fused front (decode_front_triton: one launch for router, routing, plan and
+        quantization); everything else routes with kernels.moe.route first."""
+        backend = resolve_backend(self.backend, x.device)
+        t = x.shape[0]
+        from kernels.moe import decode_front_triton as front
+
+        if not self.fused_front or backend == "torch" or x.dtype != torch.bfloat16 or not 0 < t <= front.FRONT_MAX_TOKENS \
+                or not self._decode_kernel_runs(backend, t <= self.masked_max_tokens, t):
+            from kernels.moe import route
+
+            logits = torch.nn.functional.linear(x, router_weight, router_bias)
+            return self(x, *route(logits, top_k))
+        if self.front_ticket.device != x.device:
+            raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {x.device}")
+        ids, weights, plan, a = front.decode_front(x, router_weight, router_bias, top_k, self.first_expert,
+                                                   self.num_local, self.w13.shape[2], self.front_ticket)
+        from kernels.moe import triton_grouped_gemm as tgg
+
+        return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
+
     def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
         from kernels.moe import epilogues_triton as epi
 
         t, k = ids.shape
-        out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         if t == 0:
-            return out
+            return torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         plan, splits = self.plan_step(ids, backend)
         a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
         epi.dispatch_quant(x, plan.row_of_pair, k, a)
+        return self._experts_gpu(x, ids, weights, plan, splits, a, backend)
+
+    def _experts_gpu(self, x, ids, weights, plan, splits: int, a, backend: str) -> torch.Tensor:
+        """gate_up GEMM -> SwiGLU + quant -> down GEMM -> combine, from A rows already quantized."""
+        from kernels.moe import epilogues_triton as epi
+
+        t = ids.shape[0]
+        out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)

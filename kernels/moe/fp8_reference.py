@@ -81,6 +81,23 @@ def masked_layout(expert_ids: torch.Tensor, ranks: torch.Tensor, first_expert: i
     return torch.where(local, e * m_cap + ranks.long(), -1).to(torch.int32)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The router's nn.Linear: fp32 accumulation plus bias, rounded once to the activations' dtype."""
+    return (x.float() @ weight.float().T + bias.float()).to(x.dtype)
+
+
+def decode_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, first_expert: int,
+                 num_local: int, k_padded: int):
+    """Twin of decode_front_triton.decode_front: (ids, weights, counts, row_of_pair with m_cap = T, the
+    fp8 A rows [E_local * T, Kp], their scales [E_local * T, Kp/128], the mask of written rows)."""
+    t = x.shape[0]
+    ids, weights = topk_softmax(router_logits(x, weight, bias), top_k)
+    counts, ranks = count_and_rank(ids, first_expert, num_local)
+    row_of_pair = masked_layout(ids, ranks, first_expert, num_local, t)
+    a, sa, written = dispatch_quant(x, row_of_pair, top_k, num_local * t, k_padded)
+    return ids, weights, counts, row_of_pair, a, sa, written
+
+
 # ---- epilogues ---------------------------------------------------------------------------------
 def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, num_rows: int,
                    k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -41,3 +41,25 @@ def test_rotary_qkv_matches_twin_exactly(t, hq, hkv, dh, dtype):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,hq,hkv,dh,page", [(1, 4, 1, 16, 16), (5, 6, 3, 8, 4)])
+def test_rotary_qkv_writes_the_paged_cache(t, hq, hkv, dh, page, dtype):
+    """The cache-writing variant: same q/k/v, and k (rotated) / v land in their slots, -1 skipped."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * dh).to(dtype)
+    angles = torch.rand(t, dh // 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    pages = 4
+    k_cache = torch.full((pages, page, hkv, dh), 9.0, dtype=dtype)
+    v_cache = torch.full_like(k_cache, 9.0)
+    slots = torch.randperm(pages * page)[: t + 2]  # more slots than tokens, as the padded decode buffers
+    slots[t // 2] = -1
+    got = triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, dh, (k_cache, v_cache, slots))
+    want = ref.rotary_qkv(qkv, cos, sin, hq, hkv, dh)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    want_k, want_v = torch.full_like(k_cache, 9.0), torch.full_like(v_cache, 9.0)
+    ref.write_kv(want[1], want[2], want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert int((k_cache != 9.0).any(-1).any(-1).sum()) == t - 1  # one padding token wrote nothing

@@ -232,3 +232,65 @@ def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
     # that activation x its down-projection weight)
     assert diff.item() <= 1e-5, diff.item()
     assert ((got - want).abs() > 2e-3).float().mean().item() <= 0.01
+
+
+def exact_router_inputs(t: int, e: int, hidden: int):
+    """x, router weight and bias on coarse grids (multiples of 1/16, 1/64, 1/8): every product and
+    partial sum is exact in fp32, so any summation order gives the same logits and the kernel must
+    route exactly as the twin, ties included."""
+    x = (torch.randint(-64, 65, (t, hidden)) / 16).bfloat16()
+    w = (torch.randint(-8, 9, (e, hidden)) / 64).bfloat16()
+    b = (torch.randint(-8, 9, (e,)) / 8).bfloat16()
+    return x, w, b
+
+
+# (T, E, first expert, local experts, k, hidden): batch 1 of 20b's shape, experts fewer than one
+# program's block, an expert-parallel slice, the fused path's largest batch over 120b's 128 experts
+@pytest.mark.parametrize("t,e,first,num_local,k,hidden", [(1, 32, 0, 32, 4, 300), (3, 5, 0, 5, 2, 200),
+                                                         (7, 12, 3, 6, 4, 260), (16, 128, 0, 128, 4, 136)])
+def test_decode_front_matches_twin(t, e, first, num_local, k, hidden):
+    from kernels.moe import decode_front_triton as front
+
+    x, w, b = exact_router_inputs(t, e, hidden)
+    kp = padded(hidden)
+    ticket = front.new_ticket("cpu")
+    for _ in range(2):  # the second call checks that the ticket was reset
+        ids, weights, plan, a = front.decode_front(x, w, b, k, first, num_local, kp, ticket)
+        assert int(ticket) == 0
+    want_ids, want_w, counts, rows, want_a, want_sa, written = ref.decode_front(x, w, b, k, first, num_local, kp)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(plan.counts, counts)
+    assert torch.equal(plan.row_of_pair, rows)  # ranks in pair order, as the twin numbers them
+    assert plan.rows_per_group == t and plan.num_rows == num_local * t
+    num_active = int(plan.num_active.item())
+    assert plan.active[:num_active].tolist() == torch.nonzero(counts).flatten().tolist()  # ascending
+    fp8_equal_or_adjacent(a.data[written], want_a[written], 0.01)
+    torch.testing.assert_close(a.scales_rows()[written], want_sa[written], rtol=1e-6, atol=0)
+
+
+def test_decode_front_rejects_what_it_cannot_run():
+    from kernels.moe import decode_front_triton as front
+
+    x, w, b = exact_router_inputs(17, 8, 128)
+    with pytest.raises(front.DecodeFrontError, match="1..16"):
+        front.decode_front(x, w, b, 2, 0, 8, 128, front.new_ticket("cpu"))
+    with pytest.raises(front.DecodeFrontError):
+        front.decode_front(x[:2].float(), w, b, 2, 0, 8, 128, front.new_ticket("cpu"))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6])
+def test_routed_forward_fused_front_matches_unfused(num_tokens):
+    """Fp8Experts.routed_forward (fused front) against routing first and then calling the layer."""
+    e, hidden, inter, k = 6, 200, 136, 2
+    te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)
+    with torch.no_grad():
+        for p, std in ((te.gate_up_proj, hidden ** -0.5), (te.down_proj, inter ** -0.5),
+                       (te.gate_up_proj_bias, 0.1), (te.down_proj_bias, 0.1)):
+            p.normal_(0, std)
+    experts = Fp8Experts.from_torch_experts(te, backend="triton")
+    x, w, b = exact_router_inputs(num_tokens, e, hidden)
+    got = experts.routed_forward(x, w, b, k)
+    ids, weights = ref.topk_softmax(ref.router_logits(x, w, b), k)
+    want = experts(x, ids, weights)
+    assert torch.equal(got, want)  # same rows, same GEMMs, same combine order: bit for bit

@@ -54,3 +54,22 @@ def test_rotary_qkv_fp32_within_an_ulp():
     for got, want in zip(triton_ops.rotary_qkv(qkv, angles.cos(), angles.sin(), 8, 2, 64),
                          ref.rotary_qkv(qkv, angles.cos(), angles.sin(), 8, 2, 64)):
         torch.testing.assert_close(got, want, rtol=3e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 300])
+def test_rotary_qkv_writes_the_paged_cache_bitwise(t):
+    """The launch that also writes k/v into the paged cache (the attention backend's kv_destination)."""
+    from kernels.layers import triton_ops
+
+    hq, hkv, page, pages = 64, 8, 16, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * 64, device=DEV, dtype=torch.bfloat16)
+    angles = torch.arange(t, device=DEV, dtype=torch.float32)[:, None] * torch.rand(32, device=DEV)
+    cos, sin = angles.cos(), angles.sin()
+    caches = [torch.zeros(pages, page, hkv, 64, device=DEV, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.randperm(pages * page, device=DEV)[:t + 5]
+    slots[::7] = -1
+    got = triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, 64, (caches[0], caches[1], slots))
+    want = ref.rotary_qkv(qkv, cos, sin, hq, hkv, 64)
+    ref.write_kv(want[1], want[2], caches[2], caches[3], slots)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
