@@ -115,10 +115,10 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
         a_rows = a_ptr + row.to(tl.int64) * stride_a
         for kb in range(NUM_KB):
             c = kb * 128 + tl.arange(0, 128)
-            v = tl.load(x_ptr + toks[:, None] * stride_x + c[None, :], mask=t_ok[:, None] & (c[None, :] < hidden),
-                        other=0.0).to(tl.float32)
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4), 448.0)
-            q = tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv)
+            xb = tl.load(x_ptr + toks[:, None] * stride_x + c[None, :], mask=t_ok[:, None] & (c[None, :] < hidden),
+                         other=0.0).to(tl.float32)
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xb), axis=1), 1e-4), 448.0)
+            q = tl.math.div_rn(xb, scale[:, None]).to(tl.float8e4nv)
             tl.store(a_rows[:, :, None] + c[None, None, :], tl.broadcast_to(q[:, None, :], [BLOCK_T, BLOCK_J, 128]),
                      mask=local[:, :, None])
             tl.store(sf_dst + kb * sf_k_stride, tl.broadcast_to(scale[:, None], [BLOCK_T, BLOCK_J]), mask=local)
