@@ -182,7 +182,7 @@ class Fp8Experts(nn.Module):
         t = ids.shape[0]
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         h = self.gemm_output(plan, splits, self.w13.shape[1])
-        self._gemm(backend, a, self.w13, self.s13, h, plan, t)
+        self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
         y = self.gemm_output(plan, splits, self.hidden)
@@ -225,13 +225,14 @@ class Fp8Experts(nn.Module):
 
         return masked and num_tokens <= DECODE_MAX_TOKENS and (backend == "triton" or self.decode_kernel == "triton")
 
-    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int) -> None:
+    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int, a_row_map=None) -> None:
         from kernels.moe import triton_grouped_gemm
 
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
         if self._decode_kernel_runs(backend, masked, num_tokens):
-            triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens)
+            triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens,
+                                                    a_row_map=a_row_map)
         elif backend == "deep_gemm":
             from kernels.moe import deep_gemm_ops as dg
 

@@ -88,14 +88,18 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 
 def decode_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, first_expert: int,
                  num_local: int, k_padded: int):
-    """Twin of decode_front_triton.decode_front: (ids, weights, counts, row_of_pair with m_cap = T, the
-    fp8 A rows [E_local * T, Kp], their scales [E_local * T, Kp/128], the mask of written rows)."""
+    """Twin of decode_front_triton.decode_front: (ids, weights, counts, row_of_pair with m_cap = T,
+    token_of_row [E_local * T] (-1 where no pair lands), the token rows of A [T, Kp] fp8 and their
+    scales [T, Kp/128])."""
     t = x.shape[0]
     ids, weights = topk_softmax(router_logits(x, weight, bias), top_k)
     counts, ranks = count_and_rank(ids, first_expert, num_local)
     row_of_pair = masked_layout(ids, ranks, first_expert, num_local, t)
-    a, sa, written = dispatch_quant(x, row_of_pair, top_k, num_local * t, k_padded)
-    return ids, weights, counts, row_of_pair, a, sa, written
+    token_of_row = torch.full((num_local * t,), -1, dtype=torch.int32, device=x.device)
+    pairs = (row_of_pair >= 0).nonzero(as_tuple=True)[0]
+    token_of_row[row_of_pair[pairs].long()] = (pairs // top_k).to(torch.int32)
+    a, sa = quantize_rows(x.float(), k_padded)
+    return ids, weights, counts, row_of_pair, token_of_row, a, sa
 
 
 # ---- epilogues ---------------------------------------------------------------------------------

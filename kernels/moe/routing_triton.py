@@ -130,6 +130,9 @@ class MoePlan:
     # masked: the experts with pairs, active[:num_active] in no fixed order (num_active: [1] int32)
     active: torch.Tensor | None = None
     num_active: torch.Tensor | None = None
+    # masked, fused decode front only: row r of the gate_up GEMM reads token row token_of_row[r] of A
+    # (A holds each token once); None: A holds one row per pair at row_of_pair
+    token_of_row: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:

@@ -106,10 +106,10 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
 
 @triton.jit
 def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
-                                    rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d, stride_split,
-                                    sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
+                                    a_row_map_ptr, rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
+                                    stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr):
+                                    NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,9 +124,14 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         t_ok = offs_t < count
         n_ok = offs_n < n
         rows = expert.to(tl.int64) * rows_per_group + offs_t
-        a_ptrs = a_ptr + rows[None, :] * stride_a + offs_k[:, None]  # A^T tile [BLOCK_K, BLOCK_T]
+        if A_ROW_MAP:  # A holds token rows (one group): row r of the layout reads A row a_row_map[r]
+            a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
+            sfa_ptrs = sfa_ptr + a_rows
+        else:
+            a_rows = rows
+            sfa_ptrs = sfa_ptr + expert.to(tl.int64) * sfa_group_stride + offs_t
+        a_ptrs = a_ptr + a_rows[None, :] * stride_a + offs_k[:, None]  # A^T tile [BLOCK_K, BLOCK_T]
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-        sfa_ptrs = sfa_ptr + expert.to(tl.int64) * sfa_group_stride + offs_t
         sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
@@ -155,15 +160,19 @@ def decode_splits(num_tokens: int) -> int:
 
 def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
                         counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
-                        config: dict | None = None) -> torch.Tensor:
+                        config: dict | None = None, a_row_map: torch.Tensor | None = None) -> torch.Tensor:
     """Masked-layout grouped GEMM for decode: out rows [e * m_cap, e * m_cap + counts[e]) = A @ W[e]^T for
     the experts active[:num_active] (`routing_triton.plan_masked`). `max_tokens` >= every count
     (the step's T); one program row per possible active expert, len(active) of them.
-    `out` [rows, N] gets the products; `out` [S, rows, N] (fp32) gets S partial sums over K splits."""
+    `out` [rows, N] gets the products; `out` [S, rows, N] (fp32) gets S partial sums over K splits.
+    With `a_row_map` [rows] (decode_front_triton's token_of_row) A is one group of T token rows (T = the
+    layout's m_cap) and layout row r reads A row a_row_map[r]; out rows stay the layout's."""
     e, n, kp = w.shape
     if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
         raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
                          f"K must match and W's scales must be [E, ceil(N/128), K/128]")
+    if a_row_map is not None and a.groups != 1:
+        raise ValueError(f"a_row_map needs A as one group of token rows, got {a.groups} groups")
     if max_tokens > DECODE_MAX_TOKENS or max_tokens > a.rows_per_group:
         raise ValueError(f"grouped_gemm_decode covers up to {DECODE_MAX_TOKENS} rows per expert (and m_cap {a.rows_per_group}); got {max_tokens}")
     cfg = dict(DECODE_CONFIG, **(config or {}))
@@ -175,8 +184,9 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
     _fp8_grouped_gemm_decode_kernel[grid](
         a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
-        a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
+        a_row_map if a_row_map is not None else counts, a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
-        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits, **cfg)
+        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
+        A_ROW_MAP=a_row_map is not None, **cfg)
     return out

@@ -283,12 +283,14 @@ def test_decode_front_matches_twin(t, e, first, num_local):
     for _ in range(3):  # the ticket is reset for the next call
         ids, weights, plan, a = front.decode_front(x, w, b, K, first, num_local, padded(D), ticket)
     assert int(ticket) == 0
-    want_ids, want_w, counts, rows, want_a, want_sa, written = ref.decode_front(x, w, b, K, first, num_local, padded(D))
+    want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front(x, w, b, K, first, num_local, padded(D))
     assert torch.equal(ids, want_ids) and torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
+    used = want_tok >= 0
+    assert torch.equal(plan.token_of_row[used], want_tok[used])
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
     assert plan.active[:int(plan.num_active)].tolist() == torch.nonzero(counts).flatten().tolist()
-    fp8_codes_close(a.data[written], want_a[written])
-    torch.testing.assert_close(a.scales_rows()[written], want_sa[written], rtol=1e-6, atol=0)
+    fp8_codes_close(a.data, want_a)
+    torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("t", [1, 3, 16])
