@@ -35,6 +35,7 @@ FRONT_MAX_TOKENS = 16
 BLOCK_T = 16  # tl.dot needs 16 rows; decode batches below that are masked
 BLOCK_E = 32  # router rows (experts) per program
 QBLOCK = 128  # channels per program: one quantization block
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -43,7 +44,8 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          a_ptr, sf_ptr, num_tokens, hidden, num_experts, first_expert, num_local,
                          stride_x, stride_w, stride_a, sf_k_stride,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
-                         NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr):
+                         NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
+                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr):
     eb, kb = tl.program_id(0), tl.program_id(1)
     toks = tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
@@ -51,14 +53,15 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = kb * 128 + tl.arange(0, 128)
     k_ok = kk < hidden
-    xa = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-    xa = xa.to(tl.float32)
+    xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
     wb = tl.load(wr_ptr + experts[:, None] * stride_w + kk[None, :], mask=(experts < num_experts)[:, None] & k_ok[None, :],
-                 other=0.0).to(tl.float32)
-    # fp32 operands (exact bf16 products, fp32 sums, as the tensor-core path): Triton's interpreter
-    # multiplies bf16 dot operands as raw integers (Triton 3.9), and this dot is tiny either way
-    acc = tl.dot(xa, tl.trans(wb), input_precision="ieee")
-    tl.store(partial_ptr + kb * BLOCK_T * E_PAD + toks[:, None] * E_PAD + experts[None, :], acc)
+                 other=0.0)
+    xa = xb.to(tl.float32)
+    if DOT_BF16:  # tensor cores: exact bf16 products, fp32 sums
+        acc = tl.dot(xb, tl.trans(wb))
+    else:  # the same values on fp32 operands: Triton's interpreter multiplies bf16 dot operands as raw integers
+        acc = tl.dot(xa, tl.trans(wb.to(tl.float32)), input_precision="ieee")
+    tl.store(partial_ptr + kb * BLOCK_T * E_PAD + toks[:, None] * E_PAD + experts[None, :], acc, mask=t_ok[:, None])
     if eb == 0:  # per-128 FP8 quantization, scale = max(amax, 1e-4) / 448 (IEEE division), as the twin
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-4), 448.0)
         q = tl.math.div_rn(xa, scale[:, None]).to(tl.float8e4nv)
@@ -69,9 +72,12 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) * NUM_KB - 1:
         tl.store(ticket_ptr, 0)  # ready for the next call (CUDA-graph replays included)
+        # the tail works on next_pow2(T) rows, not the dot's 16: its per-thread work is what it costs
+        toks = tl.arange(0, TAIL_T)
+        t_ok = toks < num_tokens
         cols = tl.arange(0, E_PAD)
         c_ok = cols < num_experts
-        logits = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+        logits = tl.zeros([TAIL_T, E_PAD], dtype=tl.float32)
         for s in tl.static_range(NUM_KB):  # fixed order: the same sum whichever program came last
             logits += tl.load(partial_ptr + s * BLOCK_T * E_PAD + toks[:, None] * E_PAD + cols[None, :],
                               mask=t_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
@@ -79,8 +85,8 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
         logits = tl.where(c_ok[None, :], logits, -float("inf"))
         # top-k in one pass (ties to the lower expert id), then the softmax over the k in fp32
         jj = tl.arange(0, BLOCK_J)
-        chosen = tl.full([BLOCK_T, BLOCK_J], -1, dtype=tl.int32)
-        picked = tl.full([BLOCK_T, BLOCK_J], -float("inf"), dtype=tl.float32)
+        chosen = tl.full([TAIL_T, BLOCK_J], -1, dtype=tl.int32)
+        picked = tl.full([TAIL_T, BLOCK_J], -float("inf"), dtype=tl.float32)
         rest = logits
         for j in tl.static_range(TOP_K):
             best = tl.max(rest, axis=1)
@@ -98,12 +104,12 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
         e_loc = chosen - first_expert
         local = pair_ok & (e_loc >= 0) & (e_loc < num_local)
         lanes = tl.arange(0, BLOCK_L)
-        flat = tl.reshape(tl.where(local, e_loc, -1), [BLOCK_T * BLOCK_J])
+        flat = tl.reshape(tl.where(local, e_loc, -1), [TAIL_T * BLOCK_J])
         onehot = (flat[:, None] == lanes[None, :]).to(tl.int32)  # [pairs, local experts]
-        rank = tl.reshape(tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1), [BLOCK_T, BLOCK_J])
+        rank = tl.reshape(tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1), [TAIL_T, BLOCK_J])
         row = e_loc * num_tokens + rank  # m_cap = T rows per expert
         tl.store(row_of_pair_ptr + pairs, tl.where(local, row, -1), mask=pair_ok)
-        tl.store(token_of_row_ptr + row, tl.broadcast_to(toks[:, None], [BLOCK_T, BLOCK_J]), mask=local)
+        tl.store(token_of_row_ptr + row, tl.broadcast_to(toks[:, None], [TAIL_T, BLOCK_J]), mask=local)
         counts = tl.sum(onehot, axis=0)
         l_ok = lanes < num_local
         tl.store(counts_ptr + lanes, counts, mask=l_ok)
@@ -122,7 +128,7 @@ def new_ticket(device) -> torch.Tensor:
 
 
 def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int,
-                 first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor
+                 first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int = NUM_WARPS
                  ) -> tuple[torch.Tensor, torch.Tensor, MoePlan, Fp8Rows]:
     """x [T, D] bf16, router [E, D] / [E] -> (expert ids [T, k] int32, weights [T, k] fp32, the masked plan
     with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A)."""
@@ -150,7 +156,8 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         a.data, a.scale_storage, t, d, e, first_expert, num_local,
         x.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
-        BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)), num_warps=4)
+        BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
+        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps)
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a
