@@ -73,14 +73,14 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     if ticket == tl.num_programs(0) * NUM_KB - 1:
         tl.store(ticket_ptr, 0)  # ready for the next call (CUDA-graph replays included)
         # the tail works on next_pow2(T) rows, not the dot's 16: its per-thread work is what it costs
-        toks = tl.arange(0, TAIL_T)
-        t_ok = toks < num_tokens
+        tt = tl.arange(0, TAIL_T)
+        tt_ok = tt < num_tokens
         cols = tl.arange(0, E_PAD)
         c_ok = cols < num_experts
         logits = tl.zeros([TAIL_T, E_PAD], dtype=tl.float32)
         for s in tl.static_range(NUM_KB):  # fixed order: the same sum whichever program came last
-            logits += tl.load(partial_ptr + s * BLOCK_T * E_PAD + toks[:, None] * E_PAD + cols[None, :],
-                              mask=t_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
+            logits += tl.load(partial_ptr + s * BLOCK_T * E_PAD + tt[:, None] * E_PAD + cols[None, :],
+                              mask=tt_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
         logits = round_to_bf16(logits + tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :])
         logits = tl.where(c_ok[None, :], logits, -float("inf"))
         # top-k in one pass (ties to the lower expert id), then the softmax over the k in fp32
@@ -94,10 +94,10 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
             chosen = tl.where(jj[None, :] == j, idx[:, None], chosen)
             picked = tl.where(jj[None, :] == j, best[:, None], picked)
             rest = tl.where(cols[None, :] == idx[:, None], -float("inf"), rest)
-        pair_ok = t_ok[:, None] & (jj[None, :] < TOP_K)
+        pair_ok = tt_ok[:, None] & (jj[None, :] < TOP_K)
         top = tl.max(picked, axis=1)
         p = tl.where(jj[None, :] < TOP_K, tl.exp(picked - top[:, None]), 0.0)
-        pairs = toks[:, None] * TOP_K + jj[None, :]
+        pairs = tt[:, None] * TOP_K + jj[None, :]
         tl.store(ids_ptr + pairs, chosen, mask=pair_ok)
         tl.store(weights_ptr + pairs, p / tl.sum(p, axis=1)[:, None], mask=pair_ok)
         # masked plan: rank = earlier pairs (in pair order) of the same local expert
@@ -109,7 +109,7 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
         rank = tl.reshape(tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1), [TAIL_T, BLOCK_J])
         row = e_loc * num_tokens + rank  # m_cap = T rows per expert
         tl.store(row_of_pair_ptr + pairs, tl.where(local, row, -1), mask=pair_ok)
-        tl.store(token_of_row_ptr + row, tl.broadcast_to(toks[:, None], [TAIL_T, BLOCK_J]), mask=local)
+        tl.store(token_of_row_ptr + row, tl.broadcast_to(tt[:, None], [TAIL_T, BLOCK_J]), mask=local)
         counts = tl.sum(onehot, axis=0)
         l_ok = lanes < num_local
         tl.store(counts_ptr + lanes, counts, mask=l_ok)
