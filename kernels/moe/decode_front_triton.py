@@ -35,7 +35,11 @@ FRONT_MAX_TOKENS = 16
 BLOCK_T = 16  # tl.dot needs 16 rows; decode batches below that are masked
 BLOCK_E = 32  # router rows (experts) per program
 QBLOCK = 128  # channels per program: one quantization block
-NUM_WARPS = 4
+
+def default_num_warps(num_tokens: int, num_experts: int) -> int:
+    """H200, bench/decode_front_sweep (2026-11-30, bench/results/decode_front_h200.json): 8 warps but for
+    120b's 128 experts at T <= 4 (4 warps: 7.2 vs 7.3 us at T=1); 5.96-9.8 us against 11.6-12.6 unfused."""
+    return 4 if num_experts > 64 and num_tokens <= 4 else 8
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def new_ticket(device) -> torch.Tensor:
 
 
 def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int,
-                 first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int = NUM_WARPS
+                 first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, MoePlan, Fp8Rows]:
     """x [T, D] bf16, router [E, D] / [E] -> (expert ids [T, k] int32, weights [T, k] fp32, the masked plan
     with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A)."""
@@ -157,7 +161,7 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         x.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
-        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps)
+        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a
