@@ -5,7 +5,8 @@
 Variants (each a switch on the built model, so both sides share weights, KV pool and inputs):
 - "unfused": router GEMM + topk + memset + plan + dispatch_quant, rotary then a separate KV write;
 - "front":   Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization);
-- "front+kv": also the rotary kernel writing k/v into the paged cache (backend.fuse_kv_write).
+- "front+kv": also the rotary kernel writing k/v into the paged cache (backend.fuse_kv_write);
+- "front+kv+gemv": also QKV and O as split-K GEMVs (kernels/layers/gemv_triton.py) instead of cuBLAS.
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
 + argmax, median of 3 timed loops), then every kernel of one eager batch-1 step (torch.profiler):
@@ -26,12 +27,14 @@ from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from model.config import GptOssConfig
 
-VARIANTS = {"unfused": (False, False), "front": (True, False), "front+kv": (True, True)}
+VARIANTS = {"unfused": (False, False, False), "front": (True, False, False), "front+kv": (True, True, False),
+            "front+kv+gemv": (True, True, True)}
 
 
-def set_variant(h: Harness, front: bool, kv: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
+        layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
 
 
@@ -51,8 +54,8 @@ def run(name: str, args) -> dict:
     device = torch.device("cuda")
     h = Harness(name, config, device, args.max_batch, args.ctx + 64, args.headroom_gb)
     out = {"variants": {}}
-    for variant, (front, kv) in VARIANTS.items():
-        set_variant(h, front, kv)
+    for variant, flags in VARIANTS.items():
+        set_variant(h, *flags)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

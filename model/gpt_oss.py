@@ -83,10 +83,17 @@ class AttentionBlock(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=True, **kw)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=True, **kw)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32, device=device), requires_grad=False)
+        # decode-sized batches run QKV and O as split-K GEMVs (kernels/layers/gemv_triton.py) where they
+        # can; these are their per-block tickets. decode_gemv=False: always F.linear (to compare).
+        self.decode_gemv = True
+        width = max(qkv_out, config.hidden_size)
+        self.register_buffer("gemv_tickets", torch.zeros(2, -(-width // 16), dtype=torch.int32, device=device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        tickets = self.gemv_tickets if self.decode_gemv else (None, None)
+        qkv = layers.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, tickets[0])  # [T, (Hq + 2 Hkv) Dh]
         # q [T, Hq, Dh], k / v [T, Hkv, Dh]; q and k rotated (cos/sin cast to x's dtype first, as the reference does)
         # the backend may let the rotary kernel write k/v into its paged cache (one launch instead of two)
         dest = self.backend.kv_destination(self.layer)
@@ -94,7 +101,7 @@ class AttentionBlock(nn.Module):
         o = self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=dest is not None)  # [T, Hq, Dh]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         bias = self.o_proj.bias if self.parallel.tp_rank == 0 else None
-        return self.parallel.all_reduce_tp(F.linear(o.reshape(t, -1), self.o_proj.weight, bias))
+        return self.parallel.all_reduce_tp(layers.linear(o.reshape(t, -1), self.o_proj.weight, bias, tickets[1]))
 
 
 class MLPBlock(nn.Module):

@@ -40,4 +40,16 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     return q, k, v
 
 
-__all__ = ["add_rms_norm", "reference", "rms_norm", "rotary_qkv"]
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x @ weight^T + bias. Decode-sized bf16 batches on CUDA (T <= 16, `tickets` given: the caller's
+    gemv_triton.new_tickets) take the split-K GEMV; everything else torch's F.linear."""
+    if tickets is not None and x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16:
+        from kernels.layers import gemv_triton
+
+        if 0 < x.shape[0] <= gemv_triton.GEMV_MAX_TOKENS:
+            return gemv_triton.gemv(x, weight, bias, tickets)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+__all__ = ["add_rms_norm", "linear", "reference", "rms_norm", "rotary_qkv"]

@@ -63,3 +63,22 @@ def test_rotary_qkv_writes_the_paged_cache(t, hq, hkv, dh, page, dtype):
     ref.write_kv(want[1], want[2], want_k, want_v, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert int((k_cache != 9.0).any(-1).any(-1).sum()) == t - 1  # one padding token wrote nothing
+
+
+# (T, N, K): one token over a QKV-like width, awkward N and K (partial blocks), the largest batch
+@pytest.mark.parametrize("t,n,k", [(1, 320, 200), (5, 100, 300), (16, 48, 1000)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemv_matches_linear(t, n, k, with_bias):
+    from kernels.layers import gemv_triton
+
+    x = torch.randn(t, k).bfloat16()
+    w = (torch.randn(n, k) * k ** -0.5).bfloat16()
+    b = torch.randn(n).bfloat16() if with_bias else None
+    tickets = gemv_triton.new_tickets(n, "cpu")
+    for cfg in (dict(BLOCK_N=16, BLOCK_K=64, waves=4), dict(BLOCK_N=64, BLOCK_K=128, waves=1)):
+        got = gemv_triton.gemv(x, w, b, tickets, cfg)
+        assert int(tickets.abs().sum()) == 0  # every block's ticket reset for the next call
+        want = x.float() @ w.float().T + (b.float() if with_bias else 0)
+        assert got.dtype == torch.bfloat16 and got.shape == (t, n)
+        # fp32 sums in another order, one rounding to bf16: within one bf16 step
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)

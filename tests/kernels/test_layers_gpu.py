@@ -73,3 +73,37 @@ def test_rotary_qkv_writes_the_paged_cache_bitwise(t):
     ref.write_kv(want[1], want[2], caches[2], caches[3], slots)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096)])  # gpt-oss QKV and O
+def test_gemv_matches_linear(t, n, k):
+    from kernels.layers import gemv_triton
+
+    x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    tickets = gemv_triton.new_tickets(n, DEV)
+    for bias in (b, None):
+        got = gemv_triton.gemv(x, w, bias, tickets)
+        want = torch.nn.functional.linear(x, w, bias)  # cuBLAS: fp32 sums in its own order
+        assert int(tickets.abs().sum()) == 0
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert steps.max() <= 1 and (steps > 0).float().mean() < 0.05
+
+
+def test_gemv_in_cuda_graph_replays_bitwise():
+    from kernels.layers import gemv_triton
+
+    x = torch.randn(2, 2880, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(5120, 2880, device=DEV, dtype=torch.bfloat16) * 0.02
+    b = torch.randn(5120, device=DEV, dtype=torch.bfloat16)
+    tickets = gemv_triton.new_tickets(5120, DEV)
+    gemv_triton.gemv(x, w, b, tickets)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv_triton.gemv(x, w, b, tickets)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(y, gemv_triton.gemv(x, w, b, tickets))  # fixed summation order: deterministic
