@@ -6,7 +6,8 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "unfused": router GEMM + topk + memset + plan + dispatch_quant, rotary then a separate KV write;
 - "front":   Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization);
 - "front+kv": also the rotary kernel writing k/v into the paged cache (backend.fuse_kv_write);
-- "front+kv+gemv": also QKV and O as split-K GEMVs (kernels/layers/gemv_triton.py) instead of cuBLAS.
+- "front+kv+gemv": also the O projection as a split-K GEMV (kernels/layers/gemv_triton.py), not cuBLAS
+  (QKV stays on cuBLAS; the first run of this bench also put QKV on the GEMV, where it was slower).
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
 + argmax, median of 3 timed loops), then every kernel of one eager batch-1 step (torch.profiler):

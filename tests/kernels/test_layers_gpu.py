@@ -88,8 +88,10 @@ def test_gemv_matches_linear(t, n, k):
         got = gemv_triton.gemv(x, w, bias, tickets)
         want = torch.nn.functional.linear(x, w, bias)  # cuBLAS: fp32 sums in its own order
         assert int(tickets.abs().sum()) == 0
-        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-        assert steps.max() <= 1 and (steps > 0).float().mean() < 0.05
+        # one bf16 rounding of fp32 sums taken in different orders: within a bf16 step of the value, or
+        # a few steps for values near zero (where a step is tiny against the sums' fp32 error)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3 * want.float().abs().mean().item())
+        assert (got != want).float().mean() < 0.05
 
 
 def test_gemv_in_cuda_graph_replays_bitwise():
