@@ -3,11 +3,14 @@
     python -m bench.decode_ab --out bench/results/decode_ab_h200.json          (on the GPU)
 
 Variants (each a switch on the built model, so both sides share weights, KV pool and inputs):
-- "unfused": router GEMM + topk + memset + plan + dispatch_quant, rotary then a separate KV write;
-- "front":   Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization);
-- "front+kv": also the rotary kernel writing k/v into the paged cache (backend.fuse_kv_write);
-- "front+kv+gemv": also the O projection as a split-K GEMV (kernels/layers/gemv_triton.py), not cuBLAS
-  (QKV stays on cuBLAS; the first run of this bench also put QKV on the GEMV, where it was slower).
+- "unfused": router GEMM + topk + memset + plan + dispatch_quant, rotary then a separate KV write,
+  cuBLAS for O, plain launches;
+- "fused": Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization), the
+  rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
+  (kernels/layers/gemv_triton.py);
+- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py).
+(Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
+GEMV too, which was slower than cuBLAS.)
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
 + argmax, median of 3 timed loops), then every kernel of one eager batch-1 step (torch.profiler):
@@ -26,17 +29,19 @@ import torch
 
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
+from kernels import pdl
 from model.config import GptOssConfig
 
-VARIANTS = {"unfused": (False, False, False), "front": (True, False, False), "front+kv": (True, True, False),
-            "front+kv+gemv": (True, True, True)}
+VARIANTS = {"unfused": (False, False, False, False), "fused": (True, True, True, False),
+            "fused+pdl": (True, True, True, True)}
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
+    pdl.ENABLED = use_pdl
 
 
 def all_kernels(fn) -> list[dict]:

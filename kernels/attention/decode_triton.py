@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import pdl_prologue
+
 LOG2E = 1.4426950408889634
 
 
@@ -52,7 +55,9 @@ def _sink_decode_split_kernel(
     scale_log2,  # softmax scale * log2(e)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,  # WINDOW 0: full causal
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -115,8 +120,9 @@ def _sink_decode_split_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(0) + head
@@ -178,11 +184,11 @@ def sink_decode(
         scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=config.block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_q_heads, batch)](
             part_o, part_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **pdl.launch(q),
         )
     return out

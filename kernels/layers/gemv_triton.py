@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import pdl_prologue
+
 GEMV_MAX_TOKENS = 16
 MIN_BLOCK_N = 16  # tickets are sized for this, so any BLOCK_N >= 16 fits them
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, waves=2, num_warps=4, num_stages=4)
@@ -26,7 +29,9 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, waves=2, num_warps=4, num_stages=
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k, k_per_split,
                  stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_BF16: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_BF16: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_prologue(PDL)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
@@ -96,5 +101,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
         x, weight, bias if bias is not None else weight, y, partial, tickets, t, n, k, per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=splits, DOT_BF16=x.is_cuda and x.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

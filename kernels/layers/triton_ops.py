@@ -12,13 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
                          stride_x, stride_delta, stride_sum, stride_out,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -46,7 +49,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         _add_rms_norm_kernel[(t,)](
             x, delta if delta is not None else x, weight, s, out, n, eps,
             x.stride(0), delta.stride(0) if delta is not None else 0, s.stride(0), out.stride(0),
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out if delta is None else (s, out)
 
 
@@ -62,7 +65,9 @@ def _round(v, dtype: tl.constexpr):
 @triton.jit
 def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr,
                        stride_t, stride_cos, num_heads, num_kv_heads, stride_cb, stride_ct, stride_ch,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr, PAGE: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr, PAGE: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_prologue(PDL)
     # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,5 +133,5 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
                                  num_heads, num_kv_heads, k_cache.stride(0) if write else 0,
                                  k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0,
                                  HALF=head_dim // 2, BLOCK_H=block_h, WRITE_CACHE=write,
-                                 PAGE=k_cache.shape[1] if write else 1, num_warps=4)
+                                 PAGE=k_cache.shape[1] if write else 1, num_warps=4, **pdl.launch(qkv))
     return q, k, v

@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.moe.epilogues_triton import Fp8Rows
+from kernels.pdl import pdl_prologue
 from kernels.moe.routing_triton import MoePlan
 from kernels.triton_rounding import round_to_bf16
 
@@ -49,7 +51,8 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          stride_x, stride_w, stride_a, sf_k_stride,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
-                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr):
+                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     eb, kb = tl.program_id(0), tl.program_id(1)
     toks = tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
@@ -161,7 +164,8 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         x.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
-        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e))
+        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
+        **pdl.launch(x))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a

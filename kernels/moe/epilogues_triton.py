@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.moe.fp8_quant import BLOCK, FP8, align
+from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
 
 # TMA needs the MN-major scale rows 16-byte aligned: 4 fp32 (DeepGEMM's get_tma_aligned_size).
@@ -101,7 +103,8 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_ptr,
                          inter, stride_h, stride_split, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
-                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr):
+                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     # grid (pairs, k-block groups). Output column j comes from gate 2j and up 2j+1: each k-block reads
     # its 256 interleaved inputs as one contiguous run and splits them in registers.
     pair = tl.program_id(0)
@@ -140,7 +143,8 @@ def _kb_per_program(pairs: int, num_kb: int) -> int:
 @triton.jit
 def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr,
                     hidden, stride_y, stride_split, stride_bias, stride_out, first_expert,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden
@@ -187,7 +191,7 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
             h, row_of_pair, expert_ids, bias, out.data, out.scale_storage,
             h.shape[-1] // 2, h.stride(-2), h.stride(0) if splits > 1 else 0, out.data.stride(0), bias.stride(0),
             first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, num_warps=1 if kbp == 1 else 4)
+            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, num_warps=1 if kbp == 1 else 4, **pdl.launch(h))
     return out
 
 
@@ -202,5 +206,5 @@ def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
             y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
             y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
-            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4)
+            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out))
     return out

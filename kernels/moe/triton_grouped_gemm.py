@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.moe.epilogues_triton import Fp8Rows
 from kernels.moe.fp8_quant import BLOCK
+from kernels.pdl import pdl_prologue
 
 
 @triton.jit
@@ -109,7 +111,9 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
                                     a_row_map_ptr, rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr):
+                                    NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
+                                    PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -188,5 +192,5 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
-        A_ROW_MAP=a_row_map is not None, **cfg)
+        A_ROW_MAP=a_row_map is not None, **cfg, **pdl.launch(out))
     return out

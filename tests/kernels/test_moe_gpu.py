@@ -323,3 +323,39 @@ def test_fused_front_in_cuda_graph(experts20):
         graph.replay()
         assert torch.equal(out, fp8.routed_forward(x, w, b, K))  # deterministic: replay == eager, bit for bit
     assert int(fp8.front_ticket) == 0
+
+
+def test_pdl_launches_change_nothing(experts20):
+    """The decode MoE chain (front, GEMMs, SwiGLU, combine) and the O GEMV captured in a CUDA graph with
+    programmatic dependent launch (kernels/pdl.py) and without: bitwise the same outputs."""
+    from kernels import pdl
+    from kernels.layers import gemv_triton
+
+    fp8, _ = experts20
+    fp8.backend = backends()[-1]
+    w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
+    b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
+    wo = torch.randn(D, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, D, device=DEV, dtype=torch.bfloat16)
+    o_in = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
+    tickets = gemv_triton.new_tickets(D, DEV)
+
+    def chain():
+        return fp8.routed_forward(x + gemv_triton.gemv(o_in, wo, None, tickets), w, b, K)
+
+    outs = {}
+    enabled = pdl.ENABLED
+    try:
+        for on in (False, True):
+            pdl.ENABLED = on
+            chain()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[on] = out.clone()
+    finally:
+        pdl.ENABLED = enabled
+    assert pdl.HAVE_GDC, "this Triton lacks the GDC intrinsics: PDL never runs"
+    assert torch.equal(outs[True], outs[False])

@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of the decode step (Hopper and later).
+
+In a CUDA graph a kernel still starts only after its predecessor has fully drained and its own blocks
+have been scheduled: at batch 1 a decode step is ~300 dependent launches of a few us each, and that
+ramp is a large part of each small kernel's time. Launched with PDL, a kernel's blocks may be
+scheduled while its predecessor finishes. Every kernel taking part starts with `pdl_prologue`:
+griddepcontrol.wait (the predecessor grid complete, its writes visible) before it touches any memory,
+then griddepcontrol.launch_dependents (the next kernel may be scheduled now). Because the wait comes
+first, nothing is read or written early: only the launch latency overlaps.
+
+`launch(t)` gives the launch options and the kernel's PDL flag for tensors on `t`'s device: on when
+ENABLED, the device is SM90+ and this Triton has the GDC intrinsics; off elsewhere (CPU, the
+interpreter). Set ENABLED = False to compare (bench/decode_ab.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAVE_GDC = True
+except ImportError:  # an older Triton: PDL stays off
+    HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+ENABLED = True
+_CAPABLE: dict = {}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def active(t: torch.Tensor) -> bool:
+    if not (ENABLED and HAVE_GDC and t.is_cuda):
+        return False
+    if t.device not in _CAPABLE:
+        _CAPABLE[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _CAPABLE[t.device]
+
+
+def launch(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch on `t`'s device: the PDL constexpr, and launch_pdl when on."""
+    on = active(t)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
