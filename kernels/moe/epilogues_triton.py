@@ -1,13 +1,13 @@
 """The memory-bound stages around the two grouped GEMMs, fused (Triton).
 
-- dispatch_quant: gather each pair's token row of x, quantize it per 128 channels to FP8 and write
-  it to the pair's GEMM row (DeepGEMM's A operand), zero-padding K 2880 -> 2944;
+- dispatch_quant: quantize each token row of x per 128 channels to FP8 once and write it to each of
+  its pairs' GEMM rows (DeepGEMM's A operand), zero-padding K 2880 -> 2944;
 - swiglu_quant: GEMM-1 row + gate_up bias (DeepGEMM has no bias), de-interleave (gate = even
   columns, up = odd), clamp, SwiGLU, +1 on up, quantize for GEMM 2;
 - combine: GEMM-2 row + down bias, times the routing weight, summed over each token's k slots in
   fp32 (a gather per token: no atomics, a fixed summation order).
 
-One program per pair (a pair's row is unique) or per token; each touches its bytes once.
+One program per pair (a pair's row is unique) or per token; each reads its bytes once.
 Scales are written MN-major (`Fp8Rows`), the layout DeepGEMM's SM90 kernels load with TMA, so no
 transpose runs between the stages. Twins: fp8_reference.dispatch_quant / swiglu_quant / combine.
 """
@@ -81,22 +81,26 @@ class Fp8Rows:
 @triton.jit
 def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride_x, stride_a,
                            rows_per_group, sf_group_stride, sf_k_stride,
-                           TOP_K: tl.constexpr, NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr):
-    # grid (pairs, k-block groups): each 128-channel block has its own scale, so blocks are independent.
-    pair = tl.program_id(0)
-    row = tl.load(row_of_pair_ptr + pair)
-    if row >= 0:
-        token = pair // TOP_K
-        kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
-        col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
-        v = tl.load(x_ptr + token.to(tl.int64) * stride_x + col, mask=col < hidden, other=0.0).to(tl.float32)
-        # Per-128 FP8 quantization; scale = max(amax, 1e-4) / 448 with IEEE division, as in the twin.
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4), 448.0)
-        q = tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv)
-        tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
-        g = row // rows_per_group
-        tl.store(sf_ptr + g.to(tl.int64) * sf_group_stride + kb * sf_k_stride + (row - g * rows_per_group),
-                 scale, mask=kb < NUM_KB)
+                           TOP_K: tl.constexpr, NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_J: tl.constexpr,
+                           PDL: tl.constexpr):
+    # grid (tokens, k-block groups): a token's 128-channel blocks are read and quantized once and stored
+    # into each of its k pairs' rows (each block has its own scale, so blocks are independent).
+    pdl_prologue(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
+    col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
+    v = tl.load(x_ptr + token * stride_x + col, mask=col < hidden, other=0.0).to(tl.float32)
+    # Per-128 FP8 quantization; scale = max(amax, 1e-4) / 448 with IEEE division, as in the twin.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4), 448.0)
+    q = tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv)
+    jj = tl.arange(0, BLOCK_J)
+    rows = tl.load(row_of_pair_ptr + token * TOP_K + jj, mask=jj < TOP_K, other=-1).to(tl.int64)  # -1: not here
+    ok = (rows >= 0)[:, None] & (kb < NUM_KB)[None, :]
+    tl.store(a_ptr + rows[:, None, None] * stride_a + col[None, :, :],
+             tl.broadcast_to(q[None, :, :], [BLOCK_J, BLOCK_KB, 128]), mask=ok[:, :, None])
+    g = rows // rows_per_group
+    tl.store(sf_ptr + (g * sf_group_stride + rows - g * rows_per_group)[:, None] + kb[None, :] * sf_k_stride,
+             tl.broadcast_to(scale[None, :], [BLOCK_J, BLOCK_KB]), mask=ok)
 
 
 @triton.jit
@@ -172,10 +176,11 @@ def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: 
     p = row_of_pair.numel()
     if p:
         kbp = _kb_per_program(p, out.k_blocks)
-        _dispatch_quant_kernel[(p, triton.cdiv(out.k_blocks, kbp))](
+        _dispatch_quant_kernel[(p // top_k, triton.cdiv(out.k_blocks, kbp))](
             x, row_of_pair, out.data, out.scale_storage, x.shape[1], x.stride(0), out.data.stride(0),
             out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=kbp, num_warps=1 if kbp == 1 else 4)
+            TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=kbp, BLOCK_J=triton.next_power_of_2(top_k),
+            num_warps=1 if kbp == 1 else 4, **pdl.launch(x))
     return out
 
 
