@@ -10,7 +10,8 @@ first, nothing is read or written early: only the launch latency overlaps.
 
 `launch(t)` gives the launch options and the kernel's PDL flag for tensors on `t`'s device: on when
 ENABLED, the device is SM90+ and this Triton has the GDC intrinsics; off elsewhere (CPU, the
-interpreter). Set ENABLED = False to compare (bench/decode_ab.py).
+interpreter), and only while a CUDA graph is being captured unless CAPTURE_ONLY is False. Set
+ENABLED = False to compare (bench/decode_ab.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ except ImportError:  # an older Triton: PDL stays off
         pass
 
 ENABLED = True
+# Only launches being captured into a CUDA graph use PDL by default: eager launches are host-bound at
+# the sizes where PDL could help, and PDL launches cost host time (see bench/pdl_prefill_ab.py).
+CAPTURE_ONLY = True
 _CAPABLE: dict = {}
 
 
@@ -46,6 +50,8 @@ def pdl_prologue(PDL: tl.constexpr):
 
 def active(t: torch.Tensor) -> bool:
     if not (ENABLED and HAVE_GDC and t.is_cuda):
+        return False
+    if CAPTURE_ONLY and not torch.cuda.is_current_stream_capturing():
         return False
     if t.device not in _CAPABLE:
         _CAPABLE[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
