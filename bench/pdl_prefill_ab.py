@@ -1,5 +1,6 @@
 """Eager prefill TTFT with programmatic dependent launch off, on for every launch, and on only under
-CUDA-graph capture (kernels/pdl.py's default), same process, 20b random weights.
+CUDA-graph capture (kernels/pdl.py's default), same process, 20b random weights. Without DG_USE=1
+in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM (as in the committed result).
 
     python -m bench.pdl_prefill_ab --out bench/results/pdl_prefill_ab_h200.json
 """

@@ -35,8 +35,10 @@ except ImportError:  # an older Triton: PDL stays off
         pass
 
 ENABLED = True
-# Only launches being captured into a CUDA graph use PDL by default: eager launches are host-bound at
-# the sizes where PDL could help, and PDL launches cost host time (see bench/pdl_prefill_ab.py).
+# Only launches being captured into a CUDA graph use PDL by default: that is where kernels run back to
+# back (decode); eager prefill is host-bound at small sizes, and PDL there measured within noise
+# (20b TTFT off / all launches / capture only: 1k 32.9 / 34.1 / 31.6 ms, 8k 85.8 / 86.4 / 93.6 ms,
+# Triton grouped GEMMs, H200 2026-11-30, bench/results/pdl_prefill_ab_h200.json).
 CAPTURE_ONLY = True
 _CAPABLE: dict = {}
 
