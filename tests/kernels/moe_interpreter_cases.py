@@ -210,15 +210,21 @@ def test_grouped_gemm_decode(max_tokens, counts, splits):
     assert out[~valid].isnan().all()
 
 
-@pytest.mark.parametrize("num_tokens,masked_max_tokens", [(3, 64), (5, 64), (40, 0)])
-def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
-    e, hidden, inter, k = 6, 200, 136, 2
+def random_experts(e: int, hidden: int, inter: int) -> TorchExperts:
+    """fp32 TorchExperts with weights at a unit-output scale and small biases."""
     te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)
     with torch.no_grad():
         for p, std in ((te.gate_up_proj, hidden ** -0.5), (te.down_proj, inter ** -0.5),
                        (te.gate_up_proj_bias, 0.1), (te.down_proj_bias, 0.1)):
             p.normal_(0, std)
-    experts = Fp8Experts.from_torch_experts(te, backend="triton", masked_max_tokens=masked_max_tokens)
+    return te
+
+
+@pytest.mark.parametrize("num_tokens,masked_max_tokens", [(3, 64), (5, 64), (40, 0)])
+def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
+    e, hidden, inter, k = 6, 200, 136, 2
+    experts = Fp8Experts.from_torch_experts(random_experts(e, hidden, inter), backend="triton",
+                                            masked_max_tokens=masked_max_tokens)
     x = torch.randn(num_tokens, hidden).bfloat16()
     ids, weights = ref.topk_softmax(torch.randn(num_tokens, e), k)
     got = experts(x, ids, weights).float()
@@ -308,12 +314,7 @@ def test_decode_front_rejects_what_it_cannot_run():
 def test_routed_forward_fused_front_matches_unfused(num_tokens):
     """Fp8Experts.routed_forward (fused front) against routing first and then calling the layer."""
     e, hidden, inter, k = 6, 200, 136, 2
-    te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)
-    with torch.no_grad():
-        for p, std in ((te.gate_up_proj, hidden ** -0.5), (te.down_proj, inter ** -0.5),
-                       (te.gate_up_proj_bias, 0.1), (te.down_proj_bias, 0.1)):
-            p.normal_(0, std)
-    experts = Fp8Experts.from_torch_experts(te, backend="triton")
+    experts = Fp8Experts.from_torch_experts(random_experts(e, hidden, inter), backend="triton")
     x, w, b = exact_router_inputs(num_tokens, e, hidden)
     got = experts.routed_forward(x, w, b, k)
     ids, weights = ref.topk_softmax(ref.router_logits(x, w, b), k)
