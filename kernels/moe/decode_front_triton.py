@@ -5,10 +5,11 @@ Unfused, these are five launches per layer (router GEMM + its split-K reduce, to
 of the counts, the count/rank kernel, dispatch_quant): ~12 us of kernels plus their launch gaps at
 batch 1, where the layer's expert weights stream in ~40 us. Here one launch, and no serial loops
 (on the H200 every dependent global round trip costs ~1-2 us in a single program; a first version
-quantizing in the tail program's 23-step loop took 82 us per call, bench/results/decode_ab_h200.json):
+quantizing in the tail program's 23-step loop took 82 us per call,
+bench/results/decode_ab_v1_serial_tail_gpt-oss-20b_h200.json; this one 6.0-9.8 us):
 
 - grid (expert block, 128-channel block): each program computes one [T, 32] slice of the router
-  logits over 128 channels (fp32) into a scratch, and the programs of the first expert block quantize
+  logits over 128 channels (bf16 tensor-core dot, fp32 sums) into a scratch, and the programs of the first expert block quantize
   their 128 channels of every token (FP8, one scale per token per block) into token rows of A;
 - the last program to finish (an atomic ticket, reset by that program for the next call) sums the
   slices in a fixed order (the logits do not depend on which program came last), adds the bias,
@@ -29,14 +30,15 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.moe.epilogues_triton import Fp8Rows
-from kernels.pdl import pdl_prologue
 from kernels.moe.routing_triton import MoePlan
+from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
 
 FRONT_MAX_TOKENS = 16
 BLOCK_T = 16  # tl.dot needs 16 rows; decode batches below that are masked
 BLOCK_E = 32  # router rows (experts) per program
 QBLOCK = 128  # channels per program: one quantization block
+
 
 def default_num_warps(num_tokens: int, num_experts: int) -> int:
     """H200, bench/decode_front_sweep (2026-11-30, bench/results/decode_front_h200.json): 8 warps but for
