@@ -41,7 +41,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = g.abs().amax(-1).clamp(min=2.0 ** -126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = g / torch.pow(2.0, exp)[..., None]
-    grid = torch.tensor(FP4_E2M1_VALUES[:8])
+    grid = torch.tensor(FP4_E2M1_VALUES[:8], device=w.device)
     idx = (scaled.abs()[..., None] - grid).abs().argmin(-1)  # nearest magnitude
     codes = (idx + 8 * (scaled < 0)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)

@@ -322,3 +322,38 @@ def test_routed_forward_fused_front_matches_unfused(num_tokens):
     # same rows and GEMMs; the routing weights may differ in the last fp32 bit (the kernel's softmax sums
     # the k terms as a tree, torch in its own order), which can move an output by one bf16 step
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("k", [96, 224])
+@pytest.mark.parametrize("token_rows", [False, True])
+def test_mxfp4_decode_gemm_matches_twin(k, splits, token_rows):
+    """The MXFP4 decode GEMM against dequantize-to-bf16 + fp32 matmul: partial K tiles, split-K, both
+    A layouts (per-pair rows, token rows through token_of_row)."""
+    from kernels.moe import mxfp4_decode_gemm as mx
+    from model.mxfp4 import quantize_mxfp4
+
+    t, e, n, top = 3, 5, 48, 2
+    blocks, scales = quantize_mxfp4(torch.randn(e, n, k) * 0.5)
+    blocks = blocks.view(e, n, k // 32, 16)
+    x = torch.randn(t, k).bfloat16()
+    ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)]).int()
+    plan = rt.plan_masked(ids, 0, e, t)
+    if token_rows:
+        a, row_map = x, torch.zeros(e * t, dtype=torch.int32)
+        row_map[plan.row_of_pair.long()] = (torch.arange(t * top) // top).int()
+    else:
+        a, row_map = torch.zeros(e * t, k).bfloat16(), None
+        a[plan.row_of_pair.long()] = x[torch.arange(t * top) // top]
+    shape = (splits, e * t, n) if splits > 1 else (e * t, n)
+    out = torch.full(shape, float("nan"), dtype=torch.float32 if splits > 1 else torch.bfloat16)
+    mx.grouped_gemm_decode_mxfp4(a, blocks, scales, out, plan.counts, plan.active, plan.num_active, t, t,
+                                 a_row_map=row_map)
+    got = out.sum(0) if splits > 1 else out.float()
+    want = mx.reference_decode_mxfp4(a, blocks, scales, plan.counts, t, row_map)
+    rows = plan.row_of_pair.long()
+    tol = dict(rtol=1e-5, atol=1e-5) if splits > 1 else dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(got[rows], want[rows], **tol)
+    unused = torch.ones(e * t, dtype=torch.bool)
+    unused[rows] = False
+    assert (out.isnan() if splits == 1 else out[0].isnan())[unused].all()  # rows without a pair: untouched

@@ -1,0 +1,142 @@
+"""Decode-sized grouped GEMM straight from the checkpoints' MXFP4 expert weights (bf16 activations).
+
+At batch 1 a MoE layer is a weight stream: FP8 experts are 25.4 MB per expert of gpt-oss (gate_up
++ down), MXFP4 13.4 MB (4 bits + one 8-bit exponent per 32 weights), so reading the checkpoint's own
+format halves the bytes of the dominant decode kernel, and 120b's experts fit in ~61 GB instead of
+117 GB. It is also the reference's own precision: gpt_oss.torch dequantizes MXFP4 to bf16 and runs
+bf16 matmuls, which is what this kernel does tile by tile (no FP8 rounding of weights or activations).
+
+out rows [e * m_cap, e * m_cap + counts[e]) = A rows @ dequant(W[e])^T for the experts active[:num_active]
+(the masked plan of routing_triton.plan_masked / decode_front_triton), swap-AB like the FP8 decode
+kernel (triton_grouped_gemm.grouped_gemm_decode): a [BLOCK_N, BLOCK_K] weight tile is unpacked in
+registers (two E2M1 codes per byte, low nibble first; value * 2^(scale - 127), exact in bf16) and
+multiplied on tensor cores by the <= 64 token rows [BLOCK_K, BLOCK_T] in bf16, fp32 accumulation.
+Split-K partial sums go out in fp32 [S, rows, N] as in the FP8 kernel (the epilogues add them).
+
+Status (2026-11-30): checked against its twin under Triton's interpreter only; not yet run or timed on
+the GPU, and not wired into a model. Twin: `reference_decode_mxfp4`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import pdl_prologue
+from model.mxfp4 import dequantize_mxfp4
+
+DECODE_MAX_TOKENS = 64
+CONFIG = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _e2m1_times_scale(codes, scale_bits):
+    """E2M1 codes (int32, sign in bit 3) times 2^(scale - 127) (scale_bits: the fp32 bit pattern of that
+    power of two), in fp32: exact."""
+    e = (codes >> 1) & 3
+    m = (codes & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+    val = tl.where((codes & 8) != 0, -mag, mag)
+    return val * scale_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_decode_gemm_kernel(a_ptr, blocks_ptr, scales_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
+                              a_row_map_ptr, rows_per_group, n, k, stride_a, stride_be, stride_bn, stride_se,
+                              stride_sn, stride_d, stride_split,
+                              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr, DOT_BF16: tl.constexpr,
+                              PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    split = tl.program_id(2)
+    if slot < tl.load(num_active_ptr):
+        expert = tl.load(active_ptr + slot).to(tl.int64)
+        count = tl.load(counts_ptr + expert)
+        num_kb = tl.cdiv(k, BLOCK_K)
+        kb_per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb0 = split * kb_per_split
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < count
+        n_ok = offs_n < n
+        rows = expert * rows_per_group + offs_t
+        if A_ROW_MAP:  # A holds token rows: row r of the layout reads A row a_row_map[r]
+            a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
+        else:
+            a_rows = rows
+        w_rows = blocks_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
+        s_rows = scales_ptr + expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for kb in range(kb0, tl.minimum(kb0 + kb_per_split, num_kb)):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            offs_b = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # bytes: two codes each
+            offs_g = kb * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)  # 32-value groups: one scale each
+            packed = tl.load(w_rows + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < k // 2), other=0)
+            sc = tl.load(s_rows + offs_g[None, :], mask=n_ok[:, None] & (offs_g[None, :] < k // 32), other=0)
+            packed = packed.to(tl.int32)
+            codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K], low nibble first
+            pow2 = sc.to(tl.int32) << 23  # fp32 bits of 2^(scale - 127) (scale 0, a zero block's, gives 0)
+            pow2 = tl.reshape(tl.broadcast_to(pow2[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
+            w = _e2m1_times_scale(codes, pow2)
+            xt = tl.load(a_ptr + a_rows[None, :] * stride_a + offs_k[:, None],
+                         mask=t_ok[None, :] & (offs_k[:, None] < k), other=0.0)  # A^T tile [BLOCK_K, BLOCK_T]
+            if DOT_BF16:
+                acc = tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16), acc)
+            else:  # Triton's interpreter multiplies bf16 dot operands as raw integers: fp32 there
+                acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+        d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
+
+
+def grouped_gemm_decode_mxfp4(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                              counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor,
+                              rows_per_group: int, max_tokens: int, a_row_map: torch.Tensor | None = None,
+                              config: dict | None = None) -> torch.Tensor:
+    """a [rows or T, K] bf16 (pair rows of the masked layout, or token rows with `a_row_map`), blocks
+    [E, N, K/32, 16] uint8, scales [E, N, K/32] uint8 -> `out` [rows, N] (bf16) or [S, rows, N] (fp32 split-K
+    partial sums), rows = E_local * rows_per_group, for the experts active[:num_active]."""
+    e, n, groups, sixteen = blocks.shape
+    k = groups * 32
+    if sixteen != 16 or scales.shape != (e, n, groups) or a.shape[1] != k or a.dtype != torch.bfloat16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} do not match "
+                         f"bf16 A [*, {a.shape[1]}] ({a.dtype})")
+    if not 0 < max_tokens <= min(DECODE_MAX_TOKENS, rows_per_group):
+        raise ValueError(f"grouped_gemm_decode_mxfp4 covers 1..{DECODE_MAX_TOKENS} rows per expert "
+                         f"(and rows_per_group {rows_per_group}); got {max_tokens}")
+    splits = out.shape[0] if out.dim() == 3 else 1
+    if splits > 1 and out.dtype != torch.float32:
+        raise ValueError("split-K partial sums must be fp32")
+    cfg = dict(CONFIG, **(config or {}))
+    if cfg["BLOCK_K"] % 32:
+        raise ValueError("BLOCK_K must be a multiple of 32 (one scale per 32 weights)")
+    packed = blocks.view(e, n, k // 2)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
+    _mxfp4_decode_gemm_kernel[grid](
+        a, packed, scales, out, counts, active, num_active, a_row_map if a_row_map is not None else counts,
+        rows_per_group, n, k, a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+        out.stride(-2), out.stride(0) if splits > 1 else 0,
+        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        SPLIT_K=splits, A_ROW_MAP=a_row_map is not None, DOT_BF16=a.is_cuda, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl.launch(a))
+    return out
+
+
+def reference_decode_mxfp4(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
+                           rows_per_group: int, a_row_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin: [E * rows_per_group, N] fp32, rows of expert e at [e * m, e * m + counts[e]) = A rows @
+    dequantize_mxfp4(W[e])^T (bf16 weights, fp32 sums); other rows zero."""
+    e, n = blocks.shape[:2]
+    out = torch.zeros(e * rows_per_group, n, dtype=torch.float32, device=a.device)
+    for x in range(e):
+        c = int(counts[x])
+        if c == 0:
+            continue
+        rows = torch.arange(x * rows_per_group, x * rows_per_group + c, device=a.device)
+        src = a_row_map[rows].long() if a_row_map is not None else rows
+        w = dequantize_mxfp4(blocks[x], scales[x], torch.bfloat16).float()
+        out[rows] = a[src].float() @ w.T
+    return out
