@@ -14,7 +14,8 @@ multiplied on tensor cores by the <= 64 token rows [BLOCK_K, BLOCK_T] in bf16, f
 Split-K partial sums go out in fp32 [S, rows, N] as in the FP8 kernel (the epilogues add them).
 
 Status (2026-11-30): checked against its twin under Triton's interpreter only; not yet run or timed on
-the GPU, and not wired into a model. Twin: `reference_decode_mxfp4`.
+the GPU (bench/mxfp4_decode.py), and not wired into a model: the unpack may make it ALU-bound, see
+kernels/moe/NOTES.md. Twin: `reference_decode_mxfp4`.
 """
 
 from __future__ import annotations
