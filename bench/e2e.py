@@ -2,9 +2,11 @@
 
     python -m bench.e2e --device cuda --out bench/results/e2e_h200.json      (the H200 run)
     python -m bench.e2e --device cpu --tiny                                  (smoke test of the code)
+    python -m bench.e2e --checkpoint /path/to/gpt-oss-20b                    (real weights)
 
-Weights are random with the real shapes, made on the device (engine/model_factory.py): FP8 experts
-(Triton grouped GEMMs), bf16 dense layers, FlashInfer sink prefill, our Triton split-KV decode.
+Weights are random with the real shapes, made on the device (engine/model_factory.py), or loaded from
+`--checkpoint`: FP8 experts (DeepGEMM / Triton grouped GEMMs), bf16 dense layers, FlashInfer sink
+prefill, our Triton split-KV decode.
 
 - prefill: batch 1, one forward over N tokens written into the paged cache, plus the last row's
   logits; median of 3 after a warm-up. TTFT excludes queueing and sampling (~0.1 ms).
@@ -99,12 +101,15 @@ def top_kernels(fn, device, n: int = 6) -> list[dict]:
 class Harness:
     """One model on the device with a KV pool and decode graphs."""
 
-    def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float):
+    def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float,
+                 checkpoint: str | None = None):
         t0 = time.perf_counter()
         self.name, self.config, self.device = name, config, device
+        # weights: the checkpoint folder when given (HF layout; MXFP4 / bf16 / FP8-converted experts),
+        # else random of the real shapes, made on the device
         self.model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                 random_weights=True, max_batch=max_batch, max_kv_len=max_ctx + 2 * BLOCK,
-                                 cuda_graph=device.type == "cuda")
+                                 checkpoint=checkpoint, random_weights=checkpoint is None, max_batch=max_batch,
+                                 max_kv_len=max_ctx + 2 * BLOCK, cuda_graph=device.type == "cuda")
         _sync(device)
         self.build_s = time.perf_counter() - t0
         self.shape = costs.ModelShape.of(self.model, name)
@@ -231,7 +236,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     max_ctx = max(args.prefill_lens + args.contexts + [c for _, _, c in THROUGHPUT.values()])
     model_deadline = clock.left() * args.model_share  # build and capture count against it
     t_model = time.perf_counter()
-    h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb)
+    h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
@@ -325,6 +330,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke run)")
+    p.add_argument("--checkpoint", help="a checkpoint folder (HF layout) to load instead of random weights; "
+                                        "the model is named after the folder")
     p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
     p.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
@@ -343,7 +350,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": _device_name(device),
                "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()},
-               "notes": ["random weights of the real shapes (no checkpoint download possible)",
+               "notes": [f"weights from {args.checkpoint}" if args.checkpoint else
+                         "random weights of the real shapes (no checkpoint download possible)",
                          "decode contexts are synthetic: random K/V pages + set lengths, no 32k prefill",
                          "throughput 1k/1k and 8k/1k are estimates from measured prefill/decode points",
                          f"cost at ${costs.DOLLARS_PER_GPU_HOUR:.2f} per GPU-hour"],
@@ -354,9 +362,15 @@ def main(argv=None) -> int:
     def save():
         out.write_text(json.dumps(results, indent=1, default=str))
 
-    names = ["tiny"] if args.tiny else args.models.split(",")
+    if args.checkpoint:
+        from model.loader import read_config
+
+        checkpoint_config = read_config(args.checkpoint)
+        names = [Path(args.checkpoint).resolve().name]
+    else:
+        names = ["tiny"] if args.tiny else args.models.split(",")
     for i, name in enumerate(names):
-        config = tiny_config() if args.tiny else GptOssConfig.preset(name)
+        config = checkpoint_config if args.checkpoint else tiny_config() if args.tiny else GptOssConfig.preset(name)
         share = args.model_share
         args.model_share = 1.0 if i == len(names) - 1 and not args.hf_baseline else share
         run_model(name, config, args, clock, results, save)

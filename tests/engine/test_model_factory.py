@@ -108,3 +108,28 @@ def test_e2e_bench_smoke_on_cpu(tmp_path):
     assert all(d["tok_s_user"] > 0 and d["synthetic_kv"] for d in r["decode"])
     assert {t["scenario"] for t in r["throughput"]} == {"1k/1k", "8k/1k"}
     assert (tmp_path / "e2e_decode.png").stat().st_size > 1000
+
+
+def test_e2e_bench_loads_a_checkpoint_on_cpu(tmp_path):
+    """bench/e2e with --checkpoint: the weights come from the folder (HF layout, MXFP4 experts), the
+    model is named after it, and the run says so."""
+    from bench import e2e
+
+    folder = tmp_path / "tiny-mxfp4"
+    make_tiny(folder, mxfp4=True, seed=3)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--device", "cpu", "--checkpoint", str(folder), "--prefill-lens", "32", "--contexts", "64",
+                     "--max-batch", "1", "--steps", "1", "--budget-s", "120", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert list(result["models"]) == ["tiny-mxfp4"]
+    assert result["notes"][0] == f"weights from {folder}"
+    r = result["models"]["tiny-mxfp4"]
+    assert [p["tokens"] for p in r["prefill"]] == [32] and r["prefill"][0]["ttft_ms"] > 0
+    assert {(d["batch"], d["ctx"]) for d in r["decode"] if "step_ms" in d} >= {(1, 64)}
+    # the harness holds the checkpoint's weights, not random ones
+    from model.loader import read_config
+
+    h = e2e.Harness("x", read_config(folder), torch.device("cpu"), 1, 64, 0.0, str(folder))
+    direct = build_model(read_config(folder), "cpu", torch.float32, checkpoint=folder)
+    assert torch.equal(h.model.lm_head.weight, direct.lm_head.weight)
+    assert torch.equal(h.model.model.layers[1].self_attn.sinks, direct.model.layers[1].self_attn.sinks)
