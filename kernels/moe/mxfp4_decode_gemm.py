@@ -3,8 +3,9 @@
 At batch 1 a MoE layer is a weight stream: FP8 experts are 25.4 MB per expert of gpt-oss (gate_up
 + down), MXFP4 13.4 MB (4 bits + one 8-bit exponent per 32 weights), so reading the checkpoint's own
 format halves the bytes of the dominant decode kernel, and 120b's experts fit in ~61 GB instead of
-117 GB. It is also the reference's own precision: gpt_oss.torch dequantizes MXFP4 to bf16 and runs
-bf16 matmuls, which is what this kernel does tile by tile (no FP8 rounding of weights or activations).
+117 GB. It also computes as the reference does: gpt_oss.torch dequantizes MXFP4 to bf16 and runs
+bf16 matmuls, which is what this kernel does tile by tile (the FP8 path's weights are the same values,
+its power-of-two block scales make MXFP4 -> FP8 lossless, but it quantizes the activations to FP8).
 
 out rows [e * m_cap, e * m_cap + counts[e]) = A rows @ dequant(W[e])^T for the experts active[:num_active]
 (the masked plan of routing_triton.plan_masked / decode_front_triton), swap-AB like the FP8 decode
