@@ -111,9 +111,13 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
     backend = (make_attention_backend(config, parallel, device, max_batch, max_kv_len, cuda_graph)
                if attention == "flashinfer" else None)
     if checkpoint is not None:
-        from model.loader import load_model
+        from model.convert import is_converted
+        from model.loader import Checkpoint, load_model
 
         factory = None
+        if moe == "torch" and is_converted(Checkpoint(checkpoint)):
+            # a `gptoss convert` checkpoint holds only the FP8 experts: run them (the torch twin on CPU)
+            moe = "fp8"
         if moe == "fp8":
             from model.convert import load_fp8_experts
 

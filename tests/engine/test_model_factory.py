@@ -133,3 +133,21 @@ def test_e2e_bench_loads_a_checkpoint_on_cpu(tmp_path):
     direct = build_model(read_config(folder), "cpu", torch.float32, checkpoint=folder)
     assert torch.equal(h.model.lm_head.weight, direct.lm_head.weight)
     assert torch.equal(h.model.model.layers[1].self_attn.sinks, direct.model.layers[1].self_attn.sinks)
+
+
+def test_converted_checkpoint_runs_on_cpu(tmp_path):
+    """A `gptoss convert` checkpoint has no dense/MXFP4 experts: on CPU the factory runs its FP8 experts
+    through the torch twin instead of failing, with logits close to the source checkpoint's."""
+    from model.convert import convert_checkpoint
+    from model.loader import read_config
+
+    src, dst = tmp_path / "src", tmp_path / "fp8"
+    make_tiny(src, mxfp4=True, seed=5)
+    convert_checkpoint(src, dst, "cpu", progress=False)
+    config = read_config(dst)
+    fp8 = build_model(config, "cpu", torch.float32, checkpoint=dst)
+    assert isinstance(fp8.model.layers[0].mlp.experts, Fp8Experts)
+    plain = build_model(config, "cpu", torch.float32, checkpoint=src)
+    ids = [1, 5, 9, 200, 7]
+    a, b = fp8.full_logits(ids).double(), plain.full_logits(ids).double()
+    assert 1 - 2 * (a * b).sum() / (a * a + b * b).sum() < 1e-3  # FP8 activations, same weights
