@@ -6,6 +6,8 @@ Each variant is captured 50 times in one CUDA graph and the replay timed (launch
 in the decode step): unfused = router nn.Linear + topk_softmax + plan_masked + dispatch_quant;
 fused = decode_front_triton.decode_front at several num_warps. Router shapes of 20b (32 experts) and
 120b (128), hidden 2880, T = 1, 4, 16.
+Timing: bench/moe_common.graph_us (triton do_bench median over graph replays); the committed
+bench/results/decode_front_h200.json was timed with CUDA events, median of 5 replays, over the same graph.
 """
 
 from __future__ import annotations
@@ -18,32 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.moe_common import graph_us
 from kernels.moe import decode_front_triton as front
 from kernels.moe import epilogues_triton as epi
 from kernels.moe import routing_triton as rt
 from kernels.moe.fp8_quant import padded
 
-D, K, REPS = 2880, 4, 50
-
-
-def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPS)
-    return sorted(times)[2]
+D, K = 2880, 4
 
 
 def main(argv=None) -> int:

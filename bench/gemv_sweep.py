@@ -4,6 +4,8 @@
 
 Each call captured 50 times in one CUDA graph, replay timed (launch gaps included, as in the decode
 step); us per call and weight-stream TB/s, T = 1, 4, 16, several configs.
+Timing: bench/moe_common.graph_us (triton do_bench median over graph replays); the committed
+bench/results/gemv_h200.json was timed with CUDA events, median of 5 replays, over the same graph.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.decode_front_sweep import graph_us
+from bench.moe_common import graph_us
 from kernels.layers import gemv_triton
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}

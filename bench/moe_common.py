@@ -44,3 +44,9 @@ def graph_time_us(fn, sets) -> tuple[float, str]:
         us, mode = median_us(lambda: [fn(*s) for s in sets]) / len(sets), "eager"
     del graph
     return us, mode
+
+
+def graph_us(fn, reps: int = 50) -> float:
+    """Median us per call of fn() captured `reps` times in one CUDA graph (launch gaps included, as
+    inside a decode step's graph)."""
+    return graph_time_us(fn, [()] * reps)[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_front_sweep import graph_us
+from bench.moe_common import calc_diff, graph_us
 from kernels.moe import mxfp4_decode_gemm as mx
 from kernels.moe import triton_grouped_gemm as tgg
 from kernels.moe.epilogues_triton import Fp8Rows, dispatch_quant
@@ -75,8 +75,7 @@ def main(argv=None) -> int:
                 got = out_mx.sum(0) if splits > 1 else out_mx.float()
                 want = mx.reference_decode_mxfp4(a_bf16, blocks, scales, plan.counts, t)
                 r = plan.row_of_pair.long()
-                g, w = got[r].double(), want[r].double()
-                row["mxfp4_diff"] = float(1 - 2 * (g * w).sum() / (g * g + w * w).sum())
+                row["mxfp4_diff"] = calc_diff(got[r], want[r])
                 rows.append(row)
                 print(" ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
                       flush=True)

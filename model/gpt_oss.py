@@ -87,8 +87,7 @@ class AttentionBlock(nn.Module):
         # 9.6 us at T=1 on the H200; QKV stays on cuBLAS (7.7 vs 9.3 us), bench/results/gemv_h200.json.
         # These are the GEMV's per-block tickets; decode_gemv=False: always F.linear (to compare).
         self.decode_gemv = True
-        self.register_buffer("o_gemv_tickets", torch.zeros(-(-config.hidden_size // 16), dtype=torch.int32,
-                                                            device=device), persistent=False)
+        self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]

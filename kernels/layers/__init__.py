@@ -52,4 +52,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tic
     return torch.nn.functional.linear(x, weight, bias)
 
 
-__all__ = ["add_rms_norm", "linear", "reference", "rms_norm", "rotary_qkv"]
+# The GEMV's smallest N block; its tickets are sized for it (here, so that building a model does not
+# import Triton: gemv_triton reads it from this module).
+GEMV_MIN_BLOCK_N = 16
+
+
+def gemv_tickets(n: int, device=None) -> torch.Tensor:
+    """The per-block tickets (zero between calls) `linear` needs for a projection with N outputs."""
+    return torch.zeros(-(-n // GEMV_MIN_BLOCK_N), dtype=torch.int32, device=device)
+
+
+__all__ = ["GEMV_MIN_BLOCK_N", "add_rms_norm", "gemv_tickets", "linear", "reference", "rms_norm", "rotary_qkv"]

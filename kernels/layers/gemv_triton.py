@@ -22,10 +22,11 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.layers import GEMV_MIN_BLOCK_N, gemv_tickets
 from kernels.pdl import pdl_prologue
 
 GEMV_MAX_TOKENS = 16
-MIN_BLOCK_N = 16  # tickets are sized for this, so any BLOCK_N >= 16 fits them
+MIN_BLOCK_N = GEMV_MIN_BLOCK_N  # tickets are sized for this, so any BLOCK_N >= 16 fits them
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, waves=2, num_warps=4, num_stages=4)
 
 
@@ -67,9 +68,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_token
                  mask=n_ok[:, None] & t_ok[None, :])
 
 
-def new_tickets(n: int, device) -> torch.Tensor:
-    """Per-N-block ticket counters for a projection with N outputs (zero between calls)."""
-    return torch.zeros(triton.cdiv(n, MIN_BLOCK_N), dtype=torch.int32, device=device)
+new_tickets = gemv_tickets  # per-N-block ticket counters for a projection with N outputs
 
 
 def num_splits(n: int, k: int, num_sms: int, config: dict) -> tuple[int, int]:

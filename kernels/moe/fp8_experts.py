@@ -70,6 +70,7 @@ class Fp8Experts(nn.Module):
         self.register_buffer("s2", torch.ones(num_local, -(-hidden // BLOCK), ip // BLOCK, **kw))
         self.register_buffer("b2", torch.zeros(num_local, hidden, **kw))
         # the fused decode front's ticket counter (zero between calls; see decode_front_triton)
+        # (a plain zeros buffer: building the module must not import Triton)
         self.register_buffer("front_ticket", torch.zeros(1, dtype=torch.int32, **kw), persistent=False)
 
     # ---- construction ----------------------------------------------------------------------
