@@ -359,3 +359,37 @@ def test_pdl_launches_change_nothing(experts20):
         pdl.ENABLED = enabled
     assert pdl.HAVE_GDC, "this Triton lacks the GDC intrinsics: PDL never runs"
     assert torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.parametrize("t", [1, 4, 13])
+@pytest.mark.parametrize("variant", ["simple", "words"])
+def test_mxfp4_decode_gemms_match_twin(t, variant):
+    """Both MXFP4 decode GEMMs on the 20b gate_up shape (token rows through the map, split-K at T <= 4)
+    against dequantize-to-bf16 + fp32 matmul: the same products, only the fp32 summation order differs."""
+    from kernels.moe import mxfp4_decode_gemm as mx
+    from kernels.moe.routing_triton import plan_masked
+    from model.mxfp4 import quantize_mxfp4
+
+    e, n, k, top = 32, 5760, 2880, 4
+    blocks, scales = quantize_mxfp4(torch.randn(e, n, k, device=DEV) * k ** -0.5)
+    blocks = blocks.view(e, n, k // 32, 16)
+    x = torch.randn(t, k, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(e, device=DEV)[:top] for _ in range(t)]).int()
+    plan = plan_masked(ids, 0, e, t)
+    row_map = torch.zeros(e * t, dtype=torch.int32, device=DEV)
+    row_map[plan.row_of_pair.long()] = (torch.arange(t * top, device=DEV) // top).int()
+    splits = 4 if t <= 4 else 1
+    out = torch.empty((splits, e * t, n) if splits > 1 else (e * t, n), device=DEV,
+                      dtype=torch.float32 if splits > 1 else torch.bfloat16)
+    if variant == "simple":
+        mx.grouped_gemm_decode_mxfp4(x, blocks, scales, out, plan.counts, plan.active, plan.num_active, t, t,
+                                     a_row_map=row_map)
+    else:
+        words, wscales = mx.pack_fp16_words(blocks, scales)
+        mx.grouped_gemm_decode_mxfp4_words(x.half(), words, wscales, out, plan.counts, plan.active,
+                                           plan.num_active, t, t, a_row_map=row_map)
+    got = out.sum(0) if splits > 1 else out.float()
+    want = mx.reference_decode_mxfp4(x, blocks, scales, plan.counts, t, row_map)
+    rows = plan.row_of_pair.long()
+    tol = 1e-4 if splits > 1 else 2 ** -7  # bf16 output rounding when unsplit
+    torch.testing.assert_close(got[rows], want[rows], rtol=tol, atol=tol * float(want[rows].abs().max()))
