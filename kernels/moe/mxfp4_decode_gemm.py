@@ -272,3 +272,132 @@ def grouped_gemm_decode_mxfp4_words(a: torch.Tensor, words: torch.Tensor, scales
         A_ROW_MAP=a_row_map is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.launch(a))
     return out
+
+
+# --- the prescaled variant: 128-deep steps, one dot chain, group scales applied to the fp16 weights -----
+#
+# The words variant above runs one 32-deep dot per MXFP4 group and rescales the accumulator after each:
+# 90 dependent steps per output tile. Here a step is 128 deep (16 words, 4 groups) and the group scale is
+# folded into the weights: with smax the largest scale of the row, each group's weights are
+# v x 2^(scale - smax), formed as fp16x2 = (E2M1 bits, v x 2^-14) x 2^(scale - smax + 14) with one
+# packed fp16 multiply per two weights; the accumulator takes 2^(smax - 127) once at the end. Exact while
+# scale - smax >= -23 (the fp16 subnormal floor; `pack_prescaled_words` counts the groups below it, and
+# groups below -28 are dropped: their weights are < 2^-28 of the row's largest). The 8 sub-dots of a
+# step are one (pair, half) each: K offsets 8 w + position(pair, half) for the 16 words, so nothing is
+# joined or reshaped and the unpack stays elementwise from the loaded words.
+
+PRESCALED_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def pack_prescaled_words(blocks: torch.Tensor, scales: torch.Tensor) -> dict:
+    """Checkpoint MXFP4 [E, N, G, 16] + [E, N, G] -> {"words": [E, Kp/128, N, 16] int32 (K zero-padded to
+    a multiple of 128), "fexp": [E, Kp/32, N] uint8 (fp16 exponent field of 2^(scale - smax + 14), 0 = drop),
+    "rowexp": [E, N] uint8 (smax), "inexact_groups": groups with scale - smax < -23}."""
+    e, n, g, _ = blocks.shape
+    gp = -(-g // 4) * 4
+    if gp != g:
+        blocks = torch.cat([blocks, blocks.new_zeros(e, n, gp - g, 16)], 2)
+        scales = torch.cat([scales, scales.new_zeros(e, n, gp - g)], 2)
+    words, _ = pack_fp16_words(blocks, scales)  # [E, Gp, N, 4]
+    words = words.view(e, gp // 4, 4, n, 4).permute(0, 1, 3, 2, 4).reshape(e, gp // 4, n, 16).contiguous()
+    nonzero = blocks.view(e, n, gp, 16).ne(0).any(-1)
+    smax = scales.masked_fill(~nonzero, 0).amax(-1)  # all-zero groups do not set the row's exponent
+    d = scales.to(torch.int32) - smax[..., None].to(torch.int32)
+    fexp = torch.where(nonzero, (d + 29).clamp(min=0), torch.zeros_like(d)).to(torch.uint8)
+    return {"words": words, "fexp": fexp.permute(0, 2, 1).contiguous(), "rowexp": smax.contiguous(),
+            "inexact_groups": int((nonzero & (d < -23)).sum())}
+
+
+@triton.jit
+def _scale_and_split(r, fpair, USE_ASM: tl.constexpr):
+    """fp16x2 words r times fp16x2 factors fpair -> (low, high) fp16 tensors."""
+    if USE_ASM:
+        rs = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [r, fpair], dtype=tl.uint32,
+                                       is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [rs], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=1)
+    else:  # Triton's interpreter runs no PTX: the same products, one half at a time
+        f = (fpair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        lo = (r & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) * f
+        hi = (r >> 16).to(tl.uint16).to(tl.float16, bitcast=True) * f
+    return lo, hi
+
+
+@triton.jit
+def _mxfp4_prescaled_gemm_kernel(a_ptr, words_ptr, fexp_ptr, rowexp_ptr, d_ptr, counts_ptr, active_ptr,
+                                 num_active_ptr, a_row_map_ptr, rows_per_group, n, k, steps, stride_a, stride_we,
+                                 stride_ws, stride_fe, stride_fg, stride_re, stride_d, stride_split,
+                                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                                 A_ROW_MAP: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    split = tl.program_id(2)
+    if slot < tl.load(num_active_ptr):
+        expert = tl.load(active_ptr + slot).to(tl.int64)
+        count = tl.load(counts_ptr + expert)
+        s_per_split = tl.cdiv(steps, SPLIT_K)
+        s0 = split * s_per_split
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_w = tl.arange(0, 16)
+        t_ok = offs_t < count
+        n_ok = offs_n < n
+        rows = expert * rows_per_group + offs_t
+        if A_ROW_MAP:
+            a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
+        else:
+            a_rows = rows
+        w_tile = words_ptr + expert * stride_we + offs_n[:, None] * 16 + offs_w[None, :]
+        f_tile = fexp_ptr + expert * stride_fe + (offs_w // 4)[None, :] * stride_fg + offs_n[:, None]
+        x_rows = a_ptr + a_rows[None, :] * stride_a
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for s in range(s0, tl.minimum(s0 + s_per_split, steps)):
+            words = tl.load(w_tile + s * stride_ws, mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+            fe = tl.load(f_tile + s * 4 * stride_fg, mask=n_ok[:, None], other=0).to(tl.uint32)
+            fpair = (fe << 10) | (fe << 26)
+            kw = s * 128 + offs_w * 8  # K of each word's first value
+            for j in tl.static_range(4):
+                if j == 3:
+                    r = words & 0x8E008E00
+                else:
+                    r = ((words << (9 - 3 * j)) & 0x0E000E00) | ((words << (3 - j)) & 0x80008000)
+                lo, hi = _scale_and_split(r, fpair, USE_ASM)
+                k_lo = kw + 2 * (j % 2) + j // 2  # _word_position(j, 0); the high half sits 4 further
+                x_lo = tl.load(x_rows + k_lo[:, None], mask=t_ok[None, :] & (k_lo[:, None] < k), other=0.0)
+                x_hi = tl.load(x_rows + k_lo[:, None] + 4, mask=t_ok[None, :] & (k_lo[:, None] + 4 < k), other=0.0)
+                acc = tl.dot(lo, x_lo, acc)
+                acc = tl.dot(hi, x_hi, acc)
+        rowexp = tl.load(rowexp_ptr + expert * stride_re + offs_n, mask=n_ok, other=127).to(tl.int32)
+        acc = acc * (rowexp << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(smax - 127)
+        d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
+
+
+def grouped_gemm_decode_mxfp4_prescaled(a: torch.Tensor, packed: dict, out: torch.Tensor, counts: torch.Tensor,
+                                        active: torch.Tensor, num_active: torch.Tensor, rows_per_group: int,
+                                        max_tokens: int, a_row_map: torch.Tensor | None = None,
+                                        config: dict | None = None) -> torch.Tensor:
+    """As `grouped_gemm_decode_mxfp4`, from `pack_prescaled_words` output; a [rows or T, K] fp16."""
+    words, fexp, rowexp = packed["words"], packed["fexp"], packed["rowexp"]
+    e, steps, n, sixteen = words.shape
+    k = a.shape[1]
+    if sixteen != 16 or fexp.shape != (e, steps * 4, n) or rowexp.shape != (e, n) or not 0 <= steps * 128 - k < 128 \
+            or a.dtype != torch.float16:
+        raise ValueError(f"MXFP4 prescaled words {tuple(words.shape)} do not match fp16 A [*, {k}] ({a.dtype})")
+    if not 0 < max_tokens <= min(DECODE_MAX_TOKENS, rows_per_group):
+        raise ValueError(f"grouped_gemm_decode_mxfp4_prescaled covers 1..{DECODE_MAX_TOKENS} rows per expert "
+                         f"(and rows_per_group {rows_per_group}); got {max_tokens}")
+    splits = out.shape[0] if out.dim() == 3 else 1
+    if splits > 1 and out.dtype != torch.float32:
+        raise ValueError("split-K partial sums must be fp32")
+    cfg = dict(PRESCALED_CONFIG, **(config or {}))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
+    _mxfp4_prescaled_gemm_kernel[grid](
+        a, words, fexp, rowexp, out, counts, active, num_active, a_row_map if a_row_map is not None else counts,
+        rows_per_group, n, k, steps, a.stride(0), words.stride(0), words.stride(1), fexp.stride(0), fexp.stride(1),
+        rowexp.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
+        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_N=cfg["BLOCK_N"], SPLIT_K=splits,
+        A_ROW_MAP=a_row_map is not None, USE_ASM=a.is_cuda, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl.launch(a))
+    return out

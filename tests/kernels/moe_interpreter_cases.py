@@ -417,3 +417,47 @@ def test_mxfp4_words_gemm_matches_twin(splits, token_rows):
     unused = torch.ones(e * t, dtype=torch.bool)
     unused[rows] = False
     assert (out.isnan() if splits == 1 else out[0].isnan())[unused].all()
+
+
+@pytest.mark.parametrize("k,splits", [(160, 1), (256, 2), (416, 3)])
+def test_mxfp4_prescaled_gemm_matches_twin(k, splits):
+    """The prescaled MXFP4 decode GEMM (128-deep steps, group scales folded into fp16 weights) against
+    dequantize + fp32 matmul: K padded to 128, scales spread over 18 binades within rows (exact), all-zero
+    groups, split-K over steps, token rows through the map."""
+    from kernels.moe import mxfp4_decode_gemm as mx
+    from model.mxfp4 import quantize_mxfp4
+
+    t, e, n, top = 3, 4, 80, 2
+    spread = torch.pow(2.0, torch.randint(-12, 6, (e, n, k // 32))).repeat_interleave(32, -1)
+    w = torch.randn(e, n, k) * spread
+    w[0, :, :32] = 0  # an all-zero group in every row of expert 0
+    blocks, scales = quantize_mxfp4(w)
+    blocks = blocks.view(e, n, k // 32, 16)
+    packed = mx.pack_prescaled_words(blocks, scales)
+    assert packed["inexact_groups"] == 0
+    x = torch.randn(t, k).bfloat16()
+    ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)]).int()
+    plan = rt.plan_masked(ids, 0, e, t)
+    row_map = torch.zeros(e * t, dtype=torch.int32)
+    row_map[plan.row_of_pair.long()] = (torch.arange(t * top) // top).int()
+    shape = (splits, e * t, n) if splits > 1 else (e * t, n)
+    out = torch.full(shape, float("nan"), dtype=torch.float32 if splits > 1 else torch.bfloat16)
+    mx.grouped_gemm_decode_mxfp4_prescaled(x.half(), packed, out, plan.counts, plan.active, plan.num_active, t, t,
+                                           a_row_map=row_map, config=dict(BLOCK_N=32))
+    got = out.sum(0) if splits > 1 else out.float()
+    want = mx.reference_decode_mxfp4(x, blocks, scales, plan.counts, t, row_map)
+    rows = plan.row_of_pair.long()
+    scale = float(want[rows].abs().max())
+    tol = dict(rtol=1e-5, atol=1e-6 * scale) if splits > 1 else dict(rtol=2 ** -7, atol=1e-6 * scale)
+    torch.testing.assert_close(got[rows], want[rows], **tol)
+
+
+def test_prescaled_pack_counts_groups_it_cannot_hold_exactly():
+    from kernels.moe import mxfp4_decode_gemm as mx
+
+    blocks = torch.full((1, 2, 4, 16), 0x11, dtype=torch.uint8)  # every value 0.5
+    scales = torch.tensor([[[127, 100, 104, 127], [90, 90, 90, 90]]], dtype=torch.uint8)
+    packed = mx.pack_prescaled_words(blocks, scales)
+    assert packed["inexact_groups"] == 1  # 100 - 127 = -27 < -23; row 1 is uniform
+    assert packed["rowexp"].tolist() == [[127, 90]]
+    assert packed["fexp"][0, :, 0].tolist() == [29, 2, 6, 29]

@@ -362,7 +362,7 @@ def test_pdl_launches_change_nothing(experts20):
 
 
 @pytest.mark.parametrize("t", [1, 4, 13])
-@pytest.mark.parametrize("variant", ["simple", "words"])
+@pytest.mark.parametrize("variant", ["simple", "words", "prescaled"])
 def test_mxfp4_decode_gemms_match_twin(t, variant):
     """Both MXFP4 decode GEMMs on the 20b gate_up shape (token rows through the map, split-K at T <= 4)
     against dequantize-to-bf16 + fp32 matmul: the same products, only the fp32 summation order differs."""
@@ -384,6 +384,9 @@ def test_mxfp4_decode_gemms_match_twin(t, variant):
     if variant == "simple":
         mx.grouped_gemm_decode_mxfp4(x, blocks, scales, out, plan.counts, plan.active, plan.num_active, t, t,
                                      a_row_map=row_map)
+    elif variant == "prescaled":
+        mx.grouped_gemm_decode_mxfp4_prescaled(x.half(), mx.pack_prescaled_words(blocks, scales), out, plan.counts,
+                                               plan.active, plan.num_active, t, t, a_row_map=row_map)
     else:
         words, wscales = mx.pack_fp16_words(blocks, scales)
         mx.grouped_gemm_decode_mxfp4_words(x.half(), words, wscales, out, plan.counts, plan.active,
