@@ -1,12 +1,13 @@
-"""MXFP4 decode grouped GEMMs (kernels/moe/mxfp4_decode_gemm.py: the simple unpack and the fp16-words
-one) against the FP8 decode GEMM they would replace, on gpt-oss expert shapes: gate_up [2I=5760, D=2880]
+"""The MXFP4 decode grouped GEMM (kernels/moe/mxfp4_decode_gemm.py) against the FP8 decode GEMM it would
+replace, on gpt-oss expert shapes: gate_up [2I=5760, D=2880]
 and down [D, I], active experts of T tokens x top-4 out of 32 (20b) or 128 (120b), T = 1, 4, 16, 64.
-First a config sweep of the words kernel at T = 1 (20b shapes), then the table with the best config.
+First a config sweep at T = 1 (20b shapes), then the table with the best config.
 
     python -m bench.mxfp4_decode --out bench/results/mxfp4_decode_h200.json
 
 Each GEMM captured 50 times in one CUDA graph and the replay timed; prints us per call, the weight
-bytes each streams and GB/s, and each MXFP4 result's difference from its dequantize-to-bf16 twin.
+bytes each streams and GB/s, and the MXFP4 result's difference from its dequantize-to-bf16 twin.
+The 2026-11-30 runs (`bench/results/mxfp4_decode*_h200.json`) also timed two earlier unpacks, since removed.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/mxfp4_decode.json")
     p.add_argument("--tokens", default="1,4,16,64")
-    p.add_argument("--sweep", default="BLOCK_N=64,128;num_stages=3,6;splits=2,4,8")
-    p.add_argument("--sweep-prescaled", default="BLOCK_N=64,128;num_stages=2,3,4;splits=2,4,8")
+    p.add_argument("--sweep", default="BLOCK_N=64,128;num_stages=2,3,4;splits=2,4,8")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
-    rows, sweep = [], []
+    rows, log = [], []
     best = {}
     for experts in (32, 128):
         for name, (n, k) in {"gate_up": (2 * I, D), "down": (D, I)}.items():
@@ -49,19 +49,12 @@ def main(argv=None) -> int:
             del parts
             w8, s8 = quantize_weight_blocks(dense, padded(k))
             del dense
-            words, wscales = mx.pack_fp16_words(blocks, scales)
             pre = mx.pack_prescaled_words(blocks, scales)
             if experts == 32 and args.sweep:
-                best[name] = sweep_variant(
-                    "words", name, n, k, experts, dev, args.sweep, sweep,
-                    lambda a16, out, plan, rmap, cfg: mx.grouped_gemm_decode_mxfp4_words(
-                        a16, words, wscales, out, plan.counts, plan.active, plan.num_active, 1, 1, a_row_map=rmap,
-                        config=cfg))
-            if experts == 32 and args.sweep_prescaled:
-                best["pre_" + name] = sweep_variant(
-                    "prescaled", name, n, k, experts, dev, args.sweep_prescaled, sweep,
-                    lambda a16, out, plan, rmap, cfg: mx.grouped_gemm_decode_mxfp4_prescaled(
-                        a16, pre, out, plan.counts, plan.active, plan.num_active, 1, 1, a_row_map=rmap, config=cfg))
+                best[name] = sweep(name, n, k, experts, dev, args.sweep, log, lambda a16, out, plan, rmap, cfg:
+                                   mx.grouped_gemm_decode_mxfp4_prescaled(a16, pre, out, plan.counts, plan.active,
+                                                                          plan.num_active, 1, 1, a_row_map=rmap,
+                                                                          config=cfg))
             for t in [int(x) for x in args.tokens.split(",")]:
                 x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
                 ids = torch.stack([torch.randperm(experts, device=dev)[:TOP_K] for _ in range(t)]).int()
@@ -73,62 +66,41 @@ def main(argv=None) -> int:
                 a_bf16 = torch.zeros(experts * t, k, device=dev, dtype=torch.bfloat16)
                 a_bf16[plan.row_of_pair.long()] = x[torch.arange(t * TOP_K, device=dev) // TOP_K]
                 a8 = dispatch_quant(x, plan.row_of_pair, TOP_K, Fp8Rows.empty(experts, t, padded(k), dev))
-                out_mx = torch.empty(shape, device=dev, dtype=dtype)
                 out_8 = torch.empty(shape, device=dev, dtype=dtype)
                 cfg = dict(best.get(name, {}))
-                w_splits = cfg.pop("splits", splits) if t <= 4 else 1
-                w_shape = (w_splits, experts * t, n) if w_splits > 1 else (experts * t, n)
-                out_w = torch.empty(w_shape, device=dev, dtype=torch.float32 if w_splits > 1 else torch.bfloat16)
-                a16 = a_bf16.half()
-                pcfg = dict(best.get("pre_" + name, {}))
-                p_splits = pcfg.pop("splits", splits) if t <= 4 else 1
+                p_splits = cfg.pop("splits", splits) if t <= 4 else 1
                 p_shape = (p_splits, experts * t, n) if p_splits > 1 else (experts * t, n)
                 out_p = torch.empty(p_shape, device=dev, dtype=torch.float32 if p_splits > 1 else torch.bfloat16)
+                a16 = a_bf16.half()
 
                 def run_mx():
-                    mx.grouped_gemm_decode_mxfp4(a_bf16, blocks, scales, out_mx, plan.counts, plan.active,
-                                                 plan.num_active, t, t)
-
-                def run_words():
-                    mx.grouped_gemm_decode_mxfp4_words(a16, words, wscales, out_w, plan.counts, plan.active,
-                                                       plan.num_active, t, t, config=cfg)
-
-                def run_pre():
                     mx.grouped_gemm_decode_mxfp4_prescaled(a16, pre, out_p, plan.counts, plan.active,
-                                                           plan.num_active, t, t, config=pcfg)
+                                                           plan.num_active, t, t, config=cfg)
 
                 def run_fp8():
                     tgg.grouped_gemm_decode(a8, w8, s8, out_8, plan.counts, plan.active, plan.num_active, t)
 
                 row = {"experts": experts, "gemm": name, "tokens": t, "active": active,
-                       "mxfp4_us": graph_us(run_mx), "words_us": graph_us(run_words),
-                       "prescaled_us": graph_us(run_pre), "fp8_us": graph_us(run_fp8),
-                       "words_config": dict(cfg, splits=w_splits), "prescaled_config": dict(pcfg, splits=p_splits),
+                       "mxfp4_us": graph_us(run_mx), "fp8_us": graph_us(run_fp8), "config": dict(cfg, splits=p_splits),
                        "inexact_groups": pre["inexact_groups"],
                        "mxfp4_bytes": active * n * k * 17 // 32, "fp8_bytes": active * n * padded(k)}
                 row["mxfp4_gb_s"] = row["mxfp4_bytes"] / row["mxfp4_us"] / 1e3
-                row["words_gb_s"] = row["mxfp4_bytes"] / row["words_us"] / 1e3
-                row["prescaled_gb_s"] = row["mxfp4_bytes"] / row["prescaled_us"] / 1e3
                 row["fp8_gb_s"] = row["fp8_bytes"] / row["fp8_us"] / 1e3
-                got = out_mx.sum(0) if splits > 1 else out_mx.float()
+                got = out_p.sum(0) if p_splits > 1 else out_p.float()
                 want = mx.reference_decode_mxfp4(a_bf16, blocks, scales, plan.counts, t)
                 r = plan.row_of_pair.long()
                 row["mxfp4_diff"] = calc_diff(got[r], want[r])
-                got_w = out_w.sum(0) if w_splits > 1 else out_w.float()
-                row["words_diff"] = calc_diff(got_w[r], want[r])
-                got_p = out_p.sum(0) if p_splits > 1 else out_p.float()
-                row["prescaled_diff"] = calc_diff(got_p[r], want[r])
                 rows.append(row)
                 print(" ".join(f"{k_}={v:.3g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in row.items()),
                       flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                          "device": torch.cuda.get_device_name(), "sweep": sweep, "best": best,
+                                          "device": torch.cuda.get_device_name(), "sweep": log, "best": best,
                                           "rows": rows}, indent=1))
     return 0
 
 
-def sweep_variant(variant, name, n, k, experts, dev, spec, log, run) -> dict:
+def sweep(name, n, k, experts, dev, spec, log, run) -> dict:
     """Time run(a16, out, plan, row_map, config) at T = 1 over the grid in `spec` ("key=v,v;key=v,...");
     returns the fastest config (with its "splits")."""
     grid = [dict()]
@@ -147,11 +119,11 @@ def sweep_variant(variant, name, n, k, experts, dev, spec, log, run) -> dict:
         try:
             us = graph_us(lambda: run(a16, out, plan, row_map, cfg))
         except Exception as exc:  # a config that does not compile (shared memory) is recorded, not fatal
-            log.append(dict(variant=variant, gemm=name, **cfg, splits=s, error=str(exc).splitlines()[0][:160]))
-            print(f"sweep {variant} {name} {cfg} splits={s}: {str(exc).splitlines()[0][:160]}", flush=True)
+            log.append(dict(gemm=name, **cfg, splits=s, error=str(exc).splitlines()[0][:160]))
+            print(f"sweep {name} {cfg} splits={s}: {str(exc).splitlines()[0][:160]}", flush=True)
             continue
-        log.append(dict(variant=variant, gemm=name, **cfg, splits=s, us=us))
-        print(f"sweep {variant} {name} {cfg} splits={s}: {us:.1f} us", flush=True)
+        log.append(dict(gemm=name, **cfg, splits=s, us=us))
+        print(f"sweep {name} {cfg} splits={s}: {us:.1f} us", flush=True)
         if us < best_us:
             best, best_us = dict(cfg, splits=s), us
     return best

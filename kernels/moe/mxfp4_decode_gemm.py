@@ -1,22 +1,25 @@
-"""Decode-sized grouped GEMM straight from the checkpoints' MXFP4 expert weights (bf16 activations).
+"""Decode-sized grouped GEMM straight from the checkpoints' MXFP4 expert weights (fp16 activations).
 
-At batch 1 a MoE layer is a weight stream: FP8 experts are 25.4 MB per expert of gpt-oss (gate_up
-+ down), MXFP4 13.4 MB (4 bits + one 8-bit exponent per 32 weights), so reading the checkpoint's own
-format halves the bytes of the dominant decode kernel, and 120b's experts fit in ~61 GB instead of
-117 GB. It also computes as the reference does: gpt_oss.torch dequantizes MXFP4 to bf16 and runs
-bf16 matmuls, which is what this kernel does tile by tile (the FP8 path's weights are the same values,
-its power-of-two block scales make MXFP4 -> FP8 lossless, but it quantizes the activations to FP8).
+At batch 1 a MoE layer is a weight stream: FP8 experts are 25.4 MB per expert of gpt-oss (gate_up + down),
+MXFP4 13.4 MB (4 bits + one 8-bit exponent per 32 weights), so reading the checkpoint's own format would
+halve the bytes of the dominant decode kernel (and 120b's experts would fit in ~61 GB instead of 117 GB).
+It also computes as the reference does (MXFP4 weights exactly, activations unquantized).
 
-out rows [e * m_cap, e * m_cap + counts[e]) = A rows @ dequant(W[e])^T for the experts active[:num_active]
-(the masked plan of routing_triton.plan_masked / decode_front_triton), swap-AB like the FP8 decode
-kernel (triton_grouped_gemm.grouped_gemm_decode): a [BLOCK_N, BLOCK_K] weight tile is unpacked in
-registers (two E2M1 codes per byte, low nibble first; value * 2^(scale - 127), exact in bf16) and
-multiplied on tensor cores by the <= 64 token rows [BLOCK_K, BLOCK_T] in bf16, fp32 accumulation.
-Split-K partial sums go out in fp32 [S, rows, N] as in the FP8 kernel (the epilogues add them).
+**Measured slower than the FP8 decode GEMM on the H200** (2026-11-30, `python -m bench.mxfp4_decode`,
+`bench/results/mxfp4_decode_h200.json` and `mxfp4_decode_v1_h200.json`): 20b gate_up at T=1 23.3 us
+(1.5 TB/s of MXFP4 bytes) against 19.6 us for FP8 (3.5 TB/s), down 12.7 vs 8.5 us, and 1.2-1.8 TB/s at
+T = 4..16. The unpack is issue-bound, not memory-bound: the H200 has ~2 integer ops per weight at 4 TB/s of
+MXFP4 bytes and this kernel spends ~2.5. Earlier variants were slower still (a select/exp2 unpack in fp32:
+0.5 TB/s; one 32-deep dot per MXFP4 group with the accumulator rescaled after each: 1.3 TB/s).
+Not wired into the model; kept (tested) as the measured baseline for a faster unpack. Twin:
+`reference_decode_mxfp4`.
 
-Status (2026-11-30): checked against its twin under Triton's interpreter only; not yet run or timed on
-the GPU (bench/mxfp4_decode.py), and not wired into a model: the unpack may make it ALU-bound, see
-kernels/moe/NOTES.md. Twin: `reference_decode_mxfp4`.
+The unpack: `pack_prescaled_words` rearranges every 8 codes into one 32-bit word so that four masked
+shifts give four fp16x2 registers directly. An E2M1 magnitude code (e1 e0 m) placed at fp16 bits 11..9
+reads as its value times 2^-14 (e = 0 lands on the fp16 subnormal 2^-15 = 0.5 x 2^-14), so fp16 bits =
+(code & 7) << 9 | sign << 15, no arithmetic. Pair j of a word takes its magnitudes from bits 3j..3j+2
+(+16 for the high half) and its signs from bit 12 + j (+16): r_j = (W << (9 - 3j)) & 0x0E000E00 |
+(W << (3 - j)) & 0x80008000.
 """
 
 from __future__ import annotations
@@ -30,101 +33,30 @@ from kernels.pdl import pdl_prologue
 from model.mxfp4 import dequantize_mxfp4
 
 DECODE_MAX_TOKENS = 64
-CONFIG = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
-@triton.jit
-def _e2m1_times_scale(codes, scale_bits):
-    """E2M1 codes (int32, sign in bit 3) times 2^(scale - 127) (scale_bits: the fp32 bit pattern of that
-    power of two), in fp32: exact."""
-    e = (codes >> 1) & 3
-    m = (codes & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    val = tl.where((codes & 8) != 0, -mag, mag)
-    return val * scale_bits.to(tl.float32, bitcast=True)
+def _word_position(j: int, h: int) -> int:
+    """K offset (0..7) inside a word of the value that pair j, half h unpacks to (the kernel's sub-dots)."""
+    return 4 * h + 2 * (j % 2) + j // 2
 
 
-@triton.jit
-def _mxfp4_decode_gemm_kernel(a_ptr, blocks_ptr, scales_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
-                              a_row_map_ptr, rows_per_group, n, k, stride_a, stride_be, stride_bn, stride_se,
-                              stride_sn, stride_d, stride_split,
-                              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr, DOT_BF16: tl.constexpr,
-                              PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    split = tl.program_id(2)
-    if slot < tl.load(num_active_ptr):
-        expert = tl.load(active_ptr + slot).to(tl.int64)
-        count = tl.load(counts_ptr + expert)
-        num_kb = tl.cdiv(k, BLOCK_K)
-        kb_per_split = tl.cdiv(num_kb, SPLIT_K)
-        kb0 = split * kb_per_split
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        t_ok = offs_t < count
-        n_ok = offs_n < n
-        rows = expert * rows_per_group + offs_t
-        if A_ROW_MAP:  # A holds token rows: row r of the layout reads A row a_row_map[r]
-            a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
-        else:
-            a_rows = rows
-        w_rows = blocks_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
-        s_rows = scales_ptr + expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for kb in range(kb0, tl.minimum(kb0 + kb_per_split, num_kb)):
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            offs_b = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # bytes: two codes each
-            offs_g = kb * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)  # 32-value groups: one scale each
-            packed = tl.load(w_rows + offs_b[None, :], mask=n_ok[:, None] & (offs_b[None, :] < k // 2), other=0)
-            sc = tl.load(s_rows + offs_g[None, :], mask=n_ok[:, None] & (offs_g[None, :] < k // 32), other=0)
-            packed = packed.to(tl.int32)
-            codes = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K], low nibble first
-            pow2 = sc.to(tl.int32) << 23  # fp32 bits of 2^(scale - 127) (scale 0, a zero block's, gives 0)
-            pow2 = tl.reshape(tl.broadcast_to(pow2[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
-            w = _e2m1_times_scale(codes, pow2)
-            xt = tl.load(a_ptr + a_rows[None, :] * stride_a + offs_k[:, None],
-                         mask=t_ok[None, :] & (offs_k[:, None] < k), other=0.0)  # A^T tile [BLOCK_K, BLOCK_T]
-            if DOT_BF16:
-                acc = tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16), acc)
-            else:  # Triton's interpreter multiplies bf16 dot operands as raw integers: fp32 there
-                acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
-        d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
-        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
-
-
-def grouped_gemm_decode_mxfp4(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                              counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor,
-                              rows_per_group: int, max_tokens: int, a_row_map: torch.Tensor | None = None,
-                              config: dict | None = None) -> torch.Tensor:
-    """a [rows or T, K] bf16 (pair rows of the masked layout, or token rows with `a_row_map`), blocks
-    [E, N, K/32, 16] uint8, scales [E, N, K/32] uint8 -> `out` [rows, N] (bf16) or [S, rows, N] (fp32 split-K
-    partial sums), rows = E_local * rows_per_group, for the experts active[:num_active]."""
-    e, n, groups, sixteen = blocks.shape
-    k = groups * 32
-    if sixteen != 16 or scales.shape != (e, n, groups) or a.shape[1] != k or a.dtype != torch.bfloat16:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} do not match "
-                         f"bf16 A [*, {a.shape[1]}] ({a.dtype})")
-    if not 0 < max_tokens <= min(DECODE_MAX_TOKENS, rows_per_group):
-        raise ValueError(f"grouped_gemm_decode_mxfp4 covers 1..{DECODE_MAX_TOKENS} rows per expert "
-                         f"(and rows_per_group {rows_per_group}); got {max_tokens}")
-    splits = out.shape[0] if out.dim() == 3 else 1
-    if splits > 1 and out.dtype != torch.float32:
-        raise ValueError("split-K partial sums must be fp32")
-    cfg = dict(CONFIG, **(config or {}))
-    if cfg["BLOCK_K"] % 32:
-        raise ValueError("BLOCK_K must be a multiple of 32 (one scale per 32 weights)")
-    packed = blocks.view(e, n, k // 2)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
-    _mxfp4_decode_gemm_kernel[grid](
-        a, packed, scales, out, counts, active, num_active, a_row_map if a_row_map is not None else counts,
-        rows_per_group, n, k, a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
-        out.stride(-2), out.stride(0) if splits > 1 else 0,
-        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_K=splits, A_ROW_MAP=a_row_map is not None, DOT_BF16=a.is_cuda, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl.launch(a))
-    return out
+def _pack_words(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint MXFP4 blocks [E, N, G, 16] uint8 + scales [E, N, G] -> (words [E, G, N, 4] int32: each
+    group's 32 codes as 4 words, group-major, scales [E, G, N] uint8)."""
+    e, n, g, sixteen = blocks.shape
+    if sixteen != 16 or scales.shape != (e, n, g):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    words = torch.empty(e, g, n, 4, dtype=torch.int32, device=blocks.device)
+    for x in range(e):  # one expert at a time: int64 scratch of 32 x its bytes
+        codes = torch.stack([blocks[x] & 0xF, blocks[x] >> 4], -1).view(n, g, 4, 8).to(torch.int64)  # K order
+        word = torch.zeros(n, g, 4, dtype=torch.int64, device=blocks.device)
+        for j in range(4):
+            for h in range(2):
+                c = codes[..., _word_position(j, h)]
+                word |= (c & 7) << (3 * j + 16 * h)
+                word |= (c >> 3) << (12 + j + 16 * h)
+        words[x] = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).transpose(0, 1)
+    return words, scales.permute(0, 2, 1).contiguous()
 
 
 def reference_decode_mxfp4(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
@@ -144,140 +76,7 @@ def reference_decode_mxfp4(a: torch.Tensor, blocks: torch.Tensor, scales: torch.
     return out
 
 
-# --- the fp16-words variant: unpack in ~1.6 integer ops per weight ---------------------------------------
-#
-# The simple kernel above spends ~10 ALU ops per weight (select, exp2, multiply, fp32 -> bf16), about
-# 2.5x what the H200's integer pipes allow at 4 TB/s of MXFP4 bytes. This variant moves the work to load
-# time: `pack_fp16_words` rearranges each 8 codes into one 32-bit word such that four masked shifts give
-# four fp16x2 registers directly. The trick: an E2M1 magnitude code (e1 e0 m) placed at fp16 bits 11..9
-# reads as that value times 2^-14 (e = 0 lands on the fp16 subnormal 2^-15 = 0.5 x 2^-14), so
-# fp16 bits = (code & 7) << 9 | sign << 15, no arithmetic. Pair j of a word takes its magnitudes from bits
-# 3j..3j+2 (+16 for the high half) and its signs from bit 12 + j (+16): r_j = (W << (9 - 3j)) & 0x0E000E00
-# | (W << (3 - j)) & 0x80008000. The 2^-14 and the block's 2^(scale - 127) are one fp32 factor applied to
-# each 32-deep partial dot (one MXFP4 group), so every weight is exact whatever its scale (<= 240).
-# Activations go in as fp16: exact for |x| in [2^-24, 65504]; the gate_up input is RMS-normed (|x| <=
-# sqrt(D) x max|gamma|, checked at load) and the down input is a clamped SwiGLU (|x| <= 56).
-# Words are stored group-major, [E, K/32, N, 4] int32, so a program's [BLOCK_N, 32] tile is one
-# contiguous BLOCK_N x 16-byte block; scales [E, K/32, N] uint8 likewise.
-
-WORDS_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=4)
-
-
-def _word_position(j: int, h: int) -> int:
-    """K offset (0..7) inside a word of the value that pair j, half h unpacks to (the kernel's join order)."""
-    return 4 * h + 2 * (j % 2) + j // 2
-
-
-def pack_fp16_words(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint MXFP4 blocks [E, N, G, 16] uint8 + scales [E, N, G] -> (words [E, G, N, 4] int32,
-    scales [E, G, N] uint8), the layout `grouped_gemm_decode_mxfp4_words` reads."""
-    e, n, g, sixteen = blocks.shape
-    if sixteen != 16 or scales.shape != (e, n, g):
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    words = torch.empty(e, g, n, 4, dtype=torch.int32, device=blocks.device)
-    for x in range(e):  # one expert at a time: int64 scratch of 32 x its bytes
-        codes = torch.stack([blocks[x] & 0xF, blocks[x] >> 4], -1).view(n, g, 4, 8).to(torch.int64)  # K order
-        word = torch.zeros(n, g, 4, dtype=torch.int64, device=blocks.device)
-        for j in range(4):
-            for h in range(2):
-                c = codes[..., _word_position(j, h)]
-                word |= (c & 7) << (3 * j + 16 * h)
-                word |= (c >> 3) << (12 + j + 16 * h)
-        words[x] = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).transpose(0, 1)
-    return words, scales.permute(0, 2, 1).contiguous()
-
-
-@triton.jit
-def _fp16_halves(r):
-    return tl.join((r & 0xFFFF).to(tl.uint16), (r >> 16).to(tl.uint16))
-
-
-@triton.jit
-def _unpack_words(words, BLOCK_N: tl.constexpr):
-    """uint32 [BLOCK_N, 4] words -> fp16 [BLOCK_N, 32]: E2M1 values x 2^-14 in K order (exact)."""
-    r0 = ((words << 9) & 0x0E000E00) | ((words << 3) & 0x80008000)
-    r1 = ((words << 6) & 0x0E000E00) | ((words << 2) & 0x80008000)
-    r2 = ((words << 3) & 0x0E000E00) | ((words << 1) & 0x80008000)
-    r3 = words & 0x8E008E00
-    q01 = tl.join(_fp16_halves(r0), _fp16_halves(r1))  # [BLOCK_N, 4, half, pair % 2]
-    q23 = tl.join(_fp16_halves(r2), _fp16_halves(r3))
-    v = tl.join(q01, q23)  # [BLOCK_N, 4, half, pair % 2, pair // 2]: K offset 4 half + 2 (pair % 2) + pair // 2
-    return tl.reshape(v, [BLOCK_N, 32]).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_words_gemm_kernel(a_ptr, words_ptr, scales_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
-                             a_row_map_ptr, rows_per_group, n, groups, stride_a, stride_we, stride_wg, stride_se,
-                             stride_sg, stride_d, stride_split,
-                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                             A_ROW_MAP: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    split = tl.program_id(2)
-    if slot < tl.load(num_active_ptr):
-        expert = tl.load(active_ptr + slot).to(tl.int64)
-        count = tl.load(counts_ptr + expert)
-        g_per_split = tl.cdiv(groups, SPLIT_K)
-        g0 = split * g_per_split
-        offs_t = tl.arange(0, BLOCK_T)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, 32)
-        t_ok = offs_t < count
-        n_ok = offs_n < n
-        rows = expert * rows_per_group + offs_t
-        if A_ROW_MAP:
-            a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
-        else:
-            a_rows = rows
-        w_tile = words_ptr + expert * stride_we + offs_n[:, None] * 4 + tl.arange(0, 4)[None, :]
-        s_tile = scales_ptr + expert * stride_se + offs_n
-        x_tile = a_ptr + a_rows[None, :] * stride_a + offs_k[:, None]
-        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for g in range(g0, tl.minimum(g0 + g_per_split, groups)):
-            words = tl.load(w_tile + g * stride_wg, mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-            sc = tl.load(s_tile + g * stride_sg, mask=n_ok, other=0).to(tl.int32)
-            xt = tl.load(x_tile + g * 32, mask=t_ok[None, :], other=0.0)  # fp16 [32, BLOCK_T]
-            part = tl.dot(_unpack_words(words, BLOCK_N), xt)
-            factor = ((sc + 14) << 23).to(tl.float32, bitcast=True)  # 2^(scale - 127) x 2^14
-            acc += part * factor[:, None]
-        d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
-        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
-
-
-def grouped_gemm_decode_mxfp4_words(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                                    counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor,
-                                    rows_per_group: int, max_tokens: int, a_row_map: torch.Tensor | None = None,
-                                    config: dict | None = None) -> torch.Tensor:
-    """As `grouped_gemm_decode_mxfp4`, from `pack_fp16_words` output: a [rows or T, K] fp16, words
-    [E, K/32, N, 4] int32, scales [E, K/32, N] uint8 -> out [rows, N] bf16 or [S, rows, N] fp32."""
-    e, groups, n, four = words.shape
-    k = groups * 32
-    if four != 4 or scales.shape != (e, groups, n) or a.shape[1] != k or a.dtype != torch.float16:
-        raise ValueError(f"MXFP4 words {tuple(words.shape)} / scales {tuple(scales.shape)} do not match "
-                         f"fp16 A [*, {a.shape[1]}] ({a.dtype})")
-    if not 0 < max_tokens <= min(DECODE_MAX_TOKENS, rows_per_group):
-        raise ValueError(f"grouped_gemm_decode_mxfp4_words covers 1..{DECODE_MAX_TOKENS} rows per expert "
-                         f"(and rows_per_group {rows_per_group}); got {max_tokens}")
-    splits = out.shape[0] if out.dim() == 3 else 1
-    if splits > 1 and out.dtype != torch.float32:
-        raise ValueError("split-K partial sums must be fp32")
-    cfg = dict(WORDS_CONFIG, **(config or {}))
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
-    _mxfp4_words_gemm_kernel[grid](
-        a, words, scales, out, counts, active, num_active, a_row_map if a_row_map is not None else counts,
-        rows_per_group, n, groups, a.stride(0), words.stride(0), words.stride(1), scales.stride(0),
-        scales.stride(1), out.stride(-2), out.stride(0) if splits > 1 else 0,
-        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_N=cfg["BLOCK_N"], SPLIT_K=splits,
-        A_ROW_MAP=a_row_map is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl.launch(a))
-    return out
-
-
-# --- the prescaled variant: 128-deep steps, one dot chain, group scales applied to the fp16 weights -----
-#
-# The words variant above runs one 32-deep dot per MXFP4 group and rescales the accumulator after each:
-# 90 dependent steps per output tile. Here a step is 128 deep (16 words, 4 groups) and the group scale is
+# A step is 128 deep (16 words, 4 groups) and the group scale is
 # folded into the weights: with smax the largest scale of the row, each group's weights are
 # v x 2^(scale - smax), formed as fp16x2 = (E2M1 bits, v x 2^-14) x 2^(scale - smax + 14) with one
 # packed fp16 multiply per two weights; the accumulator takes 2^(smax - 127) once at the end. Exact while
@@ -298,7 +97,7 @@ def pack_prescaled_words(blocks: torch.Tensor, scales: torch.Tensor) -> dict:
     if gp != g:
         blocks = torch.cat([blocks, blocks.new_zeros(e, n, gp - g, 16)], 2)
         scales = torch.cat([scales, scales.new_zeros(e, n, gp - g)], 2)
-    words, _ = pack_fp16_words(blocks, scales)  # [E, Gp, N, 4]
+    words, _ = _pack_words(blocks, scales)  # [E, Gp, N, 4]
     words = words.view(e, gp // 4, 4, n, 4).permute(0, 1, 3, 2, 4).reshape(e, gp // 4, n, 16).contiguous()
     nonzero = blocks.view(e, n, gp, 16).ne(0).any(-1)
     smax = scales.masked_fill(~nonzero, 0).amax(-1)  # all-zero groups do not set the row's exponent
@@ -378,7 +177,9 @@ def grouped_gemm_decode_mxfp4_prescaled(a: torch.Tensor, packed: dict, out: torc
                                         active: torch.Tensor, num_active: torch.Tensor, rows_per_group: int,
                                         max_tokens: int, a_row_map: torch.Tensor | None = None,
                                         config: dict | None = None) -> torch.Tensor:
-    """As `grouped_gemm_decode_mxfp4`, from `pack_prescaled_words` output; a [rows or T, K] fp16."""
+    """a [rows or T, K] fp16 (pair rows of the masked layout, or token rows with `a_row_map`) and the
+    `pack_prescaled_words` experts -> out rows [e * rows_per_group, + counts[e]) = A rows @ W[e]^T, [rows, N]
+    (bf16) or [S, rows, N] (fp32 split-K partial sums, which the epilogues add), for active[:num_active]."""
     words, fexp, rowexp = packed["words"], packed["fexp"], packed["rowexp"]
     e, steps, n, sixteen = words.shape
     k = a.shape[1]

@@ -324,42 +324,7 @@ def test_routed_forward_fused_front_matches_unfused(num_tokens):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("k", [96, 224])
-@pytest.mark.parametrize("token_rows", [False, True])
-def test_mxfp4_decode_gemm_matches_twin(k, splits, token_rows):
-    """The MXFP4 decode GEMM against dequantize-to-bf16 + fp32 matmul: partial K tiles, split-K, both
-    A layouts (per-pair rows, token rows through token_of_row)."""
-    from kernels.moe import mxfp4_decode_gemm as mx
-    from model.mxfp4 import quantize_mxfp4
-
-    t, e, n, top = 3, 5, 48, 2
-    blocks, scales = quantize_mxfp4(torch.randn(e, n, k) * 0.5)
-    blocks = blocks.view(e, n, k // 32, 16)
-    x = torch.randn(t, k).bfloat16()
-    ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)]).int()
-    plan = rt.plan_masked(ids, 0, e, t)
-    if token_rows:
-        a, row_map = x, torch.zeros(e * t, dtype=torch.int32)
-        row_map[plan.row_of_pair.long()] = (torch.arange(t * top) // top).int()
-    else:
-        a, row_map = torch.zeros(e * t, k).bfloat16(), None
-        a[plan.row_of_pair.long()] = x[torch.arange(t * top) // top]
-    shape = (splits, e * t, n) if splits > 1 else (e * t, n)
-    out = torch.full(shape, float("nan"), dtype=torch.float32 if splits > 1 else torch.bfloat16)
-    mx.grouped_gemm_decode_mxfp4(a, blocks, scales, out, plan.counts, plan.active, plan.num_active, t, t,
-                                 a_row_map=row_map)
-    got = out.sum(0) if splits > 1 else out.float()
-    want = mx.reference_decode_mxfp4(a, blocks, scales, plan.counts, t, row_map)
-    rows = plan.row_of_pair.long()
-    tol = dict(rtol=1e-5, atol=1e-5) if splits > 1 else dict(rtol=2 ** -7, atol=1e-3)
-    torch.testing.assert_close(got[rows], want[rows], **tol)
-    unused = torch.ones(e * t, dtype=torch.bool)
-    unused[rows] = False
-    assert (out.isnan() if splits == 1 else out[0].isnan())[unused].all()  # rows without a pair: untouched
-
-
-def test_pack_fp16_words_unpacks_to_the_checkpoint_values():
+def test_mxfp4_words_unpack_to_the_checkpoint_values():
     """Every E2M1 code (both signs, all positions of a word) read back through the kernel's bit trick in
     torch: fp16 bits -> value x 2^-14, reordered like the kernel's joins."""
     from kernels.moe import mxfp4_decode_gemm as mx
@@ -369,7 +334,7 @@ def test_pack_fp16_words_unpacks_to_the_checkpoint_values():
     blocks = torch.randint(0, 256, (e, n, g, 16), dtype=torch.uint8)
     blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # each code at both nibbles
     scales = torch.full((e, n, g), 127, dtype=torch.uint8)
-    words, sc = mx.pack_fp16_words(blocks, scales)
+    words, sc = mx._pack_words(blocks, scales)
     assert words.shape == (e, g, n, 4) and sc.shape == (e, g, n)
     w = words.to(torch.int64) & 0xFFFFFFFF
     vals = torch.empty(e, g, n, 4, 8)
@@ -380,43 +345,6 @@ def test_pack_fp16_words_unpacks_to_the_checkpoint_values():
             vals[..., mx._word_position(j, h)] = half.float() * 2.0 ** 14
     got = vals.view(e, g, n, 32).permute(0, 2, 1, 3).reshape(e, n, g * 32)
     assert torch.equal(got, dequantize_mxfp4(blocks, scales, torch.float32))
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("token_rows", [False, True])
-def test_mxfp4_words_gemm_matches_twin(splits, token_rows):
-    """The fp16-words MXFP4 decode GEMM against dequantize + fp32 matmul, with scales spread over a wide
-    range (the per-group factor must be exact), ragged N, split-K over groups, both A layouts."""
-    from kernels.moe import mxfp4_decode_gemm as mx
-    from model.mxfp4 import quantize_mxfp4
-
-    t, e, n, k, top = 3, 5, 80, 160, 2
-    w = torch.randn(e, n, k) * torch.pow(2.0, torch.randint(-20, 6, (e, n, k // 32))).repeat_interleave(32, -1)
-    blocks, scales = quantize_mxfp4(w)
-    blocks = blocks.view(e, n, k // 32, 16)
-    words, wscales = mx.pack_fp16_words(blocks, scales)
-    x = torch.randn(t, k).bfloat16()
-    ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)]).int()
-    plan = rt.plan_masked(ids, 0, e, t)
-    if token_rows:
-        a, row_map = x, torch.zeros(e * t, dtype=torch.int32)
-        row_map[plan.row_of_pair.long()] = (torch.arange(t * top) // top).int()
-    else:
-        a, row_map = torch.zeros(e * t, k).bfloat16(), None
-        a[plan.row_of_pair.long()] = x[torch.arange(t * top) // top]
-    shape = (splits, e * t, n) if splits > 1 else (e * t, n)
-    out = torch.full(shape, float("nan"), dtype=torch.float32 if splits > 1 else torch.bfloat16)
-    mx.grouped_gemm_decode_mxfp4_words(a.half(), words, wscales, out, plan.counts, plan.active, plan.num_active,
-                                       t, t, a_row_map=row_map, config=dict(BLOCK_N=32))
-    got = out.sum(0) if splits > 1 else out.float()
-    want = mx.reference_decode_mxfp4(a, blocks, scales, plan.counts, t, row_map)
-    rows = plan.row_of_pair.long()
-    scale = float(want[rows].abs().max())  # fp32 sums in another order: error relative to the row sizes
-    tol = dict(rtol=1e-5, atol=1e-6 * scale) if splits > 1 else dict(rtol=2 ** -7, atol=1e-6 * scale)
-    torch.testing.assert_close(got[rows], want[rows], **tol)
-    unused = torch.ones(e * t, dtype=torch.bool)
-    unused[rows] = False
-    assert (out.isnan() if splits == 1 else out[0].isnan())[unused].all()
 
 
 @pytest.mark.parametrize("k,splits", [(160, 1), (256, 2), (416, 3)])
