@@ -244,7 +244,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
              kv_pool={"full_pages": h.num_full, "sliding_pages": h.num_sliding, "block": BLOCK})
     save()
     contexts = args.contexts
-    batches = [b for b in default_buckets(args.max_batch)]
+    batches = [b for b in default_buckets(args.max_batch) if b & (b - 1) == 0 or b == args.max_batch]  # the table's
     plan = [("decode", 1, contexts[0]), ("prefill", 8192 if 8192 in args.prefill_lens else args.prefill_lens[-1]),
             ("prefill", 4096 if 4096 in args.prefill_lens else args.prefill_lens[0])]
     plan += [("decode", b, contexts[0]) for b in batches[1:]]
@@ -289,6 +289,11 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
         except RuntimeError as e:  # a failing point (kernel, profiler) must not lose the others
             r.setdefault("errors", []).append(f"{item}: {type(e).__name__}: {str(e)[:300]}")
             print(f"[{name}] {item} failed: {e}", flush=True)
+        if device.type == "cuda":  # what the headroom has to hold: the peak beyond weights and KV pool
+            free, total = torch.cuda.mem_get_info(device)
+            r["memory_gb"] = {"total": total / 2**30, "free_now": free / 2**30,
+                              "peak_allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+                              "headroom_asked": args.headroom_gb}
         save()
     del h
     gc.collect()
@@ -315,8 +320,8 @@ def throughput_point(h: Harness, scenario: str, r: dict, args) -> dict:
         raise RuntimeError("throughput estimates need a measured prefill point")
     # The prompts of a batch prefill as long chunks: use the best measured prefill rate up to 16k tokens.
     rate = max(p["input_tok_s"] for p in prefill if p["tokens"] <= 16384)
-    batch = max(1, min(args.max_batch, h.max_batch_at(ctx + out_len)))
-    batch = 1 << (batch.bit_length() - 1)  # a captured bucket
+    fits = max(1, min(args.max_batch, h.max_batch_at(ctx + out_len)))
+    batch = max(b for b in default_buckets(args.max_batch) if b <= fits)  # a captured bucket
     step = h.decode(batch, ctx, args.steps, profile=False)
     est = costs.estimate_throughput(1 / rate, step["step_ms"] / 1e3, batch, out_len, in_len)
     est.update(scenario=scenario, decode_ctx=ctx, step_ms=step["step_ms"], prefill_tok_s=rate,

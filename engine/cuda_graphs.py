@@ -32,13 +32,15 @@ class CudaGraphError(RuntimeError):
 
 
 def default_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... and max_batch itself if it is not a power of two."""
+    """1, 2, 4, ..., 64, then every 32 up to 256, every 64 up to 512, every 128 above, and max_batch itself:
+    a batch pads to at most 1.5x its size, and at most 1.25x above 128 (where a 120b step streams every
+    expert and the batch is capped by KV memory, so each extra row counts)."""
     if max_batch < 1:
         raise CudaGraphError(f"max_batch must be >= 1, got {max_batch}")
     out, b = [], 1
     while b < max_batch:
         out.append(b)
-        b *= 2
+        b = b * 2 if b < 64 else b + (32 if b < 256 else 64 if b < 512 else 128)
     return out + [max_batch]
 
 

@@ -76,6 +76,8 @@ def test_buckets_and_padding():
     assert default_buckets(1) == [1]
     assert default_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert default_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 300]
+    assert default_buckets(1024)[-6:] == [448, 512, 640, 768, 896, 1024]
     batch = dummy_decode_batch(3, 16, "cpu")
     padded = pad_decode_batch(batch, 8)
     assert padded.num_seqs == 8 and padded.query_start_loc.tolist() == list(range(9))
