@@ -36,6 +36,7 @@ from bench import e2e_costs as costs
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.model_factory import build_model
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
+from kernels.attention.kv_cache import KV_CACHE_DTYPES, is_fp8, resolve_kv_dtype
 from model.config import GptOssConfig
 
 BLOCK = 16
@@ -102,7 +103,7 @@ class Harness:
     """One model on the device with a KV pool and decode graphs."""
 
     def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float,
-                 checkpoint: str | None = None):
+                 checkpoint: str | None = None, kv_cache_dtype: str = "auto"):
         t0 = time.perf_counter()
         self.name, self.config, self.device = name, config, device
         # weights: the checkpoint folder when given (HF layout; MXFP4 / bf16 / FP8-converted experts),
@@ -112,12 +113,13 @@ class Harness:
                                  max_kv_len=max_ctx + 2 * BLOCK, cuda_graph=device.type == "cuda")
         _sync(device)
         self.build_s = time.perf_counter() - t0
-        self.shape = costs.ModelShape.of(self.model, name)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.model.dtype)
+        self.shape = costs.ModelShape.of(self.model, name, torch.empty(0, dtype=self.kv_dtype).element_size())
         sliding = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
         attn = self.model.model.layers[0].self_attn
         full_b = PagedKVCache.bytes_per_block(sum(not s for s in sliding), attn.num_kv_heads, attn.head_dim, BLOCK,
-                                              self.model.dtype)
-        slide_b = PagedKVCache.bytes_per_block(sum(sliding), attn.num_kv_heads, attn.head_dim, BLOCK, self.model.dtype)
+                                              self.kv_dtype)
+        slide_b = PagedKVCache.bytes_per_block(sum(sliding), attn.num_kv_heads, attn.head_dim, BLOCK, self.kv_dtype)
         # Sliding pages: the live window of every decode row, and a whole prefill of max_ctx tokens.
         self.num_sliding = max(max_batch * (config.sliding_window // BLOCK + 2), max_ctx // BLOCK + 2)
         if device.type == "cuda":
@@ -127,10 +129,14 @@ class Harness:
             budget = 2**30
         self.num_full = max(1, int(budget // full_b))
         self.kv = PagedKVCache.allocate(sliding, self.num_full, self.num_sliding, BLOCK, attn.num_kv_heads,
-                                        attn.head_dim, self.model.dtype, device)
+                                        attn.head_dim, self.kv_dtype, device)
         gen = torch.Generator(device).manual_seed(1)
         for t in self.kv.k + self.kv.v:  # random K/V: the synthetic contexts read real-looking values
-            t.normal_(generator=gen)
+            if is_fp8(t.dtype):
+                for page in range(0, t.shape[0], 4096):  # bounded scratch for the conversion
+                    t[page:page + 4096] = torch.randn(t[page:page + 4096].shape, generator=gen, device=t.device)
+            else:
+                t.normal_(generator=gen)
         self.model.backend.bind_cache(self.kv)
         self.graphs = None
         self.capture = {}
@@ -236,7 +242,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     max_ctx = max(args.prefill_lens + args.contexts + [c for _, _, c in THROUGHPUT.values()])
     model_deadline = clock.left() * args.model_share  # build and capture count against it
     t_model = time.perf_counter()
-    h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint)
+    h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint, args.kv_cache_dtype)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
@@ -345,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=400.0)
     p.add_argument("--model-share", type=float, default=0.5, help="fraction of the remaining time one model may use")
     p.add_argument("--headroom-gb", type=float, default=10.0, help="GPU memory kept free of the KV pool")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="K/V storage: auto = the model dtype (bf16); fp8_e4m3 halves KV memory and bytes")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="longest prefill forward (longer prompts chunk)")
     p.add_argument("--hf-baseline", action="store_true", help="then HF transformers bf16 on 20b (random weights)")
     p.add_argument("--out", default="bench/results/e2e.json")

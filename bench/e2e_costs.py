@@ -13,7 +13,7 @@ COPY_BYTES_PER_S = 4.3e12
 BF16_FLOPS = 790e12
 FP8_FLOPS = 1270e12
 DOLLARS_PER_GPU_HOUR = 3.00
-KV_BYTES_PER_TOKEN_LAYER = 8 * 64 * 2 * 2  # kv heads x head_dim x (K, V) x bf16 = 2 KiB
+KV_ELEMENTS_PER_TOKEN_LAYER = 8 * 64 * 2  # kv heads x head_dim x (K, V): 2 KiB in bf16, 1 KiB in fp8
 
 
 @dataclass
@@ -32,9 +32,10 @@ class ModelShape:
     expert_bytes: float  # one expert, as stored (FP8 + scales + biases)
     dense_bytes_per_layer: float  # attention + router + norms
     embed_bytes: float  # one of embedding / unembedding
+    kv_element_bytes: int = 2  # 1 with an fp8 KV cache
 
     @staticmethod
-    def of(model, name: str) -> "ModelShape":
+    def of(model, name: str, kv_element_bytes: int = 2) -> "ModelShape":
         c = model.config
         layer = model.model.layers[0]
         experts = layer.mlp.experts
@@ -44,7 +45,8 @@ class ModelShape:
         embed = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
         return ModelShape(name, c.num_hidden_layers, sum(not c.is_sliding(i) for i in range(c.num_hidden_layers)),
                           c.num_local_experts, c.num_experts_per_tok, c.hidden_size, c.intermediate_size,
-                          c.vocab_size, c.sliding_window, expert_bytes / c.num_local_experts, dense, embed)
+                          c.vocab_size, c.sliding_window, expert_bytes / c.num_local_experts, dense, embed,
+                          kv_element_bytes)
 
     def active_experts(self, tokens: int) -> float:
         """Expected distinct experts per layer for `tokens` tokens under uniform routing."""
@@ -52,7 +54,7 @@ class ModelShape:
 
     def kv_bytes(self, batch: int, ctx: int) -> float:
         sliding = self.layers - self.full_layers
-        return batch * KV_BYTES_PER_TOKEN_LAYER * (self.full_layers * ctx + sliding * min(ctx, self.window))
+        return batch * KV_ELEMENTS_PER_TOKEN_LAYER * self.kv_element_bytes * (self.full_layers * ctx + sliding * min(ctx, self.window))
 
     def decode_bytes(self, batch: int, ctx: int) -> dict[str, float]:
         """Bytes one decode step must read: experts hit, dense layers, unembedding, K/V."""

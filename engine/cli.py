@@ -151,7 +151,8 @@ def cmd_generate(args) -> int:
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
-                          device=args.device, dtype=args.dtype, seed=args.seed or 0, tp_size=args.tp,
+                          device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--max-model-len", type=int, help="default: longest prompt + max tokens")
     gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
+                     help="K/V storage; fp8_e4m3 halves KV memory (one rank only)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # = kernels.attention.kv_cache.KV_CACHE_DTYPES (no torch here)
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
 
@@ -27,6 +28,9 @@ class EngineConfig:
     num_sliding_pages: int | None = None
     device: str = "cpu"
     dtype: str = "auto"  # weights and KV cache; auto: the checkpoint's dtype
+    # K/V storage: "auto" = the weights' dtype; "fp8_e4m3" halves KV memory and decode attention bytes
+    # (kernels/attention/kv_cache.py says what it costs in accuracy). One rank only for now.
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
     # Kernels (engine/model_factory.py): auto = GPU kernels on CUDA, the pure-torch twins on CPU.
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
@@ -59,6 +63,8 @@ class EngineConfig:
             raise EngineConfigError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name, allowed in (("attention_backend", ("auto", "torch", "flashinfer")),
@@ -74,6 +80,10 @@ class EngineConfig:
         if self.tp_size not in (1, self.world_size) or self.ep_size not in (1, self.world_size):
             raise EngineConfigError(f"tp_size={self.tp_size} and ep_size={self.ep_size} must each be 1 or the "
                                     f"number of ranks {self.world_size}: TP and EP run over the same ranks")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.world_size > 1:
+            raise EngineConfigError(f"kv_cache_dtype='fp8_e4m3' runs on one rank only (tp_size=ep_size=1); the "
+                                    f"rank collectives that move K/V between {self.world_size} ranks carry the "
+                                    "model dtype")
         if self.dp_size != 1:
             raise EngineConfigError(
                 f"dp_size={self.dp_size}: data-parallel attention is not implemented; use dp_size=1 and run "

@@ -32,6 +32,21 @@ class PrefilledKV:
     k: list[torch.Tensor]  # per layer [tokens, Hkv, Dh]: num_cached rows (full) or num_cached - sliding_start
     v: list[torch.Tensor]
 
+    def __getstate__(self) -> dict:
+        # float8 tensors do not survive pickling in torch 2.13 (the storage loses its dtype): K/V from an
+        # fp8 cache travel as bytes and are viewed back on arrival
+        state = dict(self.__dict__)
+        for name in ("k", "v"):
+            state[name] = [(t.view(torch.uint8), str(t.dtype)) if t.element_size() == 1 and t.is_floating_point()
+                           else t for t in state[name]]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in ("k", "v"):
+            state[name] = [t[0].view(getattr(torch, t[1].removeprefix("torch."))) if isinstance(t, tuple) else t
+                           for t in state[name]]
+        self.__dict__.update(state)
+
     @property
     def step(self) -> int:
         return len(self.output_ids)

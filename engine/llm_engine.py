@@ -75,7 +75,7 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise EngineConfigError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                                     f"max_position_embeddings ({mc.max_position_embeddings})")
-        self.runner = runner or ModelRunner(model, config.block_size)
+        self.runner = runner or ModelRunner(model, config.block_size, config.kv_cache_dtype)
         if config.num_full_pages is not None:
             num_full, num_sliding = config.num_full_pages, config.num_sliding_pages
         else:

@@ -21,6 +21,7 @@ from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_arrays import StepArrayBuilder, StepInputs, to_device
 from kernels.attention import PagedKVCache
+from kernels.attention.kv_cache import resolve_kv_dtype, store_rows
 from model.gpt_oss import GptOssForCausalLM
 
 
@@ -44,7 +45,7 @@ def plan_pool_sizes(config: EngineConfig, budget_bytes: int, full_page_bytes: in
 class ModelRunner:
     """Owns the model shard and its paged KV cache on one device."""
 
-    def __init__(self, model: GptOssForCausalLM, block_size: int):
+    def __init__(self, model: GptOssForCausalLM, block_size: int, kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.device = model.device
@@ -55,7 +56,7 @@ class ModelRunner:
         # Heads of the K/V that read_kv returns and write_kv takes (PrefilledKV): all of them, whatever
         # the TP size, so prefill and decode engines need not share one. Ranks split them in engine/distributed.
         self.payload_kv_heads = attn.num_kv_heads * model.parallel.tp_size
-        self.kv_dtype = model.dtype
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
         self.step_arrays = StepArrayBuilder(block_size)
@@ -139,8 +140,8 @@ class ModelRunner:
         index = {s: to_device(self.device, a) for s, a in slots.items()}
         for layer, sliding in enumerate(self.layer_is_sliding):
             kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, index[sliding], ks[layer].to(self.device, kc.dtype))
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, index[sliding], vs[layer].to(self.device, vc.dtype))
+            store_rows(kc, index[sliding], ks[layer])
+            store_rows(vc, index[sliding], vs[layer])
 
     def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer K and V [tokens, Hkv, Dh] of positions 0 (full) or sliding_start (sliding) to num_computed."""

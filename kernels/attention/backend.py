@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kernels.attention.kv_cache import PagedKVCache
+from kernels.attention.kv_cache import PagedKVCache, store_rows
 from kernels.attention.metadata import AttentionBatch
 from kernels.attention.reference import gather_pages, sink_attention
 
@@ -58,9 +58,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         meta = self.batch.group(self.layer_is_sliding[layer])
-        kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        store_rows(self.kv_cache.k[layer], meta.slot_mapping, k)
+        store_rows(self.kv_cache.v[layer], meta.slot_mapping, v)
 
     def forward(self, layer, q, k, v, sinks, kv_written=False):
         batch = self.batch

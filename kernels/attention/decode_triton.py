@@ -1,4 +1,5 @@
-"""Sink-aware split-KV decode over the paged bf16 cache, in Triton (one new token per sequence).
+"""Sink-aware split-KV decode over the paged cache (bf16, or fp8 read up to bf16), in Triton (one new token
+per sequence).
 
 One program attends one (sequence, kv head, split): the GROUP query heads that share the kv head are
 the rows of one tensor-core tile (GQA 64/8 -> 8 rows, padded to 16), so every K/V byte is read once
@@ -91,14 +92,14 @@ def _sink_decode_split_kernel(
         n_ok = offs_n < hi
         page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0)
         rows = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kt + head_off
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

@@ -9,6 +9,10 @@ Per step, `plan(batch)` once:
 - prefill / mixed steps: plan FlashInfer's BatchAttentionWithAttentionSinkWrapper, one per layer
   kind (full: window_left=-1; sliding: window_left=W-1), over CSR page lists built from our tables.
   FlashInfer's plan reads lengths on the host: prefill is never graph-captured.
+- an fp8 cache (kv_cache_dtype "fp8_e4m3"): decode reads it directly (the split kernel converts tiles to
+  bf16); for prefill the pages a step attends over are first gathered and converted into bf16 staging
+  pages, in the CSR order of the plan, and FlashInfer's bf16 sink kernel runs over those (its fp8-KV
+  variants are not among the modules built here). One gather + convert per layer, prefill only.
 - steps without a cache (`AttentionBatch.without_cache`): the new K/V are copied into scratch
   pages (each sequence starting on a fresh page) and the same wrappers attend over those. (Viewing
   K/V as pages of one token would avoid the copy, but FlashInfer 0.5.3's fa3 plan leaves its
@@ -25,7 +29,7 @@ from kernels.attention import flashinfer_ops
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.decode_triton import DecodeConfig, sink_decode, split_scratch
 from kernels.attention.gpu_plan import StepBuffers, decode_num_splits, flashinfer_page_lists
-from kernels.attention.kv_cache import PagedKVCache
+from kernels.attention.kv_cache import PagedKVCache, is_fp8
 from kernels.attention.kv_write import write_kv
 from kernels.attention.metadata import AttentionBatch
 
@@ -33,7 +37,7 @@ SCRATCH_PAGE = 16
 
 
 class FlashInferAttentionBackend(AttentionBackend):
-    """Sink attention on NVIDIA GPUs over the bf16 paged cache of kv_cache.py (NHD pages)."""
+    """Sink attention on NVIDIA GPUs over the paged cache of kv_cache.py (NHD pages; bf16 or fp8)."""
 
     def __init__(
         self,
@@ -73,6 +77,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.part_o, self.part_lse = split_scratch(0, num_q_heads, 1, head_dim, self.device)
         self.scratch_slots: torch.Tensor | None = None  # no-cache steps: token -> row of the scratch pages
         self.scratch_pages = 0
+        self.staged_pages: dict[bool, torch.Tensor] = {}  # fp8 cache, prefill: cache page of each staging page
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         # Rebinding the bound cache (the runner does it every step) keeps the decode buffers: captured
@@ -122,6 +127,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                 meta = batch.group(sliding)
                 page_size = self.kv_cache.block_size
                 kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(meta.block_tables, meta.kv_lens_cpu, page_size)
+                if is_fp8(self.kv_cache.k[0].dtype):  # staging page i holds cache page kv_indices[i]
+                    self.staged_pages[sliding] = kv_indices.long()
+                    kv_indices = torch.arange(len(kv_indices), dtype=torch.int32, device=self.device)
             else:
                 page_size = SCRATCH_PAGE
                 kv_indptr, kv_indices, last_page_len = self._plan_scratch_pages(batch.query_lens_cpu)
@@ -174,4 +182,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
+        if is_fp8(k_cache.dtype):
+            pages = self.staged_pages[sliding]
+            k_cache, v_cache = k_cache[pages].to(q.dtype), v_cache[pages].to(q.dtype)
         return flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache, sinks, self.scale, out)

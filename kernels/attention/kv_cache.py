@@ -43,3 +43,30 @@ class PagedKVCache:
     def bytes_per_block(num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one page id costs across `num_layers` layers (K and V)."""
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+# KV cache element types: "auto" stores K/V in the model's dtype (bf16 on the GPU: what the reference
+# computes with); "fp8_e4m3" stores float8_e4m3fn, unscaled (|K|, |V| saturate at 448), half the bytes:
+# twice the tokens in the same memory and half the bytes a decode step reads, at ~2^-4 relative rounding
+# of every cached K/V element (attention outputs then differ from the bf16 cache's by ~1e-2).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache [num_blocks, block, H, D] at flat token slots <- rows [n, H, D], converted to the cache dtype
+    (index_copy_ has no float8 kernel on CPU: fp8 caches copy bytes)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    src = rows.to(cache.device, cache.dtype)
+    if is_fp8(cache.dtype):
+        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
+    flat.index_copy_(0, slots, src)

@@ -140,12 +140,13 @@ def random_decode_batch(lens: list[int], window: int, device="cuda") -> Attentio
                           is_decode=True)
 
 
-def test_cuda_graph_decode_equals_eager_decode(gpu_model):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype):
     cfg = gpu_model.config
     sliding = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
-    kv = PagedKVCache.allocate(sliding, 1024, 128, BS, 2, 64, torch.bfloat16, "cuda")
+    kv = PagedKVCache.allocate(sliding, 1024, 128, BS, 2, 64, kv_dtype, "cuda")
     for t in kv.k + kv.v:
-        t.normal_()
+        t.copy_(torch.randn(t.shape, device="cuda"))
     gpu_model.backend.bind_cache(kv)
     graphs = DecodeGraphs(gpu_model, [1, 2, 4, 8])
     seconds = graphs.capture()
@@ -173,7 +174,8 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_engine_with_cuda_graphs_generates_what_it_does_eagerly():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype):
     # The engine's own graph path (ModelRunner.execute -> DecodeGraphs) against the same engine without
     # graphs, same random weights: identical greedy tokens for a mixed batch. Both backends are built for
     # graphs (split counts fixed by batch size): a backend planned per step picks other split counts,
@@ -184,7 +186,8 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly():
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
-                                             num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs))
+                                             num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs,
+                                             kv_cache_dtype=kv_cache_dtype))
 
     prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 130, 700)]
     outputs = []

@@ -65,7 +65,8 @@ class PagedWorld:
     page pools like the engine does: every page in the full pool; in the sliding pool only the pages
     from the first one the step's first query can see (its table starts there)."""
 
-    def __init__(self, prefix: list[int], new: list[int], page: int, seed: int, pool: tuple[int, int] = (0, 0)):
+    def __init__(self, prefix: list[int], new: list[int], page: int, seed: int, pool: tuple[int, int] = (0, 0),
+                 kv_dtype: torch.dtype = torch.bfloat16):
         self.gen = torch.Generator(device=DEV).manual_seed(seed)
         rng = random.Random(seed)
         self.page, self.prefix, self.new = page, prefix, new
@@ -76,17 +77,19 @@ class PagedWorld:
         slide_pages = [-(-(t - s) // page) for t, s in zip(self.total, self.slide_from)]
         self.full_table, full_blocks = self._tables(rng, full_pages, pool[0])
         self.slide_table, slide_blocks = self._tables(rng, slide_pages, pool[1])
-        self.cache = PagedKVCache.allocate([True, False], full_blocks, slide_blocks, page, HKV, D, torch.bfloat16, DEV)
-        for c in self.cache.k + self.cache.v:
-            c.normal_(generator=self.gen)  # stale garbage everywhere the step must not read
-        # the sequences' K/V over absolute positions (prefix + new), one tensor per sequence
-        self.keys = [torch.randn(t, HKV, D, generator=self.gen, device=DEV).bfloat16() for t in self.total]
-        self.values = [torch.randn(t, HKV, D, generator=self.gen, device=DEV).bfloat16() for t in self.total]
+        self.cache = PagedKVCache.allocate([True, False], full_blocks, slide_blocks, page, HKV, D, kv_dtype, DEV)
+        for c in self.cache.k + self.cache.v:  # stale garbage everywhere the step must not read
+            c.copy_(torch.randn(c.shape, generator=self.gen, device=DEV))
+        # the sequences' K/V over absolute positions (prefix + new), one tensor per sequence; values the
+        # cache dtype holds exactly, so the reference reads what the kernels read
+        self.keys = [torch.randn(t, HKV, D, generator=self.gen, device=DEV).to(kv_dtype).bfloat16() for t in self.total]
+        self.values = [torch.randn(t, HKV, D, generator=self.gen, device=DEV).to(kv_dtype).bfloat16()
+                       for t in self.total]
         for b, p in enumerate(prefix):  # prefill the cached prefix straight into the pages
             for layer, (table, start) in enumerate(((self.slide_table, self.slide_from[b]), (self.full_table, 0))):
                 slots = self.slots(table, b, start, start, p)
-                self.cache.k[layer].view(-1, HKV, D)[slots] = self.keys[b][start:p]
-                self.cache.v[layer].view(-1, HKV, D)[slots] = self.values[b][start:p]
+                self.cache.k[layer].view(-1, HKV, D)[slots] = self.keys[b][start:p].to(kv_dtype)
+                self.cache.v[layer].view(-1, HKV, D)[slots] = self.values[b][start:p].to(kv_dtype)
 
     @staticmethod
     def _tables(rng, pages, pool_size):
@@ -154,8 +157,8 @@ def run_step(world: PagedWorld, backend, seed):
         world.check(out, q, sinks, sliding)
         # the step's K/V landed in their pages (the reference above read them from `world`, not the cache)
         slots = batch.group(sliding).slot_mapping
-        assert torch.equal(world.cache.k[layer].view(-1, HKV, D)[slots], k)
-        assert torch.equal(world.cache.v[layer].view(-1, HKV, D)[slots], v)
+        assert torch.equal(world.cache.k[layer].view(-1, HKV, D)[slots].to(k.dtype), k)
+        assert torch.equal(world.cache.v[layer].view(-1, HKV, D)[slots].to(v.dtype), v)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 37])
@@ -177,6 +180,19 @@ def test_backend_prefill_matches_reference(batch_size):
         new = [rng.choice([1, 127, 128, 129, 1000]) for _ in range(batch_size)]
     world = PagedWorld(prefix, new, page=16, seed=100 + batch_size)
     run_step(world, make_backend(), seed=batch_size)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_backend_over_an_fp8_cache_matches_reference(decode):
+    """kv_cache_dtype fp8_e4m3: decode reads fp8 pages in the split kernel, prefill stages them as bf16
+    for FlashInfer; both against the fp32 reference over the same (fp8-representable) K/V."""
+    rng = random.Random(5)
+    prefix = [rng.choice([0, 1, 127, 129, 1000, 5000]) for _ in range(5)]
+    new = [1] * 5 if decode else [rng.choice([1, 128, 129, 1000]) for _ in range(5)]
+    if decode:
+        prefix = [max(p, 1) for p in prefix]
+    world = PagedWorld(prefix, new, page=16, seed=55, kv_dtype=torch.float8_e4m3fn)
+    run_step(world, make_backend(), seed=56)
 
 
 def test_backend_without_cache_matches_reference():

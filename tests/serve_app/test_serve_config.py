@@ -120,6 +120,11 @@ def test_engine_config_mapping():
     engine = config.engine_config("cpu")
     assert (engine.kv_cache_bytes, engine.block_size, engine.max_model_len) == (2**29, 32, 1000)
     assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.seed, engine.device) == (8, 64, 7, "cpu")
+    assert engine.kv_cache_dtype == "auto"
+    fp8 = ServeAppConfig.from_args(serve_run_args("kv_cache_dtype=fp8_e4m3")).engine_config("cpu")
+    assert fp8.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ServeConfigError):
+        ServeAppConfig.from_args(serve_run_args("kv_cache_dtype=fp8"))
 
 
 def test_gpu_replica_reserves_one_bundle_per_gpu_strict_pack():
