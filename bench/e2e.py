@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench import e2e_costs as costs
+from bench.e2e_engine_runs import engine_runs
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.model_factory import build_model
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
@@ -143,6 +144,15 @@ class Harness:
         if device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, default_buckets(max_batch))
             self.capture = self.graphs.capture()
+
+    def release(self) -> None:
+        """Drop the KV pool and the decode graphs (an engine run brings its own)."""
+        self.graphs = None
+        self.model.backend.bind_cache(None)
+        self.kv = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def max_batch_at(self, ctx: int) -> int:
         return self.num_full // math.ceil((ctx + 1) / BLOCK)
@@ -295,12 +305,15 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
         except RuntimeError as e:  # a failing point (kernel, profiler) must not lose the others
             r.setdefault("errors", []).append(f"{item}: {type(e).__name__}: {str(e)[:300]}")
             print(f"[{name}] {item} failed: {e}", flush=True)
-        if device.type == "cuda":  # what the headroom has to hold: the peak beyond weights and KV pool
-            free, total = torch.cuda.mem_get_info(device)
-            r["memory_gb"] = {"total": total / 2**30, "free_now": free / 2**30,
-                              "peak_allocated": torch.cuda.max_memory_allocated(device) / 2**30,
-                              "headroom_asked": args.headroom_gb}
         save()
+    if device.type == "cuda":  # what the headroom has to hold: the peak beyond weights and KV pool
+        free, total = torch.cuda.mem_get_info(device)
+        r["memory_gb"] = {"total": total / 2**30, "free_now": free / 2**30,
+                          "peak_allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+                          "headroom_asked": args.headroom_gb}
+    if args.engine_runs and r["throughput"] and clock.left() > 60 and time.perf_counter() - t_model < model_deadline:
+        engine_runs(h, r, args, clock, save, THROUGHPUT)
+    save()
     del h
     gc.collect()
     if device.type == "cuda":
@@ -354,6 +367,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V storage: auto = the model dtype (bf16); fp8_e4m3 halves KV memory and bytes")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="longest prefill forward (longer prompts chunk)")
+    p.add_argument("--engine-runs", default="", help="scenarios (1k/1k,8k/1k) to also run through LLMEngine "
+                                                      "at the estimate's batch (bench/e2e_engine_runs.py)")
     p.add_argument("--hf-baseline", action="store_true", help="then HF transformers bf16 on 20b (random weights)")
     p.add_argument("--out", default="bench/results/e2e.json")
     args = p.parse_args(argv)
@@ -366,7 +381,8 @@ def main(argv=None) -> int:
                "notes": [f"weights from {args.checkpoint}" if args.checkpoint else
                          "random weights of the real shapes (no checkpoint download possible)",
                          "decode contexts are synthetic: random K/V pages + set lengths, no 32k prefill",
-                         "throughput 1k/1k and 8k/1k are estimates from measured prefill/decode points",
+                         "throughput 1k/1k and 8k/1k: estimates from measured prefill/decode points; "
+                         "engine_runs (when asked): the same batches through LLMEngine, measured",
                          f"cost at ${costs.DOLLARS_PER_GPU_HOUR:.2f} per GPU-hour"],
                "models": {}}
     out = Path(args.out)

@@ -117,6 +117,12 @@ def print_table(results: dict) -> None:
         for t in r.get("throughput", []):
             print(f"throughput {t['scenario']}: {t['output_tok_s']:.0f} output tok/s/GPU at batch {t['batch']} "
                   f"({t['method']})")
+        for e in r.get("engine_runs", []):
+            if "output_tok_s" not in e:
+                print(f"engine run {e['scenario']}: {e.get('skipped')}")
+                continue
+            print(f"engine run {e['scenario']}: {e['output_tok_s']:.0f} output tok/s/GPU measured, {e['requests']} "
+                  f"requests in {e['wall_s']:.1f} s, KV {e['kv_cache_dtype']} (estimate {e['estimate_output_tok_s']:.0f})")
     hf = results.get("hf_baseline")
     if hf:
         for p in hf.get("points", []):

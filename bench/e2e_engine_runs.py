@@ -1,0 +1,78 @@
+"""bench/e2e's measured throughput: the 1k/1k and 8k/1k scenarios through LLMEngine for real.
+
+The estimates in bench/e2e (`throughput_point`) combine a measured decode step with a measured prefill
+rate; this runs the same batch of requests through the engine: continuous batching, chunked prefill
+mixed with decode (mixed steps run eagerly, pure decode steps replay CUDA graphs), the sampler, the
+scheduler's host time, page allocation and freeing. All requests arrive at once (the estimate's batch,
+random prompt ids, greedy, ignore_eos, exactly out_len tokens each); output tok/s = all output tokens /
+wall time from the first prefill to the last token.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerateRequest, SamplingParams
+
+DEFAULT_CPU_BUDGET = 256 * 2**20
+
+
+def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
+    """Run each scenario in `args.engine_runs` (name -> (in_len, out_len, mean ctx)) whose estimate is in
+    r["throughput"], at the estimate's batch; results in r["engine_runs"]. Frees the harness's KV pool and
+    graphs first: the engine allocates its own pool (same headroom) and captures its own graphs."""
+    wanted = [s for s in args.engine_runs.split(",") if s]
+    estimates = {p["scenario"]: p for p in r["throughput"] if p["scenario"] in wanted}
+    if not estimates:
+        return
+    h.release()
+    device = h.device
+    budget = DEFAULT_CPU_BUDGET
+    if device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0] - args.headroom_gb * 2**30)
+    longest = max(scenarios[s][0] + scenarios[s][1] for s in estimates)
+    max_seqs = max(p["batch"] for p in estimates.values())
+    config = EngineConfig(device=str(device), max_num_seqs=max_seqs,
+                          max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
+                          kv_cache_bytes=budget, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda")
+    t0 = time.perf_counter()
+    engine = LLMEngine(h.model, config)
+    runs = r.setdefault("engine_runs", [])
+    setup = {"engine_build_s": time.perf_counter() - t0, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
+             "full_pages": engine.block_manager.usage()["full_pages_total"]}
+    for scenario, estimate in estimates.items():
+        in_len, out_len, _ = scenarios[scenario]
+        batch = estimate["batch"]
+        if clock.left() < 1.5 * estimate["cycle_s"] + 20:
+            runs.append({"scenario": scenario, "skipped": f"needs ~{estimate['cycle_s']:.0f} s, "
+                                                          f"{clock.left():.0f} s left"})
+            continue
+        gen = torch.Generator().manual_seed(len(runs))
+        reqs = [GenerateRequest(f"{scenario}-{i}", torch.randint(0, h.config.vocab_size, (in_len,), generator=gen).tolist(),
+                                SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+                for i in range(batch)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        outs = engine.generate(reqs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t
+        tokens = sum(len(o.output_ids) for o in outs)
+        point = {"scenario": scenario, "requests": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
+                 "output_tokens": tokens, "output_tok_s": tokens / wall, "total_tok_s": (tokens + batch * in_len) / wall,
+                 "estimate_output_tok_s": estimate["output_tok_s"], "kv_cache_dtype": args.kv_cache_dtype,
+                 "method": "measured: LLMEngine.generate over the batch, all requests at once", **setup}
+        runs.append(point)
+        print(f"[{h.name}] engine run {scenario}: {point['output_tok_s']:.0f} output tok/s/GPU "
+              f"({batch} requests, {wall:.1f} s; estimate {estimate['output_tok_s']:.0f})", flush=True)
+        save()
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
