@@ -9,6 +9,9 @@ Per step, `plan(batch)` once:
 - prefill / mixed steps: plan FlashInfer's BatchAttentionWithAttentionSinkWrapper, one per layer
   kind (full: window_left=-1; sliding: window_left=W-1), over CSR page lists built from our tables.
   FlashInfer's plan reads lengths on the host: prefill is never graph-captured.
+- mixed steps (chunked prefills next to decoding sequences): the sequences with one new token go through
+  the split decode kernel (on gathered query rows), only the others through FlashInfer. FlashInfer's
+  prefill kernel gives a one-token query a whole query tile and was ~2.4x slower end to end on 8k/1k.
 - an fp8 cache (kv_cache_dtype "fp8_e4m3"): decode reads it directly (the split kernel converts tiles to
   bf16); for prefill the pages a step attends over are first gathered and converted into bf16 staging
   pages, in the CSR order of the plan, and FlashInfer's bf16 sink kernel runs over those (its fp8-KV
@@ -23,6 +26,8 @@ The pure-torch TorchAttentionBackend is the twin; tests/kernels/test_attention_g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.attention import flashinfer_ops
@@ -34,6 +39,17 @@ from kernels.attention.kv_write import write_kv
 from kernels.attention.metadata import AttentionBatch
 
 SCRATCH_PAGE = 16
+
+
+@dataclass
+class MixedSplit:
+    """A mixed step's one-token sequences (decode kernel) and the rest (FlashInfer), per layer kind."""
+
+    single_rows: torch.Tensor  # token rows of the one-token sequences
+    multi_rows: torch.Tensor  # token rows of the others, in order
+    tables: dict[bool, torch.Tensor]  # [S, max_blocks] page tables of the one-token sequences
+    kv_lens: dict[bool, torch.Tensor]
+    splits: dict[bool, int]
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -78,6 +94,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.scratch_slots: torch.Tensor | None = None  # no-cache steps: token -> row of the scratch pages
         self.scratch_pages = 0
         self.staged_pages: dict[bool, torch.Tensor] = {}  # fp8 cache, prefill: cache page of each staging page
+        self.mixed: MixedSplit | None = None  # this step's one-token sequences, run by the decode kernel
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         # Rebinding the bound cache (the runner does it every step) keeps the decode buffers: captured
@@ -98,6 +115,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def plan(self, batch: AttentionBatch) -> None:
         super().plan(batch)
+        self.mixed = None
         if batch.is_decode and batch.has_cache:
             self._plan_decode(batch)
         else:
@@ -120,13 +138,25 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.part_o, self.part_lse = split_scratch(rows, 1, 1, self.head_dim, self.device)
 
     def _plan_prefill(self, batch: AttentionBatch) -> None:
-        qo_indptr = batch.query_start_loc.cpu()
+        self.mixed = None
+        lens = batch.query_lens_cpu
+        multi = [b for b, n in enumerate(lens) if n > 1]
+        if batch.has_cache and multi and len(multi) < len(lens):
+            self.mixed = self._plan_mixed(batch, multi)
+            seqs = multi
+        else:
+            seqs = list(range(len(lens)))
+        qo_indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(torch.tensor([lens[b] for b in seqs], dtype=torch.int32), 0)
+        pick = None if len(seqs) == len(lens) else torch.tensor(seqs, device=self.device)
         for sliding, wrapper in self.prefill.items():
             window_left = self.sliding_window - 1 if sliding else -1
             if batch.has_cache:
                 meta = batch.group(sliding)
                 page_size = self.kv_cache.block_size
-                kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(meta.block_tables, meta.kv_lens_cpu, page_size)
+                tables = meta.block_tables if pick is None else meta.block_tables[pick]
+                kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(
+                    tables, [meta.kv_lens_cpu[b] for b in seqs], page_size)
                 if is_fp8(self.kv_cache.k[0].dtype):  # staging page i holds cache page kv_indices[i]
                     self.staged_pages[sliding] = kv_indices.long()
                     kv_indices = torch.arange(len(kv_indices), dtype=torch.int32, device=self.device)
@@ -134,8 +164,28 @@ class FlashInferAttentionBackend(AttentionBackend):
                 page_size = SCRATCH_PAGE
                 kv_indptr, kv_indices, last_page_len = self._plan_scratch_pages(batch.query_lens_cpu)
             flashinfer_ops.plan_sink_prefill(
-                wrapper, qo_indptr.to(torch.int32), kv_indptr, kv_indices, last_page_len,
+                wrapper, qo_indptr, kv_indptr, kv_indices, last_page_len,
                 self.num_q_heads, self.num_kv_heads, self.head_dim, page_size, window_left, self.scale)
+
+    def _plan_mixed(self, batch: AttentionBatch, multi: list[int]) -> "MixedSplit":
+        lens = batch.query_lens_cpu
+        starts = batch.query_start_loc.tolist()
+        single = [b for b, n in enumerate(lens) if n == 1]
+        idx = torch.tensor(single, device=self.device)
+        split = MixedSplit(
+            single_rows=torch.tensor([starts[b] for b in single], device=self.device),
+            multi_rows=torch.cat([torch.arange(starts[b], starts[b + 1]) for b in multi]).to(self.device),
+            tables={}, kv_lens={}, splits={})
+        for sliding in self.prefill:
+            meta = batch.group(sliding)
+            split.tables[sliding] = meta.block_tables[idx].contiguous()
+            split.kv_lens[sliding] = meta.kv_lens[idx].contiguous()
+            longest = self.sliding_window if sliding else max(meta.kv_lens_cpu[b] for b in single)
+            split.splits[sliding] = decode_num_splits(len(single), longest, self.num_kv_heads, self.num_sms)
+        rows = len(single) * self.num_q_heads * max(split.splits.values())
+        if self.part_lse.numel() < rows:
+            self.part_o, self.part_lse = split_scratch(rows, 1, 1, self.head_dim, self.device)
+        return split
 
     def _plan_scratch_pages(self, lens: list[int]):
         pages = [-(-n // SCRATCH_PAGE) for n in lens]
@@ -182,7 +232,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
+        if self.mixed is not None:
+            m = self.mixed
+            one = q[m.single_rows]
+            out[m.single_rows] = sink_decode(
+                one, k_cache, v_cache, m.tables[sliding], m.kv_lens[sliding], sinks, self.scale, self.window(layer),
+                m.splits[sliding], torch.empty_like(one), self.part_o, self.part_lse, self.decode_config)
+            q = q[m.multi_rows]
         if is_fp8(k_cache.dtype):
             pages = self.staged_pages[sliding]
             k_cache, v_cache = k_cache[pages].to(q.dtype), v_cache[pages].to(q.dtype)
+        if self.mixed is not None:
+            out[self.mixed.multi_rows] = flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache,
+                                                                         sinks, self.scale)
+            return out
         return flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache, sinks, self.scale, out)
