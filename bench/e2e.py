@@ -249,7 +249,8 @@ class Harness:
 def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict, save) -> None:
     device = torch.device(args.device)
     # the throughput estimates decode at their own mean contexts (8,704 for 8k/1k): size for those too
-    max_ctx = max(args.prefill_lens + args.contexts + [c for _, _, c in THROUGHPUT.values()])
+    max_ctx = max(args.prefill_lens + args.contexts + [c for _, _, c in THROUGHPUT.values()]
+                  + [i + o for i, o, _ in THROUGHPUT.values()])  # engine runs hold whole requests
     model_deadline = clock.left() * args.model_share  # build and capture count against it
     t_model = time.perf_counter()
     h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint, args.kv_cache_dtype)

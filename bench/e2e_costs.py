@@ -119,7 +119,7 @@ def print_table(results: dict) -> None:
                   f"({t['method']})")
         for e in r.get("engine_runs", []):
             if "output_tok_s" not in e:
-                print(f"engine run {e['scenario']}: {e.get('skipped')}")
+                print(f"engine run {e['scenario']}: {e.get('skipped') or e.get('error')}")
                 continue
             print(f"engine run {e['scenario']}: {e['output_tok_s']:.0f} output tok/s/GPU measured, {e['requests']} "
                   f"requests in {e['wall_s']:.1f} s, KV {e['kv_cache_dtype']} (estimate {e['estimate_output_tok_s']:.0f})")

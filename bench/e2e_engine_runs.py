@@ -59,7 +59,13 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()
-        outs = engine.generate(reqs)
+        try:
+            outs = engine.generate(reqs)
+        except Exception as exc:  # recorded like a failing bench point; the engine is not reused
+            runs.append({"scenario": scenario, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            print(f"[{h.name}] engine run {scenario} failed: {exc}", flush=True)
+            save()
+            break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t
