@@ -93,19 +93,21 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 200000, (n,), generator=g).tolist()
 
 
-def test_object_store_transport_roundtrip_and_failures(http_port):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])  # fp8: kv_cache_dtype="fp8_e4m3"
+def test_object_store_transport_roundtrip_and_failures(http_port, kv_dtype):
     from engine.kv_payload import PrefilledKV
 
     g = torch.Generator().manual_seed(1)
-    ks = [torch.randn(n, 2, 16, generator=g).to(torch.bfloat16) for n in (19, 127)]
-    vs = [torch.randn(n, 2, 16, generator=g).to(torch.bfloat16) for n in (19, 127)]
+    ks = [torch.randn(n, 2, 16, generator=g).to(kv_dtype) for n in (19, 127)]
+    vs = [torch.randn(n, 2, 16, generator=g).to(kv_dtype) for n in (19, 127)]
     payload = PrefilledKV("rt", list(range(19)), [5], [], 7, 19, 0, [False, True], ks, vs)
     transport = ObjectStoreTransport("cpu")
     offer = transport.offer(10**6)
     handle = transport.send(payload, offer)
     got = run_async(transport.receive(handle, offer, timeout_s=10))
     assert (got.request_id, got.output_ids, got.seed, got.num_cached) == ("rt", [5], 7, 19)
-    assert all(torch.equal(a, b) for a, b in zip((*ks, *vs), (*got.k, *got.v)))
+    assert all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip((*ks, *vs), (*got.k, *got.v)))
     assert transport.last_stats.nbytes == handle.nbytes >= payload.nbytes
 
     @ray.remote(num_cpus=0)

@@ -69,11 +69,12 @@ def test_arena_never_overlaps_and_coalesces():
     assert arena.allocate(64 * ALIGN + 1) is None
 
 
-@pytest.fixture(scope="module")
-def small_engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "fp8_e4m3"])
+def small_engine(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("kv_tiny")
     make_tiny(folder, vocab_size=997, num_hidden_layers=3, sliding_window=8, dtype="bfloat16")
-    return LLMEngine.from_checkpoint(folder, EngineConfig(block_size=4, max_model_len=512, kv_cache_bytes=2**22))
+    return LLMEngine.from_checkpoint(folder, EngineConfig(block_size=4, max_model_len=512, kv_cache_bytes=2**22,
+                                                          kv_cache_dtype=request.param))
 
 
 @pytest.mark.parametrize("prompt_len", [1, 19, 45])  # window 8: all but the first overflow it
@@ -96,5 +97,6 @@ def test_exported_payload_fits_the_bound_and_survives_packing(small_engine, prom
     restored = join_payload(skeleton, unpack(flat, specs))
     restored.check_compatible(runner.layer_is_sliding, runner.payload_kv_heads, runner.head_dim)
     assert restored.output_ids == payload.output_ids and restored.seed == payload.seed
+    assert payload.k[0].dtype == runner.kv_dtype
     for a, b in zip((*payload.k, *payload.v), (*restored.k, *restored.v)):
-        assert torch.equal(a, b)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
