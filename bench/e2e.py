@@ -15,7 +15,9 @@ prefill, our Triton split-KV decode.
   page sharing, so K/V bytes really stream). A step = plan (host) + CUDA-graph replay + argmax;
   the argmax feeds the next step's ids. tok/s per user = 1 / step, per GPU = batch / step.
 - max throughput at 1k/1k and 8k/1k is ESTIMATED from the measured prefill rate and decode steps at
-  the largest batch that fits (bench/e2e_costs.estimate_throughput), not a full run.
+  the largest captured batch that fits (bench/e2e_costs.estimate_throughput); with --engine-runs the
+  same batches also go through LLMEngine and are MEASURED (bench/e2e_engine_runs.py).
+- --kv-cache-dtype fp8_e4m3: float8 K/V pages (twice the sequences per GiB; off the reference's numerics).
 - per point: top kernels (torch.profiler over one eager step: graphs hide kernel names) and the
   fraction of the roofline (bench/e2e_costs.py).
 A time guard stops adding points when --budget-s is spent; JSON is rewritten after every point.
