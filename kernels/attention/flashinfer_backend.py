@@ -91,6 +91,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_buffers: dict[bool, StepBuffers] = {}
         self.num_splits = {sliding: 1 for sliding in kinds}
         self.part_o, self.part_lse = split_scratch(0, num_q_heads, 1, head_dim, self.device)
+        self._retired_scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scratch_slots: torch.Tensor | None = None  # no-cache steps: token -> row of the scratch pages
         self.scratch_pages = 0
         self.staged_pages: dict[bool, torch.Tensor] = {}  # fp8 cache, prefill: cache page of each staging page
@@ -134,8 +135,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 longest = self.max_kv_len if self.cuda_graph else max(meta.kv_lens_cpu)
             self.num_splits[sliding] = decode_num_splits(num_seqs, longest, self.num_kv_heads, self.num_sms)
         rows = num_seqs * self.num_q_heads * max(self.num_splits.values())
-        if self.part_lse.numel() < rows:  # grows outside any graph capture: plan runs before it
-            self.part_o, self.part_lse = split_scratch(rows, 1, 1, self.head_dim, self.device)
+        self._grow_split_scratch(rows)
 
     def _plan_prefill(self, batch: AttentionBatch) -> None:
         self.mixed = None
@@ -182,10 +182,15 @@ class FlashInferAttentionBackend(AttentionBackend):
             split.kv_lens[sliding] = meta.kv_lens[idx].contiguous()
             longest = self.sliding_window if sliding else max(meta.kv_lens_cpu[b] for b in single)
             split.splits[sliding] = decode_num_splits(len(single), longest, self.num_kv_heads, self.num_sms)
-        rows = len(single) * self.num_q_heads * max(split.splits.values())
-        if self.part_lse.numel() < rows:
-            self.part_o, self.part_lse = split_scratch(rows, 1, 1, self.head_dim, self.device)
+        self._grow_split_scratch(len(single) * self.num_q_heads * max(split.splits.values()))
         return split
+
+    def _grow_split_scratch(self, rows: int) -> None:
+        """Split partials for `rows` rows. Grows outside any capture (plan runs before it); the buffers it
+        replaces stay referenced, since decode graphs captured earlier keep writing to them."""
+        if self.part_lse.numel() < rows:
+            self._retired_scratch.append((self.part_o, self.part_lse))
+            self.part_o, self.part_lse = split_scratch(rows, 1, 1, self.head_dim, self.device)
 
     def _plan_scratch_pages(self, lens: list[int]):
         pages = [-(-n // SCRATCH_PAGE) for n in lens]
