@@ -118,6 +118,10 @@ def print_table(results: dict) -> None:
             print(f"throughput {t['scenario']}: {t['output_tok_s']:.0f} output tok/s/GPU at batch {t['batch']} "
                   f"({t['method']})")
         for e in r.get("engine_runs", []):
+            if "tpot_ms" in e:
+                print(f"engine run b1: TTFT {e['ttft_ms']:.1f} ms for {e['in_len']} tokens, {e['tok_s_user']:.0f} "
+                      f"tok/s ({e['tpot_ms']:.3f} ms per output token, host work included)")
+                continue
             if "output_tok_s" not in e:
                 print(f"engine run {e['scenario']}: {e.get('skipped') or e.get('error')}")
                 continue

@@ -6,6 +6,10 @@ mixed with decode (mixed steps run eagerly, pure decode steps replay CUDA graphs
 scheduler's host time, page allocation and freeing. All requests arrive at once (the estimate's batch,
 random prompt ids, greedy, ignore_eos, exactly out_len tokens each); output tok/s = all output tokens /
 wall time from the first prefill to the last token.
+
+"b1" runs one request alone (1024 prompt tokens, 256 output tokens, greedy): time to first token and
+time per output token through the engine's whole step (schedule, metadata, graph replay, sampler, one
+device-to-host read, bookkeeping), next to the graph-replay-only decode points of the tables.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
 
 DEFAULT_CPU_BUDGET = 256 * 2**20
+B1_IN, B1_OUT = 1024, 256
 
 
 def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
@@ -28,15 +33,16 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     graphs first: the engine allocates its own pool (same headroom) and captures its own graphs."""
     wanted = [s for s in args.engine_runs.split(",") if s]
     estimates = {p["scenario"]: p for p in r["throughput"] if p["scenario"] in wanted}
-    if not estimates:
+    single = "b1" in wanted
+    if not estimates and not single:
         return
     h.release()
     device = h.device
     budget = DEFAULT_CPU_BUDGET
     if device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0] - args.headroom_gb * 2**30)
-    longest = max(scenarios[s][0] + scenarios[s][1] for s in estimates)
-    max_seqs = max(p["batch"] for p in estimates.values())
+    longest = max([scenarios[s][0] + scenarios[s][1] for s in estimates] + [B1_IN + B1_OUT])
+    max_seqs = max([p["batch"] for p in estimates.values()] + [1])
     config = EngineConfig(device=str(device), max_num_seqs=max_seqs,
                           max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
                           kv_cache_bytes=budget, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda")
@@ -45,6 +51,9 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     runs = r.setdefault("engine_runs", [])
     setup = {"engine_build_s": time.perf_counter() - t0, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
              "full_pages": engine.block_manager.usage()["full_pages_total"]}
+    if single:
+        runs.append(single_request(engine, h, device, setup))
+        save()
     for scenario, estimate in estimates.items():
         in_len, out_len, _ = scenarios[scenario]
         batch = estimate["batch"]
@@ -82,3 +91,22 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def single_request(engine: LLMEngine, h, device, setup: dict) -> dict:
+    """One request alone through the engine: TTFT and time per output token, step by step."""
+    prompt = torch.randint(0, h.config.vocab_size, (B1_IN,), generator=torch.Generator().manual_seed(9)).tolist()
+    engine.add_request(GenerateRequest("b1", prompt, SamplingParams(temperature=0.0, max_tokens=B1_OUT,
+                                                                    ignore_eos=True)))
+    times = []
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        for d in engine.step():
+            times += [time.perf_counter()] * len(d.token_ids)
+    tpot = (times[-1] - times[0]) / (len(times) - 1)
+    point = {"scenario": "b1", "requests": 1, "in_len": B1_IN, "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t),
+             "tpot_ms": 1e3 * tpot, "tok_s_user": 1 / tpot, "kv_cache_dtype": engine.config.kv_cache_dtype,
+             "method": "measured: one request through LLMEngine.step (host work included)", **setup}
+    print(f"[{h.name}] engine run b1: TTFT {point['ttft_ms']:.1f} ms, {point['tok_s_user']:.0f} tok/s "
+          f"({point['tpot_ms']:.3f} ms per output token)", flush=True)
+    return point

@@ -103,13 +103,14 @@ def test_e2e_bench_smoke_on_cpu(tmp_path):
 
     out = tmp_path / "e2e.json"
     assert e2e.main(["--device", "cpu", "--tiny", "--prefill-lens", "32,64", "--contexts", "200", "--max-batch", "2",
-                     "--steps", "1", "--budget-s", "150", "--engine-runs", "1k/1k", "--out", str(out)]) == 0
+                     "--steps", "1", "--budget-s", "150", "--engine-runs", "b1,1k/1k", "--out", str(out)]) == 0
     r = json.loads(out.read_text())["models"]["tiny"]
     assert [p["tokens"] for p in r["prefill"]] == [64, 32]  # the time-guarded plan: important points first
     assert {(d["batch"], d["ctx"]) for d in r["decode"]} == {(1, 200), (2, 200), (1, 1024)}
     assert all(d["tok_s_user"] > 0 and d["synthetic_kv"] for d in r["decode"])
     assert {t["scenario"] for t in r["throughput"]} == {"1k/1k", "8k/1k"}
-    (run,) = r["engine_runs"]  # the 1k/1k batch through LLMEngine, measured
+    b1, run = r["engine_runs"]  # one request alone, then the 1k/1k batch through LLMEngine, measured
+    assert b1["scenario"] == "b1" and b1["out_len"] == 256 and 0 < b1["tpot_ms"] and b1["ttft_ms"] > 0
     estimate = next(t for t in r["throughput"] if t["scenario"] == "1k/1k")
     assert run["requests"] == estimate["batch"] and run["output_tokens"] == estimate["batch"] * 1024
     assert run["output_tok_s"] > 0
