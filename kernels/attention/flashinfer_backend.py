@@ -138,11 +138,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._grow_split_scratch(rows)
 
     def _plan_prefill(self, batch: AttentionBatch) -> None:
-        self.mixed = None
         lens = batch.query_lens_cpu
         multi = [b for b, n in enumerate(lens) if n > 1]
-        if batch.has_cache and multi and len(multi) < len(lens):
-            self.mixed = self._plan_mixed(batch, multi)
+        single = [b for b, n in enumerate(lens) if n == 1]
+        if batch.has_cache and multi and single:
+            self.mixed = self._plan_mixed(batch, single, multi)
             seqs = multi
         else:
             seqs = list(range(len(lens)))
@@ -167,10 +167,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 wrapper, qo_indptr, kv_indptr, kv_indices, last_page_len,
                 self.num_q_heads, self.num_kv_heads, self.head_dim, page_size, window_left, self.scale)
 
-    def _plan_mixed(self, batch: AttentionBatch, multi: list[int]) -> "MixedSplit":
-        lens = batch.query_lens_cpu
+    def _plan_mixed(self, batch: AttentionBatch, single: list[int], multi: list[int]) -> "MixedSplit":
         starts = batch.query_start_loc.tolist()
-        single = [b for b, n in enumerate(lens) if n == 1]
         idx = torch.tensor(single, device=self.device)
         split = MixedSplit(
             single_rows=torch.tensor([starts[b] for b in single], device=self.device),
@@ -237,8 +235,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
-        if self.mixed is not None:
-            m = self.mixed
+        m = self.mixed
+        if m is not None:
             one = q[m.single_rows]
             out[m.single_rows] = sink_decode(
                 one, k_cache, v_cache, m.tables[sliding], m.kv_lens[sliding], sinks, self.scale, self.window(layer),
@@ -247,8 +245,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if is_fp8(k_cache.dtype):
             pages = self.staged_pages[sliding]
             k_cache, v_cache = k_cache[pages].to(q.dtype), v_cache[pages].to(q.dtype)
-        if self.mixed is not None:
-            out[self.mixed.multi_rows] = flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache,
-                                                                         sinks, self.scale)
-            return out
-        return flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache, sinks, self.scale, out)
+        got = flashinfer_ops.run_sink_prefill(self.prefill[sliding], q, k_cache, v_cache, sinks, self.scale,
+                                              None if m is not None else out)
+        if m is not None:
+            out[m.multi_rows] = got
+        return out

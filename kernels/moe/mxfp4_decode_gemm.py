@@ -40,12 +40,10 @@ def _word_position(j: int, h: int) -> int:
     return 4 * h + 2 * (j % 2) + j // 2
 
 
-def _pack_words(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint MXFP4 blocks [E, N, G, 16] uint8 + scales [E, N, G] -> (words [E, G, N, 4] int32: each
-    group's 32 codes as 4 words, group-major, scales [E, G, N] uint8)."""
-    e, n, g, sixteen = blocks.shape
-    if sixteen != 16 or scales.shape != (e, n, g):
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+def _pack_words(blocks: torch.Tensor) -> torch.Tensor:
+    """Checkpoint MXFP4 blocks [E, N, G, 16] uint8 -> words [E, G, N, 4] int32: each group's 32 codes as
+    4 words, group-major."""
+    e, n, g, _ = blocks.shape
     words = torch.empty(e, g, n, 4, dtype=torch.int32, device=blocks.device)
     for x in range(e):  # one expert at a time: int64 scratch of 32 x its bytes
         codes = torch.stack([blocks[x] & 0xF, blocks[x] >> 4], -1).view(n, g, 4, 8).to(torch.int64)  # K order
@@ -56,7 +54,7 @@ def _pack_words(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
                 word |= (c & 7) << (3 * j + 16 * h)
                 word |= (c >> 3) << (12 + j + 16 * h)
         words[x] = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).transpose(0, 1)
-    return words, scales.permute(0, 2, 1).contiguous()
+    return words
 
 
 def reference_decode_mxfp4(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor,
@@ -92,12 +90,14 @@ def pack_prescaled_words(blocks: torch.Tensor, scales: torch.Tensor) -> dict:
     """Checkpoint MXFP4 [E, N, G, 16] + [E, N, G] -> {"words": [E, Kp/128, N, 16] int32 (K zero-padded to
     a multiple of 128), "fexp": [E, Kp/32, N] uint8 (fp16 exponent field of 2^(scale - smax + 14), 0 = drop),
     "rowexp": [E, N] uint8 (smax), "inexact_groups": groups with scale - smax < -23}."""
-    e, n, g, _ = blocks.shape
+    e, n, g, sixteen = blocks.shape
+    if sixteen != 16 or scales.shape != (e, n, g):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
     gp = -(-g // 4) * 4
     if gp != g:
         blocks = torch.cat([blocks, blocks.new_zeros(e, n, gp - g, 16)], 2)
         scales = torch.cat([scales, scales.new_zeros(e, n, gp - g)], 2)
-    words, _ = _pack_words(blocks, scales)  # [E, Gp, N, 4]
+    words = _pack_words(blocks)  # [E, Gp, N, 4]
     words = words.view(e, gp // 4, 4, n, 4).permute(0, 1, 3, 2, 4).reshape(e, gp // 4, n, 16).contiguous()
     nonzero = blocks.view(e, n, gp, 16).ne(0).any(-1)
     smax = scales.masked_fill(~nonzero, 0).amax(-1)  # all-zero groups do not set the row's exponent
