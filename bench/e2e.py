@@ -342,7 +342,8 @@ def throughput_point(h: Harness, scenario: str, r: dict, args) -> dict:
         raise RuntimeError("throughput estimates need a measured prefill point")
     # The prompts of a batch prefill as long chunks: use the best measured prefill rate up to 16k tokens.
     rate = max(p["input_tok_s"] for p in prefill if p["tokens"] <= 16384)
-    fits = max(1, min(args.max_batch, h.max_batch_at(ctx + out_len)))
+    # each request holds at most in_len + out_len tokens (ctx is the mean decode context, not the last)
+    fits = max(1, min(args.max_batch, h.max_batch_at(in_len + out_len)))
     batch = max(b for b in default_buckets(args.max_batch) if b <= fits)  # a captured bucket
     step = h.decode(batch, ctx, args.steps, profile=False)
     est = costs.estimate_throughput(1 / rate, step["step_ms"] / 1e3, batch, out_len, in_len)

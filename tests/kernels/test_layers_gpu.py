@@ -109,3 +109,51 @@ def test_gemv_in_cuda_graph_replays_bitwise():
         x.copy_(torch.randn_like(x))
         graph.replay()
         assert torch.equal(y, gemv_triton.gemv(x, w, b, tickets))  # fixed summation order: deterministic
+
+
+@pytest.mark.parametrize("t", [1, 16, 17])
+def test_l2_prefetch_in_a_captured_chain_changes_nothing(t):
+    """kernels/l2_prefetch: side-stream prefetches forked inside a capture (whole tensors of awkward byte
+    counts, and listed rows of a stacked weight) rejoin it; the replayed chain equals the same chain run
+    eagerly without prefetches, bit for bit. At t = 17 (above MAX_TOKENS) nothing is forked."""
+    from kernels import l2_prefetch
+    from kernels.layers import gemv_triton
+
+    w1 = torch.randn(5120, 2880, device=DEV, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(2880, 5120, device=DEV, dtype=torch.bfloat16) * 0.02
+    odd = torch.randn(1001, device=DEV, dtype=torch.bfloat16)  # 2002 bytes: not a multiple of 16
+    experts = torch.randn(7, 33, 64, device=DEV).to(torch.float8_e4m3fn)  # 2112-byte rows
+    rows = torch.tensor([5, 0, 6, 2], dtype=torch.int32, device=DEV)
+    count = torch.tensor([3], dtype=torch.int32, device=DEV)
+    x = torch.randn(t, 2880, device=DEV, dtype=torch.bfloat16)
+    tickets = gemv_triton.new_tickets(5120, DEV)
+
+    def chain():
+        y = torch.nn.functional.linear(x, w1)
+        l2_prefetch.issue([w2, odd], t)
+        l2_prefetch.issue_experts(experts, rows, count, rows.numel(), t)
+        z = torch.nn.functional.linear(torch.relu(y), w2)
+        l2_prefetch.join(z)
+        return z
+
+    want = chain()  # eager: not capturing, so no prefetch
+    gemv_triton.gemv(x[:1], w1, None, tickets)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert l2_prefetch.active(x, t) == (t <= l2_prefetch.MAX_TOKENS and torch.cuda.get_device_capability()[0] >= 9)
+        got = chain()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(got, chain())
+
+
+def test_l2_prefetch_rejects_unaligned_views():
+    from kernels import l2_prefetch
+
+    w = torch.randn(64, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        l2_prefetch._bytes(w[:, 1:])
