@@ -16,8 +16,17 @@ on the device (the masked plan's active experts). `join(t)` makes the current st
 stream: every captured forward calls it before it ends (a graph capture must rejoin its forks).
 
 Active on SM90+ CUDA tensors for steps of at most MAX_TOKENS tokens, only while a CUDA graph is being
-captured (like kernels/pdl.py: graph replay is where kernels run back to back); ENABLED = False to
-compare (bench/decode_ab.py). Never on CPU or under Triton's interpreter (inline PTX).
+captured (like kernels/pdl.py: graph replay is where kernels run back to back) and ENABLED; bench/decode_ab.py
+switches it per variant. Never on CPU or under Triton's interpreter (inline PTX).
+
+**Off by default: measured slower.** H200, 2026-11-30, 20b at 8k (`bench/decode_ab --variants
+fused+pdl,pdl+l2,pdl+l2@gate_up,pdl+l2+down`, `bench/results/decode_ab_l2_prefetch_gpt-oss-20b_h200.json`):
+step 2.192 ms without, 2.298 / 2.296 / 2.336 ms with the three placements (0.94-0.95x at b=1, 0.91-0.98x
+at b=4-16). The probe (`python -m bench.l2_prefetch_probe`, `bench/results/l2_prefetch_probe_h200.json`)
+says why: after a flush, the 29.5 MB QKV weight read by cuBLAS at T=1 takes 12.3 us cold, 3.9 us when
+the previous call left it in L2, but 9.9 us (8.6 with 64 KB pieces) after this prefetch and a 50 us
+wait: the bulk prefetches land only a fraction of the bytes in L2, so the side stream adds traffic and
+graph edges for little. Kept (with ENABLED False) as the harness for a load-based variant.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
+ENABLED = False
 MAX_TOKENS = 16
 CHUNK = 16384  # bytes per bulk prefetch (a multiple of 16)
 CHUNKS_PER_PROGRAM = 32  # one warp, one chunk per lane

@@ -112,13 +112,14 @@ def test_gemv_in_cuda_graph_replays_bitwise():
 
 
 @pytest.mark.parametrize("t", [1, 16, 17])
-def test_l2_prefetch_in_a_captured_chain_changes_nothing(t):
+def test_l2_prefetch_in_a_captured_chain_changes_nothing(t, monkeypatch):
     """kernels/l2_prefetch: side-stream prefetches forked inside a capture (whole tensors of awkward byte
     counts, and listed rows of a stacked weight) rejoin it; the replayed chain equals the same chain run
     eagerly without prefetches, bit for bit. At t = 17 (above MAX_TOKENS) nothing is forked."""
     from kernels import l2_prefetch
     from kernels.layers import gemv_triton
 
+    monkeypatch.setattr(l2_prefetch, "ENABLED", True)  # off by default (measured slower)
     w1 = torch.randn(5120, 2880, device=DEV, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(2880, 5120, device=DEV, dtype=torch.bfloat16) * 0.02
     odd = torch.randn(1001, device=DEV, dtype=torch.bfloat16)  # 2002 bytes: not a multiple of 16
