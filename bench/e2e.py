@@ -372,8 +372,8 @@ def main(argv=None) -> int:
                    help="K/V storage: auto = the model dtype (bf16); fp8_e4m3 halves KV memory and bytes")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="longest prefill forward (longer prompts chunk)")
     p.add_argument("--engine-runs", default="", help="scenarios (1k/1k,8k/1k) to also run through LLMEngine "
-                                                      "at the estimate's batch, and b1 (one request alone; "
-                                                      "bench/e2e_engine_runs.py)")
+                                                      "at the estimate's batch, b1 (one request alone) and b1sync "
+                                                      "(the same, decode lookahead off; bench/e2e_engine_runs.py)")
     p.add_argument("--hf-baseline", action="store_true", help="then HF transformers bf16 on 20b (random weights)")
     p.add_argument("--out", default="bench/results/e2e.json")
     args = p.parse_args(argv)

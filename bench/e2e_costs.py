@@ -119,8 +119,9 @@ def print_table(results: dict) -> None:
                   f"({t['method']})")
         for e in r.get("engine_runs", []):
             if "tpot_ms" in e:
-                print(f"engine run b1: TTFT {e['ttft_ms']:.1f} ms for {e['in_len']} tokens, {e['tok_s_user']:.0f} "
-                      f"tok/s ({e['tpot_ms']:.3f} ms per output token, host work included)")
+                print(f"engine run {e['scenario']}: TTFT {e['ttft_ms']:.1f} ms for {e['in_len']} tokens, "
+                      f"{e['tok_s_user']:.0f} tok/s ({e['tpot_ms']:.3f} ms per output token, host work included; "
+                      f"lookahead {e.get('async_decode')})")
                 continue
             if "output_tok_s" not in e:
                 print(f"engine run {e['scenario']}: {e.get('skipped') or e.get('error')}")

@@ -9,7 +9,9 @@ wall time from the first prefill to the last token.
 
 "b1" runs one request alone (1024 prompt tokens, 256 output tokens, greedy): time to first token and
 time per output token through the engine's whole step (schedule, metadata, graph replay, sampler, one
-device-to-host read, bookkeeping), next to the graph-replay-only decode points of the tables.
+device-to-host read, bookkeeping), next to the graph-replay-only decode points of the tables; with the
+engine's decode lookahead as configured (on with one CUDA device). "b1sync" runs it again with the
+lookahead off (engine/llm_engine.py), in the same engine.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     graphs first: the engine allocates its own pool (same headroom) and captures its own graphs."""
     wanted = [s for s in args.engine_runs.split(",") if s]
     estimates = {p["scenario"]: p for p in r["throughput"] if p["scenario"] in wanted}
-    single = "b1" in wanted
+    single = [w for w in wanted if w in ("b1", "b1sync")]
     if not estimates and not single:
         return
     h.release()
@@ -51,9 +53,12 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     runs = r.setdefault("engine_runs", [])
     setup = {"engine_build_s": time.perf_counter() - t0, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
              "full_pages": engine.block_manager.usage()["full_pages_total"]}
-    if single:
-        runs.append(single_request(engine, h, device, setup))
+    auto = engine.async_decode
+    for name in single:
+        engine.async_decode = auto and name == "b1"
+        runs.append(single_request(engine, h, device, setup, name))
         save()
+    engine.async_decode = auto
     for scenario, estimate in estimates.items():
         in_len, out_len, _ = scenarios[scenario]
         batch = estimate["batch"]
@@ -82,6 +87,7 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
         point = {"scenario": scenario, "requests": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
                  "output_tokens": tokens, "output_tok_s": tokens / wall, "total_tok_s": (tokens + batch * in_len) / wall,
                  "estimate_output_tok_s": estimate["output_tok_s"], "kv_cache_dtype": args.kv_cache_dtype,
+                 "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps,
                  "method": "measured: LLMEngine.generate over the batch, all requests at once", **setup}
         runs.append(point)
         print(f"[{h.name}] engine run {scenario}: {point['output_tok_s']:.0f} output tok/s/GPU "
@@ -93,20 +99,22 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def single_request(engine: LLMEngine, h, device, setup: dict) -> dict:
+def single_request(engine: LLMEngine, h, device, setup: dict, name: str = "b1") -> dict:
     """One request alone through the engine: TTFT and time per output token, step by step."""
     prompt = torch.randint(0, h.config.vocab_size, (B1_IN,), generator=torch.Generator().manual_seed(9)).tolist()
-    engine.add_request(GenerateRequest("b1", prompt, SamplingParams(temperature=0.0, max_tokens=B1_OUT,
+    engine.add_request(GenerateRequest(name, prompt, SamplingParams(temperature=0.0, max_tokens=B1_OUT,
                                                                     ignore_eos=True)))
+    ahead = engine.lookahead_steps
     times = []
     t = time.perf_counter()
     while engine.has_unfinished():
         for d in engine.step():
             times += [time.perf_counter()] * len(d.token_ids)
     tpot = (times[-1] - times[0]) / (len(times) - 1)
-    point = {"scenario": "b1", "requests": 1, "in_len": B1_IN, "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t),
+    point = {"scenario": name, "requests": 1, "in_len": B1_IN, "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t),
              "tpot_ms": 1e3 * tpot, "tok_s_user": 1 / tpot, "kv_cache_dtype": engine.config.kv_cache_dtype,
+             "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps - ahead,
              "method": "measured: one request through LLMEngine.step (host work included)", **setup}
-    print(f"[{h.name}] engine run b1: TTFT {point['ttft_ms']:.1f} ms, {point['tok_s_user']:.0f} tok/s "
+    print(f"[{h.name}] engine run {name} (lookahead {engine.async_decode}): TTFT {point['ttft_ms']:.1f} ms, {point['tok_s_user']:.0f} tok/s "
           f"({point['tpot_ms']:.3f} ms per output token)", flush=True)
     return point

@@ -36,6 +36,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
+    # Decode lookahead (engine/llm_engine.py): launch the next decode step before reading this one's
+    # tokens. None: on with one CUDA rank, off elsewhere (it only hides host time behind a GPU).
+    async_decode: bool | None = None
     # One model instance over tp/ep ranks, one process and one device each (engine/distributed/); tp and
     # ep are each 1 or the world size. Ranks > 0 use the devices after `device` (cuda:1, cuda:2, ...).
     tp_size: int = 1
@@ -73,6 +76,11 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise EngineConfigError("cuda_graphs=True needs device 'cuda' or 'cuda:N'")
+        if self.async_decode not in (None, True, False):
+            raise EngineConfigError(f"async_decode must be true, false or null (auto), got {self.async_decode!r}")
+        if self.async_decode and self.world_size > 1:
+            raise EngineConfigError("async_decode needs one rank (tp_size=ep_size=1): the other ranks step from "
+                                    "host arrays that hold the input ids")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise EngineConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("tp_size", "ep_size", "dp_size"):

@@ -5,6 +5,15 @@
     while engine.has_unfinished():
         for delta in engine.step(): ...
 
+Decode lookahead (`EngineConfig.async_decode`, on by default on one CUDA device): when a decode step
+of a batch is launched and the next step can only be the same batch one token further (nothing waits
+for admission, no length limit reached, pages free), the engine launches that next step before it
+reads this one's tokens: the next step's input ids are this step's sampled ids, on the device, and
+output slots hold a placeholder until read. The host's scheduling, metadata and bookkeeping for a step
+then overlap the GPU's previous step instead of leaving the GPU idle. A sequence that stops on a
+sampled stop token had its next step computed for nothing (dropped; its pages are freed after, and
+GPU work on them stays in stream order). Tokens are the same as without (tests/engine/test_lookahead.py).
+
 Disaggregated serving uses the same object on both sides: a prefill replica adds requests with
 `prefill_only=True`, runs `step_prefill()` and hands `export_kv(id)` to the decode replica, which
 calls `import_prefilled(request, payload)` and keeps stepping. Single-threaded: AsyncEngine owns it
@@ -13,11 +22,14 @@ from one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig, EngineConfigError
@@ -25,9 +37,9 @@ from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
 from engine.request import FINISH_ABORT, GenerateRequest, InvalidRequestError, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, plan_pool_sizes
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import HostTokens, Sampler, SamplingBatch
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from model.gpt_oss import GptOssForCausalLM
 
 
@@ -45,6 +57,18 @@ class UnknownRequestError(KeyError):
 
 class RequestStateError(RuntimeError):
     """The request exists but is not in a state that allows the call (e.g. export before prefill ends)."""
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampler are queued and whose sequences are advanced, tokens not read."""
+
+    out: SchedulerOutput
+    rows: list[Sequence]  # the sequences that sample, in logits order
+    slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read)
+    sampled: object | None  # SamplerOutput on the device (None: nothing sampled)
+    host: HostTokens | None
+    times: StepTimes
 
 
 @dataclass
@@ -95,6 +119,14 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, model.device)
         self.metrics = EngineMetrics()
         self._last_sampling: tuple[list[Sequence], list[int], SamplingBatch] | None = None
+        # Decode lookahead (module docstring): on by default with one local CUDA model; engine/distributed's
+        # runner sends host arrays (input ids included) to the other ranks, so it steps synchronously.
+        if config.async_decode and runner is not None:
+            raise EngineConfigError("async_decode needs the model in this process (world_size 1)")
+        self.async_decode = config.async_decode if config.async_decode is not None else (
+            runner is None and model.device.type == "cuda")
+        self._inflight: _Launched | None = None
+        self.lookahead_steps = 0  # steps launched before their predecessor's tokens were read
         self.seqs: dict[str, Sequence] = {}  # every unfinished request: waiting, running or prefilled
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -237,17 +269,41 @@ class LLMEngine:
         return self._step(StepKind.DECODE)
 
     def _step(self, kind: StepKind) -> list[TokenDelta]:
-        times = StepTimes()
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule(kind)
+        if self._inflight is not None:  # launched by the previous call (lookahead)
+            cur, self._inflight = self._inflight, None
+        else:
+            times = StepTimes()
+            t0 = time.perf_counter()
+            out = self.scheduler.schedule(kind)
+            times.schedule = time.perf_counter() - t0
+            if out.is_empty:
+                self.metrics.record_step(0, 0, len(out.preempted), times)
+                self._update_state_metrics()
+                return []
+            cur = self._launch(out, times, None)
+        nxt = None
+        try:
+            if self.async_decode:
+                nxt = self._launch_next(cur, kind)
+        except StepFailedError as exc:  # both steps' requests fail: the caller aborts them
+            raise StepFailedError(str(exc), [s.seq.request_id for s in cur.out.scheduled] + exc.request_ids) from exc
+        try:
+            deltas = self._resolve(cur)
+        except StepFailedError as exc:
+            extra = [s.seq.request_id for s in nxt.out.scheduled] if nxt is not None else []
+            raise StepFailedError(str(exc), exc.request_ids + extra) from exc
+        self._inflight = nxt
+        return deltas
+
+    def _launch(self, out: SchedulerOutput, times: StepTimes, input_ids) -> _Launched:
+        """Queue the step's forward and sampler (input_ids: the tokens on the device, for a lookahead
+        step whose inputs are still placeholders on the host), then advance its sequences: cached
+        lengths, out-of-window pages, one placeholder output per sampling row."""
         t1 = time.perf_counter()
-        times.schedule = t1 - t0
-        if out.is_empty:
-            self.metrics.record_step(0, 0, len(out.preempted), times)
-            self._update_state_metrics()
-            return []
         try:
             inputs = self.runner.prepare(out.scheduled)
+            if input_ids is not None:
+                inputs = dataclasses.replace(inputs, input_ids=input_ids)
             for seq in out.restores:
                 self.runner.write_kv(seq, seq.pending_kv)
                 seq.pending_kv = None
@@ -255,20 +311,81 @@ class LLMEngine:
             rows = [out.scheduled[b].seq for b in inputs.sample_rows]
             batch = self._sampling_batch(rows)
             logits = self.runner.execute(inputs)
-            token_ids, logprobs, top = [], None, None
-            if rows:  # a step of partial prefill chunks samples nothing
-                sampled = self.sampler(logits, batch)
-                # The step's one device-to-host read.
-                token_ids = sampled.token_ids.tolist()
-                logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-                if sampled.top_ids is not None:
-                    top = (sampled.top_ids.tolist(), sampled.top_logprobs.tolist())
+            sampled = self.sampler(logits, batch) if rows else None  # a step of partial prefill chunks samples nothing
+            host = HostTokens(sampled) if sampled is not None else None
         except Exception as exc:  # any failure of the model or sampler: the caller aborts these requests
-            raise StepFailedError(f"{kind.value} step failed: {exc!r}",
+            raise StepFailedError(f"{out.kind.value} step failed: {exc!r}",
                                   [s.seq.request_id for s in out.scheduled]) from exc
         t3 = time.perf_counter()
-        deltas = self._apply(out, rows, token_ids, logprobs, top)
-        times.prepare, times.forward, times.update = t2 - t1, t3 - t2, time.perf_counter() - t3
+        times.prepare, times.forward = t2 - t1, t3 - t2
+        for s in out.scheduled:
+            s.seq.num_computed = s.end
+            self.block_manager.release_out_of_window(s.seq)
+        slots = []
+        for seq in rows:
+            seq.output_ids.append(PLACEHOLDER)
+            slots.append(len(seq.output_ids) - 1)
+        times.update = time.perf_counter() - t3
+        return _Launched(out, rows, slots, sampled, host, times)
+
+    def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
+        """The lookahead: the step after `cur` launched now, when it can only be `cur`'s decode batch one
+        token further, less the sequences `cur` finishes by length; None (nothing changed) when anything
+        else could happen. (A sequence `cur` stops by a stop token is only known later: its row of the
+        next step is computed and dropped.)"""
+        if cur.sampled is None or len(cur.rows) != len(cur.out.scheduled) \
+                or any(s.is_prefill or s.num_tokens != 1 for s in cur.out.scheduled) \
+                or any(seq.prefill_only for seq in cur.rows):
+            return None
+        t0 = time.perf_counter()
+        last = [seq.finishes_by_length(self.max_model_len) for seq in cur.rows]
+        keep = [i for i, done in enumerate(last) if not done]
+        out = self.scheduler.continue_decode(kind, [cur.rows[i] for i in keep],
+                                             [seq for seq, done in zip(cur.rows, last) if done])
+        if out is None:
+            return None
+        times = StepTimes(schedule=time.perf_counter() - t0)
+        ids = cur.sampled.token_ids
+        if len(keep) < len(cur.rows):
+            ids = ids.index_select(0, torch.tensor(keep, dtype=torch.long).to(ids.device, non_blocking=True))
+        self.lookahead_steps += 1
+        return self._launch(out, times, ids)
+
+    def _resolve(self, step: _Launched) -> list[TokenDelta]:
+        """Read the step's tokens (waits for its sampler), fill its placeholders, finish sequences, deltas."""
+        t3 = time.perf_counter()
+        token_ids, logprobs, top = [], None, None
+        if step.host is not None:
+            try:
+                token_ids, logprobs, top = step.host.wait()  # the step's one device-to-host read
+            except Exception as exc:
+                raise StepFailedError(f"{step.out.kind.value} step failed: {exc!r}",
+                                      [s.seq.request_id for s in step.out.scheduled]) from exc
+        t4 = time.perf_counter()
+        now = time.monotonic()
+        deltas = []
+        for i, seq in enumerate(step.rows):
+            if seq.is_finished:  # aborted, or stopped by the step before (this one ran ahead for nothing)
+                continue
+            lp = None
+            if seq.sampling.logprobs is not None:
+                n = seq.sampling.logprobs
+                lp = TokenLogprob(token_ids[i], logprobs[i], list(zip(top[0][i][:n], top[1][i][:n])) if n else [])
+            if seq.first_token_time is None:
+                self.metrics.record_first_token(now - seq.arrival_time)
+            seq.resolve_token(step.slots[i], token_ids[i], lp, now)
+            upto = step.slots[i] + 1
+            if seq.prefill_only:
+                self.scheduler.park(seq)  # stop conditions are the decode side's business
+            else:
+                reason = seq.check_finished(self.max_model_len, upto)
+                if reason is not None:
+                    self._finish(seq, reason, now)
+            deltas.append(self._delta(seq, upto))
+        times = step.times  # forward: queueing it + waiting for its tokens; update: both bookkeeping halves
+        times.forward += t4 - t3
+        times.update += time.perf_counter() - t4
+        out = step.out
         self.metrics.record_step(out.num_prefill_tokens, out.num_decode_tokens, len(out.preempted), times)
         self._update_state_metrics()
         return deltas
@@ -287,32 +404,8 @@ class LLMEngine:
         self._last_sampling = (rows, steps, batch)
         return batch
 
-    def _apply(self, out: SchedulerOutput, rows: list[Sequence], token_ids: list[int],
-               logprobs: list[float] | None, top) -> list[TokenDelta]:
-        now = time.monotonic()
-        for s in out.scheduled:
-            s.seq.num_computed = s.end
-            self.block_manager.release_out_of_window(s.seq)
-        deltas = []
-        for i, seq in enumerate(rows):
-            lp = None
-            if seq.sampling.logprobs is not None:
-                n = seq.sampling.logprobs
-                lp = TokenLogprob(token_ids[i], logprobs[i],
-                                  list(zip(top[0][i][:n], top[1][i][:n])) if n else [])
-            if seq.first_token_time is None:
-                self.metrics.record_first_token(now - seq.arrival_time)
-            seq.append_token(token_ids[i], lp, now)
-            if seq.prefill_only:
-                self.scheduler.park(seq)  # stop conditions are the decode side's business
-            else:
-                reason = seq.check_finished(self.max_model_len)
-                if reason is not None:
-                    self._finish(seq, reason, now)
-            deltas.append(self._delta(seq))
-        return deltas
-
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.drop_placeholders()  # outputs of a step still in flight that this sequence no longer takes
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -320,12 +413,13 @@ class LLMEngine:
         self.metrics.record_finished(reason, len(seq.output_ids), seq.first_token_time, seq.last_token_time)
 
     @staticmethod
-    def _delta(seq: Sequence) -> TokenDelta:
-        new = seq.output_ids[seq.num_emitted:]
-        logprobs = seq.output_logprobs[seq.num_emitted:] if seq.sampling.logprobs is not None else None
-        seq.num_emitted = len(seq.output_ids)
-        return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, len(seq.prompt_ids),
-                          len(seq.output_ids))
+    def _delta(seq: Sequence, upto: int | None = None) -> TokenDelta:
+        """Outputs [num_emitted, upto) (default: all; a lookahead step's placeholder may follow them)."""
+        upto = min(len(seq.output_ids), upto if upto is not None else len(seq.output_ids))
+        new = seq.output_ids[seq.num_emitted: upto]
+        logprobs = seq.output_logprobs[seq.num_emitted: upto] if seq.sampling.logprobs is not None else None
+        seq.num_emitted = upto
+        return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, len(seq.prompt_ids), upto)
 
     def _update_state_metrics(self) -> None:
         prefilled = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)

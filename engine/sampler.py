@@ -140,6 +140,31 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, N] fp32
 
 
+class HostTokens:
+    """A SamplerOutput on its way to the host: on CUDA, copies into pinned buffers queued right behind
+    the sampler and an event after them, so `wait` blocks for this step's sampler only, not for work
+    queued later (the engine's next step may already be running)."""
+
+    def __init__(self, out: SamplerOutput):
+        tensors = [out.token_ids, out.logprobs, out.top_ids, out.top_logprobs]
+        self.event = None
+        if out.token_ids.is_cuda:
+            self.host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                         for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def wait(self) -> tuple[list[int], list[float] | None, tuple[list, list] | None]:
+        """(token ids, logprobs or None, (top ids, top logprobs) or None) as Python lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        ids, logprobs, top_ids, top_logprobs = self.host
+        return (ids.tolist(), logprobs.tolist() if logprobs is not None else None,
+                (top_ids.tolist(), top_logprobs.tolist()) if top_ids is not None else None)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str):
         self.vocab_size = vocab_size

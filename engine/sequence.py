@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from engine.kv_payload import PrefilledKV
 
 
+# An output token whose step is launched but not read back yet (the engine's decode lookahead):
+# lengths count it, nothing reads its value; never a valid token id.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no pages (new, preempted, or imported KV not yet written)
     RUNNING = "running"  # holds pages; scheduled for prefill chunks or decode steps
@@ -108,17 +113,33 @@ class Sequence:
 
     def append_token(self, token: int, logprob: TokenLogprob | None, now: float) -> None:
         self.output_ids.append(token)
+        self.resolve_token(len(self.output_ids) - 1, token, logprob, now)
+
+    def resolve_token(self, index: int, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        """Output `index` (a placeholder appended when its step was launched) becomes `token`."""
+        self.output_ids[index] = token
         if logprob is not None:
             self.output_logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now
 
-    def check_finished(self, max_model_len: int) -> str | None:
-        """The finish reason the last sampled token implies, or None to keep going."""
+    def drop_placeholders(self) -> None:
+        """Forget outputs of steps still in flight (the sequence finished or was aborted before them)."""
+        while self.output_ids and self.output_ids[-1] == PLACEHOLDER:
+            self.output_ids.pop()
+
+    def check_finished(self, max_model_len: int, num_outputs: int | None = None) -> str | None:
+        """The finish reason the last sampled token implies, or None to keep going. num_outputs: judge
+        the first that many outputs (the engine's next step may already hold a placeholder after them)."""
         s = self.sampling
-        if not s.ignore_eos and self.output_ids and self.output_ids[-1] in s.stop_token_ids:
+        n = len(self.output_ids) if num_outputs is None else num_outputs
+        if not s.ignore_eos and n and self.output_ids[n - 1] in s.stop_token_ids:
             return FINISH_STOP
-        if len(self.output_ids) >= s.max_tokens or self.num_tokens >= max_model_len:
+        if n >= s.max_tokens or len(self.prompt_ids) + n >= max_model_len:
             return FINISH_LENGTH
         return None
+
+    def finishes_by_length(self, max_model_len: int) -> bool:
+        """The token sampled last (perhaps still a placeholder) is the last this sequence may get."""
+        return len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= max_model_len

@@ -1,0 +1,124 @@
+"""The decode lookahead (EngineConfig.async_decode; engine/llm_engine.py): the next decode step launched
+before this one's tokens are read gives the same tokens, logprobs, finish reasons and page accounting as
+stepping synchronously. The scenarios of test_llm_engine run again with it on (CPU: the same code
+paths, without the overlap), each checking that lookahead steps did happen."""
+
+import pytest
+
+from engine.config import EngineConfig, EngineConfigError
+from engine.llm_engine import LLMEngine, StepFailedError
+from engine.request import FINISH_ABORT, FINISH_STOP
+from engine.scheduler import StepKind
+from engine.sequence import PLACEHOLDER
+from tests.engine import test_llm_engine as scenarios
+from tests.engine.engine_testlib import assert_pool_full, engine_config, greedy, random_prompt, request, run_to_end
+
+ENGINES: list[LLMEngine] = []
+
+
+@pytest.fixture
+def make_lookahead(model):
+    ENGINES.clear()
+
+    def make(**overrides) -> LLMEngine:
+        engine = LLMEngine(model, engine_config(async_decode=True, **overrides))
+        ENGINES.append(engine)
+        return engine
+    yield make
+    assert sum(e.lookahead_steps for e in ENGINES) > 0, "no step ever ran ahead: the scenario tested nothing new"
+
+
+def run_both(make_engine, make_lookahead, reqs, **overrides) -> tuple[dict, dict, LLMEngine]:
+    sync, ahead = make_engine(**overrides), make_lookahead(**overrides)
+    for engine in (sync, ahead):
+        for r in reqs:
+            engine.add_request(r)
+    return run_to_end(sync), run_to_end(ahead), ahead
+
+
+def test_off_by_default_on_cpu_and_typed_errors(model):
+    assert LLMEngine(model, engine_config()).async_decode is False
+    with pytest.raises(EngineConfigError, match="async_decode"):
+        EngineConfig(async_decode="yes")
+    with pytest.raises(EngineConfigError, match="one rank"):
+        EngineConfig(async_decode=True, tp_size=2)
+
+
+def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
+    reqs = scenarios.mixed_requests()
+    probe = run_to_end(_with(make_engine(), [reqs[0]]))["g0"]["ids"]
+    stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
+    reqs.append(request("stop", list(reqs[0].prompt_ids), greedy(12, stop_token_ids=(stop,))))
+    sync, ahead, engine = run_both(make_engine, make_lookahead, reqs)
+    assert ahead == sync  # ids, logprobs, finish reasons, and one delta per token
+    assert ahead["stop"]["finish"] == FINISH_STOP and ahead["stop"]["ids"][-1] == stop
+    assert engine.lookahead_steps > 0
+    assert_pool_full(engine)
+
+
+def _with(engine: LLMEngine, reqs) -> LLMEngine:
+    for r in reqs:
+        engine.add_request(r)
+    return engine
+
+
+@pytest.mark.parametrize("scenario", [
+    "test_concurrent_requests_equal_each_alone_and_the_reference",
+    "test_preemption_under_a_tiny_pool_gives_identical_outputs",
+    "test_stop_tokens_ignore_eos_and_context_limit",
+    "test_logprobs_match_the_reference_distribution",
+    "test_seeded_sampling_reproducible_and_seed_dependent",
+    "test_separate_prefill_and_decode_steps_on_one_engine",
+])
+def test_engine_scenarios_with_lookahead(scenario, make_lookahead, reference_greedy, model):
+    """(test_abort_everywhere_returns_every_page is left out: its tiny pool and admissions never let a
+    step run ahead; test_abort_while_a_step_is_in_flight below covers aborts.)"""
+    fn = getattr(scenarios, scenario)
+    kwargs = {"make_engine": make_lookahead, "reference_greedy": reference_greedy, "model": model}
+    fn(**{k: v for k, v in kwargs.items() if k in fn.__code__.co_varnames[:fn.__code__.co_argcount]})
+
+
+@pytest.mark.parametrize("decode_kind", [StepKind.DECODE, StepKind.MIXED])
+def test_prefill_export_then_import_with_lookahead(make_lookahead, model, decode_kind):
+    scenarios.test_prefill_export_then_import_equals_one_engine(make_lookahead, model, decode_kind)
+
+
+def test_abort_while_a_step_is_in_flight(make_engine, make_lookahead):
+    reqs = [request("a", random_prompt(5, 1), greedy(10)), request("b", random_prompt(7, 2), greedy(10))]
+    expected = run_to_end(_with(make_engine(), reqs))
+    engine = _with(make_lookahead(), reqs)
+    got = {"a": [], "b": []}
+    while engine._inflight is None:
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    delta = engine.abort("a")  # its next token is being computed right now
+    assert delta.finish_reason == FINISH_ABORT and PLACEHOLDER not in delta.token_ids
+    assert got["a"] + delta.token_ids == expected["a"]["ids"][: len(got["a"]) + len(delta.token_ids)]
+    for rid, r in run_to_end(engine).items():
+        got[rid] += r["ids"]
+    assert got["b"] == expected["b"]["ids"]
+    assert_pool_full(engine)
+
+
+def test_a_failing_lookahead_step_fails_both_steps_requests(make_lookahead, monkeypatch):
+    engine = _with(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12)),
+                                      request("b", random_prompt(6, 4), greedy(12))])
+    engine.step()  # prefill: the first tokens
+    real = engine.runner.execute
+    calls = []
+
+    def execute(inputs):
+        calls.append(1)
+        if len(calls) == 2:  # the lookahead launch inside the first decode step
+            raise RuntimeError("device lost")
+        return real(inputs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    with pytest.raises(StepFailedError) as err:
+        engine.step()
+    assert sorted(set(err.value.request_ids)) == ["a", "b"]
+    for rid in set(err.value.request_ids):  # what AsyncEngine does with a failed step
+        delta = engine.abort(rid)
+        assert PLACEHOLDER not in delta.token_ids
+    assert not engine.has_unfinished() and engine._inflight is None
+    assert_pool_full(engine)
