@@ -164,6 +164,9 @@ class ServeAppConfig(_Settings):
     cuda_graphs: bool = Field(
         True, description="Replay decode steps as CUDA graphs at batch buckets up to max_num_seqs. Applies to "
                           "GPU replicas of one rank; CPU replicas and TP/EP replicas run eagerly.")
+    async_decode: bool = Field(
+        True, description="Decode lookahead: launch the next decode step before reading this one's tokens, so "
+                          "the host's step work overlaps the GPU. Applies to GPU replicas of one rank.")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "
@@ -275,6 +278,7 @@ class ServeAppConfig(_Settings):
             kv_cache_dtype=self.kv_cache_dtype,
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
+            async_decode=self.async_decode and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
             tp_size=self.tp_size,
             ep_size=self.ep_size,
         )
