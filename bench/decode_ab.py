@@ -8,10 +8,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused": Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization), the
   rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
   (kernels/layers/gemv_triton.py);
-- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
-- "pdl+l2": also L2 prefetch on a side stream (kernels/l2_prefetch.py): O's weights after QKV, the next
-  layer's QKV after the down GEMM; "pdl+l2@gate_up": the next QKV after the gate_up GEMM instead;
-  "pdl+l2+down": as pdl+l2, plus the active experts' down weights after the gate_up GEMM.
+- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
 GEMV too, which was slower than cuBLAS.)
 
@@ -32,24 +29,19 @@ import torch
 
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
-from kernels import l2_prefetch, pdl
+from kernels import pdl
 from model.config import GptOssConfig
 
-# (fused front, rotary writes k/v, O GEMV, PDL, L2 prefetch: None or (next QKV after, down experts too))
-VARIANTS = {"unfused": (False, False, False, False, None), "fused": (True, True, True, False, None),
-            "fused+pdl": (True, True, True, True, None), "pdl+l2": (True, True, True, True, ("down", False)),
-            "pdl+l2@gate_up": (True, True, True, True, ("gate_up", False)),
-            "pdl+l2+down": (True, True, True, True, ("down", True))}
+VARIANTS = {"unfused": (False, False, False, False), "fused": (True, True, True, False),
+            "fused+pdl": (True, True, True, True)}
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, l2: tuple | None) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl
-    l2_prefetch.ENABLED = l2 is not None
-    l2_prefetch.QKV_AFTER, l2_prefetch.PREFETCH_DOWN = l2 or ("down", False)
 
 
 def all_kernels(fn) -> list[dict]:
@@ -68,8 +60,8 @@ def run(name: str, args) -> dict:
     device = torch.device("cuda")
     h = Harness(name, config, device, args.max_batch, args.ctx + 64, args.headroom_gb)
     out = {"variants": {}}
-    for variant in args.variants:
-        set_variant(h, *VARIANTS[variant])
+    for variant, flags in VARIANTS.items():
+        set_variant(h, *flags)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -99,14 +91,13 @@ def run(name: str, args) -> dict:
 
 def print_table(results: dict) -> None:
     for name, r in results["models"].items():
-        first = next(iter(r["variants"]))
-        base = r["variants"][first]
-        print(f"\n{name}: decode step (ms) at ctx {results['args']['ctx']}, same process; ratio = {first} / variant")
-        print(f"{'variant':14s} {'launches/step':>13s} {'kernel us':>10s} " +
+        base = r["variants"]["unfused"]
+        print(f"\n{name}: decode step (ms) at ctx {results['args']['ctx']}, same process; ratio = unfused / variant")
+        print(f"{'variant':10s} {'launches/step':>13s} {'kernel us':>10s} " +
               " ".join(f"{'b=' + str(d['batch']):>14s}" for d in base["decode"]))
         for variant, rec in r["variants"].items():
             cells = [f"{d['step_ms']:7.3f} x{b['step_ms'] / d['step_ms']:4.2f}" for d, b in zip(rec["decode"], base["decode"])]
-            print(f"{variant:14s} {rec['eager_b1_launches']:13d} {rec['eager_b1_kernel_us']:10.1f} " + " ".join(f"{c:>14s}" for c in cells))
+            print(f"{variant:10s} {rec['eager_b1_launches']:13d} {rec['eager_b1_kernel_us']:10.1f} " + " ".join(f"{c:>14s}" for c in cells))
         best = list(r["variants"].values())[-1]
         print(f"kernels of one eager b=1 step ({list(r['variants'])[-1]}):")
         for k in best["eager_b1_kernels"][:24]:
@@ -117,7 +108,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
     p.add_argument("--batches", default="1,4,16")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}; the first is the ratio's base")
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
@@ -125,10 +115,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/decode_ab.json")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.variants = args.variants.split(",")
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "args": vars(args), "models": {}}
     out = Path(args.out)

@@ -2,12 +2,12 @@
 # One device call for decode A/Bs (repo root on the GPU machine; carry .whl .jit .dg_src):
 #   scripts/device_env.sh, then the GPU tests in TEST_ARGS (if set), the L2 prefetch probe (PROBE=1),
 #   then python -m bench.decode_ab with the given args; LIMIT_S (default 560) bounds the whole script.
-#   bash bench/decode_ab_device_run.sh --models gpt-oss-20b --variants fused+pdl,pdl+l2
+#   bash bench/decode_ab_device_run.sh --models gpt-oss-20b
 set -u
 LIMIT_S=${LIMIT_S:-560}
 start=$(date +%s)
 source scripts/device_env.sh
-if [ "${PROBE:-1}" = 1 ]; then
+if [ "${PROBE:-0}" = 1 ]; then
     timeout 120 python3 -m bench.l2_prefetch_probe --out "$OUT/l2_prefetch_probe_h200.json" > "$OUT/probe.log" 2>&1
     echo "probe exit $?"; tail -6 "$OUT/probe.log"
 fi

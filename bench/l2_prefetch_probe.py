@@ -1,4 +1,4 @@
-"""Does `cp.async.bulk.prefetch.L2` (kernels/l2_prefetch.py) put a decode weight into L2, and how fast?
+"""Does `cp.async.bulk.prefetch.L2` put a decode weight into L2, and how fast?
 
     python -m bench.l2_prefetch_probe [--out bench/results/l2_prefetch_probe_h200.json]
 
@@ -9,6 +9,12 @@ chunk size, eagerly, many repetitions, kernel times from the profiler (CUPTI: de
   that issues them), F.linear;
 - warm: F.linear right after another F.linear on the same weight (the L2 ceiling).
 Prints a table (mean us of the linear, and of the prefetch kernel itself), writes JSON.
+
+Why it exists: prefetching the next QKV / O / active experts' down weights into L2 on a side stream,
+during the small kernels of a batch-1 decode step, measured 5% slower (kernels/moe/NOTES.md, "L2
+prefetch"; the side-stream code was commit 44714ed, removed since). This probe showed the bulk
+prefetches land only a fraction of the bytes in L2 (H200, 2026-11-30,
+bench/results/l2_prefetch_probe_h200.json): the starting point for a load-based variant.
 """
 
 from __future__ import annotations
@@ -20,8 +26,22 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
-from kernels import l2_prefetch
+CHUNKS_PER_PROGRAM = 32  # one warp, one piece per lane
+
+
+@triton.jit
+def _prefetch_kernel(base_ptr, nbytes, sink_ptr, CHUNK: tl.constexpr, PER: tl.constexpr):
+    """Bulk-prefetch bytes [0, nbytes) of base_ptr (uint8, 16-byte aligned, nbytes a multiple of 16)."""
+    pid = tl.program_id(0)
+    offs = (pid * PER + tl.arange(0, PER)).to(tl.int64) * CHUNK
+    offs = tl.minimum(offs, ((nbytes - 1) // CHUNK) * CHUNK)  # lanes past the end repeat the last piece
+    size = tl.minimum(nbytes - offs, CHUNK).to(tl.int32)
+    done = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                     [base_ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(sink_ptr + pid, tl.sum(done))  # keeps the asm; the sink is never read
+
 
 SHAPES = {"qkv 5120x2880 bf16": (5120, 2880), "o 2880x4096 bf16": (2880, 4096), "down x2 5888x2880 bf16": (5888, 2880)}
 
@@ -29,8 +49,8 @@ SHAPES = {"qkv 5120x2880 bf16": (5120, 2880), "o 2880x4096 bf16": (2880, 4096), 
 def prefetch_now(w: torch.Tensor, sink: torch.Tensor, chunk: int) -> None:
     flat = w.view(-1).view(torch.uint8)
     nbytes = flat.numel() // 16 * 16
-    grid = (triton.cdiv(triton.cdiv(nbytes, chunk), l2_prefetch.CHUNKS_PER_PROGRAM),)
-    l2_prefetch._prefetch_kernel[grid](flat, nbytes, sink, CHUNK=chunk, PER=l2_prefetch.CHUNKS_PER_PROGRAM, num_warps=1)
+    grid = (triton.cdiv(triton.cdiv(nbytes, chunk), CHUNKS_PER_PROGRAM),)
+    _prefetch_kernel[grid](flat, nbytes, sink, CHUNK=chunk, PER=CHUNKS_PER_PROGRAM, num_warps=1)
 
 
 def kernel_means(fn, reps: int) -> dict[str, float]:

@@ -92,7 +92,6 @@ class AttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        layers.prefetch_l2([self.o_proj.weight], t)  # O's weights into L2 while rotary + attention run
         # q [T, Hq, Dh], k / v [T, Hkv, Dh]; q and k rotated (cos/sin cast to x's dtype first, as the reference does)
         # the backend may let the rotary kernel write k/v into its paged cache (one launch instead of two)
         dest = self.backend.kv_destination(self.layer)
@@ -114,16 +113,13 @@ class MLPBlock(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True, dtype=dtype, device=device)
         self.experts = experts
 
-    def forward(self, x: torch.Tensor, prefetch_next: torch.Tensor | None = None) -> torch.Tensor:
-        """prefetch_next: the weight the next block reads first, to pull into L2 during this block's tail."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed_forward = getattr(self.experts, "routed_forward", None)
         if routed_forward is not None:  # experts that fuse the router into their first launch (Fp8Experts)
-            out = routed_forward(x, self.router.weight, self.router.bias, self.top_k, prefetch_next)
+            out = routed_forward(x, self.router.weight, self.router.bias, self.top_k)
         else:
             expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
             out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
-            if prefetch_next is not None:
-                layers.prefetch_l2([prefetch_next], x.shape[0])
         return self.parallel.all_reduce_ep(out)
 
 
@@ -137,17 +133,16 @@ class TransformerBlock(nn.Module):
         self.mlp = MLPBlock(config, parallel, experts, dtype, device)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, prefetch_next: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x + delta is the residual stream entering this block (delta: the previous block's MLP output,
         None for the first block). Returns (residual before the MLP, MLP output): each residual add is
-        done by the norm that reads it, so the stream is written once per add. prefetch_next: the next
-        block's QKV weight (an L2 prefetch hint, see MLPBlock)."""
+        done by the norm that reads it, so the stream is written once per add."""
         if delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, delta)
         x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin))
-        return x, self.mlp(h, prefetch_next)
+        return x, self.mlp(h)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -185,11 +180,8 @@ class GptOssModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary(positions)
         delta = None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].self_attn.qkv_proj.weight if i < last else None
-            x, delta = layer(x, delta, cos, sin, nxt)
-        layers.join_prefetch(x)  # a graph capture must rejoin the prefetch stream
+        for layer in self.layers:
+            x, delta = layer(x, delta, cos, sin)
         return self.norm.add_and_norm(x, delta)[1]
 
 

@@ -52,23 +52,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tic
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def prefetch_l2(weights: list[torch.Tensor], num_tokens: int) -> None:
-    """Pull `weights` into L2 on a side stream once the queued work is done (decode graph captures on
-    Hopper only; kernels/l2_prefetch.py). A hint: nothing waits for it."""
-    if weights and weights[0].is_cuda:
-        from kernels import l2_prefetch
-
-        l2_prefetch.issue(weights, num_tokens)
-
-
-def join_prefetch(t: torch.Tensor) -> None:
-    """The current stream waits for prefetches issued on t's device (a graph capture rejoins its forks)."""
-    if t.is_cuda:
-        from kernels import l2_prefetch
-
-        l2_prefetch.join(t)
-
-
 # The GEMV's smallest N block; its tickets are sized for it (here, so that building a model does not
 # import Triton: gemv_triton reads it from this module).
 GEMV_MIN_BLOCK_N = 16
@@ -79,5 +62,4 @@ def gemv_tickets(n: int, device=None) -> torch.Tensor:
     return torch.zeros(-(-n // GEMV_MIN_BLOCK_N), dtype=torch.int32, device=device)
 
 
-__all__ = ["GEMV_MIN_BLOCK_N", "add_rms_norm", "gemv_tickets", "join_prefetch", "linear", "prefetch_l2", "reference",
-           "rms_norm", "rotary_qkv"]
+__all__ = ["GEMV_MIN_BLOCK_N", "add_rms_norm", "gemv_tickets", "linear", "reference", "rms_norm", "rotary_qkv"]

@@ -143,7 +143,7 @@ class Fp8Experts(nn.Module):
         return self._forward_gpu(x, expert_ids.contiguous(), expert_weights.contiguous(), backend)
 
     def routed_forward(self, x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,
-                       top_k: int, prefetch_next: torch.Tensor | None = None) -> torch.Tensor:
+                       top_k: int) -> torch.Tensor:
         """Router + top-k + this layer, as MLPBlock computes them. Decode-sized bf16 batches on the Triton
         decode GEMM take the fused front (decode_front_triton: one launch for router, routing, plan and
         quantization); everything else routes with kernels.moe.route first."""
@@ -156,19 +156,14 @@ class Fp8Experts(nn.Module):
             from kernels.moe import route
 
             logits = torch.nn.functional.linear(x, router_weight, router_bias)
-            out = self(x, *route(logits, top_k))
-            if prefetch_next is not None and x.is_cuda:
-                from kernels import l2_prefetch
-
-                l2_prefetch.issue([prefetch_next], t)
-            return out
+            return self(x, *route(logits, top_k))
         if self.front_ticket.device != x.device:
             raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {x.device}")
         ids, weights, plan, a = front.decode_front(x, router_weight, router_bias, top_k, self.first_expert,
                                                    self.num_local, self.w13.shape[2], self.front_ticket)
         from kernels.moe import triton_grouped_gemm as tgg
 
-        return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend, prefetch_next)
+        return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
 
     def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
         from kernels.moe import epilogues_triton as epi
@@ -181,29 +176,18 @@ class Fp8Experts(nn.Module):
         epi.dispatch_quant(x, plan.row_of_pair, k, a)
         return self._experts_gpu(x, ids, weights, plan, splits, a, backend)
 
-    def _experts_gpu(self, x, ids, weights, plan, splits: int, a, backend: str,
-                     prefetch_next: torch.Tensor | None = None) -> torch.Tensor:
-        """gate_up GEMM -> SwiGLU + quant -> down GEMM -> combine, from A rows already quantized.
-        prefetch_next: a weight the next launches read (the next layer's QKV), pulled into L2 on a side
-        stream while this layer's tail runs (kernels/l2_prefetch.py; decode-sized graph captures only)."""
-        from kernels import l2_prefetch as l2
+    def _experts_gpu(self, x, ids, weights, plan, splits: int, a, backend: str) -> torch.Tensor:
+        """gate_up GEMM -> SwiGLU + quant -> down GEMM -> combine, from A rows already quantized."""
         from kernels.moe import epilogues_triton as epi
 
         t = ids.shape[0]
-        nxt = [prefetch_next] if prefetch_next is not None else []
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
-        if l2.PREFETCH_DOWN and plan.active is not None:  # the active experts' down weights
-            l2.issue_experts(self.w2, plan.active, plan.num_active, plan.active.numel(), t)
-        if l2.QKV_AFTER == "gate_up":
-            l2.issue(nxt, t)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
         y = self.gemm_output(plan, splits, self.hidden)
         self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
-        if l2.QKV_AFTER == "down":
-            l2.issue(nxt, t)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 
     def plan_step(self, ids: torch.Tensor, backend: str):
