@@ -5,14 +5,15 @@
     while engine.has_unfinished():
         for delta in engine.step(): ...
 
-Decode lookahead (`EngineConfig.async_decode`, on by default on one CUDA device): when a decode step
-of a batch is launched and the next step can only be the same batch one token further (nothing waits
-for admission, no length limit reached, pages free), the engine launches that next step before it
-reads this one's tokens: the next step's input ids are this step's sampled ids, on the device, and
-output slots hold a placeholder until read. The host's scheduling, metadata and bookkeeping for a step
-then overlap the GPU's previous step instead of leaving the GPU idle. A sequence that stops on a
-sampled stop token had its next step computed for nothing (dropped; its pages are freed after, and
-GPU work on them stays in stream order). Tokens are the same as without (tests/engine/test_lookahead.py).
+Lookahead (`EngineConfig.async_decode`, on by default on one CUDA device): once a step is launched,
+the engine schedules and launches the next one before it reads this step's tokens. Lengths are known
+(each sampling sequence holds a placeholder output until the read) and token values are not needed on
+the host: wherever the next step's inputs hold a placeholder, the sampled id is copied in on the
+device. The host's scheduling, metadata and bookkeeping then overlap the GPU's previous step. Sequences
+that step finishes by length are retired before scheduling; one that stops on a sampled stop token
+had a row of the next step computed for nothing (dropped; its pages are freed after, and GPU work on
+them stays in stream order). Not after a step with prefill-only sequences (they are parked when read)
+and not for PREFILL steps. Tokens are the same as without (tests/engine/test_lookahead.py).
 
 Disaggregated serving uses the same object on both sides: a prefill replica adds requests with
 `prefill_only=True`, runs `step_prefill()` and hands `export_kv(id)` to the decode replica, which
@@ -295,15 +296,15 @@ class LLMEngine:
         self._inflight = nxt
         return deltas
 
-    def _launch(self, out: SchedulerOutput, times: StepTimes, input_ids) -> _Launched:
-        """Queue the step's forward and sampler (input_ids: the tokens on the device, for a lookahead
-        step whose inputs are still placeholders on the host), then advance its sequences: cached
-        lengths, out-of-window pages, one placeholder output per sampling row."""
+    def _launch(self, out: SchedulerOutput, times: StepTimes, feed: _Launched | None) -> _Launched:
+        """Queue the step's forward and sampler (feed: the step still in flight before it, whose sampled
+        ids replace the placeholders among this step's inputs, on the device), then advance its
+        sequences: cached lengths, out-of-window pages, one placeholder output per sampling row."""
         t1 = time.perf_counter()
         try:
             inputs = self.runner.prepare(out.scheduled)
-            if input_ids is not None:
-                inputs = dataclasses.replace(inputs, input_ids=input_ids)
+            if feed is not None and feed.sampled is not None:
+                inputs = self._feed(inputs, out, feed)
             for seq in out.restores:
                 self.runner.write_kv(seq, seq.pending_kv)
                 seq.pending_kv = None
@@ -328,28 +329,45 @@ class LLMEngine:
         times.update = time.perf_counter() - t3
         return _Launched(out, rows, slots, sampled, host, times)
 
+    @staticmethod
+    def _feed(inputs, out: SchedulerOutput, feed: _Launched):
+        """Inputs with `feed`'s sampled ids (device) where the host arrays hold its placeholders."""
+        ids = feed.sampled.token_ids
+        if len(out.scheduled) == len(feed.rows) and all(
+                s.seq is seq and s.num_tokens == 1 for s, seq in zip(out.scheduled, feed.rows)):
+            return dataclasses.replace(inputs, input_ids=ids)  # the same decode batch, one token further
+        row_of = {id(seq): i for i, seq in enumerate(feed.rows)}
+        flat, src, offset = [], [], 0
+        for s in out.scheduled:
+            i = row_of.get(id(s.seq))
+            if i is not None:
+                position = len(s.seq.prompt_ids) + feed.slots[i]  # of the token not read yet
+                if s.start <= position < s.end:
+                    flat.append(offset + position - s.start)
+                    src.append(i)
+            offset += s.num_tokens
+        if not flat:
+            return inputs
+        device = inputs.input_ids.device
+        patched = inputs.input_ids.clone()
+        patched[torch.tensor(flat).to(device, non_blocking=True)] = ids[torch.tensor(src).to(device, non_blocking=True)]
+        return dataclasses.replace(inputs, input_ids=patched)
+
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
-        """The lookahead: the step after `cur` launched now, when it can only be `cur`'s decode batch one
-        token further, less the sequences `cur` finishes by length; None (nothing changed) when anything
-        else could happen. (A sequence `cur` stops by a stop token is only known later: its row of the
-        next step is computed and dropped.)"""
-        if cur.sampled is None or len(cur.rows) != len(cur.out.scheduled) \
-                or any(s.is_prefill or s.num_tokens != 1 for s in cur.out.scheduled) \
-                or any(seq.prefill_only for seq in cur.rows):
+        """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
+        changed) when it must wait for `cur`'s tokens."""
+        if kind is StepKind.PREFILL or any(seq.prefill_only for seq in cur.rows):
             return None
         t0 = time.perf_counter()
-        last = [seq.finishes_by_length(self.max_model_len) for seq in cur.rows]
-        keep = [i for i, done in enumerate(last) if not done]
-        out = self.scheduler.continue_decode(kind, [cur.rows[i] for i in keep],
-                                             [seq for seq, done in zip(cur.rows, last) if done])
-        if out is None:
+        for seq in cur.rows:
+            if seq.finishes_by_length(self.max_model_len):
+                self.scheduler.retire(seq)  # finished (and its delta sent) when `cur` is read
+        out = self.scheduler.schedule(kind)
+        if out.is_empty:
             return None
         times = StepTimes(schedule=time.perf_counter() - t0)
-        ids = cur.sampled.token_ids
-        if len(keep) < len(cur.rows):
-            ids = ids.index_select(0, torch.tensor(keep, dtype=torch.long).to(ids.device, non_blocking=True))
         self.lookahead_steps += 1
-        return self._launch(out, times, ids)
+        return self._launch(out, times, cur)
 
     def _resolve(self, step: _Launched) -> list[TokenDelta]:
         """Read the step's tokens (waits for its sampler), fill its placeholders, finish sequences, deltas."""

@@ -151,21 +151,12 @@ class Scheduler:
         self._admit(kind, budget, out)
         return out
 
-    def continue_decode(self, kind: StepKind, seqs: list[Sequence], leaving: list[Sequence]) -> SchedulerOutput | None:
-        """The step after a decode step whose tokens are not read yet (the engine's lookahead): `seqs` one
-        token each, when that is exactly what `schedule` will do once `leaving` (sequences that step
-        finishes by length) are gone: the rest of `running` is `seqs` in order, nobody waits to be
-        admitted, and the pages for one more token each are free (taken here). None otherwise, with
-        nothing changed."""
-        if kind is StepKind.PREFILL or self.waiting or not seqs or len(seqs) > self.config.max_num_batched_tokens:
-            return None
-        gone = {id(s) for s in leaving}
-        rest = [s for s in self.running if id(s) not in gone]
-        if len(rest) != len(seqs) or any(a is not b for a, b in zip(seqs, rest)) \
-                or len(rest) + len(gone) != len(self.running) or not self._all_decode(kind) \
-                or not self.block_manager.allocate_next_tokens(seqs):
-            return None
-        return SchedulerOutput(kind, [ScheduledSeq(seq, seq.num_computed, 1, False) for seq in seqs])
+    def retire(self, seq: Sequence) -> None:
+        """Off the schedule with its pages freed, before its last token is read: a sequence whose step in
+        flight gives it its last token (length limit). The engine finishes it once the token is read;
+        GPU work on its pages stays in stream order, ahead of whatever gets them next."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
 
     def _all_decode(self, kind: StepKind) -> bool:
         # `not s.is_prefill and s.num_remaining == 1` for every running sequence, inlined (hot path: the

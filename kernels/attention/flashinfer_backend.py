@@ -96,6 +96,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.scratch_pages = 0
         self.staged_pages: dict[bool, torch.Tensor] = {}  # fp8 cache, prefill: cache page of each staging page
         self.mixed: MixedSplit | None = None  # this step's one-token sequences, run by the decode kernel
+        # FlashInfer's plan writes a pinned host buffer and queues its copy to the device. With the
+        # engine's lookahead a plan can come while the previous plan's copy still waits behind GPU
+        # work: the next plan first waits for that copy (an event after each plan).
+        self._prefill_planned: torch.cuda.Event | None = None
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         # Rebinding the bound cache (the runner does it every step) keeps the decode buffers: captured
@@ -148,6 +152,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             seqs = list(range(len(lens)))
         qo_indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.cumsum(torch.tensor([lens[b] for b in seqs], dtype=torch.int32), 0)
+        if self._prefill_planned is not None:
+            self._prefill_planned.synchronize()  # the previous plan's pinned buffer has reached the device
         pick = None if len(seqs) == len(lens) else torch.tensor(seqs, device=self.device)
         for sliding, wrapper in self.prefill.items():
             window_left = self.sliding_window - 1 if sliding else -1
@@ -166,6 +172,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             flashinfer_ops.plan_sink_prefill(
                 wrapper, qo_indptr, kv_indptr, kv_indices, last_page_len,
                 self.num_q_heads, self.num_kv_heads, self.head_dim, page_size, window_left, self.scale)
+        if self.device.type == "cuda":
+            self._prefill_planned = torch.cuda.Event()
+            self._prefill_planned.record()
 
     def _plan_mixed(self, batch: AttentionBatch, single: list[int], multi: list[int]) -> "MixedSplit":
         starts = batch.query_start_loc.tolist()

@@ -56,6 +56,30 @@ def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
     assert_pool_full(engine)
 
 
+def test_placeholders_inside_mixed_steps_are_fed_on_the_device(make_engine, make_lookahead, monkeypatch):
+    """Steps that join new prompts, chunk long ones and preempt under a tiny pool: the inputs of a step
+    launched ahead hold placeholders at other places than 'one decode row each' (a sequence sampled
+    its first token at the end of a prefill chunk, a preempted one is recomputed); each is replaced by
+    the sampled id and the results equal synchronous stepping."""
+    patched = []
+    feed = LLMEngine._feed
+
+    def counting(inputs, out, cur):
+        fed = feed(inputs, out, cur)
+        if fed.input_ids is not inputs.input_ids and fed.input_ids is not cur.sampled.token_ids:
+            patched.append(int((inputs.input_ids != fed.input_ids).sum()))
+        return fed
+
+    monkeypatch.setattr(LLMEngine, "_feed", staticmethod(counting))
+    reqs = scenarios.mixed_requests()
+    tiny = dict(max_model_len=48, num_full_pages=14, num_sliding_pages=6, max_num_batched_tokens=16)
+    sync, ahead, engine = run_both(make_engine, make_lookahead, reqs, **tiny)
+    assert ahead == sync
+    assert engine.metrics.snapshot()["preemptions_total"] > 0
+    assert patched and all(n >= 1 for n in patched)
+    assert_pool_full(engine)
+
+
 def _with(engine: LLMEngine, reqs) -> LLMEngine:
     for r in reqs:
         engine.add_request(r)
@@ -65,14 +89,13 @@ def _with(engine: LLMEngine, reqs) -> LLMEngine:
 @pytest.mark.parametrize("scenario", [
     "test_concurrent_requests_equal_each_alone_and_the_reference",
     "test_preemption_under_a_tiny_pool_gives_identical_outputs",
+    "test_abort_everywhere_returns_every_page",
     "test_stop_tokens_ignore_eos_and_context_limit",
     "test_logprobs_match_the_reference_distribution",
     "test_seeded_sampling_reproducible_and_seed_dependent",
     "test_separate_prefill_and_decode_steps_on_one_engine",
 ])
 def test_engine_scenarios_with_lookahead(scenario, make_lookahead, reference_greedy, model):
-    """(test_abort_everywhere_returns_every_page is left out: its tiny pool and admissions never let a
-    step run ahead; test_abort_while_a_step_is_in_flight below covers aborts.)"""
     fn = getattr(scenarios, scenario)
     kwargs = {"make_engine": make_lookahead, "reference_greedy": reference_greedy, "model": model}
     fn(**{k: v for k, v in kwargs.items() if k in fn.__code__.co_varnames[:fn.__code__.co_argcount]})
@@ -103,13 +126,12 @@ def test_abort_while_a_step_is_in_flight(make_engine, make_lookahead):
 def test_a_failing_lookahead_step_fails_both_steps_requests(make_lookahead, monkeypatch):
     engine = _with(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12)),
                                       request("b", random_prompt(6, 4), greedy(12))])
-    engine.step()  # prefill: the first tokens
     real = engine.runner.execute
     calls = []
 
     def execute(inputs):
         calls.append(1)
-        if len(calls) == 2:  # the lookahead launch inside the first decode step
+        if len(calls) == 2:  # the first decode step, launched ahead inside the prefill's step()
             raise RuntimeError("device lost")
         return real(inputs)
 
