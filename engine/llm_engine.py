@@ -358,6 +358,8 @@ class LLMEngine:
         changed) when it must wait for `cur`'s tokens."""
         if kind is StepKind.PREFILL or any(seq.prefill_only for seq in cur.rows):
             return None
+        if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
+            return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
         for seq in cur.rows:
             if seq.finishes_by_length(self.max_model_len):
@@ -368,6 +370,14 @@ class LLMEngine:
         times = StepTimes(schedule=time.perf_counter() - t0)
         self.lookahead_steps += 1
         return self._launch(out, times, cur)
+
+    def _next_step_replays(self) -> bool:
+        """Whether the next step will likely be a captured decode graph (quick to launch): everybody
+        running decodes, nobody waits, and a graph bucket holds them. A guess, only used to decide
+        when looking ahead could delay a first token."""
+        graphs = self.runner.decode_graphs
+        return graphs is not None and not self.scheduler.waiting and self.scheduler.all_decoding() \
+            and graphs.bucket_for(len(self.scheduler.running)) is not None
 
     def _resolve(self, step: _Launched) -> list[TokenDelta]:
         """Read the step's tokens (waits for its sampler), fill its placeholders, finish sequences, deltas."""

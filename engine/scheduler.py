@@ -158,6 +158,10 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
 
+    def all_decoding(self) -> bool:
+        """Every running sequence decodes one token next (the common step)."""
+        return self._all_decode(StepKind.MIXED)
+
     def _all_decode(self, kind: StepKind) -> bool:
         # `not s.is_prefill and s.num_remaining == 1` for every running sequence, inlined (hot path: the
         # property calls cost ~40% of the shortcut's time at batch 64, bench/engine.py, 2026-11-30).

@@ -131,11 +131,12 @@ def test_a_failing_lookahead_step_fails_both_steps_requests(make_lookahead, monk
 
     def execute(inputs):
         calls.append(1)
-        if len(calls) == 2:  # the first decode step, launched ahead inside the prefill's step()
+        if len(calls) == 3:  # prefill, first decode, then the second decode launched ahead of it
             raise RuntimeError("device lost")
         return real(inputs)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
+    engine.step()  # the prefill: first tokens are read before anything is launched ahead
     with pytest.raises(StepFailedError) as err:
         engine.step()
     assert sorted(set(err.value.request_ids)) == ["a", "b"]
@@ -144,3 +145,16 @@ def test_a_failing_lookahead_step_fails_both_steps_requests(make_lookahead, monk
         assert PLACEHOLDER not in delta.token_ids
     assert not engine.has_unfinished() and engine._inflight is None
     assert_pool_full(engine)
+
+
+def test_a_first_token_is_read_before_an_eager_step_is_launched(make_lookahead, monkeypatch):
+    """TTFT: after a step that samples a prompt's first token, the engine does not launch the next step
+    ahead unless it will be a quick graph replay (never on CPU); later decode steps do run ahead."""
+    engine = _with(make_lookahead(), [request("a", random_prompt(9, 5), greedy(6))])
+    ahead_after_first = []
+    while engine.has_unfinished():
+        deltas = engine.step()
+        if any(d.num_output_tokens == 1 for d in deltas):
+            ahead_after_first.append(engine._inflight is not None)
+    assert ahead_after_first == [False]
+    assert engine.lookahead_steps > 0
