@@ -12,8 +12,9 @@ the host: wherever the next step's inputs hold a placeholder, the sampled id is 
 device. The host's scheduling, metadata and bookkeeping then overlap the GPU's previous step. Sequences
 that step finishes by length are retired before scheduling; one that stops on a sampled stop token
 had a row of the next step computed for nothing (dropped; its pages are freed after, and GPU work on
-them stays in stream order). Not after a step with prefill-only sequences (they are parked when read)
-and not for PREFILL steps. Tokens are the same as without (tests/engine/test_lookahead.py).
+them stays in stream order). Not after a step with prefill-only sequences (they are parked when read),
+not for PREFILL steps, and after a step that samples a prompt's first token only when the next step is
+likely a quick graph replay (TTFT). Tokens are the same as without (tests/engine/test_lookahead.py).
 
 Disaggregated serving uses the same object on both sides: a prefill replica adds requests with
 `prefill_only=True`, runs `step_prefill()` and hands `export_kv(id)` to the decode replica, which
