@@ -335,7 +335,8 @@ class LLMEngine:
         """Inputs with `feed`'s sampled ids (device) where the host arrays hold its placeholders."""
         ids = feed.sampled.token_ids
         if len(out.scheduled) == len(feed.rows) and all(
-                s.seq is seq and s.num_tokens == 1 for s, seq in zip(out.scheduled, feed.rows)):
+                s.seq is seq and s.num_tokens == 1 and s.start == len(seq.prompt_ids) + slot
+                for s, seq, slot in zip(out.scheduled, feed.rows, feed.slots)):
             return dataclasses.replace(inputs, input_ids=ids)  # the same decode batch, one token further
         row_of = {id(seq): i for i, seq in enumerate(feed.rows)}
         flat, src, offset = [], [], 0
@@ -363,7 +364,7 @@ class LLMEngine:
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
         for seq in cur.rows:
-            if seq.finishes_by_length(self.max_model_len):
+            if not seq.is_finished and seq.finishes_by_length(self.max_model_len):
                 self.scheduler.retire(seq)  # finished (and its delta sent) when `cur` is read
         out = self.scheduler.schedule(kind)
         if out.is_empty:

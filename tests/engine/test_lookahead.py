@@ -158,3 +158,24 @@ def test_a_first_token_is_read_before_an_eager_step_is_launched(make_lookahead, 
             ahead_after_first.append(engine._inflight is not None)
     assert ahead_after_first == [False]
     assert engine.lookahead_steps > 0
+
+
+def test_abort_of_a_request_whose_last_token_is_in_flight(make_engine, make_lookahead):
+    """Aborted between two steps while the step in flight gives it its last token: its delta holds only
+    read tokens, the step's row for it is dropped, and the other request goes on as without the abort."""
+    reqs = [request("short", random_prompt(5, 6), greedy(4)), request("long", random_prompt(6, 7), greedy(9))]
+    expected = run_to_end(_with(make_engine(), reqs))
+    engine = _with(make_lookahead(), reqs)
+    got = {"short": [], "long": []}
+    short = engine.seqs["short"]
+    while not (engine._inflight is not None and short in engine._inflight.rows
+               and short.finishes_by_length(engine.max_model_len)):
+        for d in engine.step():
+            got[d.request_id] += d.token_ids
+    delta = engine.abort("short")
+    assert delta.finish_reason == FINISH_ABORT and PLACEHOLDER not in delta.token_ids
+    for rid, r in run_to_end(engine).items():
+        got[rid] += r["ids"]
+    assert got["long"] == expected["long"]["ids"]
+    assert got["short"] + delta.token_ids == expected["short"]["ids"][:3]
+    assert_pool_full(engine)
