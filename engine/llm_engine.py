@@ -371,6 +371,7 @@ class LLMEngine:
             return None
         times = StepTimes(schedule=time.perf_counter() - t0)
         self.lookahead_steps += 1
+        self.metrics.record_lookahead()
         return self._launch(out, times, cur)
 
     def _next_step_replays(self) -> bool:

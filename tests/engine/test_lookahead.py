@@ -53,6 +53,7 @@ def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
     assert ahead == sync  # ids, logprobs, finish reasons, and one delta per token
     assert ahead["stop"]["finish"] == FINISH_STOP and ahead["stop"]["ids"][-1] == stop
     assert engine.lookahead_steps > 0
+    assert engine.metrics.snapshot()["lookahead_steps_total"] == engine.lookahead_steps  # also a Prometheus counter
     assert_pool_full(engine)
 
 

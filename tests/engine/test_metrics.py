@@ -34,6 +34,7 @@ def test_snapshot_counts_and_prometheus_scrape(make_engine):
     rep = (("replica", "decode-0"),)
     assert sample[("gptoss_engine_prefill_tokens_total", rep)] == snap["prefill_tokens_total"]
     assert sample[("gptoss_engine_decode_tokens_total", rep)] == snap["decode_tokens_total"]
+    assert sample[("gptoss_engine_lookahead_steps_total", rep)] == snap["lookahead_steps_total"] == 0  # off on CPU
     assert sample[("gptoss_engine_num_waiting", rep)] == 0
     assert sample[("gptoss_engine_kv_pages", (("pool", "sliding"), ("replica", "decode-0"), ("state", "free")))] \
         == snap["sliding_pages_free"]
