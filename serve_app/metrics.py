@@ -58,13 +58,17 @@ class ServerMetrics:
         self.transfer_bytes = metrics.Histogram(
             "gptoss_kv_transfer_bytes", "K/V bytes per transfer", boundaries=list(TRANSFER_BYTES_BUCKETS),
             tag_keys=keys + ("transport",))
+        self.steps = metrics.Counter(
+            "gptoss_steps", "Engine steps by launch: lookahead (launched before the previous step's tokens were "
+            "read, host work hidden behind the GPU) or sync", tag_keys=keys + ("launch",))
         self.fallbacks = metrics.Counter(
             "gptoss_prefill_fallbacks", "Requests whose remote prefill or K/V transfer failed, so decode "
             "ran the prompt itself", tag_keys=keys + ("reason",))
         for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
-                  self.transfer_seconds, self.transfer_bytes, self.fallbacks):
+                  self.transfer_seconds, self.transfer_bytes, self.steps, self.fallbacks):
             m.set_default_tags(self.tags)
         self._last_tokens = {"prefill": 0, "decode": 0}
+        self._last_steps = {"lookahead": 0, "sync": 0}
 
     def observe_engine(self, snapshot: dict) -> None:
         self.queue_depth.set(snapshot.get("num_waiting", 0))
@@ -78,6 +82,11 @@ class ServerMetrics:
             if now > self._last_tokens[phase]:
                 self.tokens.inc(now - self._last_tokens[phase], tags={"phase": phase})
             self._last_tokens[phase] = now
+        ahead = snapshot.get("lookahead_steps_total", 0)
+        for launch, now in (("lookahead", ahead), ("sync", snapshot.get("steps_total", 0) - ahead)):
+            if now > self._last_steps[launch]:
+                self.steps.inc(now - self._last_steps[launch], tags={"launch": launch})
+            self._last_steps[launch] = now
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:
