@@ -36,7 +36,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
-    # Decode lookahead (engine/llm_engine.py): launch the next decode step before reading this one's
+    # Lookahead (engine/llm_engine.py): schedule and launch the next step before reading this one's
     # tokens. None: on with one CUDA rank, off elsewhere (it only hides host time behind a GPU).
     async_decode: bool | None = None
     # One model instance over tp/ep ranks, one process and one device each (engine/distributed/); tp and

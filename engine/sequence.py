@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from engine.kv_payload import PrefilledKV
 
 
-# An output token whose step is launched but not read back yet (the engine's decode lookahead):
+# An output token whose step is launched but not read back yet (the engine's lookahead):
 # lengths count it, nothing reads its value; never a valid token id.
 PLACEHOLDER = -1
 

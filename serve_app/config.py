@@ -165,8 +165,8 @@ class ServeAppConfig(_Settings):
         True, description="Replay decode steps as CUDA graphs at batch buckets up to max_num_seqs. Applies to "
                           "GPU replicas of one rank; CPU replicas and TP/EP replicas run eagerly.")
     async_decode: bool = Field(
-        True, description="Decode lookahead: launch the next decode step before reading this one's tokens, so "
-                          "the host's step work overlaps the GPU. Applies to GPU replicas of one rank.")
+        True, description="Lookahead: schedule and launch the next engine step before reading this one's "
+                          "tokens, so the host's step work overlaps the GPU. Applies to GPU replicas of one rank.")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "
