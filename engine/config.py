@@ -37,7 +37,8 @@ class EngineConfig:
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
     # Lookahead (engine/llm_engine.py): schedule and launch the next step before reading this one's
-    # tokens. None: on with one CUDA rank, off elsewhere (it only hides host time behind a GPU).
+    # tokens. None: on with one CUDA rank; off on CPU (it only hides host time behind a GPU) and, until
+    # measured on several GPUs, with several ranks (True turns it on there).
     async_decode: bool | None = None
     # One model instance over tp/ep ranks, one process and one device each (engine/distributed/); tp and
     # ep are each 1 or the world size. Ranks > 0 use the devices after `device` (cuda:1, cuda:2, ...).
@@ -78,9 +79,6 @@ class EngineConfig:
             raise EngineConfigError("cuda_graphs=True needs device 'cuda' or 'cuda:N'")
         if self.async_decode not in (None, True, False):
             raise EngineConfigError(f"async_decode must be true, false or null (auto), got {self.async_decode!r}")
-        if self.async_decode and self.world_size > 1:
-            raise EngineConfigError("async_decode needs one rank (tp_size=ep_size=1): the other ranks step from "
-                                    "host arrays that hold the input ids")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise EngineConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("tp_size", "ep_size", "dp_size"):

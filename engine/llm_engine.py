@@ -121,12 +121,11 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, model.device)
         self.metrics = EngineMetrics()
         self._last_sampling: tuple[list[Sequence], list[int], SamplingBatch] | None = None
-        # Decode lookahead (module docstring): on by default with one local CUDA model; engine/distributed's
-        # runner sends host arrays (input ids included) to the other ranks, so it steps synchronously.
-        if config.async_decode and runner is not None:
-            raise EngineConfigError("async_decode needs the model in this process (world_size 1)")
+        # Lookahead (module docstring): on by default with one CUDA rank. Several ranks take it when asked
+        # (rank 0 broadcasts the ids it feeds on the device, engine/distributed/runner.py; tested over
+        # gloo, not yet over NCCL on several GPUs, hence not the default there).
         self.async_decode = config.async_decode if config.async_decode is not None else (
-            runner is None and model.device.type == "cuda")
+            model.device.type == "cuda" and runner is None)
         self._inflight: _Launched | None = None
         self.lookahead_steps = 0  # steps launched before their predecessor's tokens were read
         self.seqs: dict[str, Sequence] = {}  # every unfinished request: waiting, running or prefilled

@@ -166,7 +166,8 @@ class ServeAppConfig(_Settings):
                           "GPU replicas of one rank; CPU replicas and TP/EP replicas run eagerly.")
     async_decode: bool = Field(
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
-                          "tokens, so the host's step work overlaps the GPU. Applies to GPU replicas of one rank.")
+                          "tokens, so the host's step work overlaps the GPU. Applies to GPU replicas of one "
+                          "rank (TP/EP replicas: not yet measured on several GPUs).")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "

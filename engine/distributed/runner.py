@@ -6,7 +6,9 @@ Rank 0 owns scheduling, paging and sampling; the other ranks mirror its runner c
     allocate         ALLOCATE (same page counts everywhere: rank 0's page ids index every rank's cache)
     execute          STEP with the step's host arrays (STEP_DELTA: only what changed since the last step,
                      for consecutive decode steps of one batch); every rank copies them to its device and
-                     runs the forward; the model all-gathers the vocabulary-split logits, so rank 0 samples
+                     runs the forward; the model all-gathers the vocabulary-split logits, so rank 0 samples.
+                     A step launched by the engine's lookahead has placeholders among its host input ids
+                     (tokens rank 0 has sampled but not read): rank 0 then broadcasts its device ids
     write_kv         IMPORT_KV with the slots, then a scatter: rank r receives the heads it holds
     read_kv          EXPORT_KV with the slots, then a gather of every rank's heads to rank 0
 
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.distributed.wire import Op, flatten_kv, pack_slots, pack_step, pack_step_delta, unflatten_kv
+from engine.distributed.wire import (Op, fed_on_device, flatten_kv, pack_slots, pack_step, pack_step_delta,
+                                     unflatten_kv)
 from engine.kv_payload import PrefilledKV
 from engine.runner import ModelRunner
 from engine.step_arrays import StepArrays, StepInputs
@@ -63,6 +66,8 @@ class DistributedRunner(ModelRunner):
             else:
                 channel.send(Op.STEP, pack_step(inputs.host))
             self._sent, self._sent_number = inputs.host, number
+            if fed_on_device(inputs.host):  # the lookahead's ids: every rank needs them, only rank 0 has them
+                dist.broadcast(inputs.input_ids, src=0, group=self.model.parallel.group)
             return super().execute(inputs)
 
     # ---- K/V hand-off ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.sequence import PLACEHOLDER
 from engine.step_arrays import StepArrays, resized_table
 
 
@@ -113,6 +114,12 @@ def unpack_step(buf: np.ndarray) -> StepArrays:
     if at != len(buf):
         raise ValueError(f"step message has {len(buf)} bytes, its header describes {at}")
     return a
+
+
+def fed_on_device(a: StepArrays) -> bool:
+    """The step's host input ids hold placeholders (engine/sequence.PLACEHOLDER): the engine's lookahead
+    put tokens not read yet into rank 0's device ids, which rank 0 broadcasts before the forward."""
+    return bool((a.input_ids == PLACEHOLDER).any())
 
 
 # ---- a decode step as a delta of the previous one ----------------------------------------------------------

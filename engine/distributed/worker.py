@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, flatten_kv, unflatten_kv, unpack_slots,
-                                     unpack_step)
+from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, fed_on_device, flatten_kv, unflatten_kv,
+                                     unpack_slots, unpack_step)
 
 # NVLink SHARP / multicast stays off in every rank: it is unavailable or unreliable on the lent H200
 # machines (see the device notes), and NCCL falls back to plain NVLink rings without it.
@@ -183,6 +183,8 @@ class RankWorker:
     def _step(self, arrays) -> None:
         runner = self.runner
         inputs = arrays.to_inputs(runner.device)
+        if fed_on_device(arrays):  # rank 0's lookahead: its device ids replace our placeholders
+            dist.broadcast(inputs.input_ids, src=0, group=runner.model.parallel.group)
         if runner.model.parallel.tp_size == 1:
             # Vocabulary not split: no all-gather to take part in, and rank 0 alone samples.
             runner.model.backend.bind_cache(runner.kv_cache)

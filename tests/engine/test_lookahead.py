@@ -1,7 +1,8 @@
-"""The decode lookahead (EngineConfig.async_decode; engine/llm_engine.py): the next decode step launched
+"""The lookahead (EngineConfig.async_decode; engine/llm_engine.py): the next step scheduled and launched
 before this one's tokens are read gives the same tokens, logprobs, finish reasons and page accounting as
 stepping synchronously. The scenarios of test_llm_engine run again with it on (CPU: the same code
-paths, without the overlap), each checking that lookahead steps did happen."""
+paths, without the overlap), each checking that lookahead steps did happen. Several ranks:
+tests/engine/test_parallel_engine.py."""
 
 import pytest
 
@@ -40,8 +41,6 @@ def test_off_by_default_on_cpu_and_typed_errors(model):
     assert LLMEngine(model, engine_config()).async_decode is False
     with pytest.raises(EngineConfigError, match="async_decode"):
         EngineConfig(async_decode="yes")
-    with pytest.raises(EngineConfigError, match="one rank"):
-        EngineConfig(async_decode=True, tp_size=2)
 
 
 def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):

@@ -141,6 +141,29 @@ def _run_every_split(executor, checkpoint, single):
     assert import_and_decode(single_engine, payloads) == single["ids"]
 
 
+def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, single):
+    """The lookahead with tp2 ep2: steps launched before their predecessor's tokens are read hold
+    placeholders in the host ids every rank receives; rank 0 broadcasts its device ids, and the
+    generations (and the decode side of a hand-off) equal one process's."""
+    executor = Executor.spawn(2)
+    try:
+        engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=True))
+        try:
+            for r in requests():
+                engine.add_request(r)
+            out = run_to_end(engine)
+            assert {rid: r["ids"] for rid, r in out.items()} == single["ids"]
+            for rid, r in out.items():
+                for got, want in zip(r["logprobs"], single["logprobs"][rid]):
+                    assert abs(got.logprob - want.logprob) < 1e-4
+            assert engine.lookahead_steps > 0
+            assert import_and_decode(engine, single["payloads"]) == single["ids"]
+        finally:
+            engine.close()
+    finally:
+        executor.shutdown()
+
+
 def _wait_dead(pid: int, timeout_s: float = 30.0) -> bool:
     """The process is gone or a zombie (a container's PID 1 may never reap an orphan)."""
     deadline = time.monotonic() + timeout_s
@@ -316,7 +339,8 @@ def test_step_delta_round_trip_and_mismatch():
 
 def test_decode_steps_travel_as_deltas(checkpoint):
     """With rank 0's step-metadata fast path on (its batch threshold lowered for 6 sequences), decode
-    steps go to the other ranks as deltas and generations still equal world 1's."""
+    steps go to the other ranks as deltas and generations still equal world 1's; with the lookahead on
+    too, the deltas carry the placeholders rank 0's broadcast ids replace."""
     def long_requests():
         g = torch.Generator().manual_seed(11)
         return [GenerateRequest(f"d{i}", torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist(),
@@ -328,15 +352,18 @@ def test_decode_steps_travel_as_deltas(checkpoint):
     want = {rid: r["ids"] for rid, r in run_to_end(one).items()}
     executor = Executor.spawn(2)
     try:
-        engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, max_num_batched_tokens=64))
-        try:
-            engine.runner.step_arrays.MIN_BATCH = 3
-            for r in long_requests():
-                engine.add_request(r)
-            assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want
-            assert engine.runner.delta_steps > 10
-        finally:
-            engine.close()
+        for ahead in (False, True):
+            engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, max_num_batched_tokens=64,
+                                                              async_decode=ahead))
+            try:
+                engine.runner.step_arrays.MIN_BATCH = 3
+                for r in long_requests():
+                    engine.add_request(r)
+                assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want, f"lookahead {ahead}"
+                assert engine.runner.delta_steps > 10
+                assert (engine.lookahead_steps > 10) == ahead
+            finally:
+                engine.close()
     finally:
         executor.shutdown()
 

@@ -213,7 +213,7 @@ def test_cuda_graphs_apply_to_single_rank_gpu_replicas_only():
     assert gpu.engine_config("cuda:0").cuda_graphs is True
     assert gpu.engine_config("cpu").cuda_graphs is False
     assert ServeAppConfig.from_args({"device": "cuda", "cuda_graphs": "false"}).engine_config("cuda:0").cuda_graphs is False
-    # the decode lookahead follows the same rule (engine/llm_engine.py)
+    # the lookahead (engine/llm_engine.py): GPU replicas of one rank
     assert gpu.engine_config("cuda:0").async_decode is True and gpu.engine_config("cpu").async_decode is False
     assert ServeAppConfig.from_args({"device": "cuda", "async_decode": "false"}).engine_config("cuda:0").async_decode is False
     assert ServeAppConfig.from_args({"device": "cuda", "tp_size": 2}).engine_config("cuda:0").async_decode is False
