@@ -136,6 +136,13 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def cuda_graphs(args) -> bool:
+    """--cuda-graphs auto: decode graphs on a CUDA device with one rank (what the Serve replicas do)."""
+    if args.cuda_graphs == "auto":
+        return args.device.startswith("cuda") and max(args.tp, args.ep) == 1
+    return args.cuda_graphs == "on"
+
+
 def cmd_generate(args) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -153,7 +160,7 @@ def cmd_generate(args) -> int:
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
                           device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           seed=args.seed or 0, tp_size=args.tp,
-                          ep_size=args.ep, dp_size=args.dp)
+                          ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     engine = LLMEngine.from_checkpoint(folder, config)  # with --tp/--ep > 1: spawns ranks 1..N-1
@@ -213,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
     gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
                      help="K/V storage; fp8_e4m3 halves KV memory (one rank only)")
+    gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                     help="replay decode steps as CUDA graphs (auto: on a CUDA device with one rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")

@@ -97,6 +97,7 @@ def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
         (("generate", str(tiny / "a"), "--prompt-ids", "1,5000"), "prompt_ids must be token ids in [0, 1000)"),
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--top-p", "0"), "top_p must be in (0, 1]"),
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--block-size", "0"), "block_size must be a positive"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--cuda-graphs", "on"), "cuda_graphs=True needs device"),
     ]:
         assert main(list(args)) == 2, args
         err = capsys.readouterr().err
