@@ -39,7 +39,7 @@ from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
 from engine.request import FINISH_ABORT, GenerateRequest, InvalidRequestError, TokenDelta, TokenLogprob
 from engine.runner import ModelRunner, plan_pool_sizes
-from engine.sampler import HostTokens, Sampler, SamplingBatch
+from engine.sampler import HostTokens, Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from model.gpt_oss import GptOssForCausalLM
@@ -68,7 +68,7 @@ class _Launched:
     out: SchedulerOutput
     rows: list[Sequence]  # the sequences that sample, in logits order
     slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read)
-    sampled: object | None  # SamplerOutput on the device (None: nothing sampled)
+    sampled: SamplerOutput | None  # on the device (None: nothing sampled)
     host: HostTokens | None
     times: StepTimes
 
@@ -127,7 +127,6 @@ class LLMEngine:
         self.async_decode = config.async_decode if config.async_decode is not None else (
             model.device.type == "cuda" and runner is None)
         self._inflight: _Launched | None = None
-        self.lookahead_steps = 0  # steps launched before their predecessor's tokens were read
         self.seqs: dict[str, Sequence] = {}  # every unfinished request: waiting, running or prefilled
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -254,6 +253,11 @@ class LLMEngine:
         self._update_state_metrics()
         return payload
 
+    @property
+    def lookahead_steps(self) -> int:
+        """Steps launched before their predecessor's tokens were read (the metrics' counter)."""
+        return self.metrics.lookahead_steps_total
+
     def has_unfinished(self) -> bool:
         """Whether a step would do work (prefilled requests waiting for export do not count)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -369,7 +373,6 @@ class LLMEngine:
         if out.is_empty:
             return None
         times = StepTimes(schedule=time.perf_counter() - t0)
-        self.lookahead_steps += 1
         self.metrics.record_lookahead()
         return self._launch(out, times, cur)
 
@@ -445,7 +448,7 @@ class LLMEngine:
     @staticmethod
     def _delta(seq: Sequence, upto: int | None = None) -> TokenDelta:
         """Outputs [num_emitted, upto) (default: all; a lookahead step's placeholder may follow them)."""
-        upto = min(len(seq.output_ids), upto if upto is not None else len(seq.output_ids))
+        upto = len(seq.output_ids) if upto is None else upto
         new = seq.output_ids[seq.num_emitted: upto]
         logprobs = seq.output_logprobs[seq.num_emitted: upto] if seq.sampling.logprobs is not None else None
         seq.num_emitted = upto

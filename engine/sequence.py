@@ -136,10 +136,13 @@ class Sequence:
         n = len(self.output_ids) if num_outputs is None else num_outputs
         if not s.ignore_eos and n and self.output_ids[n - 1] in s.stop_token_ids:
             return FINISH_STOP
-        if n >= s.max_tokens or len(self.prompt_ids) + n >= max_model_len:
+        if self._at_length_limit(n, max_model_len):
             return FINISH_LENGTH
         return None
 
     def finishes_by_length(self, max_model_len: int) -> bool:
         """The token sampled last (perhaps still a placeholder) is the last this sequence may get."""
-        return len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= max_model_len
+        return self._at_length_limit(len(self.output_ids), max_model_len)
+
+    def _at_length_limit(self, num_outputs: int, max_model_len: int) -> bool:
+        return num_outputs >= self.sampling.max_tokens or len(self.prompt_ids) + num_outputs >= max_model_len

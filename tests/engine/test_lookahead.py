@@ -5,9 +5,11 @@ paths, without the overlap), each checking that lookahead steps did happen. Seve
 tests/engine/test_parallel_engine.py."""
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig, EngineConfigError
 from engine.llm_engine import LLMEngine, StepFailedError
+from engine.metrics import PrometheusCollector
 from engine.request import FINISH_ABORT, FINISH_STOP
 from engine.scheduler import StepKind
 from engine.sequence import PLACEHOLDER
@@ -52,7 +54,9 @@ def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
     assert ahead == sync  # ids, logprobs, finish reasons, and one delta per token
     assert ahead["stop"]["finish"] == FINISH_STOP and ahead["stop"]["ids"][-1] == stop
     assert engine.lookahead_steps > 0
-    assert engine.metrics.snapshot()["lookahead_steps_total"] == engine.lookahead_steps  # also a Prometheus counter
+    registry = CollectorRegistry()  # the counter reaches Prometheus
+    registry.register(PrometheusCollector(engine.metrics))
+    assert registry.get_sample_value("gptoss_engine_lookahead_steps_total") == engine.lookahead_steps
     assert_pool_full(engine)
 
 
