@@ -8,7 +8,10 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused": Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization), the
   rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
   (kernels/layers/gemv_triton.py);
-- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py).
+- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
+- "fp8-dense": fused+pdl with QKV, O and the unembedding as FP8 128x128-block weights
+  (dense_weight_dtype="fp8_e4m3", kernels/layers/fp8_linear.py); the bf16 modules are kept and swapped
+  back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
 GEMV too, which was slower than cuBLAS.)
 
@@ -32,16 +35,43 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-VARIANTS = {"unfused": (False, False, False, False), "fused": (True, True, True, False),
-            "fused+pdl": (True, True, True, True)}
+VARIANTS = {"unfused": (False, False, False, False, False), "fused": (True, True, True, False, False),
+            "fused+pdl": (True, True, True, True, False), "fp8-dense": (True, True, True, True, True)}
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool) -> None:
+class DenseWeights:
+    """The model's bf16 QKV / O / unembedding modules and (made on first use) their FP8 copies."""
+
+    def __init__(self, model):
+        self.model = model
+        self.bf16 = self._modules()
+        self.fp8 = None
+
+    def _modules(self) -> list:
+        return [m for layer in self.model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)] \
+            + [self.model.lm_head]
+
+    def use(self, fp8: bool) -> None:
+        from kernels.layers.fp8_linear import Fp8Linear
+
+        if fp8 and self.fp8 is None:
+            self.fp8 = [Fp8Linear.from_linear(m) for m in self.bf16]
+        mods = iter(self.fp8 if fp8 else self.bf16)
+        for layer in self.model.model.layers:
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj = next(mods), next(mods)
+        self.model.lm_head = next(mods)
+
+
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8_dense: bool) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl
+    if fp8_dense or hasattr(h, "dense_weights"):
+        if not hasattr(h, "dense_weights"):
+            h.dense_weights = DenseWeights(h.model)
+        h.dense_weights.use(fp8_dense)
 
 
 def all_kernels(fn) -> list[dict]:
@@ -60,7 +90,8 @@ def run(name: str, args) -> dict:
     device = torch.device("cuda")
     h = Harness(name, config, device, args.max_batch, args.ctx + 64, args.headroom_gb)
     out = {"variants": {}}
-    for variant, flags in VARIANTS.items():
+    for variant in args.variants:
+        flags = VARIANTS[variant]
         set_variant(h, *flags)
         h.graphs = None
         gc.collect()
@@ -91,8 +122,9 @@ def run(name: str, args) -> dict:
 
 def print_table(results: dict) -> None:
     for name, r in results["models"].items():
-        base = r["variants"]["unfused"]
-        print(f"\n{name}: decode step (ms) at ctx {results['args']['ctx']}, same process; ratio = unfused / variant")
+        first = next(iter(r["variants"]))
+        base = r["variants"][first]
+        print(f"\n{name}: decode step (ms) at ctx {results['args']['ctx']}, same process; ratio = {first} / variant")
         print(f"{'variant':10s} {'launches/step':>13s} {'kernel us':>10s} " +
               " ".join(f"{'b=' + str(d['batch']):>14s}" for d in base["decode"]))
         for variant, rec in r["variants"].items():
@@ -108,6 +140,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="gpt-oss-20b,gpt-oss-120b")
     p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"from {list(VARIANTS)}; the first is the baseline")
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
@@ -115,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/decode_ab.json")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.variants = args.variants.split(",")
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        p.error(f"--variants: names from {list(VARIANTS)}")
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "args": vars(args), "models": {}}
     out = Path(args.out)

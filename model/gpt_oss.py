@@ -98,7 +98,10 @@ class AttentionBlock(nn.Module):
         q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest)
         o = self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=dest is not None)  # [T, Hq, Dh]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
-        bias = self.o_proj.bias if self.parallel.tp_rank == 0 else None
+        first = self.parallel.tp_rank == 0
+        if not isinstance(self.o_proj, nn.Linear):  # Fp8Linear (dense_weight_dtype="fp8_e4m3")
+            return self.parallel.all_reduce_tp(self.o_proj(o.reshape(t, -1), with_bias=first))
+        bias = self.o_proj.bias if first else None
         tickets = self.o_gemv_tickets if self.decode_gemv else None
         return self.parallel.all_reduce_tp(layers.linear(o.reshape(t, -1), self.o_proj.weight, bias, tickets))
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_factory import build_model  # noqa: E402
+from engine.model_factory import build_model, quantize_dense_fp8  # noqa: E402
 from engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache  # noqa: E402
 from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
@@ -174,8 +174,8 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,fp8_dense", [("auto", False), ("fp8_e4m3", False), ("auto", True)])
+def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8_dense):
     # The engine's own graph path (ModelRunner.execute -> DecodeGraphs) against the same engine without
     # graphs, same random weights: identical greedy tokens for a mixed batch. Both backends are built for
     # graphs (split counts fixed by batch size): a backend planned per step picks other split counts,
@@ -185,6 +185,8 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype):
                             max_kv_len=2048, cuda_graph=True)
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
+        if fp8_dense:  # dense_weight_dtype="fp8_e4m3": the FP8 GEMV in the graphs, the FP8 GEMM in prefill
+            quantize_dense_fp8(model)
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                                              num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs,
                                              kv_cache_dtype=kv_cache_dtype))

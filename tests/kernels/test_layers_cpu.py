@@ -36,3 +36,51 @@ def test_triton_kernels_under_interpreter():
     """tests/kernels/layers_interpreter_cases.py: add + RMSNorm and rotary against the twins."""
     pytest.importorskip("triton")
     run_cases("layers_interpreter_cases.py")
+
+
+def cosine_distance(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double().flatten(), y.double().flatten()
+    return float(1 - 2 * (x @ y) / (x @ x + y @ y))
+
+
+@pytest.mark.parametrize("n,k", [(200, 300), (129, 128), (64, 2880)])
+def test_fp8_weight_quantization_round_trip(n, k):
+    """128x128 blocks with amax scales: every weight within half an e4m3 step of its block, K padding zero."""
+    from kernels.layers import fp8_linear
+
+    w = torch.randn(n, k) * torch.rand(n, 1) * 3  # rows of different magnitudes share a block
+    q, s = fp8_linear.quantize_weight(w)
+    assert q.shape == (n, -(-k // 128) * 128) and s.shape == (-(-n // 128), q.shape[1] // 128)
+    assert not q[:, k:].float().any()
+    back = fp8_linear.dequantize_weight_blocks(q[None], s[None], k)[0]
+    scale = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    # e4m3 keeps 3 mantissa bits (relative error <= 2^-4); below 2^-6 it is subnormal, spaced 2^-9 x scale
+    assert bool(((back - w).abs() <= torch.maximum(w.abs() * 2 ** -4, scale * 2 ** -10) * (1 + 1e-6)).all())
+    # the block's largest magnitude maps to 448 exactly (amax scales), so no weight saturates
+    assert torch.allclose(s, w.abs().new_zeros(s.shape).copy_(
+        torch.nn.functional.pad(w.abs(), (0, q.shape[1] - k, 0, s.shape[0] * 128 - n))
+        .view(s.shape[0], 128, s.shape[1], 128).amax(dim=(1, 3)).clamp(min=1e-4) / 448))
+    assert bool(torch.isfinite(s).all()) and bool((s > 0).all())
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_fp8_linear_follows_the_bf16_linear(t):
+    """Fp8Linear.from_linear on CPU (the twin): close to the bf16 projection (FP8 rounding of both operands),
+    exactly the twin's formula, and the row-parallel form without the bias."""
+    from kernels.layers import fp8_linear
+
+    lin = torch.nn.Linear(300, 200, bias=True)
+    with torch.no_grad():
+        lin.bias.normal_(0, 0.1)
+    lin = lin.to(torch.bfloat16).requires_grad_(False)
+    f = fp8_linear.Fp8Linear.from_linear(lin)
+    assert f.weight.dtype == torch.float8_e4m3fn and f.bias.dtype == torch.bfloat16
+    x = torch.randn(t, 300).bfloat16()
+    got = f(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, 200)
+    assert torch.equal(got, fp8_linear.reference(x, f.weight, f.weight_scale, f.bias))
+    exact = lin(x)
+    d = cosine_distance(got, exact)
+    assert 1e-6 < d < 2e-3, d  # FP8 noise is there, and small (e4m3: ~2^-5 relative per operand)
+    no_bias = f(x, with_bias=False)
+    torch.testing.assert_close(no_bias.float() + f.bias.float(), got.float(), atol=2e-2, rtol=2e-2)

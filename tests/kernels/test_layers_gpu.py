@@ -109,3 +109,55 @@ def test_gemv_in_cuda_graph_replays_bitwise():
         x.copy_(torch.randn_like(x))
         graph.replay()
         assert torch.equal(y, gemv_triton.gemv(x, w, b, tickets))  # fixed summation order: deterministic
+
+
+def cosine_distance(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double().flatten(), y.double().flatten()
+    return float(1 - 2 * (x @ y) / (x @ x + y @ y))
+
+
+# gpt-oss QKV, O and unembedding; T from one token to past the GEMV (16) and the 128-row tiles
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880)])
+@pytest.mark.parametrize("t", [1, 5, 16, 17, 301])
+def test_fp8_linear_matches_twin_and_bf16(t, n, k):
+    """Fp8Linear on the GPU (the FP8 GEMV at T <= 16, quantize + DeepGEMM or Triton GEMM above) against
+    the twin (same FP8 operands, fp32 matmul), and against the bf16 projection within FP8 noise."""
+    from kernels.layers import fp8_linear
+    from kernels.moe import deep_gemm_ops
+
+    lin = torch.nn.Linear(k, n, bias=n != 201088, device=DEV, dtype=torch.bfloat16).requires_grad_(False)
+    torch.nn.init.normal_(lin.weight, 0, k ** -0.5)
+    if lin.bias is not None:
+        torch.nn.init.normal_(lin.bias, 0, 0.1)
+    f = fp8_linear.Fp8Linear.from_linear(lin)
+    x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16) * (torch.rand(k, device=DEV) * 3)
+    want = fp8_linear.reference(x, f.weight, f.weight_scale, f.bias)
+    paths = [("auto", f(x))]
+    if t > 16 and deep_gemm_ops.available():  # the Triton GEMM too, where DeepGEMM ran above
+        deep_gemm_ops.available, saved = (lambda: False), deep_gemm_ops.available
+        try:
+            paths.append(("triton", f(x)))
+        finally:
+            deep_gemm_ops.available = saved
+    for name, got in paths:
+        assert got.shape == (t, n) and got.dtype == torch.bfloat16, name
+        # same FP8 operands: fp32 sums in another order, the bias added after a bf16 rounding on the GEMM path
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-3, msg=name)
+        assert cosine_distance(got, lin(x)) < 2e-3, name  # FP8 noise of both operands (~1e-3)
+    assert int(f.gemv_tickets.abs().sum()) == 0
+
+
+def test_fp8_gemv_in_cuda_graph_replays_bitwise():
+    from kernels.layers import fp8_linear
+
+    lin = torch.nn.Linear(2880, 5120, device=DEV, dtype=torch.bfloat16).requires_grad_(False)
+    f = fp8_linear.Fp8Linear.from_linear(lin)
+    x = torch.randn(3, 2880, device=DEV, dtype=torch.bfloat16)
+    f(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(y, f(x))  # fixed summation order: deterministic, also with PDL in the graph

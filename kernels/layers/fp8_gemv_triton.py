@@ -1,0 +1,105 @@
+"""Decode-sized dense projections with FP8 weights: y [T, N] = q(x) @ W^T (+ b), T <= 16 (opt-in, see fp8_linear).
+
+W is float8_e4m3 [N, Kp] with one fp32 scale per 128x128 block; x is bf16 and is quantized here, per
+token per 128 channels (scale = max(amax, 1e-4) / 448, IEEE division, as every activation quantizer of
+the MoE), inside each program for the K blocks it reads: x is a few kB, so re-reading it from L2 in
+every program costs less than a separate quantization launch. One FP8 tensor-core dot per 128-deep
+step, scaled by (weight block scale x token scale) in fp32.
+
+Same split-K scheme as gemv_triton (bf16): grid (N blocks, K splits), fp32 partial sums, and the last
+program of each N block (atomic ticket, reset by it) sums the splits in a fixed order, adds the bias
+and rounds once. Halving the weight bytes is the point: at batch 1 the QKV, O and unembedding weights
+are 1.2 GB of the 20b step's 4.9 GB in bf16.
+Twin: fp8_linear.reference (quantize x, dequantize both, fp32 matmul, + bias, one rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.layers import GEMV_MIN_BLOCK_N
+from kernels.pdl import pdl_prologue
+
+GEMV_MAX_TOKENS = 16
+QBLOCK = 128  # the quantization block along K (and N for the weights)
+DEFAULT_CONFIG = dict(BLOCK_N=64, waves=2, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k,
+                     stride_x, stride_w, stride_sw, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_N: tl.constexpr, NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
+                     SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    nb, split = tl.program_id(0), tl.program_id(1)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    n_ok = offs_n < n
+    t_ok = offs_t < num_tokens
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    sw_row = sw_ptr + (nb * BLOCK_N // 128) * stride_sw  # BLOCK_N divides 128: one weight scale per step
+    kb0 = split * KB_PER_SPLIT
+    for kb in range(kb0, tl.minimum(kb0 + KB_PER_SPLIT, NUM_KB)):
+        offs_k = kb * 128 + tl.arange(0, 128)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        xv = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_k[:, None], mask=t_ok[None, :] & (offs_k < k)[:, None],
+                     other=0.0).to(tl.float32)  # x^T block [128, BLOCK_T]; K padding reads as zeros
+        sx = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-4), 448.0)  # [BLOCK_T]
+        xq = tl.math.div_rn(xv, sx[None, :]).to(tl.float8e4nv)
+        acc += tl.dot(w, xq) * (tl.load(sw_row + kb) * sx[None, :])
+    slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
+    tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
+    tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
+    ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel")
+    if ticket == SPLIT_K - 1:
+        tl.store(tickets_ptr + nb, 0)  # ready for the next call (CUDA-graph replays included)
+        total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # fixed order
+            total += tl.load(slab + s * n * BLOCK_T, mask=n_ok[:, None] & t_ok[None, :], other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_t[None, :] * stride_y + offs_n[:, None], total.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & t_ok[None, :])
+
+
+def num_splits(n: int, num_kb: int, num_sms: int, config: dict) -> tuple[int, int]:
+    """(K splits, 128-blocks per split): about `waves` x SMs programs."""
+    n_blocks = triton.cdiv(n, config["BLOCK_N"])
+    want = max(1, min(triton.cdiv(config["waves"] * num_sms, n_blocks), num_kb))
+    per = triton.cdiv(num_kb, want)
+    return triton.cdiv(num_kb, per), per
+
+
+_SMS: dict = {}
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+             tickets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [T, K] (T <= 16, K <= Kp) @ dequant(weight [N, Kp], weight_scale [ceil(N/128), Kp/128])^T + bias [N]
+    -> [T, N] in x's dtype."""
+    t, k = x.shape
+    n, kp = weight.shape
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    if not 0 < t <= GEMV_MAX_TOKENS or kp % QBLOCK or k > kp or weight_scale.shape != (triton.cdiv(n, QBLOCK), kp // QBLOCK) \
+            or (bias is not None and bias.shape != (n,)) or tickets.numel() < triton.cdiv(n, GEMV_MIN_BLOCK_N) \
+            or QBLOCK % cfg["BLOCK_N"] or cfg["BLOCK_N"] < GEMV_MIN_BLOCK_N:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} (1..{GEMV_MAX_TOKENS} rows), weight {tuple(weight.shape)} "
+                         f"(K padded to 128s), scales {tuple(weight_scale.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if x.device not in _SMS:
+        _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+    splits, per = num_splits(n, kp // QBLOCK, _SMS[x.device], cfg)
+    block_t = 16
+    partial = torch.empty(splits, n, block_t, dtype=torch.float32, device=x.device)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,
+        x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per, SPLIT_K=splits,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
+    return y
