@@ -1,16 +1,22 @@
-"""Decode-sized dense projections with FP8 weights: y [T, N] = q(x) @ W^T (+ b), T <= 16 (opt-in, see fp8_linear).
+"""Decode-sized dense projections with FP8 weights: y [T, N] = x @ dequant(W)^T (+ b), T <= 16 (opt-in, see fp8_linear).
 
-W is float8_e4m3 [N, Kp] with one fp32 scale per 128x128 block; x is bf16 and is quantized here, per
-token per 128 channels (scale = max(amax, 1e-4) / 448, IEEE division, as every activation quantizer of
-the MoE), inside each program for the K blocks it reads: x is a few kB, so re-reading it from L2 in
-every program costs less than a separate quantization launch. One FP8 tensor-core dot per 128-deep
-step, scaled by (weight block scale x token scale) in fp32.
+W is float8_e4m3 [N, Kp] with one fp32 scale per 128x128 block. The activations are not quantized:
+x (bf16) is converted to fp16 (exact for |x| in [2^-14, 65504]; clamped there, see fp8_linear) and every
+e4m3 weight is exactly an fp16 value, so each 128-deep step is one fp16 tensor-core dot of exact
+products with fp32 sums, times the block's scale. Weight-only quantization: the only rounding is the
+weights', once, at load.
+
+Why not FP8 activations (the MoE's scheme) here: a first version quantized x per token per 128 channels
+inside every program (x is a few kB) and ran 34 us per call where bf16 weights take ~7 (20b decode step
+2.19 -> 3.11 ms, H200 2026-11-30, bench/results/decode_ab_fp8_dense_v1_h200.json): a [128, 16] amax
+reduction and 2048 IEEE divisions per 128-deep step left the kernel instruction-bound. The fp8 -> fp16
+conversion is one instruction per two weights.
 
 Same split-K scheme as gemv_triton (bf16): grid (N blocks, K splits), fp32 partial sums, and the last
 program of each N block (atomic ticket, reset by it) sums the splits in a fixed order, adds the bias
 and rounds once. Halving the weight bytes is the point: at batch 1 the QKV, O and unembedding weights
-are 1.2 GB of the 20b step's 4.9 GB in bf16.
-Twin: fp8_linear.reference (quantize x, dequantize both, fp32 matmul, + bias, one rounding).
+are 2.4 of the 20b step's 4.9 GB in bf16.
+Twin: fp8_linear.reference_weight_only (dequantized weights, fp32 matmul, + bias, one rounding).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, waves=2, num_warps=4, num_stages=4)
 def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k,
                      stride_x, stride_w, stride_sw, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
-                     SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,9 +53,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_pt
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=n_ok[:, None], other=0.0)
         xv = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_k[:, None], mask=t_ok[None, :] & (offs_k < k)[:, None],
                      other=0.0).to(tl.float32)  # x^T block [128, BLOCK_T]; K padding reads as zeros
-        sx = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xv), axis=0), 1e-4), 448.0)  # [BLOCK_T]
-        xq = tl.math.div_rn(xv, sx[None, :]).to(tl.float8e4nv)
-        acc += tl.dot(w, xq) * (tl.load(sw_row + kb) * sx[None, :])
+        xh = tl.minimum(tl.maximum(xv, -65504.0), 65504.0).to(tl.float16)
+        if DOT_F16:
+            part = tl.dot(w.to(tl.float16), xh)
+        else:  # Triton's interpreter: fp32 operands (the same exact products)
+            part = tl.dot(w.to(tl.float32), xh.to(tl.float32), input_precision="ieee")
+        acc += part * tl.load(sw_row + kb)
     slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
     tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
     tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
@@ -101,5 +110,5 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,
         x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per, SPLIT_K=splits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
+        DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

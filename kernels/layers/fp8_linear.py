@@ -2,14 +2,19 @@
 
 The checkpoints hold QKV, O and the unembedding in bf16; with this option they are quantized once at
 load to float8_e4m3 with one fp32 scale per 128x128 block (amax / 448, not rounded to a power of two:
-these weights are not MXFP4 values), K zero-padded to a multiple of 128. Activations are quantized per
-token per 128 channels at each call. Half the bytes of the bf16 weights, which at batch 1 decode are a
-quarter of everything the step reads; the price is FP8 rounding in every projection, so the default
-stays bf16 (the model then matches the reference) and this is a choice the operator makes.
+these weights are not MXFP4 values), K zero-padded to a multiple of 128. Half the bytes of the bf16
+weights, which at batch 1 decode are half of everything the step reads; the price is FP8 rounding in
+every projection, so the default stays bf16 (the model then matches the reference) and this is a
+choice the operator makes.
 
-Kernels by size: T <= 16 on CUDA, the split-K FP8 GEMV (fp8_gemv_triton, quantizes x itself); larger
-T, x quantized by the MoE's dispatch_quant and DeepGEMM's dense FP8 GEMM (our Triton grouped GEMM with
-one group where DeepGEMM is absent), then + bias; on CPU, `reference` (the twin).
+Two kernels, two numerics, by token count T:
+- T <= 16 (decode): weight-only. The split-K GEMV (fp8_gemv_triton) multiplies the exact fp16 image of
+  each e4m3 weight with x converted to fp16 (clamped to +-65504: inputs here are RMS-normed or attention
+  outputs, far inside that); twin `reference_weight_only`.
+- T > 16 (prefill, large decode batches): x quantized per token per 128 channels by the MoE's
+  dispatch_quant, then DeepGEMM's dense FP8 GEMM (our Triton grouped GEMM with one group where DeepGEMM
+  is absent; both 1.5-1.75x cuBLAS bf16 at T = 4096, kernels/moe/NOTES.md), + bias; twin `reference_w8a8`.
+On CPU the forward is the twin of the path the GPU would take.
 """
 
 from __future__ import annotations
@@ -38,16 +43,40 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
-              ) -> torch.Tensor:
-    """The twin: x quantized per token per 128 channels, both operands dequantized, fp32 matmul, + bias,
-    one rounding to x's dtype."""
+FP16_MAX = 65504.0
+
+
+def reference_weight_only(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """Twin of the T <= 16 GEMV: x through fp16 (clamped), dequantized weights, fp32 matmul, + bias, one rounding."""
+    xh = x.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
+    w = dequantize_weight_blocks(weight[None], weight_scale[None], x.shape[1])[0]
+    y = xh @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def reference_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """Twin of the T > 16 path: x quantized per token per 128 channels, both operands dequantized, fp32
+    matmul, + bias, one rounding to x's dtype."""
     q, s = quantize_rows(x.float(), weight.shape[1])
     w = dequantize_weight_blocks(weight[None], weight_scale[None])[0]
     y = dequantize_rows(q, s) @ w.T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+GEMV_MAX_TOKENS = 16  # = fp8_gemv_triton.GEMV_MAX_TOKENS (not imported here: no Triton on the CPU path)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+    """The twin of whichever path Fp8Linear takes for x's token count."""
+    fn = reference_weight_only if x.shape[0] <= GEMV_MAX_TOKENS else reference_w8a8
+    return fn(x, weight, weight_scale, bias)
 
 
 class Fp8Linear(nn.Module):
@@ -90,7 +119,7 @@ class Fp8Linear(nn.Module):
             return x.new_empty(0, self.out_features)
         from kernels.layers import fp8_gemv_triton
 
-        if t <= fp8_gemv_triton.GEMV_MAX_TOKENS:
+        if t <= GEMV_MAX_TOKENS:
             return fp8_gemv_triton.fp8_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
         return self._gemm(x, bias)
 
