@@ -1,4 +1,4 @@
-"""Decode-sized dense projections with FP8 weights: y [T, N] = x @ dequant(W)^T (+ b), T <= 16 (opt-in, see fp8_linear).
+"""Decode-sized dense projections with FP8 weights: y [T, N] = x @ dequant(W)^T (+ b), T <= 64 (opt-in, see fp8_linear).
 
 W is float8_e4m3 [N, Kp] with one fp32 scale per 128x128 block. The activations are not quantized:
 x (bf16) is converted to fp16 (exact for |x| in [2^-14, 65504]; clamped there, see fp8_linear) and every
@@ -16,7 +16,9 @@ Same split-K scheme as gemv_triton (bf16): grid (N blocks, K splits), fp32 parti
 program of each N block (atomic ticket, reset by it) sums the splits in a fixed order, adds the bias
 and rounds once. Halving the weight bytes is the point: at batch 1 the QKV, O and unembedding weights
 are 2.4 of the 20b step's 4.9 GB in bf16.
-Twin: fp8_linear.reference_weight_only (dequantized weights, fp32 matmul, + bias, one rounding).
+Twin: fp8_linear.reference (dequantized weights, fp32 matmul, + bias, one rounding).
+
+`dequantize` writes the exact bf16 image of an FP8 weight (power-of-two block scales) for cuBLAS at T > 64.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
 from kernels.pdl import pdl_prologue
 
-GEMV_MAX_TOKENS = 16
+GEMV_MAX_TOKENS = 64  # one [BLOCK_N, 128] x [128, BLOCK_T <= 64] dot per step
 QBLOCK = 128  # the quantization block along K (and N for the weights)
 DEFAULT_CONFIG = dict(BLOCK_N=64, waves=2, num_warps=4, num_stages=4)
 
@@ -87,7 +89,7 @@ _SMS: dict = {}
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
              tickets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [T, K] (T <= 16, K <= Kp) @ dequant(weight [N, Kp], weight_scale [ceil(N/128), Kp/128])^T + bias [N]
+    """x [T, K] (T <= 64, K <= Kp) @ dequant(weight [N, Kp], weight_scale [ceil(N/128), Kp/128])^T + bias [N]
     -> [T, N] in x's dtype."""
     t, k = x.shape
     n, kp = weight.shape
@@ -103,7 +105,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if x.device not in _SMS:
         _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
     splits, per = num_splits(n, kp // QBLOCK, _SMS[x.device], cfg)
-    block_t = 16
+    block_t = max(16, triton.next_power_of_2(t))
     partial = torch.empty(splits, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
@@ -112,3 +114,25 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per, SPLIT_K=splits,
         DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, sw_ptr, out_ptr, n, k, stride_w, stride_sw, stride_out, BLOCK_N: tl.constexpr):
+    nb, kb = tl.program_id(0), tl.program_id(1)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = kb * 128 + tl.arange(0, 128)
+    ok = (offs_n < n)[:, None] & (offs_k < k)[None, :]
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=ok, other=0.0)
+    scale = tl.load(sw_ptr + (nb * BLOCK_N // 128) * stride_sw + kb)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_out + offs_k[None, :],
+             (w.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, Kp] fp8 with 128x128 scales -> [N, k] in `dtype` (exact in bf16 for power-of-two scales)."""
+    n, kp = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block_n = 64
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, QBLOCK))](
+        weight, weight_scale, out, n, k, weight.stride(0), weight_scale.stride(0), out.stride(0), BLOCK_N=block_n)
+    return out

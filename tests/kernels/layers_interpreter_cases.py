@@ -85,7 +85,7 @@ def test_gemv_matches_linear(t, n, k, with_bias):
 
 
 # (T, N, K): awkward N (partial 128-blocks of weight scales, partial BLOCK_N), K below its padding
-@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (6, 130, 256), (16, 64, 1000)])
+@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (6, 130, 256), (16, 64, 1000), (40, 70, 300)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fp8_gemv_matches_twin(t, n, k, with_bias):
     """The FP8 GEMV (weight-only: x in fp16, exact e4m3 weights) against its twin."""
@@ -96,7 +96,7 @@ def test_fp8_gemv_matches_twin(t, n, k, with_bias):
     b = torch.randn(n).bfloat16() if with_bias else None
     tickets = fp8_linear.gemv_tickets(n, "cpu")
     x[0, 0] = 1e6  # beyond fp16: clamped to 65504 by kernel and twin alike
-    want = fp8_linear.reference_weight_only(x, w, sw, b)
+    want = fp8_linear.reference(x, w, sw, b)
     assert fp8_gemv_triton.GEMV_MAX_TOKENS == fp8_linear.GEMV_MAX_TOKENS
     for cfg in (dict(BLOCK_N=16, waves=4), dict(BLOCK_N=64, waves=1)):
         got = fp8_gemv_triton.fp8_gemv(x, w, sw, b, tickets, cfg)
@@ -105,3 +105,13 @@ def test_fp8_gemv_matches_twin(t, n, k, with_bias):
         # exact products, fp32 sums in another order, scales applied per block: within a bf16 step
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
         assert torch.isfinite(got).all()
+
+
+def test_fp8_dequantize_is_exact():
+    """The T > 64 path's bf16 image of an FP8 weight (power-of-two scales): exactly the twin's values."""
+    from kernels.layers import fp8_gemv_triton, fp8_linear
+
+    w, sw = fp8_linear.quantize_weight(torch.randn(200, 300) * torch.rand(200, 1) * 3)
+    got = fp8_gemv_triton.dequantize(w, sw, 300, torch.bfloat16)
+    want = fp8_linear.dequantize_weight_blocks(w[None], sw[None], 300)[0]
+    assert got.shape == (200, 300) and torch.equal(got.float(), want)  # bf16 holds every value exactly

@@ -116,14 +116,14 @@ def cosine_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - 2 * (x @ y) / (x @ x + y @ y))
 
 
-# gpt-oss QKV, O and unembedding; T from one token to past the GEMV (16) and the 128-row tiles
+# gpt-oss QKV, O and unembedding; T from one token to past the GEMV's 16-row tile and its 64-token limit
 @pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (201088, 2880)])
-@pytest.mark.parametrize("t", [1, 5, 16, 17, 301])
+@pytest.mark.parametrize("t", [1, 5, 16, 17, 64, 65, 301])
 def test_fp8_linear_matches_twin_and_bf16(t, n, k):
-    """Fp8Linear on the GPU (the FP8 GEMV at T <= 16, quantize + DeepGEMM or Triton GEMM above) against
-    the twin (same FP8 operands, fp32 matmul), and against the bf16 projection within FP8 noise."""
+    """Fp8Linear on the GPU (the weight-only FP8 GEMV at T <= 64, exact bf16 dequantization + cuBLAS
+    above) against the twin (the same rounded weights, fp32 matmul), and the bf16 projection within the
+    weights' FP8 rounding."""
     from kernels.layers import fp8_linear
-    from kernels.moe import deep_gemm_ops
 
     lin = torch.nn.Linear(k, n, bias=n != 201088, device=DEV, dtype=torch.bfloat16).requires_grad_(False)
     torch.nn.init.normal_(lin.weight, 0, k ** -0.5)
@@ -131,20 +131,14 @@ def test_fp8_linear_matches_twin_and_bf16(t, n, k):
         torch.nn.init.normal_(lin.bias, 0, 0.1)
     f = fp8_linear.Fp8Linear.from_linear(lin)
     x = (torch.randn(t, k, device=DEV) * (torch.rand(k, device=DEV) * 3)).bfloat16()
+    got = f(x)
     want = fp8_linear.reference(x, f.weight, f.weight_scale, f.bias)
-    paths = [("auto", f(x))]
-    if t > 16 and deep_gemm_ops.available():  # the Triton GEMM too, where DeepGEMM ran above
-        deep_gemm_ops.available, saved = (lambda: False), deep_gemm_ops.available
-        try:
-            paths.append(("triton", f(x)))
-        finally:
-            deep_gemm_ops.available = saved
-    for name, got in paths:
-        assert got.shape == (t, n) and got.dtype == torch.bfloat16, name
-        # the twin of the path (weight-only GEMV at T <= 16, W8A8 above): same operands, fp32 sums in
-        # another order; on the GEMM path the bias is added after a bf16 rounding
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-3, msg=name)
-        assert cosine_distance(got, lin(x)) < 2e-3, name  # FP8 noise: weights (~3e-4), activations above T=16
+    assert got.shape == (t, n) and got.dtype == torch.bfloat16
+    # the same products, fp32 sums in another order, one rounding: within a bf16 step (or a step of the
+    # typical value where the sum cancels)
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= want.float().abs() * 2 ** -7 + want.float().abs().mean() * 2 ** -8).all()), err.max().item()
+    assert cosine_distance(got, lin(x)) < 1e-3  # the weights' FP8 rounding (~2^-5 relative)
     assert int(f.gemv_tickets.abs().sum()) == 0
 
 
