@@ -17,7 +17,8 @@ GEMV too, which was slower than cuBLAS.)
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
 + argmax, median of 3 timed loops), then every kernel of one eager batch-1 step (torch.profiler):
-name, launches, total us. Prints a table, writes JSON.
+name, launches, total us; with --prefill-lens also each variant's prefill time (eager, Harness.prefill).
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def all_kernels(fn) -> list[dict]:
 def run(name: str, args) -> dict:
     config = GptOssConfig.preset(name)
     device = torch.device("cuda")
-    h = Harness(name, config, device, args.max_batch, args.ctx + 64, args.headroom_gb)
+    h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb)
     out = {"variants": {}}
     for variant in args.variants:
         flags = VARIANTS[variant]
@@ -101,10 +102,16 @@ def run(name: str, args) -> dict:
         h.graphs.capture()
         rec = {"capture_s": time.perf_counter() - t0, "decode": []}
         for b in args.batches:
+            if b > h.max_batch_at(args.ctx):
+                print(f"[{name} {variant}] b={b}: skipped, the KV pool holds {h.max_batch_at(args.ctx)} at ctx {args.ctx}")
+                continue
             p = h.decode(b, args.ctx, args.steps, profile=False)
             rec["decode"].append({"batch": b, "step_ms": p["step_ms"], "tok_s_user": p["tok_s_user"],
                                   "tok_s_gpu": p["tok_s_gpu"]})
             print(f"[{name} {variant}] b={b}: {p['step_ms']:.3f} ms/step {p['tok_s_user']:.1f} tok/s/user", flush=True)
+        rec["prefill"] = [{"tokens": n, "ttft_ms": h.prefill(n, False, n)["ttft_ms"]} for n in args.prefill_lens]
+        for pt in rec["prefill"]:
+            print(f"[{name} {variant}] prefill {pt['tokens']}: {pt['ttft_ms']:.2f} ms", flush=True)
         attn = h.decode_batch(1, args.ctx)
         ids = torch.zeros(1, dtype=torch.long, device=device)
         pos = torch.full((1,), args.ctx, dtype=torch.long, device=device)
@@ -126,9 +133,12 @@ def print_table(results: dict) -> None:
         base = r["variants"][first]
         print(f"\n{name}: decode step (ms) at ctx {results['args']['ctx']}, same process; ratio = {first} / variant")
         print(f"{'variant':10s} {'launches/step':>13s} {'kernel us':>10s} " +
-              " ".join(f"{'b=' + str(d['batch']):>14s}" for d in base["decode"]))
+              " ".join(f"{'b=' + str(d['batch']):>14s}" for d in base["decode"]) +
+              "".join(f" {'prefill ' + str(d['tokens']):>14s}" for d in base["prefill"]))
         for variant, rec in r["variants"].items():
             cells = [f"{d['step_ms']:7.3f} x{b['step_ms'] / d['step_ms']:4.2f}" for d, b in zip(rec["decode"], base["decode"])]
+            cells += [""] * (len(base["decode"]) - len(rec["decode"]))
+            cells += [f"{d['ttft_ms']:7.2f} x{b['ttft_ms'] / d['ttft_ms']:4.2f}" for d, b in zip(rec["prefill"], base["prefill"])]
             print(f"{variant:10s} {rec['eager_b1_launches']:13d} {rec['eager_b1_kernel_us']:10.1f} " + " ".join(f"{c:>14s}" for c in cells))
         best = list(r["variants"].values())[-1]
         print(f"kernels of one eager b=1 step ({list(r['variants'])[-1]}):")
@@ -142,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"from {list(VARIANTS)}; the first is the baseline")
     p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--prefill-lens", default="", help="prompt lengths to time per variant too (one chunk each)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--headroom-gb", type=float, default=10.0)
@@ -149,6 +160,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.variants = args.variants.split(",")
+    args.prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         p.error(f"--variants: names from {list(VARIANTS)}")
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name(),

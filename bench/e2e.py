@@ -165,6 +165,9 @@ class Harness:
         """`batch` sequences that each hold `ctx` cached tokens and decode position ctx."""
         d, bs, w = self.device, BLOCK, self.config.sliding_window
         pages = math.ceil((ctx + 1) / bs)
+        if batch * pages > self.num_full:  # page ids past the pool would read and write outside it
+            raise ValueError(f"{batch} sequences of {ctx} tokens need {batch * pages} pages; the pool has "
+                             f"{self.num_full} (max_batch_at({ctx}) = {self.max_batch_at(ctx)})")
         full = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
         first = max(0, ctx - (w - 1)) // bs  # first page still holding a position in the window
         live = ctx // bs - first + 1

@@ -61,6 +61,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_pt
         else:  # Triton's interpreter: fp32 operands (the same exact products)
             part = tl.dot(w.to(tl.float32), xh.to(tl.float32), input_precision="ieee")
         acc += part * tl.load(sw_row + kb)
+    if SPLIT_K == 1:  # the whole K in this program (wide N, e.g. the unembedding): no partial round trip
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + offs_t[None, :] * stride_y + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & t_ok[None, :])
+        return
     slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
     tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
     tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
@@ -106,7 +112,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
     splits, per = num_splits(n, kp // QBLOCK, _SMS[x.device], cfg)
     block_t = max(16, triton.next_power_of_2(t))
-    partial = torch.empty(splits, n, block_t, dtype=torch.float32, device=x.device)
+    partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,

@@ -85,7 +85,7 @@ def test_gemv_matches_linear(t, n, k, with_bias):
 
 
 # (T, N, K): awkward N (partial 128-blocks of weight scales, partial BLOCK_N), K below its padding
-@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (6, 130, 256), (16, 64, 1000), (40, 70, 300)])
+@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (6, 130, 256), (16, 64, 1000), (40, 70, 300), (3, 1100, 256)])  # last: one K split (wide N)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fp8_gemv_matches_twin(t, n, k, with_bias):
     """The FP8 GEMV (weight-only: x in fp16, exact e4m3 weights) against its twin."""
