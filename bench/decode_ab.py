@@ -16,8 +16,8 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 GEMV too, which was slower than cuBLAS.)
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
-+ argmax, median of 3 timed loops), then every kernel of one eager batch-1 step (torch.profiler):
-name, launches, total us; with --prefill-lens also each variant's prefill time (eager, Harness.prefill).
++ argmax, median of 3 timed loops), then every kernel of one eager step (torch.profiler):
+name, launches, total us (batch --profile-batch); with --prefill-lens also each variant's prefill time (eager, Harness.prefill).
 Prints a table, writes JSON.
 """
 
@@ -112,14 +112,14 @@ def run(name: str, args) -> dict:
         rec["prefill"] = [{"tokens": n, "ttft_ms": h.prefill(n, False, n)["ttft_ms"]} for n in args.prefill_lens]
         for pt in rec["prefill"]:
             print(f"[{name} {variant}] prefill {pt['tokens']}: {pt['ttft_ms']:.2f} ms", flush=True)
-        attn = h.decode_batch(1, args.ctx)
-        ids = torch.zeros(1, dtype=torch.long, device=device)
-        pos = torch.full((1,), args.ctx, dtype=torch.long, device=device)
+        pb = args.profile_batch
+        attn = h.decode_batch(pb, args.ctx)
+        ids = torch.zeros(pb, dtype=torch.long, device=device)
+        pos = torch.full((pb,), args.ctx, dtype=torch.long, device=device)
         h.graphs.run_eager(ids, pos, attn)
         kernels = all_kernels(lambda: h.graphs.run_eager(ids, pos, attn))
-        rec["eager_b1_kernels"] = kernels
-        rec["eager_b1_launches"] = sum(k["calls"] for k in kernels)
-        rec["eager_b1_kernel_us"] = round(sum(k["us"] for k in kernels), 1)
+        rec.update(eager_batch=pb, eager_kernels=kernels, eager_launches=sum(k["calls"] for k in kernels),
+                   eager_kernel_us=round(sum(k["us"] for k in kernels), 1))
         out["variants"][variant] = rec
     h = None  # frees the model before the next one
     gc.collect()
@@ -139,11 +139,11 @@ def print_table(results: dict) -> None:
             cells = [f"{d['step_ms']:7.3f} x{b['step_ms'] / d['step_ms']:4.2f}" for d, b in zip(rec["decode"], base["decode"])]
             cells += [""] * (len(base["decode"]) - len(rec["decode"]))
             cells += [f"{d['ttft_ms']:7.2f} x{b['ttft_ms'] / d['ttft_ms']:4.2f}" for d, b in zip(rec["prefill"], base["prefill"])]
-            print(f"{variant:10s} {rec['eager_b1_launches']:13d} {rec['eager_b1_kernel_us']:10.1f} " + " ".join(f"{c:>14s}" for c in cells))
-        best = list(r["variants"].values())[-1]
-        print(f"kernels of one eager b=1 step ({list(r['variants'])[-1]}):")
-        for k in best["eager_b1_kernels"][:24]:
-            print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['name']}")
+            print(f"{variant:10s} {rec['eager_launches']:13d} {rec['eager_kernel_us']:10.1f} " + " ".join(f"{c:>14s}" for c in cells))
+        for variant, rec in r["variants"].items():
+            print(f"kernels of one eager b={rec['eager_batch']} step ({variant}):")
+            for k in rec["eager_kernels"][:14]:
+                print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['name']}")
 
 
 def main(argv=None) -> int:
@@ -155,6 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-lens", default="", help="prompt lengths to time per variant too (one chunk each)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile-batch", type=int, default=1, help="batch of the eager step whose kernels are listed")
     p.add_argument("--headroom-gb", type=float, default=10.0)
     p.add_argument("--out", default="bench/results/decode_ab.json")
     args = p.parse_args(argv)
