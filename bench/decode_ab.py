@@ -9,9 +9,10 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
   (kernels/layers/gemv_triton.py);
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
-- "fp8-dense": fused+pdl with QKV, O and the unembedding as FP8 128x128-block weights
-  (dense_weight_dtype="fp8_e4m3", kernels/layers/fp8_linear.py); the bf16 modules are kept and swapped
-  back, so every variant runs the same weights (up to FP8 rounding).
+- "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
+  kernels/layers/fp8_linear.py, weight-only);
+- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
+  The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
 GEMV too, which was slower than cuBLAS.)
 
@@ -36,8 +37,9 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-VARIANTS = {"unfused": (False, False, False, False, False), "fused": (True, True, True, False, False),
-            "fused+pdl": (True, True, True, True, False), "fp8-dense": (True, True, True, True, True)}
+VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
+            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -45,34 +47,35 @@ class DenseWeights:
 
     def __init__(self, model):
         self.model = model
-        self.bf16 = self._modules()
-        self.fp8 = None
+        attn = [layer.self_attn for layer in model.model.layers]
+        self.bf16 = {"qkv": [a.qkv_proj for a in attn], "o": [a.o_proj for a in attn], "lm_head": [model.lm_head]}
+        self.fp8: dict = {}
 
-    def _modules(self) -> list:
-        return [m for layer in self.model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)] \
-            + [self.model.lm_head]
-
-    def use(self, fp8: bool) -> None:
+    def use(self, which: str) -> None:
+        """which: "" (all bf16), "lm_head" (FP8 unembedding), "all" (FP8 QKV, O and unembedding)."""
         from kernels.layers.fp8_linear import Fp8Linear
 
-        if fp8 and self.fp8 is None:
-            self.fp8 = [Fp8Linear.from_linear(m) for m in self.bf16]
-        mods = iter(self.fp8 if fp8 else self.bf16)
-        for layer in self.model.model.layers:
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj = next(mods), next(mods)
-        self.model.lm_head = next(mods)
+        for kind, mods in self.bf16.items():
+            fp8 = which == "all" or which == kind
+            if fp8 and kind not in self.fp8:
+                self.fp8[kind] = [Fp8Linear.from_linear(m) for m in mods]
+            chosen = self.fp8[kind] if fp8 else mods
+            if kind == "lm_head":
+                self.model.lm_head = chosen[0]
+            for layer, m in zip(self.model.model.layers, chosen if kind != "lm_head" else []):
+                setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8_dense: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl
-    if fp8_dense or hasattr(h, "dense_weights"):
+    if fp8 or hasattr(h, "dense_weights"):
         if not hasattr(h, "dense_weights"):
             h.dense_weights = DenseWeights(h.model)
-        h.dense_weights.use(fp8_dense)
+        h.dense_weights.use(fp8)
 
 
 def all_kernels(fn) -> list[dict]:

@@ -106,7 +106,7 @@ class Harness:
     """One model on the device with a KV pool and decode graphs."""
 
     def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float,
-                 checkpoint: str | None = None, kv_cache_dtype: str = "auto", dense_weight_dtype: str = "auto"):
+                 checkpoint: str | None = None, kv_cache_dtype: str = "auto", lm_head_dtype: str = "auto"):
         t0 = time.perf_counter()
         self.name, self.config, self.device = name, config, device
         # weights: the checkpoint folder when given (HF layout; MXFP4 / bf16 / FP8-converted experts),
@@ -114,7 +114,7 @@ class Harness:
         self.model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                  checkpoint=checkpoint, random_weights=checkpoint is None, max_batch=max_batch,
                                  max_kv_len=max_ctx + 2 * BLOCK, cuda_graph=device.type == "cuda",
-                                 dense_weight_dtype=dense_weight_dtype)
+                                 lm_head_dtype=lm_head_dtype)
         _sync(device)
         self.build_s = time.perf_counter() - t0
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.model.dtype)
@@ -221,7 +221,9 @@ class Harness:
     @torch.inference_mode()
     def decode(self, batch: int, ctx: int, steps: int, profile: bool) -> dict:
         attn = self.decode_batch(batch, ctx)
-        ids = torch.randint(0, self.config.vocab_size, (batch,), device=self.device)
+        # the same ids for every call at this batch (MoE routing, so the experts read, follows them: A/B
+        # variants in one process must see the same inputs)
+        ids = torch.randint(0, self.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(batch)).to(self.device)
         pos = torch.full((batch,), ctx, dtype=torch.long, device=self.device)
         graphed = self.graphs is not None and self.graphs.bucket_for(batch) is not None
         state = {"ids": ids}
@@ -260,7 +262,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     model_deadline = clock.left() * args.model_share  # build and capture count against it
     t_model = time.perf_counter()
     h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint, args.kv_cache_dtype,
-                args.dense_weight_dtype)
+                args.lm_head_dtype)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
@@ -375,8 +377,8 @@ def main(argv=None) -> int:
     p.add_argument("--headroom-gb", type=float, default=10.0, help="GPU memory kept free of the KV pool")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="K/V storage: auto = the model dtype (bf16); fp8_e4m3 halves KV memory and bytes")
-    p.add_argument("--dense-weight-dtype", default="auto", choices=("auto", "fp8_e4m3"),
-                   help="QKV/O/unembedding weights: the model's dtype, or FP8 128x128 blocks (opt-in, not exact)")
+    p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="unembedding weights: the model's dtype, or FP8 128x128 blocks (weight-only; opt-in, not exact)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="longest prefill forward (longer prompts chunk)")
     p.add_argument("--engine-runs", default="", help="scenarios (1k/1k,8k/1k) to also run through LLMEngine "
                                                       "at the estimate's batch, b1 (one request alone) and b1sync "

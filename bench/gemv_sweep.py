@@ -3,7 +3,7 @@
     python -m bench.gemv_sweep --out bench/results/gemv_h200.json
 
 bf16 weights: our split-K GEMV (kernels/layers/gemv_triton.py) in several configs and cuBLAS. FP8
-weights (dense_weight_dtype="fp8_e4m3"): the weight-only FP8 GEMV (kernels/layers/fp8_gemv_triton.py)
+weights (lm_head_dtype="fp8_e4m3"): the weight-only FP8 GEMV (kernels/layers/fp8_gemv_triton.py)
 in several configs. Each call captured 50 times in one CUDA graph, replay timed (launch gaps included,
 as in the decode step); us per call and weight-stream TB/s (bytes of the weights as stored), T = 1, 4, 16.
 Timing: bench/moe_common.graph_us (triton do_bench median over graph replays); the gemv_h200.json of

@@ -159,7 +159,7 @@ def cmd_generate(args) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
                           device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          dense_weight_dtype=args.dense_weight_dtype,
+                          lm_head_dtype=args.lm_head_dtype,
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
     gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
                      help="K/V storage; fp8_e4m3 halves KV memory (one rank only)")
-    gen.add_argument("--dense-weight-dtype", default="auto", choices=("auto", "fp8_e4m3"),
-                     help="QKV/O/unembedding weights; fp8_e4m3 quantizes them at load (faster decode, FP8 rounding)")
+    gen.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                     help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
     gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                      help="replay decode steps as CUDA graphs (auto: on a CUDA device with one rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # = kernels.attention.kv_cache.KV_CACHE_DTYPES (no torch here)
-DENSE_WEIGHT_DTYPES = ("auto", "fp8_e4m3")
+LM_HEAD_DTYPES = ("auto", "fp8_e4m3")
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
 
@@ -32,10 +32,10 @@ class EngineConfig:
     # K/V storage: "auto" = the weights' dtype; "fp8_e4m3" halves KV memory and decode attention bytes
     # (kernels/attention/kv_cache.py says what it costs in accuracy). One rank only for now.
     kv_cache_dtype: str = "auto"
-    # QKV, O and unembedding weights: "auto" = the checkpoint's (bf16: the model matches the reference);
-    # "fp8_e4m3" quantizes them at load to 128x128-block FP8, activations per token (kernels/layers/fp8_linear.py):
-    # half their bytes, FP8 rounding in every projection.
-    dense_weight_dtype: str = "auto"
+    # Unembedding weights: "auto" = the checkpoint's (bf16: the model matches the reference); "fp8_e4m3"
+    # rounds them at load to 128x128-block FP8, weight-only (kernels/layers/fp8_linear.py): half the bytes
+    # of the largest single read of a decode step, faster at <= 32 sequences, slower above 64.
+    lm_head_dtype: str = "auto"
     seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
     # Kernels (engine/model_factory.py): auto = GPU kernels on CUDA, the pure-torch twins on CPU.
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
@@ -74,9 +74,9 @@ class EngineConfig:
             raise EngineConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.dense_weight_dtype not in DENSE_WEIGHT_DTYPES:
-            raise EngineConfigError(f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, "
-                                    f"got {self.dense_weight_dtype!r}")
+        if self.lm_head_dtype not in LM_HEAD_DTYPES:
+            raise EngineConfigError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, "
+                                    f"got {self.lm_head_dtype!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name, allowed in (("attention_backend", ("auto", "torch", "flashinfer")),

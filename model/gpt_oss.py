@@ -99,7 +99,7 @@ class AttentionBlock(nn.Module):
         o = self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=dest is not None)  # [T, Hq, Dh]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         first = self.parallel.tp_rank == 0
-        if not isinstance(self.o_proj, nn.Linear):  # Fp8Linear (dense_weight_dtype="fp8_e4m3")
+        if not isinstance(self.o_proj, nn.Linear):  # an Fp8Linear (bench/decode_ab's fp8-dense variant)
             return self.parallel.all_reduce_tp(self.o_proj(o.reshape(t, -1), with_bias=first))
         bias = self.o_proj.bias if first else None
         tickets = self.o_gemv_tickets if self.decode_gemv else None

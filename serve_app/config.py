@@ -144,10 +144,10 @@ class ServeAppConfig(_Settings):
         "auto", description="K/V storage; auto: the weights' dtype. fp8_e4m3 holds twice the tokens and halves "
                             "the bytes decode attention reads, at ~1e-2 relative change of attention outputs; "
                             "tp_size = ep_size = 1 only.")
-    dense_weight_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="QKV, O and unembedding weights; auto: the checkpoint's (the model matches the "
-                            "reference). fp8_e4m3 quantizes them at load to 128x128-block FP8 (activations per "
-                            "token): half their bytes, faster decode, FP8 rounding in every projection.")
+    lm_head_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="Unembedding weights; auto: the checkpoint's (the model matches the reference). "
+                            "fp8_e4m3 rounds them at load to 128x128-block FP8 (weight-only): ~1.06x faster decode "
+                            "steps at up to 32 sequences, slower above 64, logits within the FP8 rounding.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks per model instance (splits heads, vocab).")
     ep_size: int = Field(1, ge=1, description="Expert-parallel ranks per model instance (splits experts).")
     dp_size: int = Field(
@@ -281,7 +281,7 @@ class ServeAppConfig(_Settings):
             device=device,
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
-            dense_weight_dtype=self.dense_weight_dtype,
+            lm_head_dtype=self.lm_head_dtype,
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
             async_decode=self.async_decode and device != "cpu" and max(self.tp_size, self.ep_size) == 1,

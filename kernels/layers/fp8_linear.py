@@ -1,12 +1,13 @@
-"""Dense projections with FP8 weights (opt-in: `dense_weight_dtype="fp8_e4m3"`): weight-only quantization.
+"""Dense projections with FP8 weights, weight-only: the unembedding with `lm_head_dtype="fp8_e4m3"` (opt-in).
 
-The checkpoints hold QKV, O and the unembedding in bf16; with this option they are rounded once at load
-to float8_e4m3 with one power-of-two fp32 scale per 128x128 block (K zero-padded to a multiple of 128).
+The checkpoints hold the dense projections in bf16; an Fp8Linear rounds one once at load to
+float8_e4m3 with one power-of-two fp32 scale per 128x128 block (K zero-padded to a multiple of 128).
 Every FP8 weight times its power-of-two scale is exactly a bf16 value, so the model computed is the bf16
 model with its dense weights rounded to FP8 (~2^-5 relative, RMS), nothing else: activations are never
 quantized, and every token count takes the same numerics (up to fp32 summation order). Half the bytes of
 the bf16 weights; the default stays bf16 (the model then matches the reference) and this is a choice the
-operator makes.
+operator makes. Only the unembedding uses it: QKV and O are too small for the FP8 GEMV to beat the bf16
+kernels (kernels/layers/NOTES.md).
 
 Kernels by token count T (CUDA):
 - T <= 64 (decode): the split-K GEMV (fp8_gemv_triton): exact fp16 images of the e4m3 weights times x in

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_factory import build_model, quantize_dense_fp8  # noqa: E402
+from engine.model_factory import build_model, quantize_lm_head_fp8  # noqa: E402
 from engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache  # noqa: E402
 from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
@@ -185,8 +185,8 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
                             max_kv_len=2048, cuda_graph=True)
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
-        if fp8_dense:  # dense_weight_dtype="fp8_e4m3": the FP8 GEMV in the graphs, the FP8 GEMM in prefill
-            quantize_dense_fp8(model)
+        if fp8_dense:  # lm_head_dtype="fp8_e4m3": the FP8 GEMV in the graphs and for the prompts' last tokens
+            quantize_lm_head_fp8(model)
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                                              num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs,
                                              kv_cache_dtype=kv_cache_dtype))
