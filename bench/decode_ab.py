@@ -11,10 +11,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
-- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
-- "pdl-early": launch_dependents before griddepcontrol.wait (kernels/pdl.py EARLY_TRIGGER); "+prefetch":
-  the GEMVs pull their weight slabs into L2 before their wait; "+qkv-gemv" / "qkv-gemv": QKV on the
-  split-K GEMV instead of cuBLAS.
+- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
 GEMV too, which was slower than cuBLAS.)
@@ -40,13 +37,9 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-_FUSED = dict(front=True, kv=True, gemv=True, use_pdl=True, fp8="", early=False, prefetch=False, qkv_gemv=False)
-VARIANTS = {"unfused": dict(_FUSED, front=False, kv=False, gemv=False, use_pdl=False),
-            "fused": dict(_FUSED, use_pdl=False), "fused+pdl": _FUSED,
-            "fp8-lm-head": dict(_FUSED, fp8="lm_head"), "fp8-dense": dict(_FUSED, fp8="all"),
-            "pdl-early": dict(_FUSED, early=True), "pdl-early+prefetch": dict(_FUSED, early=True, prefetch=True),
-            "pdl-early+prefetch+qkv-gemv": dict(_FUSED, early=True, prefetch=True, qkv_gemv=True),
-            "qkv-gemv": dict(_FUSED, qkv_gemv=True)}
+VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
+            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -73,14 +66,12 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, early: bool,
-                prefetch: bool, qkv_gemv: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
-        layer.self_attn.qkv_gemv = qkv_gemv
     h.model.backend.fuse_kv_write = kv
-    pdl.ENABLED, pdl.EARLY_TRIGGER, pdl.WEIGHT_PREFETCH = use_pdl, early, prefetch
+    pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
         if not hasattr(h, "dense_weights"):
             h.dense_weights = DenseWeights(h.model)
@@ -104,7 +95,8 @@ def run(name: str, args) -> dict:
     h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb)
     out = {"variants": {}}
     for variant in args.variants:
-        set_variant(h, **VARIANTS[variant])
+        flags = VARIANTS[variant]
+        set_variant(h, *flags)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

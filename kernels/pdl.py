@@ -12,11 +12,6 @@ first, nothing is read or written early: only the launch latency overlaps.
 ENABLED, the device is SM90+ and this Triton has the GDC intrinsics; off elsewhere (CPU, the
 interpreter), and only while a CUDA graph is being captured unless CAPTURE_ONLY is False. Set
 ENABLED = False to compare (bench/decode_ab.py).
-
-EARLY_TRIGGER (experiment, bench/decode_ab "pdl-early*"): launch_dependents *before* the wait, so the
-next kernel's blocks can be resident while this one runs. Still correct: every kernel waits before it
-reads anything a predecessor writes; what a kernel may do before its wait is read memory no kernel of
-the step writes: the GEMVs (WEIGHT_PREFETCH) then start pulling their weight slabs into L2.
 """
 
 from __future__ import annotations
@@ -48,26 +43,11 @@ CAPTURE_ONLY = True
 _CAPABLE: dict = {}
 
 
-EARLY_TRIGGER = False
-WEIGHT_PREFETCH = False
-
-
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """PDL = 0: nothing; 1: wait, then let the next kernel launch; 2 (EARLY_TRIGGER): the other way round."""
-    if PDL == 2:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """prefetch.global.L2::evict_last of the 128-byte lines at `ptrs` (any shape; addresses must be valid)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 def active(t: torch.Tensor) -> bool:
@@ -83,9 +63,4 @@ def active(t: torch.Tensor) -> bool:
 def launch(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on `t`'s device: the PDL constexpr, and launch_pdl when on."""
     on = active(t)
-    return {"PDL": 2 if EARLY_TRIGGER else 1, "launch_pdl": True} if on else {"PDL": 0}
-
-
-def prefetch_weights(t: torch.Tensor) -> bool:
-    """Whether a GEMV launched now may prefetch its (step-invariant) weights before its PDL wait."""
-    return WEIGHT_PREFETCH and active(t)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

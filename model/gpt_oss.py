@@ -88,16 +88,10 @@ class AttentionBlock(nn.Module):
         # These are the GEMV's per-block tickets; decode_gemv=False: always F.linear (to compare).
         self.decode_gemv = True
         self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
-        # QKV on the GEMV too (off: cuBLAS measured faster; bench/decode_ab's qkv-gemv variants turn it on)
-        self.qkv_gemv = False
-        self.register_buffer("qkv_gemv_tickets", layers.gemv_tickets(qkv_out, device), persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_gemv and isinstance(self.qkv_proj, nn.Linear):
-            qkv = layers.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, self.qkv_gemv_tickets)
-        else:
-            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
         # q [T, Hq, Dh], k / v [T, Hkv, Dh]; q and k rotated (cos/sin cast to x's dtype first, as the reference does)
         # the backend may let the rotary kernel write k/v into its paged cache (one launch instead of two)
         dest = self.backend.kv_destination(self.layer)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
-from kernels.pdl import pdl_prologue, prefetch_l2
+from kernels.pdl import pdl_prologue
 
 GEMV_MAX_TOKENS = 64  # one [BLOCK_N, 128] x [128, BLOCK_T <= 64] dot per step
 QBLOCK = 128  # the quantization block along K (and N for the weights)
@@ -40,20 +40,16 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, waves=2, num_warps=4, num_stages=4)
 def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k,
                      stride_x, stride_w, stride_sw, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
-                     SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                     SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    kb0 = split * KB_PER_SPLIT
-    if PREFETCH_LINES:  # the weights are no predecessor's output: pull this program's slab into L2 first
-        rows = tl.minimum(offs_n, n - 1).to(tl.int64)
-        cols = tl.minimum(kb0 * 128 + tl.arange(0, PREFETCH_LINES) * 128, NUM_KB * 128 - 1)
-        prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
-    pdl_prologue(PDL)
     offs_t = tl.arange(0, BLOCK_T)
     n_ok = offs_n < n
     t_ok = offs_t < num_tokens
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     sw_row = sw_ptr + (nb * BLOCK_N // 128) * stride_sw  # BLOCK_N divides 128: one weight scale per step
+    kb0 = split * KB_PER_SPLIT
     for kb in range(kb0, tl.minimum(kb0 + KB_PER_SPLIT, NUM_KB)):
         offs_k = kb * 128 + tl.arange(0, 128)
         w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=n_ok[:, None], other=0.0)
@@ -122,7 +118,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,
         x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per, SPLIT_K=splits,
-        DOT_F16=x.is_cuda, PREFETCH_LINES=triton.next_power_of_2(per) if pdl.prefetch_weights(x) else 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
+        DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y
 
 

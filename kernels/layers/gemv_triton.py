@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N, gemv_tickets
-from kernels.pdl import pdl_prologue, prefetch_l2
+from kernels.pdl import pdl_prologue
 
 GEMV_MAX_TOKENS = 16
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N  # tickets are sized for this, so any BLOCK_N >= 16 fits them
@@ -34,20 +34,15 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, waves=2, num_warps=4, num_stages=
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k, k_per_split,
                  stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_BF16: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
+                 PDL: tl.constexpr):
+    pdl_prologue(PDL)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = split * k_per_split
-    if PREFETCH_LINES:  # the weights are no predecessor's output: pull this program's slab into L2 first
-        rows = tl.minimum(offs_n, n - 1).to(tl.int64)
-        last = tl.minimum(k_start + k_per_split, k) - 1
-        cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, last)
-        prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
-    pdl_prologue(PDL)
     offs_t = tl.arange(0, BLOCK_T)
     n_ok = offs_n < n
     t_ok = offs_t < num_tokens
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k
@@ -108,7 +103,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
         x, weight, bias if bias is not None else weight, y, partial, tickets, t, n, k, per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=splits, DOT_BF16=x.is_cuda and x.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(per * weight.element_size(), 128)) if pdl.prefetch_weights(x) else 0,
-        LINE=128 // weight.element_size(), **pdl.launch(x))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

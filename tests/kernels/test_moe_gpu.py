@@ -327,8 +327,7 @@ def test_fused_front_in_cuda_graph(experts20):
 
 def test_pdl_launches_change_nothing(experts20):
     """The decode MoE chain (front, GEMMs, SwiGLU, combine) and the O GEMV captured in a CUDA graph with
-    programmatic dependent launch (kernels/pdl.py) and without, and with the early trigger + the GEMV's
-    weight prefetch before its wait: bitwise the same outputs."""
+    programmatic dependent launch (kernels/pdl.py) and without: bitwise the same outputs."""
     from kernels import pdl
     from kernels.layers import gemv_triton
 
@@ -345,10 +344,10 @@ def test_pdl_launches_change_nothing(experts20):
         return fp8.routed_forward(x + gemv_triton.gemv(o_in, wo, None, tickets), w, b, K)
 
     outs = {}
-    saved = pdl.ENABLED, pdl.EARLY_TRIGGER, pdl.WEIGHT_PREFETCH
+    enabled = pdl.ENABLED
     try:
-        for on in (False, True, "early"):
-            pdl.ENABLED, pdl.EARLY_TRIGGER, pdl.WEIGHT_PREFETCH = bool(on), on == "early", on == "early"
+        for on in (False, True):
+            pdl.ENABLED = on
             chain()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -357,9 +356,9 @@ def test_pdl_launches_change_nothing(experts20):
             torch.cuda.synchronize()
             outs[on] = out.clone()
     finally:
-        pdl.ENABLED, pdl.EARLY_TRIGGER, pdl.WEIGHT_PREFETCH = saved
+        pdl.ENABLED = enabled
     assert pdl.HAVE_GDC, "this Triton lacks the GDC intrinsics: PDL never runs"
-    assert torch.equal(outs[True], outs[False]) and torch.equal(outs["early"], outs[False])
+    assert torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.parametrize("t", [1, 4, 13])
