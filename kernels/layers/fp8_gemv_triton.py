@@ -12,9 +12,9 @@ inside every program (x is a few kB) and ran 34 us per call where bf16 weights t
 reduction and 2048 IEEE divisions per 128-deep step left the kernel instruction-bound. The fp8 -> fp16
 conversion is one instruction per two weights.
 
-Same split-K scheme as gemv_triton (bf16): grid (N blocks, K splits), fp32 partial sums, and the last
-program of each N block (atomic ticket, reset by it) sums the splits in a fixed order, adds the bias
-and rounds once. Halving the weight bytes is the point: at batch 1 the QKV, O and unembedding weights
+Same split-K scheme as gemv_triton (bf16), sharing its epilogue (`finish_split_k`): grid (N blocks, K
+splits), fp32 partial sums, and the last program of each N block (atomic ticket, reset by it) sums the
+splits in a fixed order, adds the bias and rounds once. Halving the weight bytes is the point: at batch 1 the QKV, O and unembedding weights
 are 2.4 of the 20b step's 4.9 GB in bf16.
 Twin: fp8_linear.reference (dequantized weights, fp32 matmul, + bias, one rounding).
 
@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
+from kernels.layers.gemv_triton import finish_split_k
 from kernels.pdl import pdl_prologue
 
 GEMV_MAX_TOKENS = 64  # one [BLOCK_N, 128] x [128, BLOCK_T <= 64] dot per step
@@ -61,25 +62,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_pt
         else:  # Triton's interpreter: fp32 operands (the same exact products)
             part = tl.dot(w.to(tl.float32), xh.to(tl.float32), input_precision="ieee")
         acc += part * tl.load(sw_row + kb)
-    if SPLIT_K == 1:  # the whole K in this program (wide N, e.g. the unembedding): no partial round trip
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_t[None, :] * stride_y + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & t_ok[None, :])
-        return
-    slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
-    tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
-    tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
-    ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel")
-    if ticket == SPLIT_K - 1:
-        tl.store(tickets_ptr + nb, 0)  # ready for the next call (CUDA-graph replays included)
-        total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):  # fixed order
-            total += tl.load(slab + s * n * BLOCK_T, mask=n_ok[:, None] & t_ok[None, :], other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_t[None, :] * stride_y + offs_n[:, None], total.to(y_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & t_ok[None, :])
+    finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
+                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
 
 
 def num_splits(n: int, num_kb: int, num_sms: int, config: dict) -> tuple[int, int]:

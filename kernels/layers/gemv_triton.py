@@ -53,19 +53,36 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_token
             acc = tl.dot(w, xt, acc)
         else:  # Triton's interpreter multiplies bf16 dot operands as raw integers: fp32 there
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
-    tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
-    tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
-    ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel")
-    if ticket == SPLIT_K - 1:
-        tl.store(tickets_ptr + nb, 0)  # ready for the next call (CUDA-graph replays included)
-        total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):  # fixed order
-            total += tl.load(slab + s * n * BLOCK_T, mask=n_ok[:, None] & t_ok[None, :], other=0.0, cache_modifier=".cg")
+    finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
+                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
+
+
+@triton.jit
+def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The split-K GEMVs' epilogue: acc [BLOCK_N, BLOCK_T] holds this program's fp32 sums of y^T. With one
+    split, + bias and store; else store the partial, and the last program of the N block (atomic ticket,
+    reset by it) sums the S partials in a fixed order, adds the bias and rounds once."""
+    n_ok = offs_n < n
+    out_ok = n_ok[:, None] & (offs_t < num_tokens)[None, :]
+    y_ptrs = y_ptr + offs_t[None, :] * stride_y + offs_n[:, None]
+    if SPLIT_K == 1:  # the whole K in this program (wide N, e.g. the unembedding): no partial round trip
         if HAS_BIAS:
-            total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + offs_t[None, :] * stride_y + offs_n[:, None], total.to(y_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & t_ok[None, :])
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
+        tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
+        tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
+        ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tl.store(tickets_ptr + nb, 0)  # ready for the next call (CUDA-graph replays included)
+            total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order
+                total += tl.load(slab + s * n * BLOCK_T, mask=out_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
 new_tickets = gemv_tickets  # per-N-block ticket counters for a projection with N outputs
@@ -97,7 +114,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
         _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
     splits, per = num_splits(n, k, _SMS[x.device], cfg)
     block_t = 16
-    partial = torch.empty(splits, n, block_t, dtype=torch.float32, device=x.device)
+    partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, bias if bias is not None else weight, y, partial, tickets, t, n, k, per,

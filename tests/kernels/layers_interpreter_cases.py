@@ -66,7 +66,7 @@ def test_rotary_qkv_writes_the_paged_cache(t, hq, hkv, dh, page, dtype):
 
 
 # (T, N, K): one token over a QKV-like width, awkward N and K (partial blocks), the largest batch
-@pytest.mark.parametrize("t,n,k", [(1, 320, 200), (5, 100, 300), (16, 48, 1000)])
+@pytest.mark.parametrize("t,n,k", [(1, 320, 200), (5, 100, 300), (16, 48, 1000), (3, 1100, 256)])  # last: one K split
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_gemv_matches_linear(t, n, k, with_bias):
     from kernels.layers import gemv_triton
