@@ -397,9 +397,12 @@ class LLMEngine:
         t4 = time.perf_counter()
         now = time.monotonic()
         deltas = []
+        decoding = {id(s.seq) for s in step.out.scheduled if not s.is_prefill}
+        decoded = 0  # decode tokens delivered: rows dropped below were computed but generate nothing
         for i, seq in enumerate(step.rows):
             if seq.is_finished:  # aborted, or stopped by the step before (this one ran ahead for nothing)
                 continue
+            decoded += id(seq) in decoding
             lp = None
             if seq.sampling.logprobs is not None:
                 n = seq.sampling.logprobs
@@ -419,7 +422,7 @@ class LLMEngine:
         times.forward += t4 - t3
         times.update += time.perf_counter() - t4
         out = step.out
-        self.metrics.record_step(out.num_prefill_tokens, out.num_decode_tokens, len(out.preempted), times)
+        self.metrics.record_step(out.num_prefill_tokens, decoded, len(out.preempted), times)
         self._update_state_metrics()
         return deltas
 

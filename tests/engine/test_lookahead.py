@@ -54,6 +54,9 @@ def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
     assert ahead == sync  # ids, logprobs, finish reasons, and one delta per token
     assert ahead["stop"]["finish"] == FINISH_STOP and ahead["stop"]["ids"][-1] == stop
     assert engine.lookahead_steps > 0
+    # decode tokens count what was generated: the row computed ahead for the stopped request is not one
+    generated = sum(len(r["ids"]) - 1 for r in ahead.values())  # each request's first token came from prefill
+    assert engine.metrics.snapshot()["decode_tokens_total"] == generated
     registry = CollectorRegistry()  # the counter reaches Prometheus
     registry.register(PrometheusCollector(engine.metrics))
     assert registry.get_sample_value("gptoss_engine_lookahead_steps_total") == engine.lookahead_steps
