@@ -163,7 +163,8 @@ def cmd_generate(args) -> int:
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                              seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                              logprobs=args.logprobs)
     engine = LLMEngine.from_checkpoint(folder, config)  # with --tp/--ep > 1: spawns ranks 1..N-1
     requests = [GenerateRequest(str(i), ids, sampling) for i, ids in enumerate(prompts)]
     encoding = load_harmony_encoding()
@@ -174,8 +175,11 @@ def cmd_generate(args) -> int:
     for completion in completions:
         text = encoding.decode(completion.output_ids)
         if args.json:
-            print(json.dumps({"prompt_ids": completion.prompt_ids, "output_ids": completion.output_ids,
-                              "text": text, "finish_reason": completion.finish_reason}), flush=True)
+            line = {"prompt_ids": completion.prompt_ids, "output_ids": completion.output_ids, "text": text,
+                    "finish_reason": completion.finish_reason}
+            if args.logprobs is not None:  # per output token: its logprob and the top N (id, logprob)
+                line["logprobs"] = [{"logprob": lp.logprob, "top": lp.top} for lp in completion.logprobs]
+            print(json.dumps(line), flush=True)
         else:
             print(f"[{completion.request_id}] ({completion.finish_reason}, {len(completion.output_ids)} tokens) "
                   f"{text}", flush=True)
@@ -211,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, help="per-request sampling seed (every prompt uses it)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at Harmony's <|return|> / <|call|>")
+    gen.add_argument("--logprobs", type=int, help="with --json: each output token's logprob and the top N (0-20)")
     gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")

@@ -141,3 +141,30 @@ def test_convert_writes_an_fp8_checkpoint(tiny, tmp_path):
         with safe_open(tmp_path / "fp8" / index["weight_map"][name], "pt") as f:
             dtypes.add(str(f.get_tensor(name).dtype))
     assert "torch.float8_e4m3fn" in dtypes
+
+
+def test_generate_with_an_fp8_unembedding_scores_with_that_model(tiny):
+    """--lm-head-dtype fp8_e4m3 reaches the engine: the tokens and logprobs --json prints equal an in-process
+    engine's with the FP8 unembedding, and the logprobs differ from the exact model's by its rounding."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import GenerateRequest, SamplingParams
+
+    prompt, n = [11, 12, 13, 14], 6
+    done = gptoss("generate", str(tiny / "a"), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n),
+                  "--json", "--logprobs", "2", "--lm-head-dtype", "fp8_e4m3")
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.splitlines()[0])
+    assert len(line["logprobs"]) == n and all(len(lp["top"]) == 2 for lp in line["logprobs"])
+
+    def run(lm_head_dtype: str):
+        engine = LLMEngine.from_checkpoint(tiny / "a", EngineConfig(max_model_len=64, lm_head_dtype=lm_head_dtype))
+        (out,) = engine.generate([GenerateRequest("0", prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                                logprobs=2))])
+        return out.output_ids, [lp.logprob for lp in out.logprobs]
+
+    ids, logprobs = run("fp8_e4m3")
+    assert line["output_ids"] == ids
+    assert [lp["logprob"] for lp in line["logprobs"]] == pytest.approx(logprobs, abs=1e-5)
+    _, exact = run("auto")
+    assert max(abs(a - b) for a, b in zip(logprobs, exact)) > 1e-4  # the FP8 unembedding is what ran
