@@ -125,6 +125,10 @@ def test_engine_config_mapping():
     assert fp8.kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ServeConfigError):
         ServeAppConfig.from_args(serve_run_args("kv_cache_dtype=fp8"))
+    assert engine.lm_head_dtype == "auto"
+    assert ServeAppConfig.from_args(serve_run_args("lm_head_dtype=fp8_e4m3")).engine_config("cpu").lm_head_dtype == "fp8_e4m3"
+    with pytest.raises(ServeConfigError):
+        ServeAppConfig.from_args(serve_run_args("lm_head_dtype=int8"))
 
 
 def test_gpu_replica_reserves_one_bundle_per_gpu_strict_pack():
