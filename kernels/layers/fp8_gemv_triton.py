@@ -14,8 +14,9 @@ conversion is one instruction per two weights.
 
 Same split-K scheme as gemv_triton (bf16), sharing its epilogue (`finish_split_k`): grid (N blocks, K
 splits), fp32 partial sums, and the last program of each N block (atomic ticket, reset by it) sums the
-splits in a fixed order, adds the bias and rounds once. Halving the weight bytes is the point: at batch 1 the QKV, O and unembedding weights
-are 2.4 of the 20b step's 4.9 GB in bf16.
+splits in a fixed order, adds the bias and rounds once. Halving the weight bytes is the point: the
+unembedding (1.16 GB in bf16) streams at 3.4-3.9 TB/s here, 1.6-1.8x cuBLAS's time at <= 16 tokens
+(bench/results/gemv_fp8_h200.json, kernels/layers/NOTES.md).
 Twin: fp8_linear.reference (dequantized weights, fp32 matmul, + bias, one rounding).
 
 `dequantize` writes the exact bf16 image of an FP8 weight (power-of-two block scales) for cuBLAS at T > 64.
