@@ -253,6 +253,26 @@ def test_cli_generate_tp2_matches_one_process(checkpoint, single):
         assert line["output_ids"] == single["ids"][r.request_id][:6]
 
 
+def test_cli_generate_tp2_with_an_fp8_unembedding_matches_one_process(tmp_path):
+    """lm_head_dtype="fp8_e4m3" over TP2: each rank rounds its vocabulary rows to FP8. With shards of whole
+    128-row blocks (vocab 1024 here) the blocks, so the rounding, are world 1's: same tokens and logprobs.
+    (gpt-oss's 201088 rows split into 100544 or 50272, not multiples of 128: there the blocks and the
+    FP8 rounding, not the model, differ slightly between TP sizes.)"""
+    make_tiny(tmp_path, **dict(TINY, vocab_size=1024))
+    prompt, n = [5, 6, 7, 8, 9], 6
+    done = subprocess.run([sys.executable, "-m", "engine.cli", "generate", str(tmp_path), "--prompt-ids",
+                           ",".join(map(str, prompt)), "--tp", "2", "--max-tokens", str(n), "--json", "--logprobs", "1",
+                           "--lm-head-dtype", "fp8_e4m3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout.splitlines()[0])
+    engine = LLMEngine.from_checkpoint(tmp_path, EngineConfig(max_model_len=64, lm_head_dtype="fp8_e4m3"))
+    assert type(engine.model.lm_head).__name__ == "Fp8Linear"
+    (out,) = engine.generate([GenerateRequest("0", prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1))])
+    assert line["output_ids"] == out.output_ids
+    for got, want in zip(line["logprobs"], out.logprobs):
+        assert abs(got["logprob"] - want.logprob) < 1e-4
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--tp", "8"], "num_key_value_heads=4 is not divisible by tp=8"),
     (["--ep", "3"], "num_local_experts=8 is not divisible by ep=3"),
