@@ -1,6 +1,7 @@
 """Benchmark: K/V hand-off prefill -> decode over CUDA IPC vs. staging through host memory (one GPU node).
 
     python -m bench.kv_transfer [--prompts 1024,8192,32768] [--json out.json]
+    python -m bench.kv_transfer --prefill-device cuda:0 --decode-device cuda:2   (across GPUs; not run yet)
 
 Payloads have gpt-oss-120b's K/V shapes (36 layers alternating sliding/full, 8 KV heads x 64, bf16; the
 sliding layers carry only their last 127 tokens). A spawned process plays the prefill replica: it packs
@@ -36,11 +37,11 @@ def make_payload(prompt_len: int, device: str) -> PrefilledKV:
     return PrefilledKV("bench", list(range(prompt_len)), [1], [], 0, prompt_len, start, list(LAYERS), ks, vs)
 
 
-def _prefill_side(jobs, results) -> None:
-    transport = CudaIpcTransport("cuda:0", arena_bytes=1)
+def _prefill_side(device: str, jobs, results) -> None:
+    transport = CudaIpcTransport(device, arena_bytes=1)
     while (job := jobs.get()) is not None:
         prompt_len, offer, repeats = job
-        payload = make_payload(prompt_len, "cuda:0")
+        payload = make_payload(prompt_len, device)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -69,14 +70,17 @@ def main() -> None:
     parser.add_argument("--prompts", default="1024,8192,32768")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--prefill-device", default="cuda:0", help="where the prefill side's K/V lives")
+    parser.add_argument("--decode-device", default="cuda:0",
+                        help="where the decode side's arena lives (another GPU: the hand-off crosses NVLink)")
     args = parser.parse_args()
     ctx = torch.multiprocessing.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill_side, args=(jobs, results), daemon=True)
+    proc = ctx.Process(target=_prefill_side, args=(args.prefill_device, jobs, results), daemon=True)
     proc.start()
     prompts = [int(p) for p in args.prompts.split(",")]
     bounds = [payload_upper_bound(p, len(LAYERS), LAYERS, WINDOW, KV_HEADS, HEAD_DIM, torch.bfloat16) for p in prompts]
-    decode = CudaIpcTransport("cuda:0", arena_bytes=max(bounds) + 2**20)
+    decode = CudaIpcTransport(args.decode_device, arena_bytes=max(bounds) + 2**20)
     rows = []
     for prompt_len, bound in zip(prompts, bounds):
         offer = decode.offer(bound)
@@ -102,7 +106,8 @@ def main() -> None:
               f"{r['cuda_ipc_receive_ms']:>9.2f} {r['cuda_ipc_GBps']:>9.1f} {r['host_staging_ms']:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(0), "prefill_device": args.prefill_device,
+                       "decode_device": args.decode_device, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,18 @@ class LLMEngine:
 
         return cls(load_for_engine(folder, config, progress=progress), config)
 
+    @classmethod
+    def with_random_weights(cls, model_config, config: EngineConfig, seed: int = 0) -> "LLMEngine":
+        """An engine over random weights of `model_config`'s shapes (GptOssConfig; benchmarks of the
+        full-size models where no checkpoint is at hand), on config.world_size ranks like from_checkpoint."""
+        if config.world_size > 1:
+            from engine.distributed import launch_engine
+
+            return launch_engine(None, config, model=model_config, seed=seed)
+        from engine.model_factory import random_for_engine
+
+        return cls(random_for_engine(model_config, config, seed=seed), config)
+
     def close(self) -> None:
         """Release the K/V cache and stop the other ranks' workers, if any. The engine is unusable after."""
         self.runner.close()

@@ -173,6 +173,19 @@ def weight_bytes(model: GptOssForCausalLM) -> dict[str, int]:
     return {"experts": experts, "dense": dense}
 
 
+def random_for_engine(model_config: GptOssConfig, config, parallel: Parallel = SINGLE, seed: int = 0) -> GptOssForCausalLM:
+    """What load_for_engine builds, with random weights of `model_config`'s shapes instead of a checkpoint
+    (benchmarks of the full-size models where no checkpoint can be downloaded): this rank's shard,
+    drawn on its device from `seed` (ranks with the same seed draw alike, so shards are not slices of one
+    model: fine for timing, not for comparing logits across TP sizes)."""
+    from model.loader import resolve_dtype
+
+    return build_model(model_config, config.device, resolve_dtype(config.dtype, model_config), config.attention_backend,
+                       config.moe_backend, random_weights=True, seed=seed, parallel=parallel,
+                       max_batch=config.max_num_seqs, max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs,
+                       lm_head_dtype=config.lm_head_dtype)
+
+
 def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
     """The model an engine with EngineConfig `config` runs: this rank's shard of the checkpoint in `folder`,
     with the kernels and buffer sizes the config asks for (the one place that maps EngineConfig to build_model)."""

@@ -181,9 +181,10 @@ class Executor:
         self.workers.kill()
 
     # ---- engines -----------------------------------------------------------------------------------
-    def start_engine(self, folder: str | Path, config: EngineConfig, progress: bool = False,
-                     owns_executor: bool = False):
+    def start_engine(self, folder: str | Path | None, config: EngineConfig, progress: bool = False,
+                     owns_executor: bool = False, model=None, seed: int = 0):
         """Load `folder` on every rank (each reads only its shard) and return rank 0's LLMEngine.
+        folder None: random weights of `model` (a GptOssConfig) drawn from `seed` on every rank.
         owns_executor: the engine's close() also shuts this executor down."""
         from engine.distributed.runner import DistributedRunner
         from engine.llm_engine import LLMEngine
@@ -195,8 +196,10 @@ class Executor:
         if GroupSpec(1, "", config.device).device_of(0) != self.device:
             raise EngineConfigError(f"config.device={config.device!r} but this executor's rank 0 runs on "
                                     f"{self.device}")
-        check_parallel(config, read_config(folder))
-        spec = LoadSpec(str(folder), config)
+        if (folder is None) == (model is None):
+            raise EngineConfigError("give exactly one weight source: a checkpoint folder or model= (random weights)")
+        check_parallel(config, model if folder is None else read_config(folder))
+        spec = LoadSpec(None if folder is None else str(folder), config, model, seed)
         with self.guard("load") as channel:
             channel.send(Op.LOAD, spec)
         try:
@@ -237,15 +240,16 @@ class Executor:
                 Executor._active = None
 
 
-def launch_engine(folder: str | Path, config: EngineConfig, progress: bool = False):
+def launch_engine(folder: str | Path | None, config: EngineConfig, progress: bool = False, model=None, seed: int = 0):
     """An LLMEngine over config.world_size ranks: this process is rank 0, the others are spawned here;
-    engine.close() stops them. Configuration errors surface before any process starts."""
+    engine.close() stops them. Configuration errors surface before any process starts. folder None:
+    random weights of `model` (a GptOssConfig), see Executor.start_engine."""
     from model.loader import read_config
 
-    check_parallel(config, read_config(folder))
+    check_parallel(config, model if folder is None else read_config(folder))
     executor = Executor.spawn(config.world_size, config.device)
     try:
-        return executor.start_engine(folder, config, progress, owns_executor=True)
+        return executor.start_engine(folder, config, progress, owns_executor=True, model=model, seed=seed)
     except BaseException:
         executor.shutdown()
         raise

@@ -18,7 +18,7 @@ import datetime
 import os
 import traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,13 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """What LOAD carries: every rank loads its shard of `folder` with these settings."""
+    """What LOAD carries: every rank loads its shard of `folder` with these settings; with folder None,
+    random weights of `model`'s shapes drawn from `seed` (engine/model_factory.random_for_engine)."""
 
-    folder: str
+    folder: str | None
     config: EngineConfig
+    model: Any = None  # GptOssConfig, for random weights
+    seed: int = 0
 
 
 def load_shard(spec: LoadSpec, rank: int, device: torch.device, progress: bool = False):
@@ -68,13 +71,14 @@ def load_shard(spec: LoadSpec, rank: int, device: torch.device, progress: bool =
     with the kernels the config picks for the device."""
     from dataclasses import replace
 
-    from engine.model_factory import load_for_engine
+    from engine.model_factory import load_for_engine, random_for_engine
     from model.parallel import Parallel
 
-    c = spec.config
-    # every rank builds for its own device (rank 0's config names rank 0's)
-    return load_for_engine(spec.folder, replace(c, device=str(device)),
-                           Parallel(tp_size=c.tp_size, ep_size=c.ep_size, rank=rank), progress)
+    c = replace(spec.config, device=str(device))  # every rank builds for its own device (rank 0's config names rank 0's)
+    parallel = Parallel(tp_size=c.tp_size, ep_size=c.ep_size, rank=rank)
+    if spec.folder is None:
+        return random_for_engine(spec.model, c, parallel, spec.seed)
+    return load_for_engine(spec.folder, c, parallel, progress)
 
 
 def join_group(spec: GroupSpec, rank: int, device: torch.device) -> ControlChannel:

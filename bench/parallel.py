@@ -1,0 +1,165 @@
+"""One model instance over several GPUs (issue 10): TP/EP splits through LLMEngine, random weights of the
+real shapes (no checkpoint download here), measured end to end on the host.
+
+    python -m bench.parallel --model gpt-oss-120b --splits 4x4,4x1,1x4 --device cuda \\
+        --out bench/results/parallel_h200x4.json                        (a 4-GPU host)
+    python -m bench.parallel --tiny --device cpu --splits 1x1,2x2       (CPU smoke run over gloo)
+
+Per split TPxEP (max(TP, EP) ranks, one process and one device each; engine/distributed): engine build
+seconds, then
+- b1: one request alone, --b1-in prompt tokens and --b1-out output tokens: TTFT and ms per output token
+  (host work included; the target for 120b on 4 GPUs is >= 800 tok/s for the replica);
+- prefill: one --prefill-len prompt, max_tokens=1: time to its token;
+- throughput: --batch requests of --tp-in / --tp-out tokens at once: output tok/s for the replica and
+  per GPU.
+Random weights: every rank draws its shard from the same seed, so shards are not slices of one model;
+the timings do not depend on it. Correctness over ranks is tests/engine/test_parallel_engine.py.
+Not covered here: DP (two replicas of TP2/EP2: two processes of this command on disjoint devices) and
+prefill on some GPUs with decode on others (bench/kv_transfer.py times the GPU-direct hand-off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerateRequest, SamplingParams
+from model.config import GptOssConfig
+
+
+def tiny_shapes() -> GptOssConfig:
+    return GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=512, hidden_size=64, intermediate_size=96,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def timed_single(engine: LLMEngine, ids: list[int], max_tokens: int) -> dict:
+    """One request alone, stepped here: TTFT and the mean time between its later tokens."""
+    engine.add_request(GenerateRequest(f"single{time.monotonic_ns()}", ids, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+    times = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for d in engine.step():
+            times += [time.perf_counter()] * len(d.token_ids)
+    point = {"in_len": len(ids), "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t0)}
+    if len(times) > 1:
+        tpot = (times[-1] - times[0]) / (len(times) - 1)
+        point.update(tpot_ms=1e3 * tpot, tok_s_user=1 / tpot)
+    return point
+
+
+def throughput(engine: LLMEngine, batch: int, in_len: int, out_len: int, vocab: int, world: int) -> dict:
+    reqs = [GenerateRequest(f"t{i}", prompt(in_len, vocab, 100 + i), SamplingParams(
+        temperature=0.0, max_tokens=out_len, ignore_eos=True)) for i in range(batch)]
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.output_ids) for o in outs)
+    return {"requests": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall, "output_tok_s": tokens / wall,
+            "output_tok_s_per_gpu": tokens / wall / world}
+
+
+def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
+    world = max(tp, ep)
+    longest = max(args.prefill_len + 1, args.b1_in + args.b1_out, args.tp_in + args.tp_out)
+    config = EngineConfig(device=args.device, dtype=args.dtype, tp_size=tp, ep_size=ep, max_num_seqs=args.batch,
+                          max_num_batched_tokens=max(args.chunk, args.batch), max_model_len=longest,
+                          kv_cache_dtype=args.kv_cache_dtype, lm_head_dtype=args.lm_head_dtype,
+                          cuda_graphs=args.device.startswith("cuda") and (world == 1 or args.graphs_over_ranks),
+                          kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
+    t0 = time.perf_counter()
+    engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
+    rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "build_s": time.perf_counter() - t0,
+           "cuda_graphs": config.cuda_graphs, "async_decode": engine.async_decode,
+           "full_pages": engine.block_manager.usage()["full_pages_total"]}
+    try:
+        timed_single(engine, prompt(16, shapes.vocab_size, 1), 4)  # warm-up: first launches, JIT, graphs
+        rec["b1"] = timed_single(engine, prompt(args.b1_in, shapes.vocab_size, 2), args.b1_out)
+        rec["prefill"] = timed_single(engine, prompt(args.prefill_len, shapes.vocab_size, 3), 1)
+        rec["throughput"] = throughput(engine, args.batch, args.tp_in, args.tp_out, shapes.vocab_size, world)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    b1, tput = rec["b1"], rec["throughput"]
+    print(f"[{rec['split']}] build {rec['build_s']:.1f} s | b1 TTFT {b1['ttft_ms']:.1f} ms, {b1.get('tok_s_user', 0):.0f} "
+          f"tok/s | prefill {args.prefill_len}: {rec['prefill']['ttft_ms']:.1f} ms | {tput['requests']} x "
+          f"{tput['in_len']}/{tput['out_len']}: {tput['output_tok_s']:.0f} tok/s ({tput['output_tok_s_per_gpu']:.0f} "
+          f"per GPU)", flush=True)
+    return rec
+
+
+def parse_splits(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        tp, _, ep = part.partition("x")
+        if not (tp.isdigit() and ep.isdigit()):
+            raise argparse.ArgumentTypeError(f"splits are TPxEP, e.g. 4x4,2x2; got {part!r}")
+        out.append((int(tp), int(ep)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt-oss-120b", help="a preset (real shapes, random weights)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke run)")
+    p.add_argument("--splits", type=parse_splits, default=parse_splits("4x4,4x1,1x4"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"))
+    p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"))
+    p.add_argument("--kv-cache-mb", type=int, help="K/V budget per rank (default: the engine's)")
+    p.add_argument("--graphs-over-ranks", action="store_true", help="decode CUDA graphs with several ranks too")
+    p.add_argument("--b1-in", type=int, default=1024)
+    p.add_argument("--b1-out", type=int, default=256)
+    p.add_argument("--prefill-len", type=int, default=8192)
+    p.add_argument("--tp-in", type=int, default=1024)
+    p.add_argument("--tp-out", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=256, help="requests of the throughput run (and max_num_seqs)")
+    p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/parallel.json")
+    args = p.parse_args(argv)
+    if args.tiny:
+        shapes = tiny_shapes()
+        args.b1_in, args.b1_out, args.prefill_len, args.tp_in, args.tp_out = 24, 8, 48, 16, 8
+        args.batch, args.chunk = min(args.batch, 4), min(args.chunk, 64)
+    else:
+        shapes = GptOssConfig.preset(args.model)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "tiny" if args.tiny else args.model,
+               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "gpus_visible": torch.cuda.device_count(), "torch": torch.__version__,
+               "args": {k: v for k, v in vars(args).items() if k != "splits"},
+               "splits": [f"{tp}x{ep}" for tp, ep in args.splits], "runs": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for tp, ep in args.splits:
+        results["runs"].append(run_split(shapes, tp, ep, args))
+        out.write_text(json.dumps(results, indent=1))
+    print(f"\n{'split':10s} {'GPUs':>4s} {'b1 tok/s':>9s} {'b1 TTFT ms':>10s} {'prefill ms':>10s} {'tput tok/s':>10s} "
+          f"{'per GPU':>8s}")
+    for r in results["runs"]:
+        print(f"{r['split']:10s} {r['gpus']:4d} {r['b1'].get('tok_s_user', 0):9.0f} {r['b1']['ttft_ms']:10.1f} "
+              f"{r['prefill']['ttft_ms']:10.1f} {r['throughput']['output_tok_s']:10.0f} "
+              f"{r['throughput']['output_tok_s_per_gpu']:8.0f}")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

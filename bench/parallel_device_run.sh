@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call on a multi-GPU host for issue 10 (repo root; carry .whl .jit .dg_src; kind nvidia-h200-x4,
+# or -x2 with SPLITS=2x2,2x1,1x2):
+#  1. the NCCL tests: TP/EP over 2 and 4 GPUs against one process (tests/engine/test_parallel_engine.py -m gpu);
+#  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b);
+#  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s).
+#   LIMIT_S (default 560) bounds the whole script; extra args go to bench.parallel.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LIMIT_S=${LIMIT_S:-560}
+start=$(date +%s)
+source scripts/device_env.sh
+nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
+timeout 180 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/engine/test_parallel_engine.py > "$OUT/tests.log" 2>&1
+echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
+left=$(( LIMIT_S - ($(date +%s) - start) - 60 ))
+timeout "$left" python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" --splits "${SPLITS:-4x4,4x1,1x4}" \
+    --out "$OUT/parallel.json" "$@" > "$OUT/parallel.log" 2>&1
+echo "bench.parallel exit $? after $(( $(date +%s) - start )) s"
+timeout 45 python3 -m bench.kv_transfer --json "$OUT/kv_transfer.json" --decode-device "cuda:$(( $(nvidia-smi -L | wc -l) - 1 ))" \
+    > "$OUT/kv_transfer.log" 2>&1
+echo "kv_transfer exit $?"
+pack_logs
+grep -vE "Warn|warn" "$OUT/parallel.log" | tail -12
+tail -5 "$OUT/kv_transfer.log"
