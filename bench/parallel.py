@@ -15,7 +15,7 @@ seconds, then
 Random weights: every rank draws its shard from the same seed, so shards are not slices of one model;
 the timings do not depend on it. Correctness over ranks is tests/engine/test_parallel_engine.py.
 Not covered here: DP (two replicas of TP2/EP2: two processes of this command on disjoint devices) and
-prefill on some GPUs with decode on others (bench/kv_transfer.py times the GPU-direct hand-off).
+prefill on some GPUs with decode on others (bench/disaggregated.py).
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ def timed_single(engine: LLMEngine, ids: list[int], max_tokens: int) -> dict:
     """One request alone, stepped here: TTFT and the mean time between its later tokens."""
     engine.add_request(GenerateRequest(f"single{time.monotonic_ns()}", ids, SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
-    times = []
+    times, out = [], []
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for d in engine.step():
             times += [time.perf_counter()] * len(d.token_ids)
-    point = {"in_len": len(ids), "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t0)}
+            out += d.token_ids
+    point = {"in_len": len(ids), "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t0), "output_ids": out}
     if len(times) > 1:
         tpot = (times[-1] - times[0]) / (len(times) - 1)
         point.update(tpot_ms=1e3 * tpot, tok_s_user=1 / tpot)

@@ -3,7 +3,9 @@
 # or -x2 with SPLITS=2x2,2x1,1x2):
 #  1. the NCCL tests: TP/EP over 2 and 4 GPUs against one process (tests/engine/test_parallel_engine.py -m gpu);
 #  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b);
-#  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s).
+#  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s, GPU 0 -> the last GPU);
+#  4. python -m bench.disaggregated: prefill engine on GPUs 0-1, decode engine on 2-3 (TP2/EP2 each),
+#     TTFT and hand-off against one engine doing both (4 GPUs only).
 #   LIMIT_S (default 560) bounds the whole script; extra args go to bench.parallel.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,6 +22,11 @@ echo "bench.parallel exit $? after $(( $(date +%s) - start )) s"
 timeout 45 python3 -m bench.kv_transfer --json "$OUT/kv_transfer.json" --decode-device "cuda:$(( $(nvidia-smi -L | wc -l) - 1 ))" \
     > "$OUT/kv_transfer.log" 2>&1
 echo "kv_transfer exit $?"
+if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+    timeout 150 python3 -m bench.disaggregated --device cuda --model "${MODEL:-gpt-oss-120b}" --tp 2 --ep 2 \
+        --prefill-device cuda:0 --decode-device cuda:2 --out "$OUT/disaggregated.json" > "$OUT/disaggregated.log" 2>&1
+    echo "disaggregated exit $?"; grep -E "^\[" "$OUT/disaggregated.log" | tail -4
+fi
 pack_logs
 grep -vE "Warn|warn" "$OUT/parallel.log" | tail -12
 tail -5 "$OUT/kv_transfer.log"

@@ -497,3 +497,19 @@ def test_parallel_benchmark_smoke_run(tmp_path):
         assert t["requests"] == 4 and t["output_tok_s"] == pytest.approx(4 * 8 / t["wall_s"])
     with pytest.raises(SystemExit):
         parallel.main(["--tiny", "--device", "cpu", "--splits", "2by2"])
+
+
+def test_disaggregated_benchmark_smoke_run(tmp_path):
+    """bench/disaggregated.py: a prefill engine in a spawned process (TP2/EP2 over its own gloo ranks) hands
+    K/V to this process's decode engine (TP2/EP2); both sides hold the same random model, so the split
+    run generates what the decode engine generates alone."""
+    from bench import disaggregated
+
+    out = tmp_path / "dis.json"
+    assert disaggregated.main(["--tiny", "--device", "cpu", "--tp", "2", "--ep", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["disaggregated"]["in_len"] for r in rows] == [24, 40]
+    for r in rows:
+        d, o = r["disaggregated"], r["one_engine"]
+        assert d["out_len"] == o["out_len"] == 6 and d["kv_bytes"] > 0 and d["ttft_ms"] > 0
+        assert r["same_tokens"] and d["output_ids"] == o["output_ids"]
