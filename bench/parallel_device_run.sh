@@ -15,7 +15,7 @@ source scripts/device_env.sh
 nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
 timeout 180 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/engine/test_parallel_engine.py > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
-left=$(( LIMIT_S - ($(date +%s) - start) - 60 ))
+left=$(( LIMIT_S - ($(date +%s) - start) - 220 ))  # kv_transfer and disaggregated run after it
 timeout "$left" python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" --splits "${SPLITS:-4x4,4x1,1x4}" \
     --out "$OUT/parallel.json" "$@" > "$OUT/parallel.log" 2>&1
 echo "bench.parallel exit $? after $(( $(date +%s) - start )) s"
