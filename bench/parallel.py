@@ -13,7 +13,9 @@ seconds, then
 - throughput: --batch requests of --tp-in / --tp-out tokens at once: output tok/s for the replica and
   per GPU.
 Random weights: every rank draws its shard from the same seed, so shards are not slices of one model;
-the timings do not depend on it. Correctness over ranks is tests/engine/test_parallel_engine.py.
+the timings do not depend on it. Decode CUDA graphs run with one rank only (capturing the same graphs on
+every rank, so their collectives pair up on replay, is not built): splits over several GPUs run eager
+decode steps, which at batch 1 the host's launches bound. Correctness over ranks is tests/engine/test_parallel_engine.py.
 Not covered here: DP (two replicas of TP2/EP2: two processes of this command on disjoint devices) and
 prefill on some GPUs with decode on others (bench/disaggregated.py).
 """
@@ -77,7 +79,8 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
     config = EngineConfig(device=args.device, dtype=args.dtype, tp_size=tp, ep_size=ep, max_num_seqs=args.batch,
                           max_num_batched_tokens=max(args.chunk, args.batch), max_model_len=longest,
                           kv_cache_dtype=args.kv_cache_dtype, lm_head_dtype=args.lm_head_dtype,
-                          cuda_graphs=args.device.startswith("cuda") and (world == 1 or args.graphs_over_ranks),
+                          cuda_graphs=args.device.startswith("cuda") and world == 1,  # one rank only (executor.py)
+                          async_decode=True if args.lookahead else None,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
     t0 = time.perf_counter()
     engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"))
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--kv-cache-mb", type=int, help="K/V budget per rank (default: the engine's)")
-    p.add_argument("--graphs-over-ranks", action="store_true", help="decode CUDA graphs with several ranks too")
+    p.add_argument("--lookahead", action="store_true", help="the decode lookahead with several ranks too (auto: one rank)")
     p.add_argument("--b1-in", type=int, default=1024)
     p.add_argument("--b1-out", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=8192)
