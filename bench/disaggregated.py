@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-from bench.parallel import prompt, timed_single, tiny_shapes
+from bench.e2e import tiny_config
+from bench.e2e_engine_runs import timed_single
+from bench.parallel import prompt
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/disaggregated.json")
     args = p.parse_args(argv)
-    shapes = tiny_shapes() if args.tiny else GptOssConfig.preset(args.model)
+    shapes = tiny_config() if args.tiny else GptOssConfig.preset(args.model)
     prompts = [24, 40] if args.tiny else [int(n) for n in args.prompts.split(",")]
     out_len = 6 if args.tiny else args.out_len
     cuda = args.device.startswith("cuda")

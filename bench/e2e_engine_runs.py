@@ -101,20 +101,31 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def single_request(engine: LLMEngine, h, device, setup: dict, name: str = "b1") -> dict:
-    """One request alone through the engine: TTFT and time per output token, step by step."""
-    prompt = torch.randint(0, h.config.vocab_size, (B1_IN,), generator=torch.Generator().manual_seed(9)).tolist()
-    engine.add_request(GenerateRequest(name, prompt, SamplingParams(temperature=0.0, max_tokens=B1_OUT,
-                                                                    ignore_eos=True)))
-    ahead = engine.lookahead_steps
-    times = []
-    t = time.perf_counter()
+def timed_single(engine: LLMEngine, ids: list[int], max_tokens: int) -> dict:
+    """One request alone, stepped here: TTFT, and the mean time between its later tokens (tpot_ms,
+    tok_s_user) when there are several; its output ids."""
+    engine.add_request(GenerateRequest(f"single{time.monotonic_ns()}", ids, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+    times, out = [], []
+    t0 = time.perf_counter()
     while engine.has_unfinished():
         for d in engine.step():
             times += [time.perf_counter()] * len(d.token_ids)
-    tpot = (times[-1] - times[0]) / (len(times) - 1)
-    point = {"scenario": name, "requests": 1, "in_len": B1_IN, "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t),
-             "tpot_ms": 1e3 * tpot, "tok_s_user": 1 / tpot, "kv_cache_dtype": engine.config.kv_cache_dtype,
+            out += d.token_ids
+    point = {"in_len": len(ids), "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t0), "output_ids": out}
+    if len(times) > 1:
+        tpot = (times[-1] - times[0]) / (len(times) - 1)
+        point.update(tpot_ms=1e3 * tpot, tok_s_user=1 / tpot)
+    return point
+
+
+def single_request(engine: LLMEngine, h, device, setup: dict, name: str = "b1") -> dict:
+    """One request alone through the engine: TTFT and time per output token, step by step."""
+    prompt = torch.randint(0, h.config.vocab_size, (B1_IN,), generator=torch.Generator().manual_seed(9)).tolist()
+    ahead = engine.lookahead_steps
+    timed = timed_single(engine, prompt, B1_OUT)
+    timed.pop("output_ids")
+    point = {"scenario": name, "requests": 1, **timed, "kv_cache_dtype": engine.config.kv_cache_dtype,
              "lm_head_dtype": engine.config.lm_head_dtype,
              "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps - ahead,
              "method": "measured: one request through LLMEngine.step (host work included)", **setup}

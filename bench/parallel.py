@@ -30,36 +30,16 @@ from pathlib import Path
 
 import torch
 
+from bench.e2e import tiny_config
+from bench.e2e_engine_runs import timed_single
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
 from model.config import GptOssConfig
 
 
-def tiny_shapes() -> GptOssConfig:
-    return GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=512, hidden_size=64, intermediate_size=96,
-                        num_attention_heads=8, num_key_value_heads=4, head_dim=16)
-
-
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def timed_single(engine: LLMEngine, ids: list[int], max_tokens: int) -> dict:
-    """One request alone, stepped here: TTFT and the mean time between its later tokens."""
-    engine.add_request(GenerateRequest(f"single{time.monotonic_ns()}", ids, SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
-    times, out = [], []
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        for d in engine.step():
-            times += [time.perf_counter()] * len(d.token_ids)
-            out += d.token_ids
-    point = {"in_len": len(ids), "out_len": len(times), "ttft_ms": 1e3 * (times[0] - t0), "output_ids": out}
-    if len(times) > 1:
-        tpot = (times[-1] - times[0]) / (len(times) - 1)
-        point.update(tpot_ms=1e3 * tpot, tok_s_user=1 / tpot)
-    return point
 
 
 def throughput(engine: LLMEngine, batch: int, in_len: int, out_len: int, vocab: int, world: int) -> dict:
@@ -138,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/parallel.json")
     args = p.parse_args(argv)
     if args.tiny:
-        shapes = tiny_shapes()
+        shapes = tiny_config()
         args.b1_in, args.b1_out, args.prefill_len, args.tp_in, args.tp_out = 24, 8, 48, 16, 8
         args.batch, args.chunk = min(args.batch, 4), min(args.chunk, 64)
     else:

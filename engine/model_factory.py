@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import LM_HEAD_DTYPES
 from model.config import GptOssConfig
 from model.gpt_oss import GptOssForCausalLM
 from model.parallel import SINGLE, Parallel
@@ -107,8 +108,8 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
     lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8)."""
     if (checkpoint is None) == (not random_weights):
         raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
-    if lm_head_dtype not in ("auto", "fp8_e4m3"):
-        raise ModelFactoryError(f"lm_head_dtype must be 'auto' or 'fp8_e4m3', got {lm_head_dtype!r}")
+    if lm_head_dtype not in LM_HEAD_DTYPES:
+        raise ModelFactoryError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
     model = _build(config, device, dtype, attention_backend, moe_backend, checkpoint, seed, parallel, max_batch,
                    max_kv_len, cuda_graph, progress)
     if lm_head_dtype == "fp8_e4m3":

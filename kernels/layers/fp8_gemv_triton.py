@@ -30,10 +30,10 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
-from kernels.layers.gemv_triton import finish_split_k
+from kernels.layers.fp8_linear import GEMV_MAX_TOKENS
+from kernels.layers.gemv_triton import finish_split_k, num_sms, num_splits
 from kernels.pdl import pdl_prologue
 
-GEMV_MAX_TOKENS = 64  # one [BLOCK_N, 128] x [128, BLOCK_T <= 64] dot per step
 QBLOCK = 128  # the quantization block along K (and N for the weights)
 DEFAULT_CONFIG = dict(BLOCK_N=64, waves=2, num_warps=4, num_stages=4)
 
@@ -67,17 +67,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_pt
                    HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
 
 
-def num_splits(n: int, num_kb: int, num_sms: int, config: dict) -> tuple[int, int]:
-    """(K splits, 128-blocks per split): about `waves` x SMs programs."""
-    n_blocks = triton.cdiv(n, config["BLOCK_N"])
-    want = max(1, min(triton.cdiv(config["waves"] * num_sms, n_blocks), num_kb))
-    per = triton.cdiv(num_kb, want)
-    return triton.cdiv(num_kb, per), per
-
-
-_SMS: dict = {}
-
-
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
              tickets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [T, K] (T <= 64, K <= Kp) @ dequant(weight [N, Kp], weight_scale [ceil(N/128), Kp/128])^T + bias [N]
@@ -93,16 +82,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                          f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if x.device not in _SMS:
-        _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-    splits, per = num_splits(n, kp // QBLOCK, _SMS[x.device], cfg)
+    splits, per = num_splits(n, kp, num_sms(x.device), dict(cfg, BLOCK_K=QBLOCK))  # per: a multiple of 128
     block_t = max(16, triton.next_power_of_2(t))
     partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,
         x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per, SPLIT_K=splits,
+        BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per // QBLOCK, SPLIT_K=splits,
         DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y
 

@@ -31,7 +31,7 @@ from kernels.moe.fp8_quant import BLOCK, FP8, align, dequantize_weight_blocks, p
 
 # rows of W quantized at a time: bounds the fp32 temporary (the 201088-row unembedding would need 2.4 GB)
 _QUANT_ROWS = 64 * BLOCK
-GEMV_MAX_TOKENS = 64  # = fp8_gemv_triton.GEMV_MAX_TOKENS (not imported here: no Triton on the CPU path)
+GEMV_MAX_TOKENS = 64  # the FP8 GEMV's limit: one [BLOCK_N, 128] x [128, BLOCK_T <= 64] dot per step
 FP16_MAX = 65504.0
 
 

@@ -99,6 +99,13 @@ def num_splits(n: int, k: int, num_sms: int, config: dict) -> tuple[int, int]:
 _SMS: dict = {}
 
 
+def num_sms(device: torch.device) -> int:
+    """SMs of `device` (cached; 8 for CPU tensors under Triton's interpreter): what num_splits sizes for."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return _SMS[device]
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor,
          config: dict | None = None) -> torch.Tensor:
     """x [T, K] (T <= 16) @ weight [N, K]^T + bias [N] -> [T, N] in x's dtype."""
@@ -110,9 +117,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
         raise ValueError(f"gemv: x {tuple(x.shape)} (1..{GEMV_MAX_TOKENS} rows), weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets")
     x, weight = x.contiguous(), weight.contiguous()
-    if x.device not in _SMS:
-        _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-    splits, per = num_splits(n, k, _SMS[x.device], cfg)
+    splits, per = num_splits(n, k, num_sms(x.device), cfg)
     block_t = 16
     partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
