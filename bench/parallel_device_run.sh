@@ -4,8 +4,8 @@
 #  1. the NCCL tests: TP/EP over 2 and 4 GPUs against one process (tests/engine/test_parallel_engine.py -m gpu);
 #  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b);
 #  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s, GPU 0 -> the last GPU);
-#  4. python -m bench.disaggregated: prefill engine on GPUs 0-1, decode engine on 2-3 (TP2/EP2 each),
-#     TTFT and hand-off against one engine doing both (4 GPUs only).
+#  4. python -m bench.disaggregated: prefill engine on GPUs 0-1, decode engine on 2-3 (TP2/EP2 each;
+#     on 2 GPUs: one engine per GPU), TTFT and hand-off against one engine doing both.
 #   LIMIT_S (default 560) bounds the whole script; extra args go to bench.parallel.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,16 +15,18 @@ source scripts/device_env.sh
 nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
 timeout 180 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/engine/test_parallel_engine.py > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
-left=$(( LIMIT_S - ($(date +%s) - start) - 220 ))  # kv_transfer and disaggregated run after it
+left=$(( LIMIT_S - ($(date +%s) - start) - 240 ))  # kv_transfer and disaggregated run after it
 timeout "$left" python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" --splits "${SPLITS:-4x4,4x1,1x4}" \
     --out "$OUT/parallel.json" "$@" > "$OUT/parallel.log" 2>&1
 echo "bench.parallel exit $? after $(( $(date +%s) - start )) s"
 timeout 45 python3 -m bench.kv_transfer --json "$OUT/kv_transfer.json" --decode-device "cuda:$(( $(nvidia-smi -L | wc -l) - 1 ))" \
     > "$OUT/kv_transfer.log" 2>&1
 echo "kv_transfer exit $?"
-if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-    timeout 150 python3 -m bench.disaggregated --device cuda --model "${MODEL:-gpt-oss-120b}" --tp 2 --ep 2 \
-        --prefill-device cuda:0 --decode-device cuda:2 --out "$OUT/disaggregated.json" > "$OUT/disaggregated.log" 2>&1
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -ge 2 ]; then
+    if [ "$gpus" -ge 4 ]; then split="--tp 2 --ep 2 --decode-device cuda:2"; else split="--tp 1 --ep 1 --decode-device cuda:1"; fi
+    timeout 170 python3 -m bench.disaggregated --device cuda --model "${MODEL:-gpt-oss-120b}" $split \
+        --prefill-device cuda:0 --out "$OUT/disaggregated.json" > "$OUT/disaggregated.log" 2>&1
     echo "disaggregated exit $?"; grep -E "^\[" "$OUT/disaggregated.log" | tail -4
 fi
 pack_logs
