@@ -43,11 +43,10 @@ class Side:
 
 
 def engine_config(args, device: str, longest: int) -> EngineConfig:
-    world = max(args.tp, args.ep)
     return EngineConfig(device=device, dtype=args.dtype, tp_size=args.tp, ep_size=args.ep, max_num_seqs=4,
                         max_num_batched_tokens=max(args.chunk, 4), max_model_len=longest,
                         kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
-                        cuda_graphs=device.startswith("cuda") and world == 1)
+                        cuda_graphs=device.startswith("cuda"))
 
 
 def _prefill_side(side: Side, jobs, results) -> None:

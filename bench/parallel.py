@@ -13,9 +13,9 @@ seconds, then
 - throughput: --batch requests of --tp-in / --tp-out tokens at once: output tok/s for the replica and
   per GPU.
 Random weights: every rank draws its shard from the same seed, so shards are not slices of one model;
-the timings do not depend on it. Decode CUDA graphs run with one rank only (capturing the same graphs on
-every rank, so their collectives pair up on replay, is not built): splits over several GPUs run eager
-decode steps, which at batch 1 the host's launches bound. Correctness over ranks is tests/engine/test_parallel_engine.py.
+the timings do not depend on it. Decode steps replay CUDA graphs on every rank (--graphs off: eager,
+for comparison); --parts profile adds rank 0's torch.profiler view of batch-1 decode steps. Correctness
+over ranks is tests/engine/test_parallel_engine.py and tests/engine/test_parallel_graphs_gpu.py.
 Not covered here: DP (two replicas of TP2/EP2: two processes of this command on disjoint devices) and
 prefill on some GPUs with decode on others (bench/disaggregated.py).
 """
@@ -53,37 +53,86 @@ def throughput(engine: LLMEngine, batch: int, in_len: int, out_len: int, vocab: 
             "output_tok_s_per_gpu": tokens / wall / world}
 
 
+def profile_decode(engine: LLMEngine, vocab: int, prompt_len: int, steps: int = 8, n: int = 8) -> dict:
+    """Rank 0's view of `steps` batch-1 decode steps (torch.profiler, CPU + CUDA): the top CPU ops by self
+    time and the top kernels, to say where a step's wall time goes (host launches, waits, collectives)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(GenerateRequest("profiled", prompt(prompt_len, vocab, 5), SamplingParams(
+        temperature=0.0, max_tokens=steps + 4, ignore_eos=True)))
+    for _ in range(3):  # prefill and the first decode steps outside the window
+        engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    gpu = sorted((e for e in events if getattr(e, "self_device_time_total", 0) > 0),
+                 key=lambda e: e.self_device_time_total, reverse=True)[:n]
+    return {"steps": steps, "step_ms": 1e3 * wall / steps,
+            "cpu_ops": [{"name": e.key, "calls": e.count, "self_cpu_us_per_step": e.self_cpu_time_total / steps}
+                        for e in cpu],
+            "kernels": [{"name": e.key[:80], "calls": e.count, "us_per_step": e.self_device_time_total / steps}
+                        for e in gpu]}
+
+
 def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
     world = max(tp, ep)
     longest = max(args.prefill_len + 1, args.b1_in + args.b1_out, args.tp_in + args.tp_out)
+    graphs = args.device.startswith("cuda") and args.graphs == "on"
     config = EngineConfig(device=args.device, dtype=args.dtype, tp_size=tp, ep_size=ep, max_num_seqs=args.batch,
                           max_num_batched_tokens=max(args.chunk, args.batch), max_model_len=longest,
                           kv_cache_dtype=args.kv_cache_dtype, lm_head_dtype=args.lm_head_dtype,
-                          cuda_graphs=args.device.startswith("cuda") and world == 1,  # one rank only (executor.py)
-                          async_decode=True if args.lookahead else None,
+                          cuda_graphs=graphs, async_decode=True if args.lookahead else None,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
     t0 = time.perf_counter()
     engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
     rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "build_s": time.perf_counter() - t0,
-           "cuda_graphs": config.cuda_graphs, "async_decode": engine.async_decode,
-           "full_pages": engine.block_manager.usage()["full_pages_total"]}
+           "cuda_graphs": config.cuda_graphs, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
+           "async_decode": engine.async_decode, "full_pages": engine.block_manager.usage()["full_pages_total"]}
     try:
         timed_single(engine, prompt(16, shapes.vocab_size, 1), 4)  # warm-up: first launches, JIT, graphs
-        rec["b1"] = timed_single(engine, prompt(args.b1_in, shapes.vocab_size, 2), args.b1_out)
-        rec["prefill"] = timed_single(engine, prompt(args.prefill_len, shapes.vocab_size, 3), 1)
-        rec["throughput"] = throughput(engine, args.batch, args.tp_in, args.tp_out, shapes.vocab_size, world)
+        if "b1" in args.parts:
+            rec["b1"] = timed_single(engine, prompt(args.b1_in, shapes.vocab_size, 2), args.b1_out)
+        if "profile" in args.parts:
+            rec["b1_profile"] = profile_decode(engine, shapes.vocab_size, args.b1_in)
+        if "prefill" in args.parts:
+            rec["prefill"] = timed_single(engine, prompt(args.prefill_len, shapes.vocab_size, 3), 1)
+        if "throughput" in args.parts:
+            rec["throughput"] = throughput(engine, args.batch, args.tp_in, args.tp_out, shapes.vocab_size, world)
+        graphs = engine.runner.decode_graphs
+        rec["graph_replays"] = graphs.replays if graphs is not None else 0
     finally:
         engine.close()
         del engine
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    b1, tput = rec["b1"], rec["throughput"]
-    print(f"[{rec['split']}] build {rec['build_s']:.1f} s | b1 TTFT {b1['ttft_ms']:.1f} ms, {b1.get('tok_s_user', 0):.0f} "
-          f"tok/s | prefill {args.prefill_len}: {rec['prefill']['ttft_ms']:.1f} ms | {tput['requests']} x "
-          f"{tput['in_len']}/{tput['out_len']}: {tput['output_tok_s']:.0f} tok/s ({tput['output_tok_s_per_gpu']:.0f} "
-          f"per GPU)", flush=True)
+    print(f"[{rec['split']} graphs {'on' if rec['cuda_graphs'] else 'off'}] build {rec['build_s']:.1f} s"
+          f" (capture {rec['graph_capture_s']:.1f} s) | {summary(rec, args)}", flush=True)
+    if "b1_profile" in rec:
+        prof = rec["b1_profile"]
+        print(f"  b1 profiled step {prof['step_ms']:.2f} ms; top CPU ops (self us/step): " + ", ".join(
+            f"{o['name']} {o['self_cpu_us_per_step']:.0f}" for o in prof["cpu_ops"][:5]), flush=True)
     return rec
+
+
+def summary(rec: dict, args) -> str:
+    parts = []
+    if "b1" in rec:
+        parts.append(f"b1 TTFT {rec['b1']['ttft_ms']:.1f} ms, {rec['b1'].get('tok_s_user', 0):.0f} tok/s")
+    if "prefill" in rec:
+        parts.append(f"prefill {args.prefill_len}: {rec['prefill']['ttft_ms']:.1f} ms")
+    if "throughput" in rec:
+        t = rec["throughput"]
+        parts.append(f"{t['requests']} x {t['in_len']}/{t['out_len']}: {t['output_tok_s']:.0f} tok/s "
+                     f"({t['output_tok_s_per_gpu']:.0f} per GPU)")
+    return " | ".join(parts)
 
 
 def parse_splits(text: str) -> list[tuple[int, int]]:
@@ -107,6 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--kv-cache-mb", type=int, help="K/V budget per rank (default: the engine's)")
     p.add_argument("--lookahead", action="store_true", help="the decode lookahead with several ranks too (auto: one rank)")
+    p.add_argument("--graphs", choices=("on", "off"), default="on", help="decode CUDA graphs (CUDA only)")
+    p.add_argument("--parts", type=lambda t: set(t.split(",")), default={"b1", "prefill", "throughput"},
+                   help="comma list of b1, profile (rank 0's profile of batch-1 decode steps), prefill, throughput")
     p.add_argument("--b1-in", type=int, default=1024)
     p.add_argument("--b1-out", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=8192)
@@ -128,19 +180,20 @@ def main(argv=None) -> int:
     results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "tiny" if args.tiny else args.model,
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "gpus_visible": torch.cuda.device_count(), "torch": torch.__version__,
-               "args": {k: v for k, v in vars(args).items() if k != "splits"},
+               "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items() if k != "splits"},
                "splits": [f"{tp}x{ep}" for tp, ep in args.splits], "runs": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for tp, ep in args.splits:
         results["runs"].append(run_split(shapes, tp, ep, args))
         out.write_text(json.dumps(results, indent=1))
-    print(f"\n{'split':10s} {'GPUs':>4s} {'b1 tok/s':>9s} {'b1 TTFT ms':>10s} {'prefill ms':>10s} {'tput tok/s':>10s} "
-          f"{'per GPU':>8s}")
+    print(f"\n{'split':10s} {'graphs':>6s} {'GPUs':>4s} {'b1 tok/s':>9s} {'b1 TTFT ms':>10s} {'prefill ms':>10s} "
+          f"{'tput tok/s':>10s} {'per GPU':>8s}")
     for r in results["runs"]:
-        print(f"{r['split']:10s} {r['gpus']:4d} {r['b1'].get('tok_s_user', 0):9.0f} {r['b1']['ttft_ms']:10.1f} "
-              f"{r['prefill']['ttft_ms']:10.1f} {r['throughput']['output_tok_s']:10.0f} "
-              f"{r['throughput']['output_tok_s_per_gpu']:8.0f}")
+        b1, pre, tput = r.get("b1", {}), r.get("prefill", {}), r.get("throughput", {})
+        print(f"{r['split']:10s} {'on' if r['cuda_graphs'] else 'off':>6s} {r['gpus']:4d} {b1.get('tok_s_user', 0):9.0f} "
+              f"{b1.get('ttft_ms', 0):10.1f} {pre.get('ttft_ms', 0):10.1f} {tput.get('output_tok_s', 0):10.0f} "
+              f"{tput.get('output_tok_s_per_gpu', 0):8.0f}")
     print(f"\nwrote {out}")
     return 0
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call on a multi-GPU host for issue 10 (repo root; carry .whl .jit .dg_src; kind nvidia-h200-x4,
 # or -x2 with SPLITS=2x2,2x1,1x2):
-#  1. the NCCL tests: TP/EP over 2 and 4 GPUs against one process (tests/engine/test_parallel_engine.py -m gpu);
-#  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b);
+#  1. the NCCL tests: TP/EP over 2 and 4 GPUs against one process, eager (test_parallel_engine.py -m gpu)
+#     and with decode CUDA graphs on every rank (test_parallel_graphs_gpu.py);
+#  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b), decode
+#     graphs on every rank; with EAGER_PROFILE=1 first the first split's batch-1 decode without graphs,
+#     profiled (where an eager step's time goes);
 #  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s, GPU 0 -> the last GPU);
 #  4. python -m bench.disaggregated: prefill engine on GPUs 0-1, decode engine on 2-3 (TP2/EP2 each;
 #     on 2 GPUs: one engine per GPU), TTFT and hand-off against one engine doing both.
@@ -13,13 +16,20 @@ LIMIT_S=${LIMIT_S:-560}
 start=$(date +%s)
 source scripts/device_env.sh
 nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
-timeout 180 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/engine/test_parallel_engine.py > "$OUT/tests.log" 2>&1
+timeout 240 python3 -m pytest -q -ra -s -p no:cacheprovider -m gpu tests/engine/test_parallel_engine.py \
+    tests/engine/test_parallel_graphs_gpu.py > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
+if [ "${EAGER_PROFILE:-0}" = 1 ]; then
+    timeout 120 python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" \
+        --splits "$(echo "${SPLITS:-4x4}" | cut -d, -f1)" --graphs off --parts b1,profile --b1-out 32 \
+        --out "$OUT/parallel_eager.json" > "$OUT/parallel_eager.log" 2>&1
+    echo "eager profile exit $?"; grep -A1 "^\[" "$OUT/parallel_eager.log" | head -4
+fi
 left=$(( LIMIT_S - ($(date +%s) - start) - 240 ))  # kv_transfer and disaggregated run after it
 timeout "$left" python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" --splits "${SPLITS:-4x4,4x1,1x4}" \
     --out "$OUT/parallel.json" "$@" > "$OUT/parallel.log" 2>&1
 echo "bench.parallel exit $? after $(( $(date +%s) - start )) s"
-timeout 45 python3 -m bench.kv_transfer --json "$OUT/kv_transfer.json" --decode-device "cuda:$(( $(nvidia-smi -L | wc -l) - 1 ))" \
+[ "${SKIP_KV:-0}" = 1 ] || timeout 45 python3 -m bench.kv_transfer --json "$OUT/kv_transfer.json" --decode-device "cuda:$(( $(nvidia-smi -L | wc -l) - 1 ))" \
     > "$OUT/kv_transfer.log" 2>&1
 echo "kv_transfer exit $?"
 gpus=$(nvidia-smi -L | wc -l)

@@ -11,7 +11,9 @@ sequences runs in the smallest bucket >= B:
 - token ids and positions are copied into static buffers; the graph writes static logits.
 
 Sampling stays outside (engine/sampler.py, no host sync). Nothing here reads a device value back to
-the host. The backend must be built with `cuda_graph=True` (split counts fixed per batch size) and
+the host. With several ranks (engine/distributed) every rank captures the same buckets in the same
+order and replays the same bucket each step, so the collectives inside the graphs pair up; a rank that
+samples nothing (EP only, rank > 0) captures the forward without the unembedding (logits=False). The backend must be built with `cuda_graph=True` (split counts fixed per batch size) and
 keep its decode buffers across `bind_cache` calls of the same cache.
 
 Legend: B = sequences in the step, Bp = its bucket, V = vocabulary.
@@ -82,21 +84,23 @@ def dummy_decode_batch(size: int, block_size: int, device) -> AttentionBatch:
 class DecodeGraphs:
     """One captured decode forward per bucket, sharing one memory pool."""
 
-    def __init__(self, model: GptOssForCausalLM, buckets: list[int]):
+    def __init__(self, model: GptOssForCausalLM, buckets: list[int], logits: bool = True):
         if model.device.type != "cuda":
             raise CudaGraphError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
         if not getattr(model.backend, "cuda_graph", False):
             raise CudaGraphError("the attention backend must be built with cuda_graph=True (fixed decode splits); "
                                  "use engine.model_factory.build_model(..., cuda_graph=True)")
         self.model = model
+        self.with_logits = logits
         self.buckets = sorted(set(buckets))
         top = self.buckets[-1]
         self.input_ids = torch.zeros(top, dtype=torch.long, device=model.device)  # static inputs
         self.positions = torch.zeros(top, dtype=torch.long, device=model.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # static outputs [Bp, V], model dtype
+        self.logits: dict[int, torch.Tensor] = {}  # static outputs [Bp, V] (or [Bp, D]: hidden), model dtype
         self.capture_seconds: dict[int, float] = {}
         self.pool = None
+        self.replays = 0  # steps served by a graph (tests, benchmarks)
 
     @property
     def max_batch(self) -> int:
@@ -105,9 +109,13 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
+    def serves(self, batch: AttentionBatch) -> bool:
+        """Whether `run` takes this step (a decode step that fits a bucket); every rank decides alike."""
+        return batch.is_decode and self.bucket_for(batch.num_seqs) is not None
+
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:size], self.positions[:size])  # [Bp, D]; planned already
-        return self.model.compute_logits(hidden)  # [Bp, V]
+        return self.model.compute_logits(hidden) if self.with_logits else hidden  # [Bp, V]
 
     @torch.inference_mode()
     def capture(self) -> dict[int, float]:
@@ -147,9 +155,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Logits [B, V] (model dtype, a view of the static output: consume before the next step)."""
+        """Logits [B, V] (model dtype, a view of the static output: consume before the next step); the
+        hidden states [B, D] instead with logits=False."""
         size = self._stage(input_ids, positions, batch)
         self.graphs[size].replay()
+        self.replays += 1
         return self.logits[size][: batch.num_seqs]
 
     @torch.inference_mode()

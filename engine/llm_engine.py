@@ -113,10 +113,9 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_full, num_sliding)
         self.graph_capture_seconds: dict[int, float] = {}
         if config.cuda_graphs:
-            from engine.cuda_graphs import DecodeGraphs, default_buckets
+            from engine.cuda_graphs import default_buckets
 
-            self.runner.decode_graphs = DecodeGraphs(model, default_buckets(config.max_num_seqs))
-            self.graph_capture_seconds = self.runner.decode_graphs.capture()
+            self.graph_capture_seconds = self.runner.capture_decode_graphs(default_buckets(config.max_num_seqs))
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(mc.vocab_size, model.device)
         self.metrics = EngineMetrics()

@@ -134,6 +134,10 @@ def _build(config: GptOssConfig, device, dtype: torch.dtype, attention_backend: 
            checkpoint, seed: int, parallel: Parallel, max_batch: int, max_kv_len: int | None, cuda_graph: bool,
            progress: bool) -> GptOssForCausalLM:
     device = torch.device(device)
+    if device.type == "cuda":
+        # Triton launches on the current device: a model on cuda:1 in a process still on cuda:0 fails its
+        # first kernel. A process serves one model (a replica, a rank), so it follows the model's device.
+        torch.cuda.set_device(device)
     attention, moe = resolve_backends(attention_backend, moe_backend, device)
     backend = (make_attention_backend(config, parallel, device, max_batch, max_kv_len, cuda_graph)
                if attention == "flashinfer" else None)

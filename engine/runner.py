@@ -90,6 +90,15 @@ class ModelRunner:
                                               self.device)
         self.model.backend.bind_cache(self.kv_cache)
 
+    def capture_decode_graphs(self, buckets: list[int], logits: bool = True) -> dict[int, float]:
+        """Capture the decode step at `buckets` (engine/cuda_graphs.py; after allocate_kv_cache); seconds
+        per bucket."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        self.model.backend.bind_cache(self.kv_cache)
+        self.decode_graphs = DecodeGraphs(self.model, buckets, logits=logits)
+        return self.decode_graphs.capture()
+
     # ---- the step ---------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         return self.step_arrays.build(scheduled).to_inputs(self.device)
@@ -100,7 +109,7 @@ class ModelRunner:
         # Rebinding is a pointer swap; it keeps two engines over one model object (tests) apart.
         self.model.backend.bind_cache(self.kv_cache)
         graphs = self.decode_graphs
-        if graphs is not None and inputs.attention.is_decode and graphs.bucket_for(inputs.attention.num_seqs):
+        if graphs is not None and graphs.serves(inputs.attention):
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.attention)  # [B, V]
             return logits.index_select(0, inputs.logits_indices).float()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D]

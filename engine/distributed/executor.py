@@ -59,10 +59,6 @@ def check_parallel(config: EngineConfig, model_config) -> None:
     except ParallelConfigError as err:
         raise EngineConfigError(f"tp_size={config.tp_size}, ep_size={config.ep_size} do not fit the model: {err}") \
             from None
-    if config.cuda_graphs and config.world_size > 1:
-        # Every rank would have to capture and replay the same graphs (their collectives pair up): not built.
-        raise EngineConfigError(f"cuda_graphs=True works with one rank only; tp_size={config.tp_size}, "
-                                f"ep_size={config.ep_size} needs cuda_graphs=False")
     check_devices(config.world_size, config.device)
 
 

@@ -4,6 +4,9 @@ Rank 0 owns scheduling, paging and sampling; the other ranks mirror its runner c
 
     kv_budget_bytes  KV_BUDGET, then the MIN over ranks (GPUs of one replica may differ in free memory)
     allocate         ALLOCATE (same page counts everywhere: rank 0's page ids index every rank's cache)
+    capture          CAPTURE with the buckets: every rank captures the same decode graphs in the same order
+                     (the warm-up forwards' collectives pair up, and so do the captured ones on replay);
+                     each step then replays the same bucket everywhere, since every rank sees the same step
     execute          STEP with the step's host arrays (STEP_DELTA: only what changed since the last step,
                      for consecutive decode steps of one batch); every rank copies them to its device and
                      runs the forward; the model all-gathers the vocabulary-split logits, so rank 0 samples.
@@ -53,6 +56,11 @@ class DistributedRunner(ModelRunner):
         with self.executor.guard("K/V cache allocation", self) as channel:
             channel.send(Op.ALLOCATE, np.array([num_full_pages, num_sliding_pages], dtype=np.int64))
             super().allocate_kv_cache(num_full_pages, num_sliding_pages)
+
+    def capture_decode_graphs(self, buckets: list[int], logits: bool = True) -> dict[int, float]:
+        with self.executor.guard("decode graph capture", self) as channel:
+            channel.send(Op.CAPTURE, np.asarray(buckets, dtype=np.int64))
+            return super().capture_decode_graphs(buckets, logits)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.host is None:

@@ -32,6 +32,7 @@ class Op(enum.IntEnum):
     UNLOAD = 7  # none; drop the model and its cache (the process stays for the next LOAD)
     SHUTDOWN = 8  # none; leave the loop
     STEP_DELTA = 9  # bytes: pack_step_delta; the previous step one token further, with its changed table rows
+    CAPTURE = 10  # int64 buckets; capture the decode step's CUDA graphs at them (their collectives pair up)
 
 
 _NONE, _INT64, _BYTES, _PICKLE = 0, 1, 2, 3

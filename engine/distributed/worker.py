@@ -161,6 +161,9 @@ class RankWorker:
                 dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=channel.group)
             elif op is Op.ALLOCATE:
                 self.runner.allocate_kv_cache(int(payload[0]), int(payload[1]))
+            elif op is Op.CAPTURE:  # rank 0 samples; with the vocabulary not split nobody else needs logits
+                self.runner.capture_decode_graphs([int(b) for b in payload],
+                                                  logits=self.runner.model.parallel.tp_size > 1)
             elif op is Op.STEP:
                 self._last_step, self._last_number = unpack_step(payload), self._last_number + 1
                 self._step(self._last_step)
@@ -192,7 +195,11 @@ class RankWorker:
         if runner.model.parallel.tp_size == 1:
             # Vocabulary not split: no all-gather to take part in, and rank 0 alone samples.
             runner.model.backend.bind_cache(runner.kv_cache)
-            runner.model(inputs.input_ids, inputs.positions, inputs.attention)
+            graphs = runner.decode_graphs
+            if graphs is not None and graphs.serves(inputs.attention):
+                graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+            else:
+                runner.model(inputs.input_ids, inputs.positions, inputs.attention)
         else:
             runner.execute(inputs)
 

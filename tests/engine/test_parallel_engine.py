@@ -294,8 +294,6 @@ def test_config_errors_name_the_numbers(checkpoint):
     with pytest.raises(EngineConfigError, match=rf"{n + 1} ranks from cuda need cuda:0..cuda:{n}, one GPU per rank, "
                                                 rf"but {n} CUDA device\(s\) are visible"):
         check_devices(n + 1, "cuda")
-    with pytest.raises(EngineConfigError, match="cuda_graphs=True works with one rank only"):
-        check_parallel(EngineConfig(device="cuda", cuda_graphs=True, tp_size=2), mc)
     model = load_model(checkpoint, dtype="float32", progress=False)
     with pytest.raises(EngineConfigError, match="the model is split tp=1, ep=1 but the config asks tp_size=2"):
         LLMEngine(model, config(tp_size=2))
