@@ -96,13 +96,21 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
            "cuda_graphs": config.cuda_graphs, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
            "async_decode": engine.async_decode, "full_pages": engine.block_manager.usage()["full_pages_total"]}
     try:
+        def done(part: str) -> None:  # progress, for runs cut short by a time limit
+            print(f"  [{rec['split']}] {part} done at {time.perf_counter() - t0:.1f} s", flush=True)
+
+        done(f"build (capture {rec['graph_capture_s']:.1f} s)")
         timed_single(engine, prompt(16, shapes.vocab_size, 1), 4)  # warm-up: first launches, JIT, graphs
+        done("warm-up")
         if "b1" in args.parts:
             rec["b1"] = timed_single(engine, prompt(args.b1_in, shapes.vocab_size, 2), args.b1_out)
+            done(f"b1 ({rec['b1'].get('tok_s_user', 0):.0f} tok/s)")
         if "profile" in args.parts:
             rec["b1_profile"] = profile_decode(engine, shapes.vocab_size, args.b1_in)
+            done("profile")
         if "prefill" in args.parts:
             rec["prefill"] = timed_single(engine, prompt(args.prefill_len, shapes.vocab_size, 3), 1)
+            done("prefill")
         if "throughput" in args.parts:
             rec["throughput"] = throughput(engine, args.batch, args.tp_in, args.tp_out, shapes.vocab_size, world)
         graphs = engine.runner.decode_graphs

@@ -16,8 +16,8 @@ LIMIT_S=${LIMIT_S:-560}
 start=$(date +%s)
 source scripts/device_env.sh
 nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
-timeout 240 python3 -m pytest -q -ra -s -p no:cacheprovider -m gpu tests/engine/test_parallel_engine.py \
-    tests/engine/test_parallel_graphs_gpu.py > "$OUT/tests.log" 2>&1
+timeout 240 python3 -m pytest -q -ra -s -p no:cacheprovider -o faulthandler_timeout=150 -m gpu ${TESTS:-\
+    tests/engine/test_parallel_engine.py tests/engine/test_parallel_graphs_gpu.py} > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
 if [ "${EAGER_PROFILE:-0}" = 1 ]; then
     timeout 120 python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" \
@@ -26,7 +26,8 @@ if [ "${EAGER_PROFILE:-0}" = 1 ]; then
     echo "eager profile exit $?"; grep -A1 "^\[" "$OUT/parallel_eager.log" | head -4
 fi
 left=$(( LIMIT_S - ($(date +%s) - start) - 240 ))  # kv_transfer and disaggregated run after it
-timeout "$left" python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" --splits "${SPLITS:-4x4,4x1,1x4}" \
+# SIGABRT: faulthandler prints where rank 0 stood when the time ran out
+timeout -s ABRT "$left" python3 -X faulthandler -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" --splits "${SPLITS:-4x4,4x1,1x4}" \
     --out "$OUT/parallel.json" "$@" > "$OUT/parallel.log" 2>&1
 echo "bench.parallel exit $? after $(( $(date +%s) - start )) s"
 [ "${SKIP_KV:-0}" = 1 ] || timeout 45 python3 -m bench.kv_transfer --json "$OUT/kv_transfer.json" --decode-device "cuda:$(( $(nvidia-smi -L | wc -l) - 1 ))" \
@@ -36,7 +37,7 @@ gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then
     if [ "$gpus" -ge 4 ]; then split="--tp 2 --ep 2 --decode-device cuda:2"; else split="--tp 1 --ep 1 --decode-device cuda:1"; fi
     timeout 170 python3 -m bench.disaggregated --device cuda --model "${MODEL:-gpt-oss-120b}" $split \
-        --prefill-device cuda:0 --out "$OUT/disaggregated.json" > "$OUT/disaggregated.log" 2>&1
+        --prefill-device cuda:0 --kv-cache-mb 16384 --out "$OUT/disaggregated.json" > "$OUT/disaggregated.log" 2>&1
     echo "disaggregated exit $?"; grep -E "^\[" "$OUT/disaggregated.log" | tail -4
 fi
 pack_logs

@@ -134,7 +134,7 @@ def _build(config: GptOssConfig, device, dtype: torch.dtype, attention_backend: 
            checkpoint, seed: int, parallel: Parallel, max_batch: int, max_kv_len: int | None, cuda_graph: bool,
            progress: bool) -> GptOssForCausalLM:
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         # Triton launches on the current device: a model on cuda:1 in a process still on cuda:0 fails its
         # first kernel. A process serves one model (a replica, a rank), so it follows the model's device.
         torch.cuda.set_device(device)
