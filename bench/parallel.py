@@ -81,7 +81,8 @@ def profile_decode(engine: LLMEngine, vocab: int, prompt_len: int, steps: int = 
                         for e in gpu]}
 
 
-def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
+def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: None) -> dict:
+    """One split's record; `save(rec)` after each part, so a run cut short keeps what it measured."""
     world = max(tp, ep)
     longest = max(args.prefill_len + 1, args.b1_in + args.b1_out, args.tp_in + args.tp_out)
     graphs = args.device.startswith("cuda") and args.graphs == "on"
@@ -98,6 +99,7 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
     try:
         def done(part: str) -> None:  # progress, for runs cut short by a time limit
             print(f"  [{rec['split']}] {part} done at {time.perf_counter() - t0:.1f} s", flush=True)
+            save(rec)
 
         done(f"build (capture {rec['graph_capture_s']:.1f} s)")
         timed_single(engine, prompt(16, shapes.vocab_size, 1), 4)  # warm-up: first launches, JIT, graphs
@@ -115,6 +117,7 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args) -> dict:
             rec["throughput"] = throughput(engine, args.batch, args.tp_in, args.tp_out, shapes.vocab_size, world)
         graphs = engine.runner.decode_graphs
         rec["graph_replays"] = graphs.replays if graphs is not None else 0
+        done("throughput" if "throughput" in args.parts else "all parts")
     finally:
         engine.close()
         del engine
@@ -192,8 +195,11 @@ def main(argv=None) -> int:
                "splits": [f"{tp}x{ep}" for tp, ep in args.splits], "runs": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    def save(rec: dict) -> None:
+        out.write_text(json.dumps({**results, "runs": results["runs"] + [rec]}, indent=1))
+
     for tp, ep in args.splits:
-        results["runs"].append(run_split(shapes, tp, ep, args))
+        results["runs"].append(run_split(shapes, tp, ep, args, save))
         out.write_text(json.dumps(results, indent=1))
     print(f"\n{'split':10s} {'graphs':>6s} {'GPUs':>4s} {'b1 tok/s':>9s} {'b1 TTFT ms':>10s} {'prefill ms':>10s} "
           f"{'tput tok/s':>10s} {'per GPU':>8s}")

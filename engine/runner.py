@@ -175,5 +175,7 @@ class ModelRunner:
         self.write_kv_slots(*self.import_slots(seq, payload))
 
     def close(self) -> None:
-        """Release the K/V cache (one rank: nothing else to stop; engine/distributed adds its workers)."""
+        """Release the K/V cache and the decode graphs (one rank: nothing else to stop; engine/distributed
+        adds its workers)."""
         self.kv_cache = None
+        self.decode_graphs = None

@@ -15,6 +15,7 @@ WorkerFailedError with this text.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import traceback
 from dataclasses import dataclass
@@ -96,6 +97,11 @@ def leave_group(channel: ControlChannel | None) -> None:
     """Destroy this rank's groups (closing their sockets, which wakes peers blocked on this rank)."""
     if not dist.is_initialized():
         return
+    # Captured decode graphs hold NCCL work of the default group: free them (cycles too) and let the
+    # device drain before the communicator goes.
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     if channel is not None:
         dist.destroy_process_group(channel.group)
     dist.destroy_process_group()
@@ -154,6 +160,7 @@ class RankWorker:
                 self._load(payload, device)
             elif op is Op.UNLOAD:
                 self.runner = None
+                gc.collect()  # the model, its cache and its decode graphs, cycles included
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             elif op is Op.KV_BUDGET:

@@ -8,6 +8,7 @@ Skips without 2 GPUs; run on a 2- or 4-GPU host (bench/parallel_device_run.sh ru
 from __future__ import annotations
 
 import os
+import traceback
 
 import pytest
 import torch
@@ -74,6 +75,9 @@ def test_decode_graphs_over_ranks_match_one_gpu(checkpoint, reference, world):
                 replays = engine.runner.decode_graphs.replays
                 assert replays >= OUT - 2, f"tp{tp} ep{ep}: only {replays} decode steps replayed a graph"
                 check_against_reference(reference, outs, f"tp{tp} ep{ep} lookahead={ahead}")
+            except BaseException:  # shown now: a stuck shutdown after it would hide it until the timeout
+                traceback.print_exc()
+                raise
             finally:
                 engine.close()
     finally:
