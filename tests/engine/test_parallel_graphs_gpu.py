@@ -99,7 +99,7 @@ def check_against_reference(reference, outs, what: str) -> None:
         assert diffs[OUT // 2] < 0.5, f"{what} prompt {len(p)}: decode logprobs drift from one GPU: {diffs}"
         top2 = logits.topk(2, dim=-1)
         for j, tok in enumerate(tokens):
-            if top2.values[j, 0] - top2.values[j, 1] > 1.0:
+            if top2.values[j, 0] - top2.values[j, 1] > 0.25:  # ~8x the median logprob difference seen
                 checked += 1
                 agree += int(top2.indices[j, 0].item() == tok)
     assert checked >= 5, f"{what}: only {checked} positions with a wide margin"
