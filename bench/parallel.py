@@ -115,8 +115,7 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: Non
             done("prefill")
         if "throughput" in args.parts:
             rec["throughput"] = throughput(engine, args.batch, args.tp_in, args.tp_out, shapes.vocab_size, world)
-        graphs = engine.runner.decode_graphs
-        rec["graph_replays"] = graphs.replays if graphs is not None else 0
+        rec["graph_replays"] = engine.runner.decode_graphs.replays if engine.runner.decode_graphs is not None else 0
         done("throughput" if "throughput" in args.parts else "all parts")
     finally:
         engine.close()

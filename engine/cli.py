@@ -137,9 +137,9 @@ def cmd_make_tiny(args) -> int:
 
 
 def cuda_graphs(args) -> bool:
-    """--cuda-graphs auto: decode graphs on a CUDA device with one rank (what the Serve replicas do)."""
+    """--cuda-graphs auto: decode graphs on a CUDA device, on every rank (what the Serve replicas do)."""
     if args.cuda_graphs == "auto":
-        return args.device.startswith("cuda") and max(args.tp, args.ep) == 1
+        return args.device.startswith("cuda")
     return args.cuda_graphs == "on"
 
 
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                      help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
     gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
-                     help="replay decode steps as CUDA graphs (auto: on a CUDA device with one rank)")
+                     help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")

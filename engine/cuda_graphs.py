@@ -153,6 +153,16 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions, non_blocking=True)
         return size
 
+    def release(self) -> None:
+        """Free every captured graph now (not when the last reference goes): graphs holding NCCL kernels
+        must be gone before their communicator is destroyed, or destroy_process_group hangs (seen on 2
+        H200s, 2026-11-30, with the graphs still referenced at shutdown)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = None
+
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Logits [B, V] (model dtype, a view of the static output: consume before the next step); the

@@ -178,4 +178,6 @@ class ModelRunner:
         """Release the K/V cache and the decode graphs (one rank: nothing else to stop; engine/distributed
         adds its workers)."""
         self.kv_cache = None
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
         self.decode_graphs = None

@@ -167,7 +167,7 @@ class ServeAppConfig(_Settings):
     seed: int = Field(0, ge=0, description="Seeds requests that bring none, so a run is reproducible.")
     cuda_graphs: bool = Field(
         True, description="Replay decode steps as CUDA graphs at batch buckets up to max_num_seqs. Applies to "
-                          "GPU replicas of one rank; CPU replicas and TP/EP replicas run eagerly.")
+                          "GPU replicas (every rank of a TP/EP replica captures the same graphs); CPU replicas run eagerly.")
     async_decode: bool = Field(
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
                           "tokens, so the host's step work overlaps the GPU. Applies to GPU replicas of one "
@@ -283,7 +283,7 @@ class ServeAppConfig(_Settings):
             kv_cache_dtype=self.kv_cache_dtype,
             lm_head_dtype=self.lm_head_dtype,
             seed=self.seed,
-            cuda_graphs=self.cuda_graphs and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
+            cuda_graphs=self.cuda_graphs and device != "cpu",
             async_decode=self.async_decode and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
             tp_size=self.tp_size,
             ep_size=self.ep_size,

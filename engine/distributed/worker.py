@@ -147,6 +147,8 @@ class RankWorker:
                 report(text)
             return text
         finally:
+            if self.runner is not None:
+                self.runner.close()
             self.runner = None
             leave_group(channel)
 
@@ -159,6 +161,8 @@ class RankWorker:
             if op is Op.LOAD:
                 self._load(payload, device)
             elif op is Op.UNLOAD:
+                if self.runner is not None:
+                    self.runner.close()  # the K/V cache and the decode graphs, at once
                 self.runner = None
                 gc.collect()  # the model, its cache and its decode graphs, cycles included
                 if device.type == "cuda":

@@ -212,10 +212,12 @@ class _Dummy:
     pass
 
 
-def test_cuda_graphs_apply_to_single_rank_gpu_replicas_only():
+def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():
     gpu = ServeAppConfig.from_args({"device": "cuda"})
     assert gpu.engine_config("cuda:0").cuda_graphs is True
     assert gpu.engine_config("cpu").cuda_graphs is False
+    # every rank captures the same graphs (engine/distributed/runner.py; tests/engine/test_parallel_graphs_gpu.py)
+    assert ServeAppConfig.from_args({"device": "cuda", "tp_size": 2, "ep_size": 2}).engine_config("cuda:0").cuda_graphs
     assert ServeAppConfig.from_args({"device": "cuda", "cuda_graphs": "false"}).engine_config("cuda:0").cuda_graphs is False
     # the lookahead (engine/llm_engine.py): GPU replicas of one rank
     assert gpu.engine_config("cuda:0").async_decode is True and gpu.engine_config("cpu").async_decode is False
