@@ -89,11 +89,12 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: Non
     config = EngineConfig(device=args.device, dtype=args.dtype, tp_size=tp, ep_size=ep, max_num_seqs=args.batch,
                           max_num_batched_tokens=max(args.chunk, args.batch), max_model_len=longest,
                           kv_cache_dtype=args.kv_cache_dtype, lm_head_dtype=args.lm_head_dtype,
+                          all_reduce=args.all_reduce,
                           cuda_graphs=graphs, async_decode=True if args.lookahead else None,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
     t0 = time.perf_counter()
     engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
-    rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "build_s": time.perf_counter() - t0,
+    rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "all_reduce": config.all_reduce, "build_s": time.perf_counter() - t0,
            "cuda_graphs": config.cuda_graphs, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
            "async_decode": engine.async_decode, "full_pages": engine.block_manager.usage()["full_pages_total"]}
     try:
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"))
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"))
+    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "symm_mem"), help="the ranks' sums (CUDA)")
     p.add_argument("--kv-cache-mb", type=int, help="K/V budget per rank (default: the engine's)")
     p.add_argument("--lookahead", action="store_true", help="the decode lookahead with several ranks too (auto: one rank)")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="decode CUDA graphs (CUDA only)")

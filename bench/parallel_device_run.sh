@@ -2,14 +2,15 @@
 # One device call on a multi-GPU host for issue 10 (repo root; carry .whl .jit .dg_src; kind nvidia-h200-x4,
 # or -x2 with SPLITS=2x2,2x1,1x2):
 #  1. the NCCL tests: TP/EP over 2 and 4 GPUs against one process, eager (test_parallel_engine.py -m gpu)
-#     and with decode CUDA graphs on every rank (test_parallel_graphs_gpu.py);
+#     and with decode CUDA graphs on every rank (test_parallel_graphs_gpu.py, also with all_reduce=symm_mem);
+#     then python -m bench.allreduce over every GPU (NCCL vs the symmetric-memory one-shot, eager and in graphs);
 #  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b), decode
 #     graphs on every rank; with EAGER_PROFILE=1 first the first split's batch-1 decode without graphs,
 #     profiled (where an eager step's time goes);
 #  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s, GPU 0 -> the last GPU);
 #  4. python -m bench.disaggregated: prefill engine on GPUs 0-1, decode engine on 2-3 (TP2/EP2 each;
 #     on 2 GPUs: one engine per GPU), TTFT and hand-off against one engine doing both.
-#   LIMIT_S (default 560) bounds the whole script; extra args go to bench.parallel.
+#   LIMIT_S (default 560) bounds the whole script; extra args go to bench.parallel (e.g. --all-reduce symm_mem).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LIMIT_S=${LIMIT_S:-560}
@@ -19,6 +20,8 @@ nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
 timeout 240 python3 -m pytest -q -ra -s -p no:cacheprovider -o faulthandler_timeout=150 -m gpu ${TESTS:-\
     tests/engine/test_parallel_engine.py tests/engine/test_parallel_graphs_gpu.py} > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
+timeout 120 python3 -m bench.allreduce --world "$(nvidia-smi -L | wc -l)" --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
+echo "allreduce exit $?"; grep -E "^ +[0-9]|unavailable" "$OUT/allreduce.log"
 if [ "${EAGER_PROFILE:-0}" = 1 ]; then
     timeout 120 python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" \
         --splits "$(echo "${SPLITS:-4x4}" | cut -d, -f1)" --graphs off --parts b1,profile --b1-out 32 \

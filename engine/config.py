@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # = kernels.attention.kv_cache.KV_CACHE_DTYPES (no torch here)
 LM_HEAD_DTYPES = ("auto", "fp8_e4m3")
+ALL_REDUCES = ("nccl", "symm_mem")
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
 
@@ -50,6 +51,10 @@ class EngineConfig:
     tp_size: int = 1
     ep_size: int = 1
     dp_size: int = 1  # data-parallel attention: not implemented, see engine/distributed/README.md
+    # The ranks' sums (O projection, experts, embedding): "nccl" (torch.distributed), or "symm_mem": a
+    # one-shot all-reduce over symmetric memory for tensors up to 256 KiB (decode), NCCL above
+    # (kernels/comm/symm_all_reduce.py; CUDA only; opt-in until measured on a multi-GPU host).
+    all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -98,6 +103,11 @@ class EngineConfig:
             raise EngineConfigError(f"kv_cache_dtype='fp8_e4m3' runs on one rank only (tp_size=ep_size=1); the "
                                     f"rank collectives that move K/V between {self.world_size} ranks carry the "
                                     "model dtype")
+        if self.all_reduce not in ALL_REDUCES:
+            raise EngineConfigError(f"all_reduce must be one of {ALL_REDUCES}, got {self.all_reduce!r}")
+        if self.all_reduce == "symm_mem" and not self.device.startswith("cuda"):
+            raise EngineConfigError("all_reduce='symm_mem' needs CUDA devices (device 'cuda' or 'cuda:N'); "
+                                    "use 'nccl' (gloo on CPU)")
         if self.dp_size != 1:
             raise EngineConfigError(
                 f"dp_size={self.dp_size}: data-parallel attention is not implemented; use dp_size=1 and run "

@@ -7,7 +7,7 @@ and the partial results of O, the experts and the embedding are summed with an a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ class Parallel:
     ep_size: int = 1
     rank: int = 0
     group: object | None = None  # torch.distributed process group; None: the default group
+    # A faster sum for small tensors (kernels/comm.SymmMemAllReduce: decode steps), with `takes(x)` and
+    # `__call__(x) -> sum`; None or a tensor it does not take: torch.distributed's all_reduce.
+    fast_all_reduce: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -51,20 +54,24 @@ class Parallel:
             ("vocab_size", vocab, self.tp_size, "tp"),
             ("num_local_experts", num_experts, self.ep_size, "ep"),
         )
-        for field, value, size, name in checks:
+        for key, value, size, name in checks:
             if value % size:
-                raise ParallelConfigError(f"{field}={value} is not divisible by {name}={size}")
+                raise ParallelConfigError(f"{key}={value} is not divisible by {name}={size}")
 
     def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum partial results of a tensor-parallel layer (a no-op when attention is replicated)."""
-        if self.tp_size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
+        """Sum partial results of a tensor-parallel layer (a no-op when attention is replicated). Use the
+        returned tensor: the fast path returns a new one."""
+        return self._sum(x) if self.tp_size > 1 else x
 
     def all_reduce_ep(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum the experts' contributions over the expert-parallel ranks."""
-        if self.ep_size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum the experts' contributions over the expert-parallel ranks (use the returned tensor)."""
+        return self._sum(x) if self.ep_size > 1 else x
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self.fast_all_reduce
+        if fast is not None and fast.takes(x):
+            return fast(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

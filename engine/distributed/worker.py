@@ -77,6 +77,11 @@ def load_shard(spec: LoadSpec, rank: int, device: torch.device, progress: bool =
 
     c = replace(spec.config, device=str(device))  # every rank builds for its own device (rank 0's config names rank 0's)
     parallel = Parallel(tp_size=c.tp_size, ep_size=c.ep_size, rank=rank)
+    if c.all_reduce == "symm_mem" and parallel.world_size > 1:  # collective: every rank builds it here
+        from kernels.comm import SymmMemAllReduce
+
+        dtype = {"float32": torch.float32, "float16": torch.float16}.get(c.dtype, torch.bfloat16)
+        parallel = replace(parallel, fast_all_reduce=SymmMemAllReduce(device, dtype))
     if spec.folder is None:
         return random_for_engine(spec.model, c, parallel, spec.seed)
     return load_for_engine(spec.folder, c, parallel, progress)

@@ -75,3 +75,23 @@ def test_disaggregated_benchmark_smoke_run(tmp_path):
         d, o = r["disaggregated"], r["one_engine"]
         assert d["out_len"] == o["out_len"] == 6 and d["kv_bytes"] > 0 and d["ttft_ms"] > 0
         assert r["same_tokens"] and d["output_ids"] == o["output_ids"]
+
+
+def test_allreduce_benchmark_smoke_run(tmp_path):
+    """bench/allreduce.py over 2 gloo ranks: every sum checked against the fp32 reference (awkward row
+    counts), a time per call; the symmetric-memory method is CUDA-only and absent here."""
+    from bench import allreduce
+
+    out = tmp_path / "ar.json"
+    assert allreduce.main(["--world", "2", "--device", "cpu", "--tokens", "1,3,67", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [r["tokens"] for r in rec["rows"]] == [1, 3, 67]
+    for r in rec["rows"]:
+        assert r["nccl_ok"] and r["nccl_max_err"] < 0.05 and r["nccl_eager_us"] > 0 and "symm_mem_ok" not in r
+
+
+def test_all_reduce_setting_is_checked():
+    with pytest.raises(EngineConfigError, match="all_reduce must be one of"):
+        EngineConfig(all_reduce="mpi")
+    with pytest.raises(EngineConfigError, match="needs CUDA devices"):
+        EngineConfig(all_reduce="symm_mem", device="cpu", tp_size=2)

@@ -84,6 +84,28 @@ def test_decode_graphs_over_ranks_match_one_gpu(checkpoint, reference, world):
         ex.shutdown()
 
 
+def test_symm_mem_all_reduce_over_ranks_matches_one_gpu(checkpoint, reference):
+    """TP2/EP2 with the one-shot symmetric-memory all-reduce for decode-sized sums (decode graphs,
+    lookahead): the same check against one GPU, and the fast path did run."""
+    ex = Executor.spawn(2, "cuda")
+    try:
+        engine = ex.start_engine(checkpoint, engine_config(2, 2, async_decode=True, all_reduce="symm_mem"))
+        try:
+            fast = engine.runner.model.parallel.fast_all_reduce
+            assert fast is not None
+            outs = engine.generate([GenerateRequest(f"r{i}", p, SamplingParams(
+                temperature=0.0, max_tokens=OUT, ignore_eos=True, logprobs=0)) for i, p in enumerate(prompts())])
+            assert fast.calls > 0 and engine.runner.decode_graphs.replays >= OUT - 2
+            check_against_reference(reference, outs, "tp2 ep2 symm_mem")
+        except BaseException:
+            traceback.print_exc()
+            raise
+        finally:
+            engine.close()
+    finally:
+        ex.shutdown()
+
+
 def check_against_reference(reference, outs, what: str) -> None:
     checked = agree = 0
     for p, out in zip(prompts(), outs):
