@@ -20,8 +20,10 @@ nvidia-smi topo -m > "$LOGS/topo.txt" 2>&1
 timeout 240 python3 -m pytest -q -ra -s -p no:cacheprovider -o faulthandler_timeout=150 -m gpu ${TESTS:-\
     tests/engine/test_parallel_engine.py tests/engine/test_parallel_graphs_gpu.py} > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
-timeout 120 python3 -m bench.allreduce --world "$(nvidia-smi -L | wc -l)" --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
-echo "allreduce exit $?"; grep -E "^ +[0-9]|unavailable" "$OUT/allreduce.log"
+# NCCL_DEBUG=INFO: the transport NCCL picked between the GPUs ("via P2P/..." or "via SHM": no peer access)
+NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 120 python3 -m bench.allreduce --world "$(nvidia-smi -L | wc -l)" \
+    --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
+echo "allreduce exit $?"; grep -E "^ +[0-9]|unavailable" "$OUT/allreduce.log"; grep -m2 -E " via " "$OUT/allreduce.log"
 if [ "${EAGER_PROFILE:-0}" = 1 ]; then
     timeout 120 python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" \
         --splits "$(echo "${SPLITS:-4x4}" | cut -d, -f1)" --graphs off --parts b1,profile --b1-out 32 \
