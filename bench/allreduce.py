@@ -126,7 +126,8 @@ def worker(rank: int, args, port: int, results) -> None:
                                                   args.calls_per_graph, args.replays)
         rows.append(row)
     if rank == 0:
-        results.put({"rows": rows, "symm_mem_error": symm_error})
+        peers = {f"0->{r}": torch.cuda.can_device_access_peer(0, r) for r in range(1, args.world)} if cuda else {}
+        results.put({"rows": rows, "symm_mem_error": symm_error, "peer_access": peers})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
+    if result["peer_access"]:
+        print(f"peer access: {result['peer_access']}")
     if result["symm_mem_error"]:
         print(f"symm_mem unavailable: {result['symm_mem_error']}")
     print(f"{'tokens':>6s} {'KiB':>7s} {'nccl eager':>10s} {'nccl graph':>10s} {'symm eager':>10s} {'symm graph':>10s} "
