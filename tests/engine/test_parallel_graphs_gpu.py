@@ -56,30 +56,43 @@ def prompts() -> list[list[int]]:
             for n, s in PROMPTS]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_multicast():
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(var, value)  # never NVLink multicast on shared hosts
+
+
+def generate_and_check(ex: Executor, checkpoint, reference, tp: int, ep: int, **overrides) -> dict:
+    """Start an engine of this split on `ex`, generate greedily with decode graphs, check against one GPU;
+    returns what the caller checks further (rank 0's fast all-reduce calls)."""
+    what = f"tp{tp} ep{ep} {overrides}"
+    engine = ex.start_engine(checkpoint, engine_config(tp, ep, **overrides))
+    try:
+        assert sorted(engine.graph_capture_seconds) == [1, 2, 4, 8]
+        outs = engine.generate([GenerateRequest(f"r{i}", p, SamplingParams(
+            temperature=0.0, max_tokens=OUT, ignore_eos=True, logprobs=0)) for i, p in enumerate(prompts())])
+        replays = engine.runner.decode_graphs.replays
+        assert replays >= OUT - 2, f"{what}: only {replays} decode steps replayed a graph"
+        check_against_reference(reference, outs, what)
+        fast = engine.runner.model.parallel.fast_all_reduce
+        return {"fast_calls": None if fast is None else fast.calls}
+    except BaseException:  # shown now: a stuck shutdown after it would hide it until the timeout
+        traceback.print_exc()
+        raise
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_decode_graphs_over_ranks_match_one_gpu(checkpoint, reference, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
-    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(var, value)  # never NVLink multicast on shared hosts
     ex = Executor.spawn(world, "cuda")
     try:
-        # (tp, ep, lookahead): the lookahead broadcasts rank 0's device ids before each replay.
+        # The lookahead broadcasts rank 0's device ids before each replay.
         for tp, ep, ahead in [(world, 1, False), (1, world, False), (world, world, True)]:
-            engine = ex.start_engine(checkpoint, engine_config(tp, ep, async_decode=ahead))
-            try:
-                assert sorted(engine.graph_capture_seconds) == [1, 2, 4, 8]
-                outs = engine.generate([GenerateRequest(f"r{i}", p, SamplingParams(
-                    temperature=0.0, max_tokens=OUT, ignore_eos=True, logprobs=0)) for i, p in enumerate(prompts())])
-                replays = engine.runner.decode_graphs.replays
-                assert replays >= OUT - 2, f"tp{tp} ep{ep}: only {replays} decode steps replayed a graph"
-                check_against_reference(reference, outs, f"tp{tp} ep{ep} lookahead={ahead}")
-            except BaseException:  # shown now: a stuck shutdown after it would hide it until the timeout
-                traceback.print_exc()
-                raise
-            finally:
-                engine.close()
+            assert generate_and_check(ex, checkpoint, reference, tp, ep, async_decode=ahead)["fast_calls"] is None
     finally:
         ex.shutdown()
 
@@ -89,19 +102,8 @@ def test_symm_mem_all_reduce_over_ranks_matches_one_gpu(checkpoint, reference):
     lookahead): the same check against one GPU, and the fast path did run."""
     ex = Executor.spawn(2, "cuda")
     try:
-        engine = ex.start_engine(checkpoint, engine_config(2, 2, async_decode=True, all_reduce="symm_mem"))
-        try:
-            fast = engine.runner.model.parallel.fast_all_reduce
-            assert fast is not None
-            outs = engine.generate([GenerateRequest(f"r{i}", p, SamplingParams(
-                temperature=0.0, max_tokens=OUT, ignore_eos=True, logprobs=0)) for i, p in enumerate(prompts())])
-            assert fast.calls > 0 and engine.runner.decode_graphs.replays >= OUT - 2
-            check_against_reference(reference, outs, "tp2 ep2 symm_mem")
-        except BaseException:
-            traceback.print_exc()
-            raise
-        finally:
-            engine.close()
+        stats = generate_and_check(ex, checkpoint, reference, 2, 2, async_decode=True, all_reduce="symm_mem")
+        assert stats["fast_calls"], "the symmetric-memory all-reduce never ran"
     finally:
         ex.shutdown()
 
