@@ -7,8 +7,9 @@ memory (kernels/comm/symm_all_reduce.py), at decode sizes, eager and inside a CU
 Per size (tokens x hidden bf16; a 120b decode step sums [B, 2880] 73 times): each rank draws its part
 from its own seed, so every rank can also compute the sum in fp32 (the pure-torch reference) and check
 both methods against it (bf16 rounding of the sum: |err| <= 2^-7 |ref| + 1e-2). Then the time per call:
-eager (`--iters` calls in a row) and replayed from one CUDA graph holding `--calls-per-graph` calls (as in
-a captured decode step). Printed as a table, written as JSON; nothing is asserted about speed.
+eager (`--iters` calls in a row) and replayed from one CUDA graph holding `--calls-per-graph` chained
+calls (as in a captured decode step), whose final value is checked too (a buffer reused before every
+peer had read it would corrupt it). Printed as a table, written as JSON; nothing is asserted about speed.
 """
 
 from __future__ import annotations
@@ -62,19 +63,21 @@ def time_eager(fn, x: torch.Tensor, iters: int, device) -> float:
     return 1e6 * (time.perf_counter() - t0) / iters
 
 
-def time_graph(fn, x: torch.Tensor, calls: int, replays: int) -> float:
-    """Microseconds per call, replaying one graph of `calls` chained calls (each call's output feeds
-    the next, scaled down so values stay finite)."""
+def time_graph(fn, x: torch.Tensor, calls: int, replays: int, world: int) -> tuple[float, torch.Tensor]:
+    """Microseconds per call, replaying one graph of `calls` chained calls, and the graph's output. Each
+    call sums the previous output over the ranks and divides by `world`, so after the first call every
+    rank holds sum/world and keeps it: a call that read a peer's buffer before that peer had written it
+    (or after it had moved on) shows up as a wrong final value."""
     def chain(y):
         for _ in range(calls):
-            y = fn(y) * 0.5
+            y = fn(y) / world
         return y
 
     chain(x.clone())  # warm-up outside the capture (both ranks)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        chain(x)
+        out = chain(x)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -84,8 +87,9 @@ def time_graph(fn, x: torch.Tensor, calls: int, replays: int) -> float:
     end.record()
     end.synchronize()
     us = 1e3 * start.elapsed_time(end) / (replays * calls)
+    out = out.clone()
     graph.reset()
-    return us
+    return us, out
 
 
 def nccl_sum(x: torch.Tensor) -> torch.Tensor:
@@ -117,13 +121,15 @@ def worker(rank: int, args, port: int, results) -> None:
         row.update(check("nccl", nccl_sum(part(rank, tokens, args.hidden, device)), ref))
         row["nccl_eager_us"] = time_eager(nccl_sum, part(rank, tokens, args.hidden, device), args.iters, device)
         if cuda:
-            row["nccl_graph_us"] = time_graph(nccl_sum, part(rank, tokens, args.hidden, device), args.calls_per_graph,
-                                              args.replays)
+            row["nccl_graph_us"], out = time_graph(nccl_sum, part(rank, tokens, args.hidden, device),
+                                                   args.calls_per_graph, args.replays, args.world)
+            row.update(check("nccl_graph", out, ref / args.world))
         if symm is not None:
             row.update(check("symm_mem", symm(part(rank, tokens, args.hidden, device)), ref))
             row["symm_mem_eager_us"] = time_eager(symm, part(rank, tokens, args.hidden, device), args.iters, device)
-            row["symm_mem_graph_us"] = time_graph(symm, part(rank, tokens, args.hidden, device),
-                                                  args.calls_per_graph, args.replays)
+            row["symm_mem_graph_us"], out = time_graph(symm, part(rank, tokens, args.hidden, device),
+                                                       args.calls_per_graph, args.replays, args.world)
+            row.update(check("symm_mem_graph", out, ref / args.world))
         rows.append(row)
     if rank == 0:
         peers = {f"0->{r}": torch.cuda.can_device_access_peer(0, r) for r in range(1, args.world)} if cuda else {}
@@ -182,13 +188,16 @@ def main(argv=None) -> int:
         print(f"symm_mem unavailable: {result['symm_mem_error']}")
     print(f"{'tokens':>6s} {'KiB':>7s} {'nccl eager':>10s} {'nccl graph':>10s} {'symm eager':>10s} {'symm graph':>10s} "
           f"{'ok':>5s}   (us per call)")
+    def all_ok(r: dict) -> bool:
+        return all(v for k, v in r.items() if k.endswith("_ok"))
+
     for r in result["rows"]:
-        ok = r["nccl_ok"] and r.get("symm_mem_ok", True)
+        ok = all_ok(r)
         cells = [f"{r.get(k, float('nan')):10.1f}" for k in ("nccl_eager_us", "nccl_graph_us", "symm_mem_eager_us",
                                                                "symm_mem_graph_us")]
         print(f"{r['tokens']:6d} {r['bytes'] / 1024:7.1f} {' '.join(cells)} {str(ok):>5s}")
     print(f"wrote {out}")
-    return 0 if all(r["nccl_ok"] and r.get("symm_mem_ok", True) for r in result["rows"]) else 1
+    return 0 if all(all_ok(r) for r in result["rows"]) else 1
 
 
 if __name__ == "__main__":
