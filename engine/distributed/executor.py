@@ -230,7 +230,7 @@ class Executor:
                     self.channel.send(Op.SHUTDOWN)
             self.workers.join(timeout_s)
         finally:
-            leave_group(self.channel)
+            leave_group(self.channel, drain=self.failure is None)
             torch.set_num_threads(self._threads_before)
             if Executor._active is self:
                 Executor._active = None

@@ -98,15 +98,17 @@ def join_group(spec: GroupSpec, rank: int, device: torch.device) -> ControlChann
     return ControlChannel(control, rank)
 
 
-def leave_group(channel: ControlChannel | None) -> None:
-    """Destroy this rank's groups (closing their sockets, which wakes peers blocked on this rank)."""
+def leave_group(channel: ControlChannel | None, drain: bool = True) -> None:
+    """Destroy this rank's groups (closing their sockets, which wakes peers blocked on this rank).
+    drain: the group is healthy; first free captured decode graphs (they hold NCCL work of the default
+    group; cycles too) and let the device finish. Not after a failure: a collective whose peer is gone
+    would never finish."""
     if not dist.is_initialized():
         return
-    # Captured decode graphs hold NCCL work of the default group: free them (cycles too) and let the
-    # device drain before the communicator goes.
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    if drain:
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
     if channel is not None:
         dist.destroy_process_group(channel.group)
     dist.destroy_process_group()
@@ -137,7 +139,7 @@ class RankWorker:
     def run(self, report: Callable[[str], None] | None = None) -> str | None:
         """Serve until SHUTDOWN. Returns None after a clean shutdown, or the error text after a failure
         (also passed to `report` first, for a process whose return value nobody reads)."""
-        channel = None
+        channel, failed = None, False
         try:
             device = self._device() if callable(self._device) else self._device
             device = torch.device(device) if device is not None else self.spec.device_of(self.rank)
@@ -147,6 +149,7 @@ class RankWorker:
             self._serve(channel, device)
             return None
         except Exception:  # any failure ends this rank; rank 0 turns the text into WorkerFailedError
+            failed = True
             text = f"rank {self.rank} (pid {os.getpid()}): {traceback.format_exc()}"
             if report is not None:
                 report(text)
@@ -155,7 +158,7 @@ class RankWorker:
             if self.runner is not None:
                 self.runner.close()
             self.runner = None
-            leave_group(channel)
+            leave_group(channel, drain=not failed)
 
     # ---- the command loop ---------------------------------------------------------------------------
     def _serve(self, channel: ControlChannel, device: torch.device) -> None:
