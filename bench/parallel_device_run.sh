@@ -6,7 +6,7 @@
 #     then python -m bench.allreduce over every GPU (NCCL vs the symmetric-memory one-shot, eager and in graphs);
 #  2. python -m bench.parallel over SPLITS (default 4x4,4x1,1x4) with MODEL (default gpt-oss-120b), decode
 #     graphs on every rank; with EAGER_PROFILE=1 first the first split's batch-1 decode without graphs,
-#     profiled (where an eager step's time goes);
+#     profiled (where an eager step's time goes), with torch's default CPU threads and with one per rank;
 #  3. python -m bench.kv_transfer (the GPU-direct hand-off's GB/s, GPU 0 -> the last GPU);
 #  4. python -m bench.disaggregated: prefill engine on GPUs 0-1, decode engine on 2-3 (TP2/EP2 each;
 #     on 2 GPUs: one engine per GPU), TTFT and hand-off against one engine doing both.
@@ -24,11 +24,15 @@ echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.lo
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 120 python3 -m bench.allreduce --world "$(nvidia-smi -L | wc -l)" \
     --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
 echo "allreduce exit $?"; grep -E "^ +[0-9]|unavailable" "$OUT/allreduce.log"; grep -m2 -E " via " "$OUT/allreduce.log"
-if [ "${EAGER_PROFILE:-0}" = 1 ]; then
-    timeout 120 python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" \
-        --splits "$(echo "${SPLITS:-4x4}" | cut -d, -f1)" --graphs off --parts b1,profile --b1-out 32 \
-        --out "$OUT/parallel_eager.json" > "$OUT/parallel_eager.log" 2>&1
-    echo "eager profile exit $?"; grep -A1 "^\[" "$OUT/parallel_eager.log" | head -4
+if [ "${EAGER_PROFILE:-0}" = 1 ]; then  # then the same with one CPU thread per rank (contention between ranks?)
+    for threads in default 1; do
+        ( [ "$threads" = 1 ] && export OMP_NUM_THREADS=1
+          timeout 120 python3 -m bench.parallel --device cuda --model "${MODEL:-gpt-oss-120b}" \
+            --splits "$(echo "${SPLITS:-4x4}" | cut -d, -f1)" --graphs off --parts b1,profile --b1-out 32 \
+            --out "$OUT/parallel_eager_threads_$threads.json" > "$OUT/parallel_eager_threads_$threads.log" 2>&1
+          echo "eager profile (threads $threads) exit $?" )
+        grep -A1 "^\[" "$OUT/parallel_eager_threads_$threads.log" | head -4
+    done
 fi
 left=$(( LIMIT_S - ($(date +%s) - start) - 240 ))  # kv_transfer and disaggregated run after it
 # SIGABRT: faulthandler prints where rank 0 stood when the time ran out
