@@ -122,7 +122,8 @@ class LLMEngine:
         self._last_sampling: tuple[list[Sequence], list[int], SamplingBatch] | None = None
         # Lookahead (module docstring): on by default with one CUDA rank. Several ranks take it when asked
         # (rank 0 broadcasts the ids it feeds on the device, engine/distributed/runner.py; tested over
-        # gloo, not yet over NCCL on several GPUs, hence not the default there).
+        # gloo and, with decode graphs, over NCCL on 2 GPUs; its speed there is not measured yet, hence
+        # not the default).
         self.async_decode = config.async_decode if config.async_decode is not None else (
             model.device.type == "cuda" and runner is None)
         self._inflight: _Launched | None = None
