@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, help="default: longest prompt + max tokens")
     gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
     gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
-                     help="K/V storage; fp8_e4m3 halves KV memory (one rank only)")
+                     help="K/V storage; fp8_e4m3 halves KV memory")
     gen.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                      help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
     gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),

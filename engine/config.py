@@ -31,7 +31,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # weights and KV cache; auto: the checkpoint's dtype
     # K/V storage: "auto" = the weights' dtype; "fp8_e4m3" halves KV memory and decode attention bytes
-    # (kernels/attention/kv_cache.py says what it costs in accuracy). One rank only for now.
+    # (kernels/attention/kv_cache.py says what it costs in accuracy). Any TP/EP split: the ranks move K/V
+    # hand-offs as bytes (engine/distributed/wire.flatten_kv).
     kv_cache_dtype: str = "auto"
     # Unembedding weights: "auto" = the checkpoint's (bf16: the model matches the reference); "fp8_e4m3"
     # rounds them at load to 128x128-block FP8, weight-only (kernels/layers/fp8_linear.py): half the bytes
@@ -99,10 +100,6 @@ class EngineConfig:
         if self.tp_size not in (1, self.world_size) or self.ep_size not in (1, self.world_size):
             raise EngineConfigError(f"tp_size={self.tp_size} and ep_size={self.ep_size} must each be 1 or the "
                                     f"number of ranks {self.world_size}: TP and EP run over the same ranks")
-        if self.kv_cache_dtype == "fp8_e4m3" and self.world_size > 1:
-            raise EngineConfigError(f"kv_cache_dtype='fp8_e4m3' runs on one rank only (tp_size=ep_size=1); the "
-                                    f"rank collectives that move K/V between {self.world_size} ranks carry the "
-                                    "model dtype")
         if self.all_reduce not in ALL_REDUCES:
             raise EngineConfigError(f"all_reduce must be one of {ALL_REDUCES}, got {self.all_reduce!r}")
         if self.all_reduce == "symm_mem" and not self.device.startswith("cuda"):

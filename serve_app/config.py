@@ -142,8 +142,7 @@ class ServeAppConfig(_Settings):
         "auto", description="Weights and KV cache dtype; auto: the checkpoint's.")
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8_e4m3"] = Field(
         "auto", description="K/V storage; auto: the weights' dtype. fp8_e4m3 holds twice the tokens and halves "
-                            "the bytes decode attention reads, at ~1e-2 relative change of attention outputs; "
-                            "tp_size = ep_size = 1 only.")
+                            "the bytes decode attention reads, at ~1e-2 relative change of attention outputs.")
     lm_head_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="Unembedding weights; auto: the checkpoint's (the model matches the reference). "
                             "fp8_e4m3 rounds them at load to 128x128-block FP8 (weight-only): 1.03-1.05x faster decode "

@@ -203,7 +203,7 @@ class Executor:
         except Exception as exc:  # e.g. CheckpointError: the caller sees it as is; the workers are stopped
             self._break(self.workers.wait_failure(1.0) or WorkerFailure(0, f"rank 0 could not load: {exc!r}"))
             raise
-        runner = self.loaded = DistributedRunner(model, config.block_size, self, owns_executor)
+        runner = self.loaded = DistributedRunner(model, config.block_size, self, owns_executor, config.kv_cache_dtype)
         try:
             return LLMEngine(model, config, runner=runner)
         except BaseException:

@@ -35,8 +35,8 @@ from engine.sequence import Sequence
 
 
 class DistributedRunner(ModelRunner):
-    def __init__(self, model, block_size: int, executor, owns_executor: bool):
-        super().__init__(model, block_size)
+    def __init__(self, model, block_size: int, executor, owns_executor: bool, kv_cache_dtype: str = "auto"):
+        super().__init__(model, block_size, kv_cache_dtype)
         self.executor = executor
         self.owns_executor = owns_executor
         self.tp_size = model.parallel.tp_size
@@ -98,7 +98,7 @@ class DistributedRunner(ModelRunner):
                          for r in range(self.world_size)]
                 mine = torch.empty_like(parts[0])
                 dist.scatter(mine, parts, src=0)
-        self.write_kv_slots(slots, *unflatten_kv(mine, self._rows(slots), self.kv_heads, self.head_dim))
+        self.write_kv_slots(slots, *unflatten_kv(mine, self._rows(slots), self.kv_heads, self.head_dim, self.kv_dtype))
 
     @torch.inference_mode()
     def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -110,7 +110,7 @@ class DistributedRunner(ModelRunner):
             flat = flatten_kv(*self.read_kv_slots(slots))
             parts = [torch.empty_like(flat) for _ in range(self.world_size)]
             dist.gather(flat, parts, dst=0)
-        per_rank = [unflatten_kv(p, self._rows(slots), self.kv_heads, self.head_dim) for p in parts]
+        per_rank = [unflatten_kv(p, self._rows(slots), self.kv_heads, self.head_dim, self.kv_dtype) for p in parts]
         layers = range(len(self.layer_is_sliding))
         ks = [torch.cat([k[layer] for k, _ in per_rank], dim=1) for layer in layers]  # [tokens, Hkv, Dh]
         vs = [torch.cat([v[layer] for _, v in per_rank], dim=1) for layer in layers]

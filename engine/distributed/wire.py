@@ -194,12 +194,21 @@ def unpack_slots(buf: np.ndarray) -> dict[bool, np.ndarray]:
 
 
 def flatten_kv(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """Per-layer K and V [rows, Hkv, Dh] -> one flat tensor (K of every layer, then V), for one collective."""
-    return torch.cat([t.reshape(-1) for t in (*ks, *vs)])
+    """Per-layer K and V [rows, Hkv, Dh] -> their bytes as one flat uint8 tensor (K of every layer, then V),
+    for one collective. Bytes, whatever the K/V dtype: float8 pages travel as they are stored (gloo and
+    NCCL move uint8 everywhere, float8 not)."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in (*ks, *vs)])
 
 
-def unflatten_kv(flat: torch.Tensor, rows: list[int], heads: int, head_dim: int) -> tuple[list, list]:
-    """Inverse of flatten_kv; rows[layer] rows per layer."""
+def kv_wire_bytes(rows: list[int], heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of flatten_kv's output for these per-layer row counts (K and V)."""
+    return 2 * sum(rows) * heads * head_dim * dtype.itemsize
+
+
+def unflatten_kv(flat: torch.Tensor, rows: list[int], heads: int, head_dim: int,
+                 dtype: torch.dtype) -> tuple[list, list]:
+    """Inverse of flatten_kv: views of `flat` (uint8) as per-layer K and V of `dtype`; rows[layer] rows."""
+    values = flat.view(dtype)
     shapes = [(r, heads, head_dim) for r in rows] * 2
-    parts = [p.view(shape) for p, shape in zip(flat.split([a * b * c for a, b, c in shapes]), shapes)]
+    parts = [p.view(shape) for p, shape in zip(values.split([a * b * c for a, b, c in shapes]), shapes)]
     return parts[: len(rows)], parts[len(rows):]

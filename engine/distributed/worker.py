@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, fed_on_device, flatten_kv, unflatten_kv,
-                                     unpack_slots, unpack_step)
+from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, fed_on_device, flatten_kv, kv_wire_bytes,
+                                     unflatten_kv, unpack_slots, unpack_step)
 
 # NVLink SHARP / multicast stays off in every rank: it is unavailable or unreliable on the lent H200
 # machines (see the device notes), and NCCL falls back to plain NVLink rings without it.
@@ -203,7 +203,7 @@ class RankWorker:
         self.runner = None  # free the previous model first
         self.config = spec.config
         self._last_step, self._last_number = None, 0  # a new engine numbers its steps from 1
-        self.runner = ModelRunner(load_shard(spec, self.rank, device), spec.config.block_size)
+        self.runner = ModelRunner(load_shard(spec, self.rank, device), spec.config.block_size, spec.config.kv_cache_dtype)
 
     @torch.inference_mode()
     def _step(self, arrays) -> None:
@@ -227,13 +227,13 @@ class RankWorker:
 
     def _import_kv(self, slots) -> None:
         r = self.runner
-        rows = sum(self._rows(slots))
-        flat = torch.empty(2 * rows * r.kv_heads * r.head_dim, dtype=r.kv_dtype, device=r.device)
+        rows = self._rows(slots)
+        flat = torch.empty(kv_wire_bytes(rows, r.kv_heads, r.head_dim, r.kv_dtype), dtype=torch.uint8, device=r.device)
         if r.model.parallel.tp_size == 1:  # EP only (a worker means world > 1): every rank holds every head
             dist.broadcast(flat, 0)
         else:
             dist.scatter(flat, None, src=0)
-        ks, vs = unflatten_kv(flat, self._rows(slots), r.kv_heads, r.head_dim)
+        ks, vs = unflatten_kv(flat, rows, r.kv_heads, r.head_dim, r.kv_dtype)
         r.write_kv_slots(slots, ks, vs)
 
     def _export_kv(self, slots) -> None:
