@@ -37,7 +37,8 @@ from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig, EngineConfigError
 from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
-from engine.request import FINISH_ABORT, GenerateRequest, InvalidRequestError, TokenDelta, TokenLogprob
+from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
+                            TokenLogprob)
 from engine.runner import ModelRunner, plan_pool_sizes
 from engine.sampler import HostTokens, Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
@@ -117,7 +118,8 @@ class LLMEngine:
 
             self.graph_capture_seconds = self.runner.capture_decode_graphs(default_buckets(config.max_num_seqs))
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler(mc.vocab_size, model.device)
+        self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID
+                               if mc.vocab_size > HARMONY_FIRST_SPECIAL_ID else None)
         self.metrics = EngineMetrics()
         self._last_sampling: tuple[list[Sequence], list[int], SamplingBatch] | None = None
         # Lookahead (module docstring): on by default with one CUDA rank. Several ranks take it when asked
@@ -373,8 +375,8 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or any(seq.prefill_only for seq in cur.rows):
-            return None
+        if kind is StepKind.PREFILL or any(seq.prefill_only or seq.sampling.has_penalties for seq in cur.rows):
+            return None  # (penalties: the next step's history needs this step's tokens on the host)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
@@ -444,11 +446,18 @@ class LLMEngine:
         the device: no rebuild, no host-to-device copies."""
         steps = [len(s.output_ids) for s in rows]
         last = self._last_sampling
-        if last is not None and len(last[0]) == len(rows) and all(a is b for a, b in zip(last[0], rows)) \
-                and all(n == m + 1 for n, m in zip(steps, last[1])):
+        penalized = any(s.sampling.has_penalties for s in rows)
+        if not penalized and last is not None and len(last[0]) == len(rows) \
+                and all(a is b for a, b in zip(last[0], rows)) and all(n == m + 1 for n, m in zip(steps, last[1])):
             batch = last[2].next_step()
         else:
-            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.runner.device)
+            histories = None
+            if penalized:  # every generated id is on the host: no lookahead past a penalized row (_launch_next)
+                histories = [s.output_ids if s.sampling.has_penalties else [] for s in rows]
+                if any(PLACEHOLDER in h for h in histories):
+                    raise RuntimeError("a penalized row has a token in flight: its penalties would miss it")
+            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.runner.device,
+                                        histories, self.vocab_size)
         self._last_sampling = (rows, steps, batch)
         return batch
 

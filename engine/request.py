@@ -11,6 +11,9 @@ from typing import AsyncIterator, Protocol
 # Harmony: <|return|> ends the final answer, <|call|> ends a tool call. <|end|> (200007) closes any
 # assistant message, including the analysis that precedes the answer, so it must not stop generation.
 HARMONY_STOP_TOKEN_IDS = (200002, 200012)
+# o200k_harmony: ids >= 199998 are special (<|startoftext|>, <|channel|>, <|end|>, reserved ...); checked with
+# openai_harmony's is_special_token. Penalties leave them alone, or a second <|channel|> would be penalized.
+HARMONY_FIRST_SPECIAL_ID = 199998
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -36,6 +39,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = HARMONY_STOP_TOKEN_IDS
     ignore_eos: bool = False  # keep going past stop tokens (benchmarks)
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob plus the top N
+    # OpenAI's penalties, over the tokens this request has generated so far (not the prompt; Harmony's
+    # control tokens exempt): logit -= frequency * count + presence * (count > 0). In [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:
@@ -51,6 +62,10 @@ class SamplingParams:
             raise bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
         if not 0 <= self.min_p < 1:
             raise bad("min_p", f"must be in [0, 1), got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise bad(name, f"must be between -2 and 2, got {value!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
 

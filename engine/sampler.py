@@ -10,6 +10,12 @@ filtered softmax. Why this and not torch.multinomial with a Generator per reques
   the prefill -> decode hand-off (the decode side continues at step = tokens generated so far);
 - the same numbers on CPU and GPU (integer hashing is exact).
 
+Penalties (OpenAI's presence and frequency penalties, SamplingParams) come first, on the raw logits of
+the rows that set them: logit -= frequency * count + presence * (count > 0), with count the times the
+token appears among the request's generated tokens (special ids exempt), so greedy rows see them too.
+The history travels with the batch (host lists, rebuilt every step); the engine does not look ahead
+past a penalized row, so no generated token is missing from it.
+
 Filters apply in this order on the tempered distribution: top-k, then top-p on what top-k kept
 (the smallest set of most likely tokens whose mass reaches top_p), then min-p (keep p >= min_p *
 p_max, which renormalisation does not change). Logprobs are those of the model's own distribution
@@ -68,6 +74,19 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits - best < torch.log(min_p)[:, None], float("-inf"))
 
 
+def apply_penalties(logits: torch.Tensor, history: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+                    exempt_from: int | None) -> torch.Tensor:
+    """logits [B, V] fp32 minus the penalties of the tokens in `history` [B, L] int64 (padded with V);
+    presence, frequency [B] fp32; ids >= exempt_from are never penalized."""
+    b, v = logits.shape
+    counts = torch.zeros(b, v + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, history, torch.ones_like(history, dtype=torch.float32))
+    counts = counts[:, :v]
+    if exempt_from is not None and exempt_from < v:
+        counts[:, exempt_from:] = 0
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   *, sort: bool = True, use_min_p: bool = True) -> torch.Tensor:
     """Tempered logits [B, V] with the tokens top-k / top-p / min-p drop set to -inf.
@@ -100,16 +119,40 @@ class SamplingBatch:
     any_min_p: bool
     top_k_cap: int | None  # max top_k when every sampled row sets one: sample among that many candidates
     num_logprobs: int | None  # the largest top-N asked for; None: nobody wants logprobs
+    # Penalties (None: no row sets one): [B] fp32 each, and each row's generated ids [B, L] padded with V.
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return self.history is not None
 
     def next_step(self) -> "SamplingBatch":
-        """The same rows one token later (every row sampled once since): only `step` moves, on the device."""
+        """The same rows one token later (every row sampled once since): only `step` moves, on the device.
+        Not for penalized batches: their history would miss the token just sampled."""
+        if self.penalized:
+            raise ValueError("a penalized batch is rebuilt every step (its history grows on the host)")
         return dataclasses.replace(self, step=self.step + 1)
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int],
-              device: torch.device | str) -> "SamplingBatch":
+              device: torch.device | str, histories: list[list[int]] | None = None,
+              vocab_size: int | None = None) -> "SamplingBatch":
+        """histories: each row's generated ids so far (needed when a row sets penalties), vocab_size pads them."""
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        penalties = {}
+        if any(p.has_penalties for p in params):
+            if histories is None or vocab_size is None:
+                raise ValueError("penalized rows need their generated ids (histories) and the vocabulary size")
+            width = max(1, max(len(h) for h in histories))
+            padded = [list(h) + [vocab_size] * (width - len(h)) if p.has_penalties else [vocab_size] * width
+                      for p, h in zip(params, histories)]
+            penalties = dict(presence=t([p.presence_penalty for p in params], torch.float32),
+                             frequency=t([p.frequency_penalty for p in params], torch.float32),
+                             history=t(padded, torch.int64))
 
         seeds = [s % 2**64 for s in seeds]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -129,6 +172,7 @@ class SamplingBatch:
             any_min_p=any(p.min_p > 0 for p in sampled),
             top_k_cap=max(p.top_k for p in sampled) if sampled and all(p.top_k > 0 for p in sampled) else None,
             num_logprobs=max(wanted) if wanted else None,
+            **penalties,
         )
 
 
@@ -166,13 +210,17 @@ class HostTokens:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str):
+    def __init__(self, vocab_size: int, device: torch.device | str, penalty_exempt_from: int | None = None):
+        """penalty_exempt_from: the first special id (Harmony's control tokens), never penalized."""
         self.vocab_size = vocab_size
+        self.penalty_exempt_from = penalty_exempt_from
         self.token_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=device))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()  # [B, V]
+        raw = logits = logits.float()  # [B, V]
+        if batch.penalized:
+            logits = apply_penalties(logits, batch.history, batch.presence, batch.frequency, self.penalty_exempt_from)
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
             token_ids = greedy_ids
@@ -197,7 +245,7 @@ class Sampler:
                 token_ids = torch.where(batch.temperature > 0, token_ids, greedy_ids)
         out = SamplerOutput(token_ids)
         if batch.num_logprobs is not None:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(raw, dim=-1)  # the model's own distribution (module docstring)
             out.logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
             if batch.num_logprobs > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(batch.num_logprobs, dim=-1)

@@ -160,6 +160,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         max_tokens=max_tokens, max_tokens_param=param, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
     ), len(prompt_ids), ctx.config)
     gen = Generation(ctx, request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
                      sampling=sampling, stop=req.stop)

@@ -69,6 +69,8 @@ class SamplingRequest:
     min_p: float | None = None
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig) -> SamplingParams:
@@ -92,6 +94,8 @@ def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig
         seed=req.seed,
         max_tokens=max_tokens,
         logprobs=req.logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
     )
     params.validate()
     return params

@@ -190,7 +190,9 @@ class ChatCompletionRequest(RequestBase):
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
     def _penalty(cls, value: float | None) -> float | None:
-        return _reject_unless(value, (None, 0, 0.0), "penalties are not implemented by this server; omit them or send 0")
+        if value is not None and not -2 <= value <= 2:
+            raise ValueError("must be between -2 and 2")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

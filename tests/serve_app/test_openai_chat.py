@@ -123,9 +123,11 @@ def test_tool_call_on_analysis_channel_non_stream_and_stream(client, backend):
 def test_sampling_parameters_reach_the_backend(client, backend):
     backend.push(ANSWER)
     client.chat.completions.create(model=MODEL, messages=HI, temperature=0.3, top_p=0.9, seed=7,
-                                   max_completion_tokens=100, extra_body={"top_k": 20, "min_p": 0.05})
+                                   max_completion_tokens=100, presence_penalty=0.5, frequency_penalty=-1.25,
+                                   extra_body={"top_k": 20, "min_p": 0.05})
     s = backend.requests[-1].sampling
     assert (s.temperature, s.top_p, s.seed, s.max_tokens, s.top_k, s.min_p) == (0.3, 0.9, 7, 100, 20, 0.05)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.25)
     backend.push(ANSWER)
     client.chat.completions.create(model=MODEL, messages=HI, max_tokens=50)
     assert backend.requests[-1].sampling.max_tokens == 50

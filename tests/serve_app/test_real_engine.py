@@ -76,6 +76,27 @@ def test_greedy_chat_returns_exactly_what_the_engine_generated(real):
     assert r.choices[0].finish_reason == expected_finish
 
 
+def test_penalized_greedy_chat_returns_what_the_engine_generated(real):
+    """Penalties travel from the API to the sampler: the same tokens as the engine called directly."""
+    reference, engine, server = real
+    penalties = dict(presence_penalty=-2.0, frequency_penalty=-1.5)  # pull toward repeats: they bite here
+    req = ChatCompletionRequest(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    prompt = render_prompt(chat_prompt(req, IngressConfig(model_name=MODEL, max_context=MAX_CONTEXT,
+                                                          conversation_start_date=DATE)))
+    (direct,) = reference.generate([GenerateRequest("pen", prompt, SamplingParams(
+        temperature=0.0, max_tokens=8, **penalties))])
+    (plain,) = reference.generate([GenerateRequest("plain", prompt, SamplingParams(temperature=0.0, max_tokens=8))])
+    assert direct.output_ids != plain.output_ids
+
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, **penalties)
+    reasoning, content = expected_message(direct.output_ids)
+    assert (r.choices[0].message.content or "") == content
+    assert (r.choices[0].message.model_extra.get("reasoning_content") or "") == reasoning
+    assert r.usage.completion_tokens == len(direct.output_ids)
+
+
 def test_seeded_stream_equals_seeded_non_stream(real):
     _, _, server = real
     import openai
