@@ -9,13 +9,17 @@ entry of `tool_calls` per `functions.NAME` message on any channel. Separate Harm
 same kind are joined by a blank line. Streaming sends the role first, then reasoning_content /
 content / tool_call deltas, a finish chunk, an optional usage chunk (`stream_options.include_usage`)
 and `[DONE]`. Stop strings cut the final answer only (the reasoning is not user output). Logprobs
-cover the tokens of the answer text, not reasoning or tool-call tokens.
+cover the tokens of the answer text, not reasoning or tool-call tokens. `n` > 1: n engine requests of
+the same prompt (GenerationGroup), choice i seeded with seed + i when a seed is given; streamed, the
+choices' chunks interleave as they come (`interleave`), each carrying its index.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from openai_harmony import HarmonyEncoding
@@ -38,6 +42,7 @@ from serve_app.harmony.render import (
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
     Generation,
+    GenerationGroup,
     IngressConfig,
     IngressContext,
     SamplingRequest,
@@ -144,7 +149,7 @@ def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncodi
             for e in entries]
 
 
-def usage_json(gen: Generation) -> dict[str, Any]:
+def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
     u = gen.usage()
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
             "total_tokens": u["total_tokens"], "completion_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]}}
@@ -162,50 +167,99 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
     ), len(prompt_ids), ctx.config)
-    gen = Generation(ctx, request_id=f"chatcmpl-{uuid.uuid4().hex}", prompt_ids=prompt_ids,
-                     sampling=sampling, stop=req.stop)
-    head = {"id": gen.request_id, "created": int(time.time()), "model": ctx.config.model_name}
+    n = req.n or 1
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+    def nth(i: int) -> Generation:
+        # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
+        params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
+        return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
+                          sampling=params, stop=req.stop)
+
+    group = GenerationGroup([nth(i) for i in range(n)])
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}
     top = req.top_logprobs or 0
 
-    async def body(gen: Generation) -> dict:
+    async def choice(index: int, gen: Generation) -> dict:
         assembler, logprobs = ChatAssembler(), []
         async for step in gen.steps():
             for event in step.events:
                 assembler.apply(event)
             logprobs += step.content_logprobs
-        choice = {"index": 0, "message": assembler.message(), "finish_reason": gen.finish_reason,
-                  "logprobs": {"content": logprobs_json(logprobs, top, ctx.encoding)} if req.logprobs else None}
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage_json(gen)}
+        return {"index": index, "message": assembler.message(), "finish_reason": gen.finish_reason,
+                "logprobs": {"content": logprobs_json(logprobs, top, ctx.encoding)} if req.logprobs else None}
 
-    async def stream(gen: Generation) -> AsyncIterator[bytes]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        extra = {"usage": None} if include_usage else {}
+    async def body(group: GenerationGroup) -> dict:
+        choices = await asyncio.gather(*(choice(i, g) for i, g in enumerate(group.gens)))
+        return {**head, "object": "chat.completion", "choices": list(choices), "usage": usage_json(group)}
 
-        def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            if logprobs is not None:
-                choice["logprobs"] = {"content": logprobs_json(logprobs, top, ctx.encoding)}
-            return sse({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
 
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list | None = None) -> bytes:
+        out = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if logprobs is not None:
+            out["logprobs"] = {"content": logprobs_json(logprobs, top, ctx.encoding)}
+        return sse({**head, "object": "chat.completion.chunk", "choices": [out], **extra})
+
+    async def choice_chunks(index: int, gen: Generation) -> AsyncIterator[bytes]:
+        yield chunk(index, {"role": "assistant", "content": ""})
+        assembler, pending_logprobs = ChatAssembler(), []
+        async for step in gen.steps():
+            pending_logprobs += step.content_logprobs
+            for delta in _merged(assembler.apply(e) for e in step.events):
+                with_logprobs = req.logprobs and "content" in delta
+                yield chunk(index, delta, logprobs=pending_logprobs if with_logprobs else None)
+                pending_logprobs = [] if with_logprobs else pending_logprobs
+        yield chunk(index, {}, gen.finish_reason, pending_logprobs if req.logprobs and pending_logprobs else None)
+
+    async def stream(group: GenerationGroup) -> AsyncIterator[bytes]:
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            assembler, pending_logprobs = ChatAssembler(), []
-            async for step in gen.steps():
-                pending_logprobs += step.content_logprobs
-                for delta in _merged(assembler.apply(e) for e in step.events):
-                    with_logprobs = req.logprobs and "content" in delta
-                    yield chunk(delta, logprobs=pending_logprobs if with_logprobs else None)
-                    pending_logprobs = [] if with_logprobs else pending_logprobs
-            yield chunk({}, gen.finish_reason, pending_logprobs if req.logprobs and pending_logprobs else None)
+            async for data in interleave([choice_chunks(i, g) for i, g in enumerate(group.gens)]):
+                yield data
             if include_usage:
-                yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage_json(gen)})
+                yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage_json(group)})
             yield sse("[DONE]")
         except APIError as err:  # mid-stream failure: the openai client raises it as an APIError
             yield sse(err.body())
         finally:
-            await gen.close()
+            await group.close()
 
-    return await respond(http, gen, stream=req.stream, make_stream=stream, make_body=body)
+    return await respond(http, group, stream=req.stream, make_stream=stream, make_body=body)
+
+
+async def interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The items of several streams as they come, each stream's in its order; the first error wins.
+    One stream is passed through as is."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(it: AsyncIterator[bytes]) -> None:
+        try:
+            async for item in it:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(it)) for it in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _merged(deltas: Any) -> list[dict[str, Any]]:

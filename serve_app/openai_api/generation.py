@@ -9,6 +9,7 @@ disconnected, a stop string matched or something failed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -293,11 +294,35 @@ class Generation:
                 "reasoning_tokens": self.reasoning_tokens}
 
 
-async def respond(http: Request, gen: Generation, *, stream: bool,
-                  make_stream: Callable[[Generation], AsyncIterator[bytes]],
-                  make_body: Callable[[Generation], Awaitable[dict]]) -> Response:
-    """Start `gen`, then stream it or answer with one JSON body; the backend request is aborted if
-    the client leaves or anything fails before the generation ends."""
+class GenerationGroup:
+    """The n completions of one chat request (`n` > 1): n engine requests of one prompt, started and
+    closed together; usage counts the prompt once, as OpenAI does."""
+
+    def __init__(self, gens: list[Generation]):
+        self.gens = gens
+
+    async def start(self) -> None:
+        # Together: each start waits for its request's first token; a failing one (InvalidRequestError)
+        # raises here and respond() closes the group, aborting the others.
+        await asyncio.gather(*(gen.start() for gen in self.gens))
+
+    async def close(self) -> None:
+        for gen in self.gens:
+            await gen.close()
+
+    def usage(self) -> dict[str, int]:
+        parts = [g.usage() for g in self.gens]
+        prompt = parts[0]["prompt_tokens"]
+        completion = sum(p["completion_tokens"] for p in parts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "reasoning_tokens": sum(p["reasoning_tokens"] for p in parts)}
+
+
+async def respond(http: Request, gen: Generation | GenerationGroup, *, stream: bool,
+                  make_stream: Callable[[Any], AsyncIterator[bytes]],
+                  make_body: Callable[[Any], Awaitable[dict]]) -> Response:
+    """Start `gen` (one generation or a group), then stream it or answer with one JSON body; the backend
+    requests are aborted if the client leaves or anything fails before the generation ends."""
     try:
         await run_unless_disconnected(http, gen.start)
     except BaseException:

@@ -17,6 +17,7 @@ Effort = Literal["low", "medium", "high"]
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOP_SEQUENCES = 4
+MAX_N = 16  # chat completions per request (serve_app/openai_api/chat.py)
 
 
 class Lenient(BaseModel):
@@ -177,7 +178,9 @@ class ChatCompletionRequest(RequestBase):
     @field_validator("n")
     @classmethod
     def _n(cls, value: int | None) -> int | None:
-        return _reject_unless(value, (None, 1), "only n=1 is supported; send one request per completion")
+        if value is not None and not 1 <= value <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        return value
 
     @field_validator("stop")
     @classmethod

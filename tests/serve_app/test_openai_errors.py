@@ -52,7 +52,8 @@ CHAT_400 = [
     ("max_tokens zero", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("top_logprobs out of range", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ("n above one", {**CHAT, "n": 2}, "n"),
+    ("n above the cap", {**CHAT, "n": 17}, "n"),
+    ("n zero", {**CHAT, "n": 0}, "n"),
     ("unknown argument", {**CHAT, "frobnicate": True}, "frobnicate"),
     ("penalty out of range", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
     ("penalty wrong type", {**CHAT, "frequency_penalty": "high"}, "frequency_penalty"),
@@ -103,8 +104,8 @@ def test_responses_bad_requests_are_400(server, client, backend, case, body, par
 
 def test_openai_client_raises_bad_request_with_fields(client, backend):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=HI, n=3)
-    assert info.value.status_code == 400 and info.value.param == "n" and "n=1" in info.value.message
+        client.chat.completions.create(model=MODEL, messages=HI, n=40)
+    assert info.value.status_code == 400 and info.value.param == "n" and "between 1 and 16" in info.value.message
     assert_still_serving(client, backend)
 
 

@@ -97,6 +97,63 @@ def test_penalized_greedy_chat_returns_what_the_engine_generated(real):
     assert r.usage.completion_tokens == len(direct.output_ids)
 
 
+def _prompt() -> list[int]:
+    req = ChatCompletionRequest(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    return render_prompt(chat_prompt(req, IngressConfig(model_name=MODEL, max_context=MAX_CONTEXT,
+                                                        conversation_start_date=DATE)))
+
+
+def test_n_choices_are_the_engine_generations_of_seed_plus_index(real):
+    """n=3 with seed 5: choice i is what the engine generates with seed 5 + i; usage counts the prompt
+    once; streamed, the chunks of each index rebuild the same choices; greedy choices are all alike."""
+    reference, engine, server = real
+    directs = reference.generate([GenerateRequest(f"n{i}", _prompt(), SamplingParams(
+        temperature=1.0, seed=5 + i, max_tokens=7)) for i in range(3)])
+    assert len({tuple(d.output_ids) for d in directs}) > 1  # the seeds give different completions
+
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=7, temperature=1.0, seed=5, n=3)
+    r = client.chat.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c, d in zip(r.choices, directs):
+        reasoning, content = expected_message(d.output_ids)
+        assert (c.message.content or "") == content
+        assert (c.message.model_extra.get("reasoning_content") or "") == reasoning
+    assert r.usage.prompt_tokens == len(_prompt())
+    assert r.usage.completion_tokens == sum(len(d.output_ids) for d in directs)
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    for i, c in enumerate(r.choices):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == c.finish_reason
+        assert "".join(m.delta.content or "" for m in mine) == (c.message.content or "")
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    greedy = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, n=2)
+    assert greedy.choices[0].message == greedy.choices[1].message
+    assert not engine.engine.has_unfinished()
+    usage = engine.engine.block_manager.usage()
+    assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
+
+
+def test_leaving_an_n_stream_aborts_every_choice(real):
+    _, engine, server = real
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True, "n": 3}
+    before = engine.engine.metrics.snapshot()["requests_finished_total"].get("abort", 0)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while engine.engine.has_unfinished():
+        assert time.monotonic() < deadline, "the engine still runs abandoned choices"
+        time.sleep(0.05)
+    aborted = engine.engine.metrics.snapshot()["requests_finished_total"].get("abort", 0) - before
+    assert aborted == 3, aborted
+    usage = engine.engine.block_manager.usage()
+    assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
+
+
 def test_seeded_stream_equals_seeded_non_stream(real):
     _, _, server = real
     import openai
