@@ -181,7 +181,7 @@ class LLMEngine:
         if not isinstance(request.request_id, str) or not request.request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request.request_id!r}",
                                       "request_id")
-        request.sampling.validate()
+        request.sampling.validate(self.vocab_size)
         ids = request.prompt_ids
         if not ids:
             raise InvalidRequestError("prompt_ids is empty: send at least one token", "prompt_ids")

@@ -14,6 +14,7 @@ HARMONY_STOP_TOKEN_IDS = (200002, 200012)
 # o200k_harmony: ids >= 199998 are special (<|startoftext|>, <|channel|>, <|end|>, reserved ...); checked with
 # openai_harmony's is_special_token. Penalties leave them alone, or a second <|channel|> would be penalized.
 HARMONY_FIRST_SPECIAL_ID = 199998
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -43,12 +44,15 @@ class SamplingParams:
     # control tokens exempt): logit -= frequency * count + presence * (count > 0). In [-2, 2].
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the raw logits every step.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """vocab_size: the engine's, to check logit_bias ids against (None: not checked)."""
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {why}", param)
 
@@ -66,6 +70,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2 <= value <= 2):
                 raise bad(name, f"must be between -2 and 2, got {value!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"takes up to {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size or 'vocab'}), got {token!r}")
+            if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
+                raise bad("logit_bias", f"values must be between -100 and 100, got {bias!r} for token {token}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
 

@@ -14,7 +14,8 @@ Penalties (OpenAI's presence and frequency penalties, SamplingParams) come first
 the rows that set them: logit -= frequency * count + presence * (count > 0), with count the times the
 token appears among the request's generated tokens (special ids exempt), so greedy rows see them too.
 The history travels with the batch (host lists, rebuilt every step); the engine does not look ahead
-past a penalized row, so no generated token is missing from it.
+past a penalized row, so no generated token is missing from it. logit_bias (OpenAI's) is added to the
+raw logits too, every step, from (id, bias) pairs that stay with the batch.
 
 Filters apply in this order on the tempered distribution: top-k, then top-p on what top-k kept
 (the smallest set of most likely tokens whose mass reaches top_p), then min-p (keep p >= min_p *
@@ -123,6 +124,9 @@ class SamplingBatch:
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     history: torch.Tensor | None = None
+    # logit_bias (None: no row sets one): ids [B, L] int64 padded with V, and their biases [B, L] fp32.
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @property
     def penalized(self) -> bool:
@@ -153,6 +157,14 @@ class SamplingBatch:
             penalties = dict(presence=t([p.presence_penalty for p in params], torch.float32),
                              frequency=t([p.frequency_penalty for p in params], torch.float32),
                              history=t(padded, torch.int64))
+        if any(p.logit_bias for p in params):
+            if vocab_size is None:
+                raise ValueError("logit_bias rows need the vocabulary size")
+            width = max(len(p.logit_bias) for p in params)
+            pad = [(vocab_size, 0.0)] * width
+            rows = [list(p.logit_bias) + pad[len(p.logit_bias):] for p in params]
+            penalties.update(bias_ids=t([[i for i, _ in r] for r in rows], torch.int64),
+                             bias_values=t([[b for _, b in r] for r in rows], torch.float32))
 
         seeds = [s % 2**64 for s in seeds]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -221,6 +233,9 @@ class Sampler:
         raw = logits = logits.float()  # [B, V]
         if batch.penalized:
             logits = apply_penalties(logits, batch.history, batch.presence, batch.frequency, self.penalty_exempt_from)
+        if batch.bias_ids is not None:
+            bias = torch.zeros(logits.shape[0], logits.shape[1] + 1, device=logits.device)
+            logits = logits + bias.scatter_add_(1, batch.bias_ids, batch.bias_values)[:, :-1]
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
             token_ids = greedy_ids

@@ -165,7 +165,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         max_tokens=max_tokens, max_tokens_param=param, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
     ), len(prompt_ids), ctx.config)
     n = req.n or 1
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

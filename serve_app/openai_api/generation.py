@@ -72,6 +72,7 @@ class SamplingRequest:
     logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig) -> SamplingParams:
@@ -97,6 +98,7 @@ def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig
         logprobs=req.logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
     )
     params.validate()
     return params

@@ -200,7 +200,12 @@ class ChatCompletionRequest(RequestBase):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict | None) -> dict | None:
-        return _reject_unless(value or None, (None,), "logit_bias is not supported by this server; omit it")
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be between -100 and 100, got {bias!r} for token {key}")
+        return value
 
     @field_validator("response_format")
     @classmethod

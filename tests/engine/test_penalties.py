@@ -101,3 +101,28 @@ def test_lookahead_steps_aside_for_penalized_rows(make_engine):
 def test_penalties_out_of_range_are_refused(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value}).validate()
+
+
+def test_logit_bias_is_added_to_the_raw_logits_and_survives_the_next_step():
+    g = torch.Generator().manual_seed(8)
+    vocab = 29
+    logits = torch.randn(3, vocab, generator=g)
+    params = [SamplingParams(temperature=0.0, logit_bias=((3, 100.0),)),  # forced
+              SamplingParams(temperature=0.0, logit_bias=tuple((i, -100.0) for i in range(vocab) if i != 17)),  # only 17 left
+              SamplingParams(temperature=0.0, logit_bias=((int(logits[2].argmax()), -100.0), (0, 0.5)))]
+    batch = SamplingBatch.build(params, [0, 0, 0], [0, 0, 0], "cpu", None, vocab)
+    sampler = Sampler(vocab, "cpu")
+    want_last = logits[2].clone()
+    want_last[int(logits[2].argmax())] -= 100
+    want_last[0] += 0.5
+    for b in (batch, batch.next_step()):  # an unchanged batch one token later keeps its biases
+        assert sampler(logits, b).token_ids.tolist() == [3, 17, int(want_last.argmax())]
+
+
+@pytest.mark.parametrize("bias,why", [(((5, 101.0),), "between -100 and 100"), (((-1, 1.0),), "token ids"),
+                                      (((7, 1.0),) * 301, "up to 300")])
+def test_bad_logit_bias_is_refused(bias, why):
+    with pytest.raises(InvalidRequestError, match=why):
+        SamplingParams(logit_bias=bias).validate(vocab_size=50)
+    with pytest.raises(InvalidRequestError, match="token ids in"):
+        SamplingParams(logit_bias=((50, 1.0),)).validate(vocab_size=50)

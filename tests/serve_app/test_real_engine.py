@@ -154,6 +154,19 @@ def test_leaving_an_n_stream_aborts_every_choice(real):
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
 
 
+def test_logit_bias_forces_a_token_and_unknown_ids_are_400(real):
+    reference, engine, server = real
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0.7, seed=3,
+                                       logit_bias={"1001": 100})
+    assert r.usage.completion_tokens == 4
+    assert (r.choices[0].message.content or "") == load_harmony_encoding().decode([1001] * 4)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, logit_bias={"999999": 5})
+    assert info.value.param == "logit_bias"
+
+
 def test_seeded_stream_equals_seeded_non_stream(real):
     _, _, server = real
     import openai
