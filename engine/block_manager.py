@@ -6,12 +6,22 @@ the page goes back to the pool. A decoding sequence therefore holds at most
 ceil((window - 1) / block_size) + 1 sliding pages, whatever its length; a prefill chunk of c tokens
 holds the pages covering window - 1 + c tokens for the duration of the step.
 
+Prefix caching (opt-in, EngineConfig.enable_prefix_caching): each whole prompt block computed is
+registered in both pools under a chain hash of every token up to its end, and a new sequence starts
+from the longest prefix whose blocks are cached: every full-layer page of it, and the sliding-layer
+pages its first query still sees (the window before the cut). Pages nobody holds stay readable until
+an allocation evicts them. At least one prompt token is always computed (its logits give the first
+sample). The K/V is the same as computing the prefix again (chunked prefill reads it the same way).
+
 Only page ids move here; the tensors live in kernels/attention/kv_cache.py (PagedKVCache).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
 
 from engine.sequence import Sequence
 
@@ -25,39 +35,77 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PagePool:
-    """Free list of one kind's page ids. Freed pages are reused first (they are likely still in cache)."""
+    """Page ids of one kind with reference counts. Freed pages are reused first (likely still in the GPU's
+    cache). With prefix caching a page can carry the hash of the block it holds (register); when its last
+    holder lets go it stays readable as an evictable page (counted free, reused last, least recently
+    freed first) until an allocation needs it, and `take` revives it for a sequence with that prefix."""
 
     def __init__(self, kind: str, num_pages: int):
         self.kind = kind
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._is_free = [True] * num_pages
+        self._refs = [0] * num_pages
+        self._hash_of: dict[int, bytes] = {}  # page -> hash of the block it holds
+        self._page_of: dict[bytes, int] = {}  # block hash -> page
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # no holder, still hashed; oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages holding a registered block (held or evictable)."""
+        return len(self._hash_of)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheError(f"{self.kind} pool: asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._is_free[p] = False
+        if n > self.num_free:
+            raise KVCacheError(f"{self.kind} pool: asked for {n} pages, {self.num_free} free")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                p = self._free.pop()
+            else:  # evict the least recently freed cached block
+                p, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._hash_of.pop(p)]
+            self._refs[p] = 1
+            pages.append(p)
         return pages
 
     def release(self, pages) -> None:
         pages = list(pages)
         if not pages:
             return
-        if any(self._is_free[p] for p in pages) or len(set(pages)) != len(pages):
+        if any(self._refs[p] == 0 for p in pages) or len(set(pages)) != len(pages):
             raise KVCacheError(f"{self.kind} pool: releasing a page that is already free (double free)")
         for p in pages:
-            self._is_free[p] = True
-        self._free.extend(pages)
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                if p in self._hash_of:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+
+    def register(self, page: int, block_hash: bytes) -> None:
+        """`page` (held) now holds the block `block_hash` names; a block already cached elsewhere keeps
+        its first page."""
+        if block_hash not in self._page_of and page not in self._hash_of:
+            self._page_of[block_hash] = page
+            self._hash_of[page] = block_hash
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._page_of.get(block_hash)
+
+    def take(self, page: int) -> int:
+        """One more holder of a cached page (reviving it if evictable)."""
+        if self._refs[page] == 0:
+            del self._evictable[page]
+        self._refs[page] += 1
+        return page
 
 
 class BlockManager:
@@ -67,11 +115,14 @@ class BlockManager:
     and that kind never limits scheduling."""
 
     def __init__(self, block_size: int, sliding_window: int, num_full_pages: int, num_sliding_pages: int,
-                 has_full: bool = True, has_sliding: bool = True):
+                 has_full: bool = True, has_sliding: bool = True, prefix_caching: bool = False):
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.full = PagePool("full", num_full_pages) if has_full else None
         self.sliding = PagePool("sliding", num_sliding_pages) if has_sliding else None
+        self.prefix_caching = prefix_caching
+        self.prefix_query_tokens = 0  # prompt tokens of admitted sequences, and how many came from the cache
+        self.prefix_hit_tokens = 0
 
     # ---- capacity queries -----------------------------------------------------------------------
     def _full_needed(self, seq: Sequence, total: int) -> int:
@@ -159,8 +210,67 @@ class BlockManager:
         self.sliding.release(freed)
         return len(freed)
 
+    # ---- prefix caching ------------------------------------------------------------------------------
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        if seq.block_hashes is None:
+            bs, parent, out = self.block_size, b"", []
+            tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
+            for b in range(len(seq.prompt_ids) // bs):
+                parent = hashlib.blake2b(parent + tokens[b * bs:(b + 1) * bs].tobytes(), digest_size=16).digest()
+                out.append(parent)
+            seq.block_hashes = out
+        return seq.block_hashes
+
+    def _first_sliding_block(self, num_blocks: int) -> int:
+        return self.first_visible_position(num_blocks * self.block_size) // self.block_size
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """A new sequence (no pages, nothing computed) takes the pages of its longest cached prompt prefix
+        (whole blocks, at least one prompt token left to compute); returns the tokens it skips."""
+        if not self.prefix_caching or seq.num_computed or len(seq.full_pages) or seq.sliding_pages:
+            return 0
+        hashes = self._hashes(seq)
+        k = (len(seq.prompt_ids) - 1) // self.block_size
+        if self.full is not None:
+            k = next((i for i in range(k) if self.full.lookup(hashes[i]) is None), k)
+        if self.sliding is not None:
+            while k and any(self.sliding.lookup(hashes[j]) is None for j in range(self._first_sliding_block(k), k)):
+                k -= 1
+        if k == 0:
+            return 0
+        if self.full is not None:
+            seq.full_pages.extend([self.full.take(self.full.lookup(h)) for h in hashes[:k]])
+        if self.sliding is not None:
+            seq.sliding_first = self._first_sliding_block(k)
+            seq.sliding_pages.extend(self.sliding.take(self.sliding.lookup(hashes[j]))
+                                     for j in range(seq.sliding_first, k))
+        seq.num_computed, seq.num_registered = k * self.block_size, k
+        return k * self.block_size
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Name the whole prompt blocks `seq` has computed since the last call (after a step's forward is
+        queued: whoever reads them later is queued after it)."""
+        if not self.prefix_caching:
+            return
+        done = min(seq.num_computed, len(seq.prompt_ids)) // self.block_size
+        if done <= seq.num_registered:
+            return
+        hashes = self._hashes(seq)
+        for b in range(seq.num_registered, done):
+            if self.full is not None:
+                self.full.register(seq.full_pages[b], hashes[b])
+            if self.sliding is not None and seq.sliding_first <= b < seq.sliding_first + len(seq.sliding_pages):
+                self.sliding.register(seq.sliding_pages[b - seq.sliding_first], hashes[b])
+        seq.num_registered = done
+
+    def note_admitted(self, seq: Sequence, hit_tokens: int) -> None:
+        if self.prefix_caching:
+            self.prefix_query_tokens += len(seq.prompt_ids)
+            self.prefix_hit_tokens += hit_tokens
+
     def free(self, seq: Sequence) -> None:
         """Return every page of `seq` (finish, abort, preemption, export)."""
+        seq.num_registered = 0
         full = seq.full_pages.clear()
         if self.full is not None:
             self.full.release(full)
@@ -181,4 +291,8 @@ class BlockManager:
                 out[f"{pool.kind}_pages_used"] = pool.num_used
                 out[f"{pool.kind}_pages_free"] = pool.num_free
                 out[f"{pool.kind}_pages_total"] = pool.num_pages
+                if self.prefix_caching:
+                    out[f"{pool.kind}_pages_cached"] = pool.num_cached
+        if self.prefix_caching:
+            out["prefix_query_tokens"], out["prefix_hit_tokens"] = self.prefix_query_tokens, self.prefix_hit_tokens
         return out

@@ -160,6 +160,7 @@ def cmd_generate(args) -> int:
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
                           device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           lm_head_dtype=args.lm_head_dtype, all_reduce=args.all_reduce,
+                          enable_prefix_caching=args.prefix_caching,
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -234,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")
     gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
+    gen.add_argument("--prefix-caching", action="store_true",
+                     help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages)")
     gen.add_argument("--all-reduce", default="nccl", choices=("nccl", "symm_mem"),
                      help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA)")
     gen.set_defaults(func=cmd_generate)

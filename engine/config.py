@@ -56,6 +56,9 @@ class EngineConfig:
     # one-shot all-reduce over symmetric memory for tensors up to 256 KiB (decode), NCCL above
     # (kernels/comm/symm_all_reduce.py; CUDA only; opt-in until measured on a multi-GPU host).
     all_reduce: str = "nccl"
+    # Reuse the K/V of cached prompt prefixes (whole blocks; engine/block_manager.py). Off by default until
+    # measured on the GPU; the K/V and tokens are the same as without (tests/engine/test_prefix_cache.py).
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

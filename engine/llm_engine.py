@@ -109,7 +109,7 @@ class LLMEngine:
             num_full, num_sliding = plan_pool_sizes(config, self.runner.kv_budget_bytes(config),
                                                     *self.runner.page_bytes(), mc.sliding_window)
         self.block_manager = BlockManager(config.block_size, mc.sliding_window, num_full, num_sliding,
-                                          self.runner.has_full, self.runner.has_sliding)
+                                          self.runner.has_full, self.runner.has_sliding, config.enable_prefix_caching)
         self._check_pools(num_full, num_sliding)
         self.runner.allocate_kv_cache(num_full, num_sliding)
         self.graph_capture_seconds: dict[int, float] = {}
@@ -339,6 +339,7 @@ class LLMEngine:
         times.prepare, times.forward = t2 - t1, t3 - t2
         for s in out.scheduled:
             s.seq.num_computed = s.end
+            self.block_manager.register_blocks(s.seq)  # prefix caching (before sliding pages leave)
             self.block_manager.release_out_of_window(s.seq)
         slots = []
         for seq in rows:

@@ -195,13 +195,18 @@ class Scheduler:
                 out.restores.append(seq)
                 n = 1
             else:
+                hit = bm.take_cached_prefix(seq)  # prefix caching: skip the cached part of the prompt
                 want = min(seq.num_remaining, budget)
                 n = bm.max_new_tokens(seq, want)
                 # Wait for a whole chunk while others hold pages (they free them as they finish);
                 # alone, take what fits so a tiny pool still makes progress.
                 if n == 0 or (n < want and self.running):
+                    if hit:  # give the prefix back; it is looked up again next time
+                        bm.free(seq)
+                        seq.num_computed = 0
                     return
                 bm.allocate(seq, seq.num_computed + n)
+                bm.note_admitted(seq, hit)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)

@@ -77,6 +77,10 @@ class Sequence:
     sliding_pages: deque = field(default_factory=deque)
     sliding_first: int = 0
     pending_kv: "PrefilledKV | None" = None  # imported K/V waiting for pages
+    # Prefix caching (engine/block_manager.py): chain hashes of the prompt's whole blocks (computed once),
+    # and how many of this sequence's blocks are registered in the pools.
+    block_hashes: list[bytes] | None = None
+    num_registered: int = 0
     finish_reason: str | None = None
     num_emitted: int = 0  # output tokens already sent in deltas
     num_preemptions: int = 0

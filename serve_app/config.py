@@ -171,6 +171,9 @@ class ServeAppConfig(_Settings):
     cuda_graphs: bool = Field(
         True, description="Replay decode steps as CUDA graphs at batch buckets up to max_num_seqs. Applies to "
                           "GPU replicas (every rank of a TP/EP replica captures the same graphs); CPU replicas run eagerly.")
+    enable_prefix_caching: bool = Field(
+        False, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
+                           "prompts, earlier turns of a chat); the same tokens as without. Off until measured on GPUs.")
     async_decode: bool = Field(
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
                           "tokens, so the host's step work overlaps the GPU. Applies to GPU replicas of one "
@@ -289,6 +292,7 @@ class ServeAppConfig(_Settings):
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",
             async_decode=self.async_decode and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
+            enable_prefix_caching=self.enable_prefix_caching,
             tp_size=self.tp_size,
             ep_size=self.ep_size,
         )

@@ -212,6 +212,11 @@ class _Dummy:
     pass
 
 
+def test_prefix_caching_reaches_the_engine():
+    assert ServeAppConfig.from_args({}).engine_config("cpu").enable_prefix_caching is False
+    assert ServeAppConfig.from_args({"enable_prefix_caching": "true"}).engine_config("cpu").enable_prefix_caching
+
+
 def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():
     gpu = ServeAppConfig.from_args({"device": "cuda"})
     assert gpu.engine_config("cuda:0").cuda_graphs is True

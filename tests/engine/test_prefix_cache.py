@@ -1,0 +1,197 @@
+"""Prefix caching: the page pool's reference counts, registration and LRU eviction; the engine skipping
+cached prompt blocks (full-layer pages and the sliding window before the cut) and generating exactly what
+it generates without the cache, whether the prefix is shared one after another, at the same time, under
+eviction pressure or after preemption; and nothing is left held afterwards. Tiny fp32 model, window 8,
+pages of 4 tokens."""
+
+import pytest
+
+from engine.block_manager import KVCacheError, PagePool
+from tests.engine.engine_testlib import (BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end)
+
+SYSTEM = random_prompt(27, 900)  # a shared prefix: 6 whole blocks and 3 tokens
+
+
+def test_pool_counts_holders_and_evicts_the_least_recently_freed_cached_page():
+    pool = PagePool("full", 4)
+    a, b = pool.allocate(2)
+    pool.register(a, b"A")
+    pool.register(b, b"B")
+    pool.register(a, b"A2")  # a page keeps its first name
+    assert pool.lookup(b"A") == a and pool.lookup(b"A2") is None
+    assert pool.take(a) == a  # two holders now
+    pool.release([a])
+    assert pool.num_free == 2
+    pool.release([a, b])  # a, then b become evictable: still named, counted free
+    assert pool.num_free == 4 and pool.num_cached == 2 and pool.lookup(b"B") == b
+    with pytest.raises(KVCacheError, match="double free"):
+        pool.release([a])
+    c, d = pool.allocate(2)  # the never-named pages first
+    assert {c, d} & {a, b} == set() and pool.lookup(b"A") == a
+    assert pool.allocate(1) == [a]  # then the least recently freed cached one, which loses its name
+    assert pool.lookup(b"A") is None and pool.lookup(b"B") == b
+    assert pool.take(b) == b and pool.num_free == 0
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [SYSTEM + random_prompt(3 + 5 * i, 910 + i) for i in range(n)]
+
+
+def generate(engine, reqs, one_by_one: bool) -> dict:
+    out = {}
+    if one_by_one:
+        for r in reqs:
+            engine.add_request(r)
+            out.update(run_to_end(engine))
+    else:
+        for r in reqs:
+            engine.add_request(r)
+        out = run_to_end(engine)
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid]["ids"] == want[rid]["ids"], rid
+        for a, b in zip(got[rid]["logprobs"], want[rid]["logprobs"]):
+            assert abs(a.logprob - b.logprob) < 1e-4, rid
+
+
+@pytest.mark.parametrize("one_by_one", [True, False])
+def test_shared_prefix_generates_what_the_uncached_engine_does(make_engine, one_by_one):
+    reqs = [request(f"s{i}", p, greedy(7, logprobs=1)) for i, p in enumerate(prompts(4))]
+    want = generate(make_engine(), reqs, one_by_one)
+    engine = make_engine(enable_prefix_caching=True)
+    got = generate(engine, reqs, one_by_one)
+    assert_same(got, want)
+    usage = engine.block_manager.usage()
+    # One after another, each later request finds the 6 system blocks. All at once (64 tokens a step), the
+    # first step prefills requests 0 and 1 (nothing registered yet), the next admits 2 and 3 onto them.
+    assert usage["prefix_hit_tokens"] == (3 if one_by_one else 2) * 6 * BLOCK, usage
+    assert usage["prefix_query_tokens"] == sum(len(r.prompt_ids) for r in reqs)
+    assert usage["full_pages_cached"] > 0 and usage["sliding_pages_cached"] > 0
+    assert_pool_full(engine)
+
+
+def test_a_running_sequence_shares_its_prefix_pages(make_engine):
+    """The second request arrives while the first decodes: it holds the first one's prefix pages too."""
+    first, second = (request(f"c{i}", p, greedy(10)) for i, p in enumerate(prompts(2)))
+    want = generate(make_engine(), [first, second], one_by_one=True)
+    engine = make_engine(enable_prefix_caching=True)
+    engine.add_request(first)
+    got = {}
+
+    def step() -> None:
+        for d in engine.step():
+            got.setdefault(d.request_id, {"ids": [], "logprobs": []})["ids"] += d.token_ids
+
+    for _ in range(3):  # the prefill and two decode steps
+        step()
+    engine.add_request(second)
+    step()
+    a, b = (engine.seqs[r.request_id] for r in (first, second))
+    assert a.full_pages.array()[:6].tolist() == b.full_pages.array()[:6].tolist()
+    for rid, out in run_to_end(engine).items():
+        got.setdefault(rid, {"ids": [], "logprobs": []})["ids"] += out["ids"]
+    assert {rid: g["ids"] for rid, g in got.items()} == {rid: w["ids"] for rid, w in want.items()}
+    assert engine.block_manager.usage()["prefix_hit_tokens"] == 6 * BLOCK
+    assert_pool_full(engine)
+
+
+def test_identical_prompt_recomputes_its_last_token_only(make_engine):
+    prompt = SYSTEM[:24]  # 6 whole blocks: 5 come from the cache, the last block is computed
+    want = generate(make_engine(), [request("i0", prompt, greedy(5)), request("i1", prompt, greedy(5))], True)
+    engine = make_engine(enable_prefix_caching=True)
+    got = generate(engine, [request("i0", prompt, greedy(5)), request("i1", prompt, greedy(5))], True)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+    assert engine.block_manager.usage()["prefix_hit_tokens"] == 5 * BLOCK
+
+
+@pytest.mark.parametrize("pages", [16, 24])
+def test_eviction_and_preemption_keep_the_tokens(make_engine, pages):
+    """Small pools: cached blocks are evicted to make room, sequences are preempted and recomputed (from
+    the cache where it still holds their prefix); the tokens stay those of the uncached engine."""
+    reqs = [request(f"e{i}", p, greedy(9)) for i, p in enumerate(prompts(5))]
+    small = dict(num_full_pages=pages, num_sliding_pages=pages, max_num_batched_tokens=16, max_model_len=64)
+    want = generate(make_engine(**small), reqs, one_by_one=False)
+    engine = make_engine(enable_prefix_caching=True, **small)
+    got = generate(engine, reqs, one_by_one=False)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+    assert engine.metrics.snapshot()["preemptions_total"] > 0  # (seen: 4 with 16 pages, 1 with 24)
+    assert engine.block_manager.usage()["prefix_hit_tokens"] > 0
+    assert_pool_full(engine)
+    again = generate(engine, reqs[:1], one_by_one=True)  # whatever survived eviction serves a rerun
+    assert again[reqs[0].request_id]["ids"] == want[reqs[0].request_id]["ids"]
+
+
+def test_hits_reach_the_metrics_and_the_prometheus_scrape(make_engine):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.metrics import PrometheusCollector
+
+    engine = make_engine(enable_prefix_caching=True)
+    reqs = [request(f"m{i}", p, greedy(3)) for i, p in enumerate(prompts(2))]
+    generate(engine, reqs, one_by_one=True)
+    snap = engine.metrics.snapshot()
+    assert snap["prefix_hit_tokens"] == 6 * BLOCK and snap["prefix_query_tokens"] == sum(len(r.prompt_ids) for r in reqs)
+    # computed prompt tokens: the second request skipped its cached blocks
+    assert snap["prefill_tokens_total"] == sum(len(r.prompt_ids) for r in reqs) - 6 * BLOCK
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector(engine.metrics, labels={"replica": "r"}))
+    text = generate_latest(registry).decode()
+    sample = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    assert sample[("gptoss_engine_prefix_cache_hit_tokens_total", (("replica", "r"),))] == 6 * BLOCK
+    assert sample[("gptoss_engine_kv_pages", (("pool", "full"), ("replica", "r"), ("state", "cached")))] \
+        == snap["full_pages_cached"] > 0
+
+
+def test_a_prefill_replica_exports_cached_prefix_kv_as_computed(make_engine):
+    """A prefill-only engine: the second prompt's K/V, partly from cached pages, exports as an uncached
+    engine computes it; a decode engine with the cache on continues both as one engine does."""
+    reqs = [request(f"p{i}", p, greedy(5)) for i, p in enumerate(prompts(2))]
+
+    def prefill(engine) -> dict:
+        out = {}
+        for r in reqs:  # one after another, so the second finds the first's blocks
+            engine.add_request(r, prefill_only=True)
+            run_to_end(engine, engine.step_prefill)
+            out[r.request_id] = engine.export_kv(r.request_id)
+        return out
+
+    cached_engine = make_engine(enable_prefix_caching=True)
+    got, want = prefill(cached_engine), prefill(make_engine())
+    assert cached_engine.block_manager.usage()["prefix_hit_tokens"] == 6 * BLOCK
+    for rid in want:
+        assert got[rid].num_cached == want[rid].num_cached and got[rid].sliding_start == want[rid].sliding_start
+        for a, b in zip([*got[rid].k, *got[rid].v], [*want[rid].k, *want[rid].v]):
+            assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5, rid
+    one = generate(make_engine(), reqs, one_by_one=True)
+    decode = make_engine(enable_prefix_caching=True)
+    for r in reqs:
+        (delta,) = decode.import_prefilled(r, got[r.request_id])
+        assert list(delta.token_ids) == one[r.request_id]["ids"][:1]
+    rest = run_to_end(decode)
+    assert {rid: out["ids"] for rid, out in rest.items()} == {rid: o["ids"][1:] for rid, o in one.items()}
+    assert_pool_full(decode)
+
+
+def test_prefix_caching_over_two_ranks(tiny_dir, make_engine):
+    """TP2/EP2 over gloo: rank 0's page ids index every rank's cache, so a hit skips the prefix on every
+    rank; the tokens are one process's."""
+    from engine.distributed import Executor
+    from tests.engine.engine_testlib import engine_config
+
+    reqs = [request(f"t{i}", p, greedy(6)) for i, p in enumerate(prompts(3))]
+    want = generate(make_engine(), reqs, one_by_one=True)
+    ex = Executor.spawn(2)
+    try:
+        engine = ex.start_engine(tiny_dir, engine_config(enable_prefix_caching=True, tp_size=2, ep_size=2))
+        got = generate(engine, reqs, one_by_one=True)
+        assert engine.block_manager.usage()["prefix_hit_tokens"] == 2 * 6 * BLOCK
+        engine.close()
+    finally:
+        ex.shutdown()
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
