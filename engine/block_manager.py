@@ -193,6 +193,7 @@ class BlockManager:
         if len(seq.full_pages) or seq.sliding_pages:
             raise KVCacheError(f"request {seq.request_id} already holds pages")
         seq.sliding_first = position // self.block_size
+        seq.sliding_named_from = cdiv(position, self.block_size)  # the first page may be partly unwritten
 
     def release_out_of_window(self, seq: Sequence) -> int:
         """Free the sliding pages the next query can no longer see; returns how many were freed."""
@@ -259,7 +260,8 @@ class BlockManager:
         for b in range(seq.num_registered, done):
             if self.full is not None:
                 self.full.register(seq.full_pages[b], hashes[b])
-            if self.sliding is not None and seq.sliding_first <= b < seq.sliding_first + len(seq.sliding_pages):
+            if self.sliding is not None and max(seq.sliding_first, seq.sliding_named_from) <= b \
+                    < seq.sliding_first + len(seq.sliding_pages):
                 self.sliding.register(seq.sliding_pages[b - seq.sliding_first], hashes[b])
         seq.num_registered = done
 
@@ -270,7 +272,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return every page of `seq` (finish, abort, preemption, export)."""
-        seq.num_registered = 0
+        seq.num_registered = seq.sliding_named_from = 0
         full = seq.full_pages.clear()
         if self.full is not None:
             self.full.release(full)

@@ -81,6 +81,7 @@ class Sequence:
     # and how many of this sequence's blocks are registered in the pools.
     block_hashes: list[bytes] | None = None
     num_registered: int = 0
+    sliding_named_from: int = 0  # first block whose sliding K/V is whole (imported K/V starts mid-page)
     finish_reason: str | None = None
     num_emitted: int = 0  # output tokens already sent in deltas
     num_preemptions: int = 0

@@ -195,3 +195,27 @@ def test_prefix_caching_over_two_ranks(tiny_dir, make_engine):
     finally:
         ex.shutdown()
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+
+
+def test_imported_kv_names_only_complete_sliding_blocks(make_engine):
+    """An imported sequence's sliding pages start at its payload's sliding_start, so the first of them
+    may be partly unwritten: only whole written blocks may serve a later local request's window."""
+    # 42 cached tokens: sliding layers hold positions 35.. (window 8), in pages from block 8 (32..35). A local
+    # request sharing 40 tokens cuts at 40, whose window 33..39 would read the unwritten 33 and 34.
+    base = random_prompt(40, 950)
+    imported = request("imp", base + [5, 6], greedy(3))
+    local = request("loc", base + [8, 9, 10], greedy(6))
+    prefill = make_engine()
+    prefill.add_request(imported, prefill_only=True)
+    run_to_end(prefill, prefill.step_prefill)
+    payload = prefill.export_kv("imp")
+    assert payload.sliding_start == 35  # the first sliding page is partly before sliding_start
+    want = generate(make_engine(), [local], one_by_one=True)
+    decode = make_engine(enable_prefix_caching=True)
+    decode.import_prefilled(imported, payload)
+    decode.step()  # the restore step names the imported blocks
+    got = generate(decode, [local], one_by_one=True)
+    assert got["loc"]["ids"] == want["loc"]["ids"]
+    # Sliding block 9 (36..39) is whole, block 8 is not, so it is not named; the full pages are, but every
+    # cut needs sliding block 8 or older, so nothing is reused (before the fix: a hit reading garbage).
+    assert decode.block_manager.usage()["prefix_hit_tokens"] == 0
