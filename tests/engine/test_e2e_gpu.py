@@ -19,6 +19,7 @@ from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache  # noqa:
 from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
 from model.config import GptOssConfig  # noqa: E402
 from model.gpt_oss import GptOssForCausalLM  # noqa: E402
+from tests.engine.engine_testlib import run_to_end  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 BS = 16
@@ -201,3 +202,33 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
                 for i, p in enumerate(prompts)]
         outputs.append([c.output_ids for c in llm.generate(reqs)])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_prefix_cache_hits_export_the_kv_an_uncached_engine_computes(gpu_model, kv_cache_dtype):
+    """Prefix caching on the GPU kernels: a prefill-only engine serves the second prompt's shared 192
+    tokens (12 pages of 16: every full page, the sliding window before the cut) from the first's pages;
+    its exported K/V matches an uncached engine's within bf16 noise (a wrong page would be off by O(1))."""
+    shared = torch.randint(0, 2048, (192,), generator=torch.Generator().manual_seed(77)).tolist()
+    prompts = [shared + [5, 6, 7], shared + [9, 10, 11, 12, 13]]
+
+    def exports(cache: bool) -> tuple[dict, int]:
+        config = EngineConfig(device="cuda", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                              num_full_pages=128, num_sliding_pages=96, kv_cache_dtype=kv_cache_dtype,
+                              enable_prefix_caching=cache)
+        engine = LLMEngine(gpu_model, config)
+        out = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(GenerateRequest(f"x{i}", p, SamplingParams(temperature=0.0, max_tokens=2)),
+                               prefill_only=True)
+            run_to_end(engine, engine.step_prefill)  # one after another: the second finds the first's pages
+            out[f"x{i}"] = engine.export_kv(f"x{i}")
+        return out, engine.block_manager.usage().get("prefix_hit_tokens", 0)
+
+    (cached, hits), (plain, _) = exports(True), exports(False)
+    assert hits == 192
+    for rid in plain:
+        for a, b in zip([*cached[rid].k, *cached[rid].v], [*plain[rid].k, *plain[rid].v]):
+            a, b = a.float(), b.float()
+            assert a.shape == b.shape
+            assert (a - b).norm() <= 0.02 * b.norm() + 1e-3, (rid, ((a - b).norm() / b.norm()).item())
