@@ -95,3 +95,4 @@ def test_all_reduce_setting_is_checked():
         EngineConfig(all_reduce="mpi")
     with pytest.raises(EngineConfigError, match="needs CUDA devices"):
         EngineConfig(all_reduce="symm_mem", device="cpu", tp_size=2)
+

@@ -4,6 +4,8 @@ it generates without the cache, whether the prefix is shared one after another, 
 eviction pressure or after preemption; and nothing is left held afterwards. Tiny fp32 model, window 8,
 pages of 4 tokens."""
 
+import json
+
 import pytest
 
 from engine.block_manager import KVCacheError, PagePool
@@ -219,3 +221,17 @@ def test_imported_kv_names_only_complete_sliding_blocks(make_engine):
     # Sliding block 9 (36..39) is whole, block 8 is not, so it is not named; the full pages are, but every
     # cut needs sliding block 8 or older, so nothing is reused (before the fix: a hit reading garbage).
     assert decode.block_manager.usage()["prefix_hit_tokens"] == 0
+
+
+def test_prefix_cache_benchmark_smoke_run(tmp_path):
+    """bench/prefix_cache.py on CPU: the cache skips shared prompt tokens and changes no token."""
+    from bench import prefix_cache
+
+    out = tmp_path / "pc.json"
+    assert prefix_cache.main(["--tiny", "--device", "cpu", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    off, on = rec["runs"]
+    assert rec["same_tokens"] and not off["prefix_caching"] and on["prefix_caching"]
+    assert off["sequential"]["hit_tokens"] == 0 and on["sequential"]["hit_tokens"] == 3 * 64  # 4 requests, 64 shared
+    assert on["sequential"]["prefill_tokens"] == off["sequential"]["prefill_tokens"] - 3 * 64
+    assert on["burst"]["hit_tokens"] > 0
