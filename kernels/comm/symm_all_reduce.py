@@ -43,6 +43,11 @@ class SymmMemAllReduce:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as err:
             raise SymmMemUnavailableError(f"this torch has no symmetric memory: {err}") from None
+        ops = torch.ops.symm_mem
+        # one_shot_all_reduce_copy (copy in + sum in one kernel) is newer than one_shot_all_reduce.
+        self._fused = hasattr(ops, "one_shot_all_reduce_copy")
+        if not self._fused and not hasattr(ops, "one_shot_all_reduce"):
+            raise SymmMemUnavailableError(f"torch {torch.__version__} has no symm_mem one-shot all-reduce")
         group = group if group is not None else dist.group.WORLD
         self.group_name = group.group_name
         self.dtype = dtype
@@ -63,6 +68,10 @@ class SymmMemAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `x` (a new tensor of x's shape); `takes(x)` must hold."""
         self.calls += 1
-        out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffer[: x.numel()], x.view(-1), "sum",
-                                                          self.group_name)
+        buf = self.buffer[: x.numel()]
+        if self._fused:
+            out = torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x.view(-1), "sum", self.group_name)
+        else:
+            buf.copy_(x.view(-1))
+            out = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name)
         return out.view(x.shape)
