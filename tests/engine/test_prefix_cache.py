@@ -60,11 +60,11 @@ def assert_same(got: dict, want: dict) -> None:
             assert abs(a.logprob - b.logprob) < 1e-4, rid
 
 
-@pytest.mark.parametrize("one_by_one", [True, False])
-def test_shared_prefix_generates_what_the_uncached_engine_does(make_engine, one_by_one):
+@pytest.mark.parametrize("one_by_one,kv", [(True, "auto"), (False, "auto"), (True, "fp8_e4m3")])
+def test_shared_prefix_generates_what_the_uncached_engine_does(make_engine, one_by_one, kv):
     reqs = [request(f"s{i}", p, greedy(7, logprobs=1)) for i, p in enumerate(prompts(4))]
-    want = generate(make_engine(), reqs, one_by_one)
-    engine = make_engine(enable_prefix_caching=True)
+    want = generate(make_engine(kv_cache_dtype=kv), reqs, one_by_one)
+    engine = make_engine(enable_prefix_caching=True, kv_cache_dtype=kv)
     got = generate(engine, reqs, one_by_one)
     assert_same(got, want)
     usage = engine.block_manager.usage()
