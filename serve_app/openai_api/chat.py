@@ -46,6 +46,7 @@ from serve_app.openai_api.generation import (
     IngressConfig,
     IngressContext,
     SamplingRequest,
+    forced_call_ids,
     respond,
     sampling_params,
 )
@@ -159,6 +160,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     prompt_ids = render_prompt(chat_prompt(req, ctx.config))
+    forced = forced_call_ids(req.tool_choice, [t.function.name for t in req.tools or []], ctx.encoding)
     max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
         else (req.max_tokens, "max_tokens")
     sampling = sampling_params(SamplingRequest(
@@ -166,7 +168,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
-    ), len(prompt_ids), ctx.config)
+    ), len(prompt_ids) + len(forced), ctx.config)
     n = req.n or 1
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -174,7 +176,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
         params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
         return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
-                          sampling=params, stop=req.stop)
+                          sampling=params, stop=req.stop, forced_ids=forced)
 
     group = GenerationGroup([nth(i) for i in range(n)])
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}

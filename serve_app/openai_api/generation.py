@@ -32,7 +32,8 @@ from engine.request import (
 )
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
-from serve_app.openai_api.errors import ContextLengthExceeded, EngineFailure
+from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure
+from serve_app.openai_api.protocol import forced_name
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
 
 log = logging.getLogger(__name__)
@@ -133,11 +134,32 @@ class Step:
     content_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def forced_call_ids(tool_choice: Any, tool_names: list[str], encoding: HarmonyEncoding) -> list[int]:
+    """Prompt tokens that make the model call a tool (tool_choice 'required' or named): the header of a
+    commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
+    (not constrained: gpt-oss writes valid JSON there by habit). [] when nothing is forced."""
+    name = forced_name(tool_choice)
+    if tool_choice == "required":
+        if len(tool_names) != 1:
+            raise BadRequest("tool_choice 'required' needs exactly one tool here (the server forces the call by "
+                             f"its name; there are {len(tool_names)}): name the function instead", param="tool_choice")
+        name = tool_names[0]
+    if name is None:
+        return []
+    if name not in tool_names:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return encoding.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+                           allowed_special="all")
+
+
 class Generation:
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
-                 sampling: SamplingParams, stop: list[str] | None = None):
+                 sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None):
+        """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
+        header): sent as prompt, parsed as output, not counted as completion tokens."""
         self.ctx = ctx
         self.request_id = request_id
+        prompt_ids = list(prompt_ids) + list(forced_ids or [])
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.reasoning_tokens = 0
@@ -158,6 +180,10 @@ class Generation:
         # (token id, logprob) of the tokens fed since the last one that went into an item: header and
         # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
         self._unplaced: list[tuple[int, TokenLogprob | None]] = []
+        self._primed: list[ParseEvent] = []  # the forced header's events, sent with the first step
+        for token_id in forced_ids or []:
+            for event in self._parser.feed(token_id):
+                self._apply_stop(event, self._primed)
 
     async def start(self) -> None:
         """Send the request and wait for its first delta (InvalidRequestError surfaces here)."""
@@ -211,7 +237,8 @@ class Generation:
         return delta
 
     def _consume(self, delta: TokenDelta) -> Step:
-        step = Step([])
+        step = Step(self._primed)
+        self._primed = []
         logprobs = delta.logprobs or []
         for i, token_id in enumerate(delta.token_ids):
             self.completion_tokens += 1

@@ -103,9 +103,18 @@ class RequestBase(Strict):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
-        return _reject_unless(value, (None, "none", "auto"),
-                              "only 'auto' and 'none' are supported: forcing a tool call needs constrained "
-                              "decoding, which this server does not do")
+        if value in (None, "none", "auto", "required") or forced_name(value) is not None:
+            return value
+        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}} "
+                         "(Responses: {'type': 'function', 'name': ...})")
+
+
+def forced_name(tool_choice: Any) -> str | None:
+    """The function a named tool_choice forces (Chat's and Responses' shapes), else None."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
+        return None
+    name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
+    return name if isinstance(name, str) and name else None
 
 
 # -- Chat Completions ---------------------------------------------------------------------------------

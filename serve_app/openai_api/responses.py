@@ -38,6 +38,7 @@ from serve_app.openai_api.generation import (
     IngressConfig,
     IngressContext,
     SamplingRequest,
+    forced_call_ids,
     respond,
     sampling_params,
 )
@@ -172,11 +173,12 @@ def usage_json(gen: Generation) -> dict[str, Any]:
 
 async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
     prompt_ids = render_prompt(responses_prompt(req, ctx.config))
+    forced = forced_call_ids(req.tool_choice, [t.name for t in req.tools or []], ctx.encoding)
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-    ), len(prompt_ids), ctx.config)
-    gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling)
+    ), len(prompt_ids) + len(forced), ctx.config)
+    gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced)
     created = time.time()
 
     def snapshot(status: str, output: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:

@@ -120,6 +120,31 @@ def test_tool_call_on_analysis_channel_non_stream_and_stream(client, backend):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+FORCED = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+
+
+def test_forced_tool_call_writes_the_call_header_into_the_prompt(client, backend):
+    """tool_choice named (or 'required' with one tool): the prompt ends with the call's header, the model
+    writes only the arguments; the answer is that tool call, the header not counted as output."""
+    args = "{\"location\":\"Rome\"}<|call|>"
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        backend.push(args)
+        r = client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, tool_choice=choice)
+        assert prompt_text(backend).endswith("<|start|>assistant" + FORCED)
+        call = r.choices[0].message.tool_calls[0]
+        assert (call.function.name, call.function.arguments) == ("get_weather", "{\"location\":\"Rome\"}")
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert r.usage.completion_tokens == len(ENC.encode(args, allowed_special="all"))
+        assert r.usage.prompt_tokens == len(backend.requests[-1].prompt_ids)
+
+    backend.push(args, chunk=1)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    assert "".join(tc.function.arguments or "" for tc in calls) == "{\"location\":\"Rome\"}"
+
+
 def test_sampling_parameters_reach_the_backend(client, backend):
     backend.push(ANSWER)
     client.chat.completions.create(model=MODEL, messages=HI, temperature=0.3, top_p=0.9, seed=7,

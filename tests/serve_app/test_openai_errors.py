@@ -61,7 +61,12 @@ CHAT_400 = [
     ("logit_bias value", {**CHAT, "logit_bias": {"42": 300}}, "logit_bias"),
     ("json_schema format", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
-    ("forced tool", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("required without tools", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("required among several tools", {**CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]}, "tool_choice"),
+    ("forced unknown tool", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                             "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("tool_choice shape", {**CHAT, "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ("too many stops", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("image content", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0"),

@@ -20,6 +20,19 @@ ANSWER = ("<|channel|>analysis<|message|>Tool says sunny.<|end|>"
           "<|start|>assistant<|channel|>final<|message|>Sunny in Rome.<|return|>")
 
 
+def test_forced_function_call(client, backend):
+    """tool_choice {'type': 'function', 'name': ...}: the call's header is prompt, the output is the call."""
+    args = "{\"location\":\"Oslo\"}<|call|>"
+    backend.push(args)
+    r = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=TOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert ENC.decode(backend.requests[-1].prompt_ids).endswith(
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    assert [item.type for item in r.output] == ["function_call"]
+    assert r.output[0].name == "get_weather" and json.loads(r.output[0].arguments) == {"location": "Oslo"}
+    assert r.usage.output_tokens == len(ENC.encode(args, allowed_special="all"))
+
+
 def test_non_stream_function_call_then_answer(client, backend):
     backend.push(CALL)
     first = client.responses.create(model=MODEL, input="Weather in Rome?", instructions="Be brief.", tools=TOOLS)

@@ -167,6 +167,32 @@ def test_logit_bias_forces_a_token_and_unknown_ids_are_400(real):
     assert info.value.param == "logit_bias"
 
 
+def test_forced_tool_call_continues_the_forced_header(real):
+    """The engine gets the rendered prompt plus the call's header; its tokens become the call's arguments."""
+    reference, engine, server = real
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    req = ChatCompletionRequest(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, tools=tools)
+    prompt = render_prompt(chat_prompt(req, IngressConfig(model_name=MODEL, max_context=MAX_CONTEXT,
+                                                          conversation_start_date=DATE)))
+    enc = load_harmony_encoding()
+    forced = enc.encode("<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>", allowed_special="all")
+    (direct,) = reference.generate([GenerateRequest("f", prompt + forced, SamplingParams(temperature=0.0, max_tokens=5))])
+
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert r.choices[0].message.tool_calls[0].function.name == "lookup"
+    assert r.usage.completion_tokens == len(direct.output_ids)
+    assert r.usage.prompt_tokens == len(prompt) + len(forced)
+    # The arguments are what our parser makes of header + generated tokens (a random model's tokens
+    # include specials: the parser, not a plain decode, says what text the call keeps).
+    parser = HarmonyOutputParser(enc)
+    events = [e for t in forced + direct.output_ids for e in parser.feed(t)] + parser.finish()
+    calls = [e for e in events if type(e).__name__ == "ItemDone" and e.kind is ItemKind.TOOL_CALL]
+    assert r.choices[0].message.tool_calls[0].function.arguments == calls[0].text
+
+
 def test_seeded_stream_equals_seeded_non_stream(real):
     _, _, server = real
     import openai
