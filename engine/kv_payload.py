@@ -31,6 +31,7 @@ class PrefilledKV:
     layer_is_sliding: list[bool]
     k: list[torch.Tensor]  # per layer [tokens, Hkv, Dh]: num_cached rows (full) or num_cached - sliding_start
     v: list[torch.Tensor]
+    num_cached_tokens: int = 0  # prompt tokens the prefill engine took from its prefix cache (usage reports)
 
     def __getstate__(self) -> dict:
         # float8 tensors do not survive pickling in torch 2.13 (the storage loses its dtype): K/V from an
@@ -45,6 +46,7 @@ class PrefilledKV:
         for name in ("k", "v"):
             state[name] = [t[0].view(getattr(torch, t[1].removeprefix("torch."))) if isinstance(t, tuple) else t
                            for t in state[name]]
+        state.setdefault("num_cached_tokens", 0)  # payloads pickled before the field existed
         self.__dict__.update(state)
 
     @property

@@ -220,7 +220,7 @@ class LLMEngine:
         payload.check_compatible(self.runner.layer_is_sliding, self.runner.payload_kv_heads,
                                  self.runner.head_dim)
         seq = self._new_sequence(request, payload.seed, prefill_only=False)
-        now = time.monotonic()
+        seq.num_cached_prefix, now = payload.num_cached_tokens, time.monotonic()
         for i, token in enumerate(payload.output_ids):
             seq.append_token(token, payload.output_logprobs[i] if payload.output_logprobs else None, now)
         self.metrics.record_added()
@@ -257,9 +257,9 @@ class LLMEngine:
                                     f"uncached tokens: export after its prefill has sampled a token")
         sliding_start = self.block_manager.first_visible_position(seq.num_computed) if self.runner.has_sliding else 0
         k, v = self.runner.read_kv(seq, sliding_start)
-        payload = PrefilledKV(seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
-                              list(seq.output_logprobs), seq.seed, seq.num_computed, sliding_start,
-                              list(self.runner.layer_is_sliding), k, v)
+        payload = PrefilledKV(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), list(seq.output_logprobs),
+                              seq.seed, seq.num_computed, sliding_start, list(self.runner.layer_is_sliding), k, v,
+                              num_cached_tokens=seq.num_cached_prefix)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         del self.seqs[request_id]
@@ -477,7 +477,8 @@ class LLMEngine:
         new = seq.output_ids[seq.num_emitted: upto]
         logprobs = seq.output_logprobs[seq.num_emitted: upto] if seq.sampling.logprobs is not None else None
         seq.num_emitted = upto
-        return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, len(seq.prompt_ids), upto)
+        return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, len(seq.prompt_ids), upto,
+                          seq.num_cached_prefix)
 
     def _update_state_metrics(self) -> None:
         prefilled = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)

@@ -105,6 +105,7 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (here or at the prefill)
 
 
 class TokenBackend(Protocol):

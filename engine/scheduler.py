@@ -207,6 +207,8 @@ class Scheduler:
                     return
                 bm.allocate(seq, seq.num_computed + n)
                 bm.note_admitted(seq, hit)
+                if not seq.num_preemptions:  # what the client's usage reports: the first admission's
+                    seq.num_cached_prefix = hit
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)

@@ -82,6 +82,7 @@ class Sequence:
     block_hashes: list[bytes] | None = None
     num_registered: int = 0
     sliding_named_from: int = 0  # first block whose sliding K/V is whole (imported K/V starts mid-page)
+    num_cached_prefix: int = 0  # prompt tokens its first admission took from the cache (usage reports)
     finish_reason: str | None = None
     num_emitted: int = 0  # output tokens already sent in deltas
     num_preemptions: int = 0

@@ -153,7 +153,8 @@ def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncodi
 def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
     u = gen.usage()
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "completion_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]}}
+            "total_tokens": u["total_tokens"], "completion_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:

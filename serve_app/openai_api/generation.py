@@ -162,6 +162,7 @@ class Generation:
         prompt_ids = list(prompt_ids) + list(forced_ids or [])
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
         self.reasoning_tokens = 0
         self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls", once finished
         self._request = GenerateRequest(request_id, list(prompt_ids), sampling)
@@ -237,6 +238,7 @@ class Generation:
         return delta
 
     def _consume(self, delta: TokenDelta) -> Step:
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         step = Step(self._primed)
         self._primed = []
         logprobs = delta.logprobs or []
@@ -320,7 +322,7 @@ class Generation:
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "reasoning_tokens": self.reasoning_tokens}
+                "reasoning_tokens": self.reasoning_tokens, "cached_tokens": self.cached_tokens}
 
 
 class GenerationGroup:
@@ -344,7 +346,7 @@ class GenerationGroup:
         prompt = parts[0]["prompt_tokens"]
         completion = sum(p["completion_tokens"] for p in parts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "reasoning_tokens": sum(p["reasoning_tokens"] for p in parts)}
+                "reasoning_tokens": sum(p["reasoning_tokens"] for p in parts), "cached_tokens": parts[0]["cached_tokens"]}
 
 
 async def respond(http: Request, gen: Generation | GenerationGroup, *, stream: bool,

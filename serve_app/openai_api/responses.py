@@ -166,7 +166,7 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 def usage_json(gen: Generation) -> dict[str, Any]:
     u = gen.usage()
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["cached_tokens"], "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
             "total_tokens": u["total_tokens"]}
 

@@ -101,6 +101,17 @@ def test_a_running_sequence_shares_its_prefix_pages(make_engine):
     assert_pool_full(engine)
 
 
+def test_deltas_report_the_cached_prompt_tokens(make_engine):
+    engine = make_engine(enable_prefix_caching=True)
+    seen = {}
+    for i, p in enumerate(prompts(2)):
+        engine.add_request(request(f"d{i}", p, greedy(3)))
+        while engine.has_unfinished():
+            for d in engine.step():
+                seen.setdefault(d.request_id, set()).add(d.num_cached_tokens)
+    assert seen == {"d0": {0}, "d1": {6 * BLOCK}}
+
+
 def test_identical_prompt_recomputes_its_last_token_only(make_engine):
     prompt = SYSTEM[:24]  # 6 whole blocks: 5 come from the cache, the last block is computed
     want = generate(make_engine(), [request("i0", prompt, greedy(5)), request("i1", prompt, greedy(5))], True)
@@ -166,6 +177,7 @@ def test_a_prefill_replica_exports_cached_prefix_kv_as_computed(make_engine):
     cached_engine = make_engine(enable_prefix_caching=True)
     got, want = prefill(cached_engine), prefill(make_engine())
     assert cached_engine.block_manager.usage()["prefix_hit_tokens"] == 6 * BLOCK
+    assert [got[r.request_id].num_cached_tokens for r in reqs] == [0, 6 * BLOCK]  # travels for usage reports
     for rid in want:
         assert got[rid].num_cached == want[rid].num_cached and got[rid].sliding_start == want[rid].sliding_start
         for a, b in zip([*got[rid].k, *got[rid].v], [*want[rid].k, *want[rid].v]):
@@ -175,6 +187,7 @@ def test_a_prefill_replica_exports_cached_prefix_kv_as_computed(make_engine):
     for r in reqs:
         (delta,) = decode.import_prefilled(r, got[r.request_id])
         assert list(delta.token_ids) == one[r.request_id]["ids"][:1]
+        assert delta.num_cached_tokens == got[r.request_id].num_cached_tokens
     rest = run_to_end(decode)
     assert {rid: out["ids"] for rid, out in rest.items()} == {rid: o["ids"][1:] for rid, o in one.items()}
     assert_pool_full(decode)

@@ -193,6 +193,39 @@ def test_forced_tool_call_continues_the_forced_header(real):
     assert r.choices[0].message.tool_calls[0].function.arguments == calls[0].text
 
 
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(tmp_path):
+    """A server whose engine caches prefixes: the same conversation twice, the second reports the cached
+    prompt tokens (whole pages of 16, at least one prompt token computed) in both APIs' usage."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from model.loader import load_model
+    from model.tiny import make_tiny
+    from serve_app.openai_api.app import create_app
+
+    make_tiny(tmp_path, dtype="float32", seed=3)
+    config = EngineConfig(max_model_len=MAX_CONTEXT, num_full_pages=64, num_sliding_pages=64, max_num_seqs=4,
+                          max_num_batched_tokens=256, enable_prefix_caching=True)
+    engine = AsyncEngine(LLMEngine(load_model(tmp_path, dtype="float32", progress=False), config))
+    import openai
+    try:
+        with LiveServer(create_app(engine, model_name=MODEL, max_context=MAX_CONTEXT,
+                                   conversation_start_date=DATE)) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            first, second = (client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                                            temperature=0) for _ in range(2))
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            cached = second.usage.prompt_tokens_details.cached_tokens
+            assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+            assert second.choices[0].message == first.choices[0].message
+            resp = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=3, temperature=0)
+            again = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=3, temperature=0)
+            assert again.usage.input_tokens_details.cached_tokens == (again.usage.input_tokens - 1) // 16 * 16
+            assert resp.usage.input_tokens_details.cached_tokens <= again.usage.input_tokens_details.cached_tokens
+    finally:
+        engine.shutdown()
+
+
 def test_seeded_stream_equals_seeded_non_stream(real):
     _, _, server = real
     import openai
