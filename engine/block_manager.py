@@ -265,6 +265,19 @@ class BlockManager:
                 self.sliding.register(seq.sliding_pages[b - seq.sliding_first], hashes[b])
         seq.num_registered = done
 
+    def blocks_computed(self, seq: Sequence, start: int, end: int) -> set[bytes]:
+        """Hashes of the whole prompt blocks positions start .. end - 1 complete (a step's chunk)."""
+        if not self.prefix_caching:
+            return set()
+        bs, hashes = self.block_size, self._hashes(seq)
+        return {hashes[b] for b in range(start // bs, min(end, len(seq.prompt_ids)) // bs) if b * bs >= start}
+
+    def next_block(self, seq: Sequence) -> bytes | None:
+        """The hash of the whole prompt block `seq` computes next (None: no whole block left)."""
+        hashes = self._hashes(seq) if self.prefix_caching else []
+        b = seq.num_computed // self.block_size
+        return hashes[b] if b < len(hashes) else None
+
     def note_admitted(self, seq: Sequence, hit_tokens: int) -> None:
         if self.prefix_caching:
             self.prefix_query_tokens += len(seq.prompt_ids)

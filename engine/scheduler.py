@@ -5,7 +5,9 @@ Policy (first come, first served):
   (max_num_batched_tokens), a prefilling one a chunk of what is left (chunked prefill);
 - then waiting sequences are admitted in arrival order while the budget, the seats (max_num_seqs)
   and the free pages allow; the first one that does not fit stops admission (no overtaking, so a
-  long prompt is never starved by short ones);
+  long prompt is never starved by short ones); with prefix caching, a waiting sequence whose next
+  prompt block is being computed in this very step by another sequence waits one step and then takes
+  it from the cache (same prompts arriving together compute their shared prefix once; n > 1);
 - when a running sequence needs a page and none is free, the newest running sequence is preempted
   by recompute (its pages are freed, it returns to the waiting queue in arrival order and later
   prefills prompt + output again). The oldest sequence therefore always progresses, and since the
@@ -181,6 +183,11 @@ class Scheduler:
 
     def _admit(self, kind: StepKind, budget: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
+        claimed = set()  # prefix caching: prompt blocks this step computes
+        if bm.prefix_caching:
+            for s in out.scheduled:
+                if s.is_prefill:
+                    claimed |= bm.blocks_computed(s.seq, s.start, s.end)
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -196,6 +203,11 @@ class Scheduler:
                 n = 1
             else:
                 hit = bm.take_cached_prefix(seq)  # prefix caching: skip the cached part of the prompt
+                if claimed and bm.next_block(seq) in claimed:  # computed this step: take it from the cache next
+                    if hit:
+                        bm.free(seq)
+                        seq.num_computed = 0
+                    continue
                 want = min(seq.num_remaining, budget)
                 n = bm.max_new_tokens(seq, want)
                 # Wait for a whole chunk while others hold pages (they free them as they finish);
@@ -207,6 +219,7 @@ class Scheduler:
                     return
                 bm.allocate(seq, seq.num_computed + n)
                 bm.note_admitted(seq, hit)
+                claimed |= bm.blocks_computed(seq, seq.num_computed, seq.num_computed + n)
                 if not seq.num_preemptions:  # what the client's usage reports: the first admission's
                     seq.num_cached_prefix = hit
             self.waiting.remove(seq)

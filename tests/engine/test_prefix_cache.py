@@ -68,9 +68,9 @@ def test_shared_prefix_generates_what_the_uncached_engine_does(make_engine, one_
     got = generate(engine, reqs, one_by_one)
     assert_same(got, want)
     usage = engine.block_manager.usage()
-    # One after another, each later request finds the 6 system blocks. All at once (64 tokens a step), the
-    # first step prefills requests 0 and 1 (nothing registered yet), the next admits 2 and 3 onto them.
-    assert usage["prefix_hit_tokens"] == (3 if one_by_one else 2) * 6 * BLOCK, usage
+    # Each later request finds the 6 system blocks: one after another, or all at once, where requests 1-3
+    # wait one step while request 0 computes the shared blocks (else request 1 would compute them too).
+    assert usage["prefix_hit_tokens"] == 3 * 6 * BLOCK, usage
     assert usage["prefix_query_tokens"] == sum(len(r.prompt_ids) for r in reqs)
     assert usage["full_pages_cached"] > 0 and usage["sliding_pages_cached"] > 0
     assert_pool_full(engine)
@@ -248,3 +248,22 @@ def test_prefix_cache_benchmark_smoke_run(tmp_path):
     assert off["sequential"]["hit_tokens"] == 0 and on["sequential"]["hit_tokens"] == 3 * 64  # 4 requests, 64 shared
     assert on["sequential"]["prefill_tokens"] == off["sequential"]["prefill_tokens"] - 3 * 64
     assert on["burst"]["hit_tokens"] > 0
+
+
+def test_same_prompts_arriving_together_compute_the_prefix_once(make_engine):
+    """n completions of one prompt (or a burst on one system prompt): the first request computes the
+    shared blocks, the others wait one step and take them; unrelated requests are not held back."""
+    prompt = prompts(1)[0]  # 30 tokens: 7 whole blocks
+    other = random_prompt(12, 77)
+    reqs = [request(f"n{i}", prompt, greedy(4)) for i in range(3)] + [request("other", other, greedy(4))]
+    engine = make_engine(enable_prefix_caching=True, max_num_batched_tokens=128)  # all four would fit a step
+    for r in reqs:
+        engine.add_request(r)
+    first = engine.step()
+    assert sorted(d.request_id for d in first) == ["n0", "other"]  # n1, n2 wait for n0's blocks
+    out = run_to_end(engine)
+    for d in first:
+        out[d.request_id]["ids"] = list(d.token_ids) + out[d.request_id]["ids"]
+    want = generate(make_engine(max_num_batched_tokens=128), reqs, one_by_one=False)
+    assert {k: v["ids"] for k, v in out.items()} == {k: v["ids"] for k, v in want.items()}
+    assert engine.block_manager.usage()["prefix_hit_tokens"] == 2 * 7 * BLOCK
