@@ -137,18 +137,23 @@ def test_n_choices_are_the_engine_generations_of_seed_plus_index(real):
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
 
 
-def test_leaving_an_n_stream_aborts_every_choice(real):
-    _, engine, server = real
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True, "n": 3}
+def leave_stream(engine, server, body: dict) -> int:
+    """Read one event of a streamed chat, hang up, wait until the engine is idle; returns the aborts."""
     before = engine.engine.metrics.snapshot()["requests_finished_total"].get("abort", 0)
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data: "))
     deadline = time.monotonic() + 30
     while engine.engine.has_unfinished():
-        assert time.monotonic() < deadline, "the engine still runs abandoned choices"
+        assert time.monotonic() < deadline, "the engine still runs what the client abandoned"
         time.sleep(0.05)
-    aborted = engine.engine.metrics.snapshot()["requests_finished_total"].get("abort", 0) - before
+    return engine.engine.metrics.snapshot()["requests_finished_total"].get("abort", 0) - before
+
+
+def test_leaving_an_n_stream_aborts_every_choice(real):
+    _, engine, server = real
+    aborted = leave_stream(engine, server, {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True,
+                                            "n": 3})
     assert aborted == 3, aborted
     usage = engine.engine.block_manager.usage()
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
@@ -240,15 +245,7 @@ def test_seeded_stream_equals_seeded_non_stream(real):
 
 def test_disconnect_frees_the_engine(real):
     _, engine, server = real
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: "))
-    deadline = time.monotonic() + 30
-    while engine.engine.has_unfinished():
-        assert time.monotonic() < deadline, "the engine still runs the abandoned request"
-        time.sleep(0.05)
-    finished = engine.engine.metrics.snapshot()["requests_finished_total"]
-    assert finished.get("abort", 0) >= 1, finished  # ended by our abort, not by running to max_tokens
+    aborted = leave_stream(engine, server, {"model": MODEL, "messages": MESSAGES, "max_tokens": 150, "stream": True})
+    assert aborted == 1, aborted  # ended by our abort, not by running to max_tokens
     usage = engine.engine.block_manager.usage()
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
