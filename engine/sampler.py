@@ -75,14 +75,25 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits - best < torch.log(min_p)[:, None], float("-inf"))
 
 
+def per_token_sums(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] fp32: row b sums values[b, j] at token ids[b, j]; ids [B, L] are padded with `vocab`
+    (a spare column, dropped)."""
+    sums = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=ids.device)
+    return sums.scatter_add_(1, ids, values)[:, :vocab]
+
+
+def padded_rows(rows: list[list], fill) -> list[list]:
+    """Rows of one width (at least 1), padded with `fill`."""
+    width = max(1, max(map(len, rows)))
+    return [list(r) + [fill] * (width - len(r)) for r in rows]
+
+
 def apply_penalties(logits: torch.Tensor, history: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
                     exempt_from: int | None) -> torch.Tensor:
     """logits [B, V] fp32 minus the penalties of the tokens in `history` [B, L] int64 (padded with V);
     presence, frequency [B] fp32; ids >= exempt_from are never penalized."""
-    b, v = logits.shape
-    counts = torch.zeros(b, v + 1, dtype=torch.float32, device=logits.device)
-    counts.scatter_add_(1, history, torch.ones_like(history, dtype=torch.float32))
-    counts = counts[:, :v]
+    v = logits.shape[1]
+    counts = per_token_sums(history, torch.ones_like(history, dtype=torch.float32), v)
     if exempt_from is not None and exempt_from < v:
         counts[:, exempt_from:] = 0
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
@@ -151,18 +162,14 @@ class SamplingBatch:
         if any(p.has_penalties for p in params):
             if histories is None or vocab_size is None:
                 raise ValueError("penalized rows need their generated ids (histories) and the vocabulary size")
-            width = max(1, max(len(h) for h in histories))
-            padded = [list(h) + [vocab_size] * (width - len(h)) if p.has_penalties else [vocab_size] * width
-                      for p, h in zip(params, histories)]
+            padded = padded_rows([h if p.has_penalties else [] for p, h in zip(params, histories)], vocab_size)
             penalties = dict(presence=t([p.presence_penalty for p in params], torch.float32),
                              frequency=t([p.frequency_penalty for p in params], torch.float32),
                              history=t(padded, torch.int64))
         if any(p.logit_bias for p in params):
             if vocab_size is None:
                 raise ValueError("logit_bias rows need the vocabulary size")
-            width = max(len(p.logit_bias) for p in params)
-            pad = [(vocab_size, 0.0)] * width
-            rows = [list(p.logit_bias) + pad[len(p.logit_bias):] for p in params]
+            rows = padded_rows([p.logit_bias for p in params], (vocab_size, 0.0))
             penalties.update(bias_ids=t([[i for i, _ in r] for r in rows], torch.int64),
                              bias_values=t([[b for _, b in r] for r in rows], torch.float32))
 
@@ -234,8 +241,7 @@ class Sampler:
         if batch.penalized:
             logits = apply_penalties(logits, batch.history, batch.presence, batch.frequency, self.penalty_exempt_from)
         if batch.bias_ids is not None:
-            bias = torch.zeros(logits.shape[0], logits.shape[1] + 1, device=logits.device)
-            logits = logits + bias.scatter_add_(1, batch.bias_ids, batch.bias_values)[:, :-1]
+            logits = logits + per_token_sums(batch.bias_ids, batch.bias_values, logits.shape[1])
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
             token_ids = greedy_ids
