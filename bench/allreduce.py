@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from engine.distributed.executor import free_port
+from engine.distributed.worker import NCCL_ENV  # never NVLink multicast on shared hosts
 
 
 def part(rank: int, tokens: int, hidden: int, device) -> torch.Tensor:
@@ -136,12 +136,6 @@ def worker(rank: int, args, port: int, results) -> None:
         results.put({"rows": rows, "symm_mem_error": symm_error, "peer_access": peers})
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args) -> dict:
