@@ -230,6 +230,9 @@ class Executor:
                     self.channel.send(Op.SHUTDOWN)
             self.workers.join(timeout_s)
         finally:
+            graphs = self.loaded.decode_graphs if self.loaded is not None else None
+            if graphs is not None:  # an engine not closed first: its graphs must go before the group
+                graphs.release()
             leave_group(self.channel, drain=self.failure is None)
             torch.set_num_threads(self._threads_before)
             if Executor._active is self:

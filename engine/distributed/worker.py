@@ -100,15 +100,13 @@ def join_group(spec: GroupSpec, rank: int, device: torch.device) -> ControlChann
 
 def leave_group(channel: ControlChannel | None, drain: bool = True) -> None:
     """Destroy this rank's groups (closing their sockets, which wakes peers blocked on this rank).
-    drain: the group is healthy; first free captured decode graphs (they hold NCCL work of the default
-    group; cycles too) and let the device finish. Not after a failure: a collective whose peer is gone
-    would never finish."""
+    Captured decode graphs must be released first (ModelRunner.close): they hold NCCL work of the default
+    group. drain: the group is healthy; let the device finish first. Not after a failure: a collective
+    whose peer is gone would never finish."""
     if not dist.is_initialized():
         return
-    if drain:
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+    if drain and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     if channel is not None:
         dist.destroy_process_group(channel.group)
     dist.destroy_process_group()
