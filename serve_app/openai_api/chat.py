@@ -51,7 +51,7 @@ from serve_app.openai_api.generation import (
     sampling_params,
 )
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
-from serve_app.openai_api.streaming import sse
+from serve_app.openai_api.streaming import interleave, sse
 
 SEPARATOR = "\n\n"  # between two Harmony messages that land in the same field
 
@@ -229,40 +229,6 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
             await group.close()
 
     return await respond(http, group, stream=req.stream, make_stream=stream, make_body=body)
-
-
-async def interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
-    """The items of several streams as they come, each stream's in its order; the first error wins.
-    One stream is passed through as is."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(it: AsyncIterator[bytes]) -> None:
-        try:
-            async for item in it:
-                await queue.put(item)
-            await queue.put(done)
-        except BaseException as exc:  # handed to the reader, which raises it
-            await queue.put(exc)
-
-    tasks = [asyncio.ensure_future(pump(it)) for it in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _merged(deltas: Any) -> list[dict[str, Any]]:

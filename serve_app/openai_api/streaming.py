@@ -8,9 +8,10 @@ abort runs even when the disconnect shows up as a failed send rather than a mess
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -92,3 +93,37 @@ async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable
     if not result:
         raise ClientGone()
     return result[0]
+
+
+async def interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The items of several streams as they come, each stream's in its order; the first error wins.
+    One stream is passed through as is."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(it: AsyncIterator[bytes]) -> None:
+        try:
+            async for item in it:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(it)) for it in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
