@@ -12,8 +12,10 @@ flushes L2 before every call) and achieved KV bandwidth, for
   fi_sink     FlashInfer's BatchAttentionWithAttentionSinkWrapper used for decode (fa3 on sm90)
   fi_decode   FlashInfer's BatchDecodeWithPagedKVCacheWrapper, no sinks (CUDA-core decode kernel)
   fi_decode_tc  the same wrapper with use_tensor_cores=True (its fa2 prefill kernel), no sinks
-plus the sliding-window layer (a 128-token table, as the engine keeps it) for triton and fi_sink. Prefill: one sequence of 1k/8k/32k
-tokens through the sink wrapper, full causal and sliding, in TFLOP/s. Every implementation's output
+plus the sliding-window layer (a 128-token table, as the engine keeps it) for triton and fi_sink. Prefill: one sequence of 1k/4k/8k/32k
+tokens through the sink wrapper, full causal and sliding, in TFLOP/s, and the sliding layer through our
+Triton kernel (kernels/attention/sliding_prefill_triton.py) at a few launch shapes (`triton bm/bn/warps/stages`);
+`--prefill-only` skips decode. Every implementation's output
 is checked against kernels/attention/reference.py (fp32) before it is timed. `--sweep` times the
 decode kernel's launch shapes at the policy's split count and its neighbour (graph-timed, five
 shapes): how default_decode_config was chosen.
@@ -44,6 +46,7 @@ from kernels.attention import flashinfer_ops
 from kernels.attention.decode_triton import DecodeConfig, default_decode_config, sink_decode, split_scratch
 from kernels.attention.gpu_plan import decode_num_splits, flashinfer_page_lists
 from kernels.attention.reference import gather_pages, sink_attention
+from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig, plan_tiles, sliding_prefill
 
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 SCALE = 1.0 / math.sqrt(D)
@@ -244,7 +247,7 @@ def prefill_flops(n: int, window: int | None) -> float:
 
 
 def run_prefill(args, gen, workspace, backends, results):
-    for n in [1024, 8192] if args.quick else [1024, 8192, 32768]:
+    for n in [1024, 8192] if args.quick else [1024, 4096, 8192, 32768]:
         pages = -(-n // PAGE)
         k = torch.randn(pages + 8, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
         v = torch.randn(pages + 8, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
@@ -272,6 +275,35 @@ def run_prefill(args, gen, workspace, backends, results):
                 results["prefill"].append({"backend": backend, "tokens": n, "window": window, "us": us,
                                            "tflops": tflops, "err": err})
                 print(f"prefill {backend} N={n} window={window}: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
+        run_sliding_triton(n, q, k, v, table, sinks, keys, values, results)
+
+
+SLIDING_CONFIGS = [SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 128, 8, 2),
+                   SlidingPrefillConfig(8, 64, 4, 2), SlidingPrefillConfig(32, 64, 8, 2),
+                   SlidingPrefillConfig(16, 64, 8, 3)]
+
+
+def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results):
+    """The sliding layer of one n-token prompt through our Triton kernel (the full table visible)."""
+    lens = torch.tensor([n], dtype=torch.int32, device=DEV)
+    tail = 256
+    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, WINDOW)
+    for config in SLIDING_CONFIGS:
+        tiles = plan_tiles([n], table, lens, config.block_m)
+        out = torch.empty_like(q)
+
+        def run():
+            sliding_prefill(q, k, v, sinks, SCALE, WINDOW, tiles, out, config)
+
+        run()
+        err = rel_err(out[-tail:], ref)
+        us = timed(run)
+        name = f"triton {config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
+        moved = 2 * q.numel() * q.element_size() + 2 * n * HKV * D * 2  # q + out, K + V once
+        results["prefill"].append({"backend": name, "tokens": n, "window": WINDOW, "us": us, "err": err,
+                                   "tflops": prefill_flops(n, WINDOW) / (us * 1e-6) / 1e12,
+                                   "gbps": moved / (us * 1e-6) / 1e9})
+        print(f"prefill {name} N={n} window={WINDOW}: {us:.1f}us {moved / us / 1e3:.0f} GB/s err {err:.1e}", flush=True)
 
 
 def print_table(results):
@@ -294,6 +326,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/attention_h200.json")
     parser.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's launch shapes")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--prefill-only", action="store_true", help="skip decode")
     parser.add_argument("--prefill-backends", default=None, help="comma list (default: the device's default)")
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -308,7 +341,8 @@ def main() -> None:
     }
     if args.sweep:
         run_sweep(gen, results)
-    run_decode(args, gen, workspace, fi_backend, results)
+    if not args.prefill_only:
+        run_decode(args, gen, workspace, fi_backend, results)
     backends = args.prefill_backends.split(",") if args.prefill_backends else [fi_backend]
     run_prefill(args, gen, workspace, backends, results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,10 @@ Per step, `plan(batch)` once:
   another `plan`. Under `cuda_graph=True` the split count depends on the batch size alone.
 - prefill / mixed steps: plan FlashInfer's BatchAttentionWithAttentionSinkWrapper, one per layer
   kind (full: window_left=-1; sliding: window_left=W-1), over CSR page lists built from our tables.
-  FlashInfer's plan reads lengths on the host: prefill is never graph-captured.
+  FlashInfer's plan reads lengths on the host: prefill is never graph-captured. Sliding layers over
+  the cache run our Triton kernel instead (sliding_prefill_triton.py: it reads only each tile's
+  window, where FlashInfer's windowed prefill did ~55 TFLOP/s of useful work), unless
+  `sliding_prefill="flashinfer"`.
 - mixed steps (chunked prefills next to decoding sequences): the sequences with one new token go through
   the split decode kernel (on gathered query rows), only the others through FlashInfer. FlashInfer's
   prefill kernel gives a one-token query a whole query tile and was ~2.4x slower end to end on 8k/1k.
@@ -37,6 +40,7 @@ from kernels.attention.gpu_plan import StepBuffers, decode_num_splits, flashinfe
 from kernels.attention.kv_cache import PagedKVCache, is_fp8
 from kernels.attention.kv_write import write_kv
 from kernels.attention.metadata import AttentionBatch
+from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig, SlidingTiles, plan_tiles, sliding_prefill
 
 SCRATCH_PAGE = 16
 
@@ -68,6 +72,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         prefill_backend: str | None = None,  # "fa3" | "fa2"; default: fa3 on Hopper
         cuda_graph: bool = False,
         decode_config: DecodeConfig | None = None,  # None: default_decode_config
+        sliding_prefill: str = "triton",  # sliding layers of prefill steps over the cache: "triton" | "flashinfer"
+        sliding_prefill_config: SlidingPrefillConfig | None = None,
     ):
         super().__init__(layer_is_sliding, sliding_window, head_dim)
         if num_q_heads % num_kv_heads:
@@ -79,6 +85,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         # the model's rotary kernel writes k/v into the cache (kv_destination): one launch less per layer
         self.fuse_kv_write = True
         self.decode_config = decode_config
+        if sliding_prefill not in ("triton", "flashinfer"):
+            raise ValueError(f"sliding_prefill must be 'triton' or 'flashinfer', got {sliding_prefill!r}")
+        self.sliding_prefill = sliding_prefill
+        self.sliding_prefill_config = sliding_prefill_config or SlidingPrefillConfig()
+        self.sliding_tiles: SlidingTiles | None = None  # this prefill step's tiles for the Triton sliding kernel
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.prefill_backend = prefill_backend or flashinfer_ops.default_prefill_backend(self.device)
         self.workspace = flashinfer_ops.new_workspace(self.device)
@@ -155,12 +166,18 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._prefill_planned is not None:
             self._prefill_planned.synchronize()  # the previous plan's pinned buffer has reached the device
         pick = None if len(seqs) == len(lens) else torch.tensor(seqs, device=self.device)
+        self.sliding_tiles = None
         for sliding, wrapper in self.prefill.items():
             window_left = self.sliding_window - 1 if sliding else -1
             if batch.has_cache:
                 meta = batch.group(sliding)
                 page_size = self.kv_cache.block_size
                 tables = meta.block_tables if pick is None else meta.block_tables[pick]
+                if sliding and self.sliding_prefill == "triton":
+                    kv_lens = meta.kv_lens if pick is None else meta.kv_lens[pick]
+                    self.sliding_tiles = plan_tiles([lens[b] for b in seqs], tables, kv_lens,
+                                                    self.sliding_prefill_config.block_m)
+                    continue
                 kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(
                     tables, [meta.kv_lens_cpu[b] for b in seqs], page_size)
                 if is_fp8(self.kv_cache.k[0].dtype):  # staging page i holds cache page kv_indices[i]
@@ -251,6 +268,12 @@ class FlashInferAttentionBackend(AttentionBackend):
                 one, k_cache, v_cache, m.tables[sliding], m.kv_lens[sliding], sinks, self.scale, self.window(layer),
                 m.splits[sliding], torch.empty_like(one), self.part_o, self.part_lse, self.decode_config)
             q = q[m.multi_rows]
+        if sliding and self.sliding_tiles is not None:
+            got = sliding_prefill(q, k_cache, v_cache, sinks, self.scale, self.sliding_window, self.sliding_tiles,
+                                  torch.empty_like(q) if m is not None else out, self.sliding_prefill_config)
+            if m is not None:
+                out[m.multi_rows] = got
+            return out
         if is_fp8(k_cache.dtype):
             pages = self.staged_pages[sliding]
             k_cache, v_cache = k_cache[pages].to(q.dtype), v_cache[pages].to(q.dtype)

@@ -107,7 +107,8 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_ptr,
                          inter, stride_h, stride_split, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
-                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                         NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+                         FAST_DIV: tl.constexpr = False):
     pdl_prologue(PDL)
     # grid (pairs, k-block groups). Output column j comes from gate 2j and up 2j+1: each k-block reads
     # its 256 interleaved inputs as one contiguous run and splits them in registers.
@@ -128,10 +129,17 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
         col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-        act = tl.where(col < inter, act, 0.0)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
-        q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
+        if FAST_DIV:  # approximate division (div.full, 2 ulp) and a per-block reciprocal: off the twin's rounding
+            act = tl.fdiv(gate, 1.0 + tl.exp(-alpha * gate), ieee_rounding=False) * (up + 1.0)
+            act = tl.where(col < inter, act, 0.0)
+            amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
+            scale = tl.math.div_rn(amax, 448.0)
+            q = (act * tl.math.div_rn(448.0, amax)[:, None]).to(tl.float8e4nv)
+        else:
+            act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+            act = tl.where(col < inter, act, 0.0)
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
+            q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
         tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
         g = row // rows_per_group
         tl.store(sf_ptr + g.to(tl.int64) * sf_group_stride + kb * sf_k_stride + (row - g * rows_per_group),
@@ -185,7 +193,7 @@ def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: 
 
 
 def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor, bias: torch.Tensor,
-                 first_expert: int, alpha: float, limit: float, out: Fp8Rows) -> Fp8Rows:
+                 first_expert: int, alpha: float, limit: float, out: Fp8Rows, fast_div: bool = False) -> Fp8Rows:
     """GEMM-1 output rows h [rows, 2I] (bf16), or [S, rows, 2I] split-K partial sums (fp32) -> FP8 rows of
     the SwiGLU activation [rows, Ip]."""
     p = row_of_pair.numel()
@@ -196,7 +204,8 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
             h, row_of_pair, expert_ids, bias, out.data, out.scale_storage,
             h.shape[-1] // 2, h.stride(-2), h.stride(0) if splits > 1 else 0, out.data.stride(0), bias.stride(0),
             first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, num_warps=1 if kbp == 1 else 4, **pdl.launch(h))
+            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4,
+            **pdl.launch(h))
     return out
 
 

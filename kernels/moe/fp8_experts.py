@@ -61,6 +61,9 @@ class Fp8Experts(nn.Module):
         # routed_forward fuses router + routing + plan + quantization into one launch where it can
         # (decode_front_triton); False: the unfused launches, to compare
         self.fused_front = True
+        # SwiGLU + quantization with approximate divisions (epilogues_triton, FAST_DIV): codes within one
+        # FP8 step of the twin's; off by default until measured (bench/swiglu_ab, bench/prefill_ab)
+        self.swiglu_fast_div = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -185,7 +188,8 @@ class Fp8Experts(nn.Module):
         h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
-        epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2)
+        epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
+                         fast_div=self.swiglu_fast_div)
         y = self.gemm_output(plan, splits, self.hidden)
         self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)

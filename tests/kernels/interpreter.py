@@ -4,7 +4,8 @@ Parent side: `run_cases(name)` runs tests/kernels/<name> in a fresh Python with 
 must be set before triton is imported, so the cases cannot share the main test process).
 Child side: importing this module with TRITON_INTERPRET=1 swaps the interpreter's float casts for
 torch's: the interpreter rounds 0b1...1 mantissas without carrying into the exponent (128 -> 64 in
-e4m3), GPUs convert in hardware. Everything else in the kernels runs as written. `fresh_seed` is an
+e4m3), GPUs convert in hardware; and its tl.dot multiplies bf16 operands as their raw uint16 storage
+(Triton 3.9), so bf16 operands are widened to fp32 first, as the tensor cores read them exactly. Everything else in the kernels runs as written. `fresh_seed` is an
 autouse fixture for the case files: fresh random inputs every run, the seed printed (replay a failure
 with GPTOSS_TEST_SEED).
 """
@@ -58,3 +59,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return out.view(f"uint{dst_bits}").reshape(data.shape)
 
     interpreter._convert_float = _torch_convert_float
+
+    _interpreter_dot = interpreter.InterpreterBuilder.create_dot
+
+    def _dot_widening_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        import triton.language as tl
+
+        def widened(x):
+            if x.dtype.scalar == tl.bfloat16:
+                return interpreter.TensorHandle(_torch_convert_float(x.data, tl.bfloat16, tl.float32, None)
+                                                .view(np.float32), tl.float32)
+            return x
+        return _interpreter_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = _dot_widening_bf16

@@ -121,10 +121,11 @@ def split_into(total: torch.Tensor, splits: int) -> torch.Tensor:
     return parts
 
 
+@pytest.mark.parametrize("fast_div", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("kb_per_program", [1, 2, 8])
 @pytest.mark.parametrize("inter", [136, 300])
-def test_swiglu_quant(inter, kb_per_program, splits, monkeypatch):
+def test_swiglu_quant(inter, kb_per_program, splits, fast_div, monkeypatch):
     monkeypatch.setattr(epi, "_kb_per_program", lambda pairs, num_kb: kb_per_program)
     rows, e_local, first = 24, 3, 5
     h = (torch.randn(rows, 2 * inter) * 4).bfloat16()
@@ -132,7 +133,8 @@ def test_swiglu_quant(inter, kb_per_program, splits, monkeypatch):
     ids = torch.randint(first, first + e_local, (rows,)).int()
     row_of_pair = torch.randperm(rows).int()
     out = epi.Fp8Rows.empty(1, rows, padded(inter), "cpu")
-    epi.swiglu_quant(split_into(h, splits) if splits > 1 else h, row_of_pair, ids, bias, first, 1.702, 7.0, out)
+    epi.swiglu_quant(split_into(h, splits) if splits > 1 else h, row_of_pair, ids, bias, first, 1.702, 7.0, out,
+                     fast_div=fast_div)
     pair_of_row = torch.empty(rows, dtype=torch.long)
     pair_of_row[row_of_pair.long()] = torch.arange(rows)
     want, want_scales = ref.swiglu_quant(h, bias[ids[pair_of_row].long() - first], 1.702, 7.0)

@@ -92,3 +92,10 @@ def test_step_buffers_refuse_a_step_larger_than_allocated():
                        slot_mapping=torch.zeros(3, dtype=torch.int64), kv_lens_cpu=[1, 1, 1])
     with pytest.raises(ValueError, match="max_batch"):
         bufs.fill(meta, 3)
+
+
+def test_attention_triton_kernels_under_the_interpreter():
+    """The sliding-window prefill kernel against reference.sink_attention (attention_interpreter_cases.py)."""
+    from tests.kernels.interpreter import run_cases
+
+    run_cases("attention_interpreter_cases.py")

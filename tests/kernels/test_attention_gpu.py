@@ -25,6 +25,7 @@ from kernels.attention.kv_cache import PagedKVCache  # noqa: E402
 from kernels.attention.kv_write import write_kv  # noqa: E402
 from kernels.attention.metadata import AttentionBatch, KVGroupMeta  # noqa: E402
 from kernels.attention.reference import sink_attention  # noqa: E402
+from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -170,8 +171,9 @@ def test_backend_decode_matches_reference(batch_size):
     run_step(world, make_backend(), seed=batch_size)
 
 
+@pytest.mark.parametrize("sliding_prefill", ["triton", "flashinfer"])
 @pytest.mark.parametrize("batch_size", [1, 3, 37])
-def test_backend_prefill_matches_reference(batch_size):
+def test_backend_prefill_matches_reference(batch_size, sliding_prefill):
     rng = random.Random(100 + batch_size)
     if batch_size == 1:
         prefix, new = [0], [33000]
@@ -179,20 +181,32 @@ def test_backend_prefill_matches_reference(batch_size):
         prefix = [rng.choice([0, 1, 127, 128, 129, 1000]) for _ in range(batch_size)]
         new = [rng.choice([1, 127, 128, 129, 1000]) for _ in range(batch_size)]
     world = PagedWorld(prefix, new, page=16, seed=100 + batch_size)
-    run_step(world, make_backend(), seed=batch_size)
+    run_step(world, make_backend(sliding_prefill=sliding_prefill), seed=batch_size)
 
 
-@pytest.mark.parametrize("decode", [True, False])
-def test_backend_over_an_fp8_cache_matches_reference(decode):
+@pytest.mark.parametrize("decode,sliding_prefill", [(True, "triton"), (False, "triton"), (False, "flashinfer")])
+def test_backend_over_an_fp8_cache_matches_reference(decode, sliding_prefill):
     """kv_cache_dtype fp8_e4m3: decode reads fp8 pages in the split kernel, prefill stages them as bf16
-    for FlashInfer; both against the fp32 reference over the same (fp8-representable) K/V."""
+    for FlashInfer (the Triton sliding kernel reads them directly); all against the fp32 reference over
+    the same (fp8-representable) K/V."""
     rng = random.Random(5)
     prefix = [rng.choice([0, 1, 127, 129, 1000, 5000]) for _ in range(5)]
     new = [1] * 5 if decode else [rng.choice([1, 128, 129, 1000]) for _ in range(5)]
     if decode:
         prefix = [max(p, 1) for p in prefix]
     world = PagedWorld(prefix, new, page=16, seed=55, kv_dtype=torch.float8_e4m3fn)
-    run_step(world, make_backend(), seed=56)
+    run_step(world, make_backend(sliding_prefill=sliding_prefill), seed=56)
+
+
+@pytest.mark.parametrize("config", [SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 128, 8, 2),
+                                    SlidingPrefillConfig(8, 64, 4, 2), SlidingPrefillConfig(32, 64, 8, 2)])
+@pytest.mark.parametrize("page", [16, 64])
+def test_sliding_prefill_launch_shapes_match_reference(page, config):
+    """Each launch shape bench/attention times, over prompts that start fresh, continue a cached prefix
+    (the sliding table starting mid-sequence) or add one token."""
+    prefix, new = [0, 300, 129, 5000, 40], [1000, 77, 1, 129, 3]
+    world = PagedWorld(prefix, new, page=page, seed=page + config.block_m)
+    run_step(world, make_backend(sliding_prefill_config=config), seed=config.block_n)
 
 
 def test_backend_without_cache_matches_reference():

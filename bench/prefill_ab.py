@@ -1,0 +1,80 @@
+"""Eager prefill TTFT of prefill variants in one process (random weights of the real shapes), each
+variant timed at every length before the next length, so drift hits them alike.
+
+    python -m bench.prefill_ab --model gpt-oss-20b --lens 1024,4096 --variants sliding \\
+        --out bench/results/prefill_ab_sliding_h200.json
+
+Variant sets:
+- `pdl`: programmatic dependent launch off / on for every launch / on only under CUDA-graph capture
+  (kernels/pdl.py's default); `bench/results/pdl_prefill_ab_h200.json` (2026-11-30) came from it.
+- `sliding`: the sliding-window layers through FlashInfer's windowed sink prefill / our Triton kernel
+  (kernels/attention/sliding_prefill_triton.py) / the Triton kernel plus the approximate-division
+  SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
+Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.e2e import Harness
+from kernels import pdl
+from model.config import GptOssConfig
+
+
+def pdl_variants():
+    def mode(enabled: bool, capture_only: bool):
+        def apply(h: Harness):
+            pdl.ENABLED, pdl.CAPTURE_ONLY = enabled, capture_only
+        return apply
+    return {"off": mode(False, True), "all launches": mode(True, False), "capture only": mode(True, True)}
+
+
+def sliding_variants():
+    def mode(sliding: str, fast_div: bool):
+        def apply(h: Harness):
+            h.model.backend.sliding_prefill = sliding
+            for layer in h.model.model.layers:
+                experts = getattr(layer.mlp, "experts", None)
+                if experts is not None and hasattr(experts, "swiglu_fast_div"):
+                    experts.swiglu_fast_div = fast_div
+        return apply
+    return {"flashinfer sliding": mode("flashinfer", False), "triton sliding": mode("triton", False),
+            "triton sliding + fast swiglu": mode("triton", True)}
+
+
+VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt-oss-20b")
+    p.add_argument("--lens", default="1024,2048,8192")
+    p.add_argument("--variants", choices=sorted(VARIANTS), default="sliding")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (max_num_batched_tokens)")
+    p.add_argument("--out", default="bench/results/prefill_ab.json")
+    args = p.parse_args(argv)
+    lens = [int(x) for x in args.lens.split(",")]
+    h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0)
+    variants = VARIANTS[args.variants]()
+    rows = []
+    for n in lens:
+        row = {"tokens": n}
+        for name, apply in variants.items():
+            apply(h)
+            row[name] = h.prefill(n, profile=False, chunk=args.chunk)["ttft_ms"]
+        rows.append(row)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                          "model": args.model, "variants": list(variants), "ttft_ms": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call for the prefill kernels (repo root on the GPU machine; carry .whl .jit .dg_src; DG_USE=1):
+#  1. GPU tests: attention (sliding-window prefill kernel, backends), the MoE epilogues, then TESTS
+#     (default: the engine's prefix-caching GPU tests; TESTS= skips);
+#  2. bench.attention --prefill-only (FlashInfer vs the Triton sliding kernel at several launch shapes),
+#     bench.swiglu_ab, bench.prefill_ab --variants sliding on 20b (1k, 4k) and 120b (8k),
+#     then bench.prefix_cache on 20b; each under its own time guard, logs in $OUT.
+#   DG_USE=1 bash bench/prefill_device_run.sh          LIMIT_S (default 560) bounds the whole script
+set -u
+LIMIT_S=${LIMIT_S:-560}
+start=$(date +%s)
+source scripts/device_env.sh
+left() { echo $(( LIMIT_S - ($(date +%s) - start) - 15 )); }
+step() {  # step NAME SECONDS CMD...: run under min(SECONDS, time left), log to $OUT/NAME.log
+    local name=$1 secs=$2; shift 2
+    local l; l=$(left)
+    [ "$l" -lt "$secs" ] && secs=$l
+    if [ "$secs" -le 5 ]; then echo "$name: skipped (no time left)"; return; fi
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name exit $? after $(( $(date +%s) - start )) s"
+}
+step tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_attention_gpu.py \
+    "tests/kernels/test_moe_gpu.py::test_dispatch_swiglu_combine_match_twins"
+tail -3 "$OUT/tests.log"
+step attention 90 python3 -m bench.attention --prefill-only --out "$OUT/attention_prefill_h200.json"
+step swiglu 40 python3 -m bench.swiglu_ab --out "$OUT/swiglu_ab_h200.json"
+step prefill_20b 90 python3 -m bench.prefill_ab --model gpt-oss-20b --lens 1024,4096 --variants sliding \
+    --out "$OUT/prefill_ab_sliding_20b_h200.json"
+step prefill_120b 120 python3 -m bench.prefill_ab --model gpt-oss-120b --lens 8192 --variants sliding \
+    --out "$OUT/prefill_ab_sliding_120b_h200.json"
+TESTS=${TESTS-tests/engine/test_e2e_gpu.py -k prefix}
+[ -n "$TESTS" ] && step tests_more 150 python3 -m pytest -q -ra -p no:cacheprovider $TESTS && tail -3 "$OUT/tests_more.log"
+step prefix 60 python3 -m bench.prefix_cache --model gpt-oss-20b --out "$OUT/prefix_cache_h200.json"
+pack_jit_cache; pack_logs
+echo "---- summary"
+grep -E "^prefill (triton|fa3|fa2)" "$OUT/attention.log" | grep -E "window=128|window=None" | tail -24
+cat "$OUT/swiglu.log" | tail -4
+tail -3 "$OUT/prefill_20b.log" "$OUT/prefill_120b.log"
+tail -6 "$OUT/prefix.log" 2>/dev/null

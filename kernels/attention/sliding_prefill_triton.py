@@ -1,0 +1,167 @@
+"""Sink attention of the sliding-window layers over the paged cache, for prompt chunks (Triton).
+
+A sliding layer's query sees itself and the W - 1 keys before it (W = 128), so a tile of BLOCK_M
+consecutive queries needs only BLOCK_M + W - 1 keys. FlashInfer's sink prefill with window_left spent
+~155 us per 20b layer on a 4k prompt (~55 TFLOP/s of useful work, kernels/attention/NOTES.md); the
+bytes are q + out (33.5 MB at 4k) plus the window's K/V, ~20 us at the copy ceiling.
+
+One program attends one (tile, kv head): its rows are BLOCK_M queries x the GROUP query heads sharing
+the kv head (8 x 16 = 128 rows), so each K/V tile is read once for all of them. Keys come from the
+sequence's page table (bf16 pages, or fp8 pages read up to bf16 as the decode kernel does), with an
+online softmax in base 2 that starts from the sink (running max = sink logit, sum = 1): no split, no
+merge. Tiles never span two sequences: `plan_tiles` lists (sequence, first query) per tile on the host.
+
+Positions follow metadata.py: within the visible KV of length L, query i of n sits at index L - n + i.
+The twin is reference.sink_attention; tests/kernels/attention_interpreter_cases.py and
+tests/kernels/test_attention_gpu.py compare them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import pdl_prologue
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class SlidingPrefillConfig:
+    block_m: int = 16  # queries per tile (x GROUP heads = the tile's rows)
+    block_n: int = 64  # keys per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass
+class SlidingTiles:
+    """Per-step plan: which sequence and first query each program's tile covers, and per sequence its
+    first row in q, its query count, its page table and visible length (device tensors)."""
+
+    tile_seq: torch.Tensor  # int32 [tiles]
+    tile_q0: torch.Tensor  # int32 [tiles]
+    q_start: torch.Tensor  # int32 [B]
+    q_len: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    kv_lens: torch.Tensor  # int32 [B]
+    num_tiles: int
+
+
+def plan_tiles(query_lens: list[int], block_tables: torch.Tensor, kv_lens: torch.Tensor, block_m: int) -> SlidingTiles:
+    """Tiles of `block_m` queries for sequences whose queries lie back to back in q (host lists, one copy)."""
+    seq_of_tile, q0_of_tile, starts = [], [], []
+    row = 0
+    for b, n in enumerate(query_lens):
+        starts.append(row)
+        row += n
+        for q0 in range(0, n, block_m):
+            seq_of_tile.append(b)
+            q0_of_tile.append(q0)
+    device = block_tables.device
+    host = torch.tensor([seq_of_tile, q0_of_tile], dtype=torch.int32).reshape(2, -1)
+    seqs = torch.tensor([starts, list(query_lens)], dtype=torch.int32).reshape(2, -1)
+    host, seqs = host.to(device, non_blocking=True), seqs.to(device, non_blocking=True)
+    return SlidingTiles(host[0], host[1], seqs[0], seqs[1], block_tables, kv_lens, len(seq_of_tile))
+
+
+@triton.jit
+def _sliding_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
+    tile_seq_ptr, tile_q0_ptr, q_start_ptr, q_len_ptr, block_tables_ptr, kv_lens_ptr,
+    stride_qt, stride_qh,  # q [T, Hq, D], unit stride in D
+    stride_kb, stride_kt, stride_kh,  # cache [num_blocks, PAGE, Hkv, D]; K and V share strides
+    stride_bt,  # block_tables [B, max_blocks]
+    stride_ot, stride_oh,  # out [T, Hq, D]
+    scale_log2,  # softmax scale * log2(e)
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    i0 = tl.load(tile_q0_ptr + tile)
+    q_start = tl.load(q_start_ptr + seq)
+    n_q = tl.load(q_len_ptr + seq)
+    kv_len = tl.load(kv_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    qi = i0 + rows // GROUP_PAD  # query index within the sequence
+    g = rows % GROUP_PAD
+    row_ok = (qi < n_q) & (g < GROUP)
+    q_pos = kv_len - n_q + qi  # index among the visible keys
+    heads = kv_head * GROUP + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + qi).to(tl.int64) * stride_qt + heads * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634  # the sink, counted once
+    l_i = tl.full([BLOCK_M * GROUP_PAD], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+
+    first = kv_len - n_q + i0
+    lo = tl.maximum(first - (WINDOW - 1), 0)
+    hi = tl.minimum(first + BLOCK_M, kv_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_kh
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0)
+        kv_rows = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kt + head_off
+        k = tl.load(k_ptr + kv_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - WINDOW) & n_ok[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    out_rows = (q_start + qi).to(tl.int64) * stride_ot + heads * stride_oh
+    tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def sliding_prefill(
+    q: torch.Tensor,  # [T, Hq, D] bf16: the queries of the planned sequences, back to back
+    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D] bf16 or fp8, this step's K already written
+    v_cache: torch.Tensor,
+    sinks: torch.Tensor,  # fp32 [Hq]
+    scale: float,
+    window: int,
+    tiles: SlidingTiles,
+    out: torch.Tensor,  # [T, Hq, D]
+    config: SlidingPrefillConfig | None = None,
+) -> torch.Tensor:
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    _, page, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("sliding_prefill needs unit stride in head_dim and K/V caches of identical layout")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    config = config or SlidingPrefillConfig()
+    group = num_q_heads // num_kv_heads
+    if tiles.num_tiles:
+        _sliding_prefill_kernel[(tiles.num_tiles, num_kv_heads)](
+            q, k_cache, v_cache, out, sinks,
+            tiles.tile_seq, tiles.tile_q0, tiles.q_start, tiles.q_len, tiles.block_tables, tiles.kv_lens,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tiles.block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            scale * LOG2E,
+            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE=page,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, WINDOW=window,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q),
+        )
+    return out

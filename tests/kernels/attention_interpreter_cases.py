@@ -1,0 +1,75 @@
+"""kernels/attention Triton kernels against reference.sink_attention, on CPU tensors under Triton's
+interpreter. Run by tests/kernels/test_attention_backend_cpu.py in a subprocess (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_attention_backend_cpu.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+
+from tests.kernels.interpreter import fresh_seed  # noqa: E402,F401  (autouse fixture)
+from kernels.attention.reference import gather_pages, sink_attention  # noqa: E402
+from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig, plan_tiles, sliding_prefill  # noqa: E402
+
+
+def paged(keys: list[torch.Tensor], values: list[torch.Tensor], page: int, dtype: torch.dtype):
+    """Each sequence's visible K and V [L, H, D] in shuffled pages of two pools sharing one table (plus
+    spare pages of garbage), as the engine lays out a layer kind."""
+    counts = [-(-kv.shape[0] // page) for kv in keys]
+    order = list(range(sum(counts) + 2))
+    random.shuffle(order)
+    h, d = keys[0].shape[1:]
+    k_pool = torch.randn(len(order), page, h, d).to(dtype)
+    v_pool = torch.randn(len(order), page, h, d).to(dtype)
+    tables = torch.zeros(len(keys), max(counts), dtype=torch.int32)
+    used = 0
+    for b, (k, v) in enumerate(zip(keys, values)):
+        pages = order[used:used + counts[b]]
+        used += counts[b]
+        tables[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for j, p in enumerate(pages):
+            k_pool[p, :k[j * page:(j + 1) * page].shape[0]] = k[j * page:(j + 1) * page].to(dtype)
+            v_pool[p, :v[j * page:(j + 1) * page].shape[0]] = v[j * page:(j + 1) * page].to(dtype)
+    return k_pool, v_pool, tables
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("hq,hkv,d,window,block_m,block_n", [
+    (16, 2, 32, 9, 4, 16),  # the window spans pages and tiles
+    (6, 2, 16, 128, 16, 64),  # GROUP 3 padded to 4
+    (8, 8, 16, 5, 16, 16),  # GROUP 1
+])
+def test_sliding_prefill_matches_twin(hq, hkv, d, window, block_m, block_n, kv_dtype):
+    page = 4
+    # (visible kv length, new queries): a fresh prompt, chunks after a cached prefix, a single query,
+    # a table that starts mid-sequence (only the window's pages kept)
+    shapes = [(37, 37), (50, 13), (21, 1), (window + 11, 6)]
+    scale = d ** -0.5
+    sinks = torch.randn(hq) * 2
+    sinks[0] = 9.0
+    sinks[-1] = -30.0
+    keys = [torch.randn(kv_len, hkv, d) for kv_len, _ in shapes]
+    values = [torch.randn(kv_len, hkv, d) for kv_len, _ in shapes]
+    k_pool, v_pool, tables = paged(keys, values, page, kv_dtype)
+    q = (torch.randn(sum(n for _, n in shapes), hq, d)).bfloat16()
+    kv_lens = torch.tensor([kv_len for kv_len, _ in shapes], dtype=torch.int32)
+    config = SlidingPrefillConfig(block_m=block_m, block_n=block_n)
+    tiles = plan_tiles([n for _, n in shapes], tables, kv_lens, block_m)
+    out = torch.full_like(q, float("nan"))
+    sliding_prefill(q, k_pool, v_pool, sinks, scale, window, tiles, out, config)
+    row = 0
+    for b, (kv_len, n) in enumerate(shapes):
+        pages = tables[b, :-(-kv_len // page)].long()
+        k = gather_pages(k_pool, pages, kv_len).to(torch.bfloat16)
+        v = gather_pages(v_pool, pages, kv_len).to(torch.bfloat16)
+        want = sink_attention(q[row:row + n].float(), k.float(), v.float(), sinks, scale, window)
+        got = out[row:row + n].float()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 5e-3, f"sequence {b}: relative error {err}"
+        row += n
