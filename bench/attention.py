@@ -46,7 +46,7 @@ from kernels.attention import flashinfer_ops
 from kernels.attention.decode_triton import DecodeConfig, default_decode_config, sink_decode, split_scratch
 from kernels.attention.gpu_plan import decode_num_splits, flashinfer_page_lists
 from kernels.attention.reference import gather_pages, sink_attention
-from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig, plan_tiles, sliding_prefill
+from kernels.attention.sliding_prefill_triton import SWEEP_CONFIGS, plan_tiles, sliding_prefill
 
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 SCALE = 1.0 / math.sqrt(D)
@@ -278,17 +278,12 @@ def run_prefill(args, gen, workspace, backends, results):
         run_sliding_triton(n, q, k, v, table, sinks, keys, values, results)
 
 
-SLIDING_CONFIGS = [SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 128, 8, 2),
-                   SlidingPrefillConfig(8, 64, 4, 2), SlidingPrefillConfig(32, 64, 8, 2),
-                   SlidingPrefillConfig(16, 64, 8, 3)]
-
-
 def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results):
     """The sliding layer of one n-token prompt through our Triton kernel (the full table visible)."""
     lens = torch.tensor([n], dtype=torch.int32, device=DEV)
     tail = 256
     ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, WINDOW)
-    for config in SLIDING_CONFIGS:
+    for config in SWEEP_CONFIGS:
         tiles = plan_tiles([n], table, lens, config.block_m)
         out = torch.empty_like(q)
 

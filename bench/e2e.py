@@ -94,8 +94,10 @@ def top_kernels(fn, device, n: int = 6) -> list[dict]:
     with profile(activities=acts) as prof:
         fn()
         _sync(device)
-    attr = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    # on the GPU kernels and copies only: a CPU op (aten::mm) also reports the device time of what it launched
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0
+              and (device.type != "cuda" or e.device_type == torch.autograd.DeviceType.CUDA)]
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     total = sum(getattr(e, attr) for e in events) or 1.0
     return [{"name": e.key[:90], "us": round(getattr(e, attr), 1), "share": round(getattr(e, attr) / total, 3),

@@ -1,5 +1,7 @@
-"""Eager prefill TTFT of prefill variants in one process (random weights of the real shapes), each
-variant timed at every length before the next length, so drift hits them alike.
+"""Eager prefill TTFT of prefill variants in one process (random weights of the real shapes). Per length,
+`--rounds` rounds each time every variant once (median of 3 forwards) in turn, so drift hits them alike;
+reported: the median and the minimum over rounds, and the summed GPU kernel time of one forward per
+variant (torch.profiler), which host noise does not reach.
 
     python -m bench.prefill_ab --model gpt-oss-20b --lens 1024,4096 --variants sliding \\
         --out bench/results/prefill_ab_sliding_h200.json
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -45,10 +48,23 @@ def sliding_variants():
                     experts.swiglu_fast_div = fast_div
         return apply
     return {"flashinfer sliding": mode("flashinfer", False), "triton sliding": mode("triton", False),
-            "triton sliding + fast swiglu": mode("triton", True)}
+            "triton sliding + fast swiglu": mode("triton", None)}
 
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants}
+
+
+def kernel_ms(fn) -> float:
+    """Summed GPU kernel time of one prefill forward (the harness's call runs it 1 + 3 times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    # kernels and copies only (a CPU op also reports the device time of what it launched)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0)
+    return total_us / 1e3 / 4
 
 
 def main(argv=None) -> int:
@@ -57,6 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--lens", default="1024,2048,8192")
     p.add_argument("--variants", choices=sorted(VARIANTS), default="sliding")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (max_num_batched_tokens)")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="bench/results/prefill_ab.json")
     args = p.parse_args(argv)
     lens = [int(x) for x in args.lens.split(",")]
@@ -64,12 +81,20 @@ def main(argv=None) -> int:
     variants = VARIANTS[args.variants]()
     rows = []
     for n in lens:
+        walls = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, apply in variants.items():
+                apply(h)
+                walls[name].append(h.prefill(n, profile=False, chunk=args.chunk)["ttft_ms"])
         row = {"tokens": n}
         for name, apply in variants.items():
             apply(h)
-            row[name] = h.prefill(n, profile=False, chunk=args.chunk)["ttft_ms"]
+            row[name] = statistics.median(walls[name])
+            row[name + " min"] = min(walls[name])
+            row[name + " kernels"] = kernel_ms(lambda: h.prefill(n, profile=False, chunk=args.chunk))
         rows.append(row)
-        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        print(f"tokens={n}: " + "; ".join(f"{name} {row[name]:.2f} (min {row[name + ' min']:.2f}, kernels "
+                                           f"{row[name + ' kernels']:.2f}) ms" for name in variants), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                           "model": args.model, "variants": list(variants), "ttft_ms": rows}, indent=1))

@@ -10,7 +10,9 @@ Workload: `--requests` prompts = one `--system`-token prefix + a distinct `--use
 - burst: all requests at once over a new system prompt (the first admission step cannot hit: nothing
   is registered yet; later admissions can); the wall time until every request has its first token.
 Per mode: mean and median TTFT, prompt tokens computed, and the hit tokens the engine counted. Nothing
-is asserted about speed; the tokens of both runs are compared (the same model: they must match).
+is asserted about speed; the tokens of both runs are compared: on the CPU (fp32) they must match, on the
+GPU the agreement is reported (bf16: a suffix after a cached prefix runs other GEMM shapes than the whole
+prompt, and random weights leave near-ties; the cached K/V is checked by tests/engine/test_e2e_gpu.py).
 """
 
 from __future__ import annotations
@@ -124,10 +126,16 @@ def main(argv=None) -> int:
     else:
         shapes = GptOssConfig.preset(args.model)
     runs = [run(shapes, args, cache) for cache in (False, True)]
-    same = all(runs[0][m]["output_ids"] == runs[1][m]["output_ids"] for m in ("sequential", "burst"))
+    pairs = [(a, b) for m in ("sequential", "burst") for a, b in zip(runs[0][m]["output_ids"], runs[1][m]["output_ids"])]
+    same = all(a == b for a, b in pairs)
+    # requests whose first output token matches / whose tokens all match: on the GPU a suffix computed after a
+    # cached prefix runs other GEMM shapes than the whole prompt (bf16 rounding), and random weights leave
+    # near-ties in the logits; tests/engine/test_e2e_gpu.py checks the cached K/V itself
+    agree = {"first_token": sum(a[:1] == b[:1] for a, b in pairs), "all_tokens": sum(a == b for a, b in pairs),
+             "requests": len(pairs)}
     record = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "tiny" if args.tiny else args.model,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "args": vars(args), "runs": runs, "same_tokens": same}
+              "args": vars(args), "runs": runs, "same_tokens": same, "agreement": agree}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
@@ -139,8 +147,10 @@ def main(argv=None) -> int:
         print(f"{'on' if r['prefix_caching'] else 'off':>5s} {s['ttft_ms_mean']:13.2f} {s['ttft_ms_median']:8.2f} "
               f"{s['ttft_ms_first']:8.2f} {s['prefill_tokens']:11d} {s['hit_tokens']:7d} {b['all_first_tokens_ms']:9.2f} "
               f"{b['prefill_tokens']:11d} {b['hit_tokens']:7d}")
-    print(f"same tokens with and without the cache: {same}\nwrote {out}")
-    return 0 if same else 1
+    print(f"same tokens with and without the cache: {same} (first token {agree['first_token']}/{agree['requests']}, "
+          f"all tokens {agree['all_tokens']}/{agree['requests']} requests)\nwrote {out}")
+    # fp32 on the CPU must agree exactly (tests/engine/test_prefix_cache.py); bf16 on the GPU is reported
+    return 0 if same or args.device.startswith("cuda") else 1
 
 
 if __name__ == "__main__":

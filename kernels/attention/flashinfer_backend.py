@@ -194,7 +194,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill_planned.record()
 
     def _plan_mixed(self, batch: AttentionBatch, single: list[int], multi: list[int]) -> "MixedSplit":
-        starts = batch.query_start_loc.tolist()
+        starts = [0]
+        for n in batch.query_lens_cpu:  # host lengths: no device read in the plan
+            starts.append(starts[-1] + n)
         idx = torch.tensor(single, device=self.device)
         split = MixedSplit(
             single_rows=torch.tensor([starts[b] for b in single], device=self.device),

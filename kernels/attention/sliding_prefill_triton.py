@@ -32,10 +32,20 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class SlidingPrefillConfig:
+    """Launch shape. Default: the fastest of the five bench/attention timed on the H200 (2026-11-30,
+    bench/results/attention_prefill_h200.json): 78 / 145 / 558 us for one 4k / 8k / 32k prompt against
+    FlashInfer's windowed fa3 144 / 274 / 886 us; 16/64 with 4 warps x 2 stages 90 / 167 / 645."""
+
     block_m: int = 16  # queries per tile (x GROUP heads = the tile's rows)
     block_n: int = 64  # keys per inner step
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# the launch shapes bench/attention times (and tests/kernels/test_attention_gpu.py checks)
+SWEEP_CONFIGS = [SlidingPrefillConfig(), SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 64, 4, 3),
+                 SlidingPrefillConfig(8, 64, 4, 3), SlidingPrefillConfig(8, 64, 8, 3), SlidingPrefillConfig(16, 64, 8, 4),
+                 SlidingPrefillConfig(32, 64, 8, 3), SlidingPrefillConfig(16, 32, 4, 3), SlidingPrefillConfig(4, 64, 4, 3)]
 
 
 @dataclass

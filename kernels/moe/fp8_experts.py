@@ -61,9 +61,9 @@ class Fp8Experts(nn.Module):
         # routed_forward fuses router + routing + plan + quantization into one launch where it can
         # (decode_front_triton); False: the unfused launches, to compare
         self.fused_front = True
-        # SwiGLU + quantization with approximate divisions (epilogues_triton, FAST_DIV): codes within one
-        # FP8 step of the twin's; off by default until measured (bench/swiglu_ab, bench/prefill_ab)
-        self.swiglu_fast_div = False
+        # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
+        # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
+        self.swiglu_fast_div: bool | None = None
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))

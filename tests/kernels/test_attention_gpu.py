@@ -25,7 +25,7 @@ from kernels.attention.kv_cache import PagedKVCache  # noqa: E402
 from kernels.attention.kv_write import write_kv  # noqa: E402
 from kernels.attention.metadata import AttentionBatch, KVGroupMeta  # noqa: E402
 from kernels.attention.reference import sink_attention  # noqa: E402
-from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig  # noqa: E402
+from kernels.attention.sliding_prefill_triton import SWEEP_CONFIGS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -198,8 +198,7 @@ def test_backend_over_an_fp8_cache_matches_reference(decode, sliding_prefill):
     run_step(world, make_backend(sliding_prefill=sliding_prefill), seed=56)
 
 
-@pytest.mark.parametrize("config", [SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 128, 8, 2),
-                                    SlidingPrefillConfig(8, 64, 4, 2), SlidingPrefillConfig(32, 64, 8, 2)])
+@pytest.mark.parametrize("config", SWEEP_CONFIGS)
 @pytest.mark.parametrize("page", [16, 64])
 def test_sliding_prefill_launch_shapes_match_reference(page, config):
     """Each launch shape bench/attention times, over prompts that start fresh, continue a cached prefix
