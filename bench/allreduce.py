@@ -69,6 +69,7 @@ def time_graph(fn, x: torch.Tensor, calls: int, replays: int, world: int) -> tup
     rank holds sum/world and keeps it: a call that read a peer's buffer before that peer had written it
     (or after it had moved on) shows up as a wrong final value."""
     def chain(y):
+        y = y.clone()  # NCCL sums in place: without the copy each replay would start from the last one's sum
         for _ in range(calls):
             y = fn(y) / world
         return y

@@ -94,7 +94,9 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: Non
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
     t0 = time.perf_counter()
     engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
-    rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "all_reduce": config.all_reduce, "build_s": time.perf_counter() - t0,
+    fast = engine.runner.model.parallel.fast_all_reduce  # rank 0's symmetric-memory sums, when set up
+    rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "all_reduce": config.all_reduce,
+           "all_reduce_used": "symm_mem" if fast is not None else "nccl", "build_s": time.perf_counter() - t0,
            "cuda_graphs": config.cuda_graphs, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
            "async_decode": engine.async_decode, "full_pages": engine.block_manager.usage()["full_pages_total"]}
     try:
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"))
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"))
-    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "symm_mem"), help="the ranks' sums (CUDA)")
+    p.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"), help="the ranks' sums (CUDA)")
     p.add_argument("--kv-cache-mb", type=int, help="K/V budget per rank (default: the engine's)")
     p.add_argument("--lookahead", action="store_true", help="the decode lookahead with several ranks too (auto: one rank)")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="decode CUDA graphs (CUDA only)")

@@ -237,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
     gen.add_argument("--prefix-caching", action="store_true",
                      help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages)")
-    gen.add_argument("--all-reduce", default="nccl", choices=("nccl", "symm_mem"),
-                     help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA)")
+    gen.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
+                     help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA); "
+                          "auto: symm_mem where each rank sees every GPU of the group with peer access, else nccl")
     gen.set_defaults(func=cmd_generate)
 
     from model.convert import add_convert_parser

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, fed_on_device, flatten_kv, kv_wire_bytes,
                                      unflatten_kv, unpack_slots, unpack_step)
+
+log = logging.getLogger(__name__)
 
 # NVLink SHARP / multicast stays off in every rank: it is unavailable or unreliable on the lent H200
 # machines (see the device notes), and NCCL falls back to plain NVLink rings without it.
@@ -67,6 +70,20 @@ class LoadSpec:
     seed: int = 0
 
 
+def wants_symm_mem(mode: str, world: int, device: torch.device) -> bool:
+    """Whether this rank sets up the symmetric-memory all-reduce. "auto" decides from what every rank of a
+    node sees alike (so all of them enter the collective set-up or none): CUDA, at least `world` visible
+    GPUs, and peer access from this one to each other (NVLink / P2P). A rank narrowed to its own GPU (Ray's
+    default CUDA_VISIBLE_DEVICES) cannot map the others' memory."""
+    if mode == "nccl" or world == 1 or device.type != "cuda":
+        return False
+    if mode == "symm_mem":
+        return True
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return count >= world and all(torch.cuda.can_device_access_peer(index, j) for j in range(count) if j != index)
+
+
 def load_shard(spec: LoadSpec, rank: int, device: torch.device, progress: bool = False):
     """This rank's part of the model (its heads, vocabulary rows and experts; only those bytes are read),
     with the kernels the config picks for the device."""
@@ -77,11 +94,16 @@ def load_shard(spec: LoadSpec, rank: int, device: torch.device, progress: bool =
 
     c = replace(spec.config, device=str(device))  # every rank builds for its own device (rank 0's config names rank 0's)
     parallel = Parallel(tp_size=c.tp_size, ep_size=c.ep_size, rank=rank)
-    if c.all_reduce == "symm_mem" and parallel.world_size > 1:  # collective: every rank builds it here
-        from kernels.comm import SymmMemAllReduce
+    if wants_symm_mem(c.all_reduce, parallel.world_size, device):  # collective: every rank builds it here
+        from kernels.comm import SymmMemAllReduce, SymmMemUnavailableError
 
         dtype = {"float32": torch.float32, "float16": torch.float16}.get(c.dtype, torch.bfloat16)
-        parallel = replace(parallel, fast_all_reduce=SymmMemAllReduce(device, dtype))
+        try:
+            parallel = replace(parallel, fast_all_reduce=SymmMemAllReduce(device, dtype))
+        except SymmMemUnavailableError as err:
+            if c.all_reduce == "symm_mem":
+                raise
+            log.warning("rank %d: all_reduce=auto falls back to NCCL: %s", rank, err)
     if spec.folder is None:
         return random_for_engine(spec.model, c, parallel, spec.seed)
     return load_for_engine(spec.folder, c, parallel, progress)

@@ -95,4 +95,18 @@ def test_all_reduce_setting_is_checked():
         EngineConfig(all_reduce="mpi")
     with pytest.raises(EngineConfigError, match="needs CUDA devices"):
         EngineConfig(all_reduce="symm_mem", device="cpu", tp_size=2)
+    assert EngineConfig().all_reduce == "auto"
+
+
+def test_auto_all_reduce_picks_nccl_where_symm_mem_cannot_run():
+    import torch
+
+    from engine.distributed.worker import wants_symm_mem
+
+    cpu = torch.device("cpu")
+    assert not wants_symm_mem("auto", 2, cpu) and not wants_symm_mem("nccl", 2, torch.device("cuda:0"))
+    assert not wants_symm_mem("symm_mem", 1, torch.device("cuda:0"))  # one rank: nothing to sum
+    assert wants_symm_mem("symm_mem", 2, torch.device("cuda:0"))  # asked for: set up (or fail) on every rank
+    if not torch.cuda.is_available():  # this process sees no GPU: auto cannot map the others' memory
+        assert not wants_symm_mem("auto", 2, torch.device("cuda:0"))
 

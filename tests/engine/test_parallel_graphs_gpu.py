@@ -90,19 +90,25 @@ def test_decode_graphs_over_ranks_match_one_gpu(checkpoint, reference, world):
         pytest.skip(f"needs {world} CUDA GPUs, {torch.cuda.device_count()} visible")
     ex = Executor.spawn(world, "cuda")
     try:
-        # The lookahead broadcasts rank 0's device ids before each replay.
+        # The lookahead broadcasts rank 0's device ids before each replay. NCCL sums here; the default
+        # (auto: symm_mem on hosts like these) is the next test's.
         for tp, ep, ahead in [(world, 1, False), (1, world, False), (world, world, True)]:
-            assert generate_and_check(ex, checkpoint, reference, tp, ep, async_decode=ahead)["fast_calls"] is None
+            stats = generate_and_check(ex, checkpoint, reference, tp, ep, async_decode=ahead, all_reduce="nccl")
+            assert stats["fast_calls"] is None
     finally:
         ex.shutdown()
 
 
-def test_symm_mem_all_reduce_over_ranks_matches_one_gpu(checkpoint, reference):
+@pytest.mark.parametrize("all_reduce", ["symm_mem", "auto"])
+def test_symm_mem_all_reduce_over_ranks_matches_one_gpu(checkpoint, reference, all_reduce):
     """TP2/EP2 with the one-shot symmetric-memory all-reduce for decode-sized sums (decode graphs,
-    lookahead): the same check against one GPU, and the fast path did run."""
+    lookahead): the same check against one GPU, and the fast path did run (auto picks it where both
+    GPUs are visible with peer access, as on the lent multi-GPU hosts)."""
+    if all_reduce == "auto" and not torch.cuda.can_device_access_peer(0, 1):
+        pytest.skip("GPUs 0 and 1 have no peer access: auto picks NCCL here")
     ex = Executor.spawn(2, "cuda")
     try:
-        stats = generate_and_check(ex, checkpoint, reference, 2, 2, async_decode=True, all_reduce="symm_mem")
+        stats = generate_and_check(ex, checkpoint, reference, 2, 2, async_decode=True, all_reduce=all_reduce)
         assert stats["fast_calls"], "the symmetric-memory all-reduce never ran"
     finally:
         ex.shutdown()
