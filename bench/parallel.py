@@ -90,7 +90,7 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: Non
                           max_num_batched_tokens=max(args.chunk, args.batch), max_model_len=longest,
                           kv_cache_dtype=args.kv_cache_dtype, lm_head_dtype=args.lm_head_dtype,
                           all_reduce=args.all_reduce,
-                          cuda_graphs=graphs, async_decode=True if args.lookahead else None,
+                          cuda_graphs=graphs, async_decode={"on": True, "off": False}.get(args.lookahead),
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
     t0 = time.perf_counter()
     engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"), help="the ranks' sums (CUDA)")
     p.add_argument("--kv-cache-mb", type=int, help="K/V budget per rank (default: the engine's)")
-    p.add_argument("--lookahead", action="store_true", help="the decode lookahead with several ranks too (auto: one rank)")
+    p.add_argument("--lookahead", choices=("auto", "on", "off"), default="auto",
+                   help="the decode lookahead (auto: the engine's default, on for CUDA)")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="decode CUDA graphs (CUDA only)")
     p.add_argument("--parts", type=lambda t: set(t.split(",")), default={"b1", "prefill", "throughput"},
                    help="comma list of b1, profile (rank 0's profile of batch-1 decode steps), prefill, throughput")

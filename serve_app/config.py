@@ -178,8 +178,8 @@ class ServeAppConfig(_Settings):
                            "prompts, earlier turns of a chat); the same tokens as without. Off until measured on GPUs.")
     async_decode: bool = Field(
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
-                          "tokens, so the host's step work overlaps the GPU. Applies to GPU replicas of one "
-                          "rank (TP/EP replicas: not yet measured on several GPUs).")
+                          "tokens, so the host's step work overlaps the GPU. GPU replicas, TP/EP ones included "
+                          "(120b TP2/EP2 on 2x H200: batch-1 decode 196 -> 328 tok/s, same tokens).")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "
@@ -293,7 +293,7 @@ class ServeAppConfig(_Settings):
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",
-            async_decode=self.async_decode and device != "cpu" and max(self.tp_size, self.ep_size) == 1,
+            async_decode=self.async_decode and device != "cpu",
             enable_prefix_caching=self.enable_prefix_caching,
             tp_size=self.tp_size,
             ep_size=self.ep_size,

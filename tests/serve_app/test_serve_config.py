@@ -227,4 +227,4 @@ def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():
     # the lookahead (engine/llm_engine.py): GPU replicas of one rank
     assert gpu.engine_config("cuda:0").async_decode is True and gpu.engine_config("cpu").async_decode is False
     assert ServeAppConfig.from_args({"device": "cuda", "async_decode": "false"}).engine_config("cuda:0").async_decode is False
-    assert ServeAppConfig.from_args({"device": "cuda", "tp_size": 2}).engine_config("cuda:0").async_decode is False
+    assert ServeAppConfig.from_args({"device": "cuda", "tp_size": 2}).engine_config("cuda:0").async_decode is True
