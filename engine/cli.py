@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")
     gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
-    gen.add_argument("--prefix-caching", action="store_true",
-                     help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages)")
+    gen.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages); on by default")
     gen.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
                      help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA); "
                           "auto: symm_mem where each rank sees every GPU of the group with peer access, else nccl")

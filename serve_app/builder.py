@@ -21,8 +21,9 @@ PREFILL_NAME = "PrefillServer"
 
 
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,
-                       transport: str) -> dict[str, Any]:
-    """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks."""
+                       transport: str, runs_prompts: bool = False) -> dict[str, Any]:
+    """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks;
+    for the deployment that runs prompts (`runs_prompts`), the prefix-affinity router when configured."""
     # CUDA IPC opens a peer replica's GPU memory, so every GPU of the node must stay visible to torch;
     # each replica then picks its own GPU from Ray's assignment (placement.local_cuda_device).
     env = {NOSET_CUDA_VISIBLE_DEVICES: "1"} if transport == "cuda_ipc" else None
@@ -37,6 +38,12 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
     )
+    if runs_prompts and config.enable_prefix_caching and config.prefix_routing:
+        from ray.serve.config import RequestRouterConfig
+
+        from serve_app.prefix_router import PrefixAffinityRouter
+
+        options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
     return options
 
 
@@ -53,10 +60,10 @@ def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Applicatio
 
     prefill = None
     if config.disaggregated:
-        prefill = serve.deployment(PrefillServer, name=PREFILL_NAME,
-                                   **deployment_options(config, config.prefill, device, transport)).bind(resolved)
-    decode = serve.deployment(DecodeServer, name=DECODE_NAME,
-                              **deployment_options(config, config.decode, device, transport)).bind(prefill, resolved)
+        prefill = serve.deployment(PrefillServer, name=PREFILL_NAME, **deployment_options(
+            config, config.prefill, device, transport, runs_prompts=True)).bind(resolved)
+    decode = serve.deployment(DecodeServer, name=DECODE_NAME, **deployment_options(
+        config, config.decode, device, transport, runs_prompts=not config.disaggregated)).bind(prefill, resolved)
     ingress = serve.deployment(
         HarmonyIngress, name=INGRESS_NAME, num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,

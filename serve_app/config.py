@@ -174,8 +174,13 @@ class ServeAppConfig(_Settings):
         True, description="Replay decode steps as CUDA graphs at batch buckets up to max_num_seqs. Applies to "
                           "GPU replicas (every rank of a TP/EP replica captures the same graphs); CPU replicas run eagerly.")
     enable_prefix_caching: bool = Field(
-        False, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
-                           "prompts, earlier turns of a chat); the same tokens as without. Off until measured on GPUs.")
+        True, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
+                          "prompts, earlier turns of a chat). 20b on an H200, 16 requests sharing 2k tokens: "
+                          "TTFT 64.9 -> 30.1 ms mean. Tokens as without, up to bf16 rounding on GPUs.")
+    prefix_routing: bool = Field(
+        True, description="With prefix caching: route a prompt to the replica that ran its longest known "
+                          "prefix while that replica's queue is within 4 of the shortest (serve_app/prefix_router.py; "
+                          "the prefill deployment, or decode when not disaggregated), else power of two choices.")
     async_decode: bool = Field(
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
                           "tokens, so the host's step work overlaps the GPU. GPU replicas, TP/EP ones included "

@@ -171,11 +171,12 @@ def test_generate_with_an_fp8_unembedding_scores_with_that_model(tiny):
 
 
 def test_generate_with_prefix_caching_prints_the_same_tokens(tiny):
-    """--prefix-caching reaches the engine and changes no token (prompts sharing 2 pages of 16)."""
+    """Prefix caching (on by default; --no-prefix-caching turns it off) changes no token (prompts sharing
+    2 pages of 16)."""
     shared = ",".join(str(t) for t in range(40, 72))
     args = ("generate", str(tiny / "a"), "--prompt-ids", f"{shared},5,6", "--prompt-ids", f"{shared},7",
             "--max-tokens", "4", "--json", "--max-num-batched-tokens", "40", "--max-num-seqs", "2")
-    plain, cached = gptoss(*args), gptoss(*args, "--prefix-caching")
+    plain, cached = gptoss(*args, "--no-prefix-caching"), gptoss(*args)
     assert plain.returncode == 0 and cached.returncode == 0, cached.stderr
     ids = [[json.loads(line)["output_ids"] for line in done.stdout.splitlines()] for done in (plain, cached)]
     assert ids[0] == ids[1] and len(ids[0]) == 2

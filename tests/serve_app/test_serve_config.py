@@ -213,8 +213,25 @@ class _Dummy:
 
 
 def test_prefix_caching_reaches_the_engine():
-    assert ServeAppConfig.from_args({}).engine_config("cpu").enable_prefix_caching is False
-    assert ServeAppConfig.from_args({"enable_prefix_caching": "true"}).engine_config("cpu").enable_prefix_caching
+    assert ServeAppConfig.from_args({}).engine_config("cpu").enable_prefix_caching is True
+    assert ServeAppConfig.from_args({"enable_prefix_caching": "false"}).engine_config("cpu").enable_prefix_caching is False
+
+
+def test_prefix_router_goes_on_the_deployment_that_runs_prompts():
+    from serve_app.builder import deployment_options
+    from serve_app.prefix_router import PrefixAffinityRouter
+
+    def router(args, runs_prompts=True):
+        config = ServeAppConfig.from_args(args)
+        options = deployment_options(config, config.prefill, "cpu", "object_store", runs_prompts=runs_prompts)
+        rc = options.get("request_router_config")
+        return None if rc is None else rc.request_router_class
+
+    assert router({}) in (PrefixAffinityRouter, "serve_app.prefix_router.PrefixAffinityRouter",
+                          "serve_app.prefix_router:PrefixAffinityRouter")
+    assert router({}, runs_prompts=False) is None  # decode behind a prefill deployment: Serve's default
+    assert router({"prefix_routing": "false"}) is None
+    assert router({"enable_prefix_caching": "false"}) is None  # nothing to be near without the cache
 
 
 def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():

@@ -1,0 +1,148 @@
+"""Prefix-affinity request routing: a prompt that starts like one a replica ran lately goes to that replica,
+whose engine still holds the K/V of the shared prefix (enable_prefix_caching), unless it is busier.
+
+Ray Serve routes each handle call through a RequestRouter living in the caller's process: the decode
+replica's handle to the prefill deployment (disaggregated), or the ingress's handle to the decode
+deployment (prefill on decode). `PrefixAffinityRouter` replaces the default power-of-two-choices there:
+
+- the prompt (the GenerateRequest among the call's arguments) is cut into blocks of `block_tokens` and
+  chained into hashes (block i's hash covers tokens 0 .. (i+1) * block_tokens): equal hashes mean an
+  equal prefix of that length;
+- `PrefixTable` remembers, for the last `max_entries` block hashes, which replicas served a prompt with
+  that prefix; a new prompt's deepest remembered block names the replicas holding most of it;
+- those replicas are tried first when their known queue is at most `imbalance` requests longer than the
+  shortest known queue, else two random replicas (as the default router does); Serve then probes the
+  first group's queues and sends the request to one that accepts it.
+
+What a miss costs: the prefix is computed again on another replica, which then also holds it (both are
+remembered). A shared system prompt therefore ends up cached on every replica while long conversations
+stay where their history is. State is per caller process and approximate (an engine may have evicted
+pages since); routing never waits on it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from engine.request import GenerateRequest
+
+BLOCK_TOKENS = 64
+MAX_BLOCKS = 256  # prefixes up to 16k tokens are told apart; longer ones by their first 16k
+MAX_ENTRIES = 200_000  # block hashes remembered (~ tens of MB of Python objects at most)
+IMBALANCE = 4
+
+
+def prefix_hashes(token_ids: list[int], block_tokens: int = BLOCK_TOKENS, max_blocks: int = MAX_BLOCKS) -> list[int]:
+    """Chained hashes of the prompt's whole blocks: out[i] stands for tokens [0, (i + 1) * block_tokens)."""
+    out, h = [], 0
+    for i in range(min(len(token_ids) // block_tokens, max_blocks)):
+        h = hash((h, tuple(token_ids[i * block_tokens:(i + 1) * block_tokens])))
+        out.append(h)
+    return out
+
+
+class PrefixTable:
+    """Block hash -> the replicas that served a prompt with that prefix (most recent last), LRU-bounded."""
+
+    def __init__(self, max_entries: int = MAX_ENTRIES, replicas_per_entry: int = 4):
+        self.max_entries = max_entries
+        self.replicas_per_entry = replicas_per_entry
+        self._entries: OrderedDict[int, list[Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, hashes: list[int], alive: set) -> tuple[int, list[Any]]:
+        """(blocks matched, replicas among `alive` holding that deepest remembered prefix, most recent
+        first); (0, []) when no block is remembered on a live replica."""
+        for depth in range(len(hashes), 0, -1):
+            replicas = self._entries.get(hashes[depth - 1])
+            if replicas:
+                live = [r for r in reversed(replicas) if r in alive]
+                if live:
+                    self._entries.move_to_end(hashes[depth - 1])
+                    return depth, live
+        return 0, []
+
+    def record(self, hashes: list[int], replica: Any) -> None:
+        for h in hashes:
+            replicas = self._entries.pop(h, None) or []
+            if replica in replicas:
+                replicas.remove(replica)
+            replicas.append(replica)
+            self._entries[h] = replicas[-self.replicas_per_entry:]
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def forget(self, replica: Any) -> None:
+        for h in [h for h, rs in self._entries.items() if replica in rs]:
+            rest = [r for r in self._entries[h] if r != replica]
+            if rest:
+                self._entries[h] = rest
+            else:
+                del self._entries[h]
+
+
+def prompt_of(pending: PendingRequest | None) -> list[int] | None:
+    """The prompt token ids of a routed call (DecodeServer.generate(request), PrefillServer.prefill(request,
+    offer)), or None for calls without a GenerateRequest (stats, abort)."""
+    if pending is None:
+        return None
+    for arg in list(pending.args) + list(pending.kwargs.values()):
+        if isinstance(arg, GenerateRequest):
+            return arg.prompt_ids
+    return None
+
+
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    """Serve request router: prefix affinity under a load guard, else power of two choices (module doc)."""
+
+    def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_entries: int = MAX_ENTRIES,
+                         imbalance: int = IMBALANCE, **kwargs):
+        self.block_tokens = block_tokens
+        self.imbalance = imbalance
+        self.table = PrefixTable(max_entries)
+        # request id -> its block hashes, until routed (bounded: a request cancelled while queued never is)
+        self._hashes: OrderedDict[str, list[int]] = OrderedDict()
+        self.affinity_hits = 0  # requests sent first to replicas holding part of their prefix
+
+    def _queue(self, replica_id: ReplicaID) -> int | None:
+        return self.replica_queue_len_cache.get(replica_id)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        others = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        prompt = prompt_of(pending_request)
+        if prompt is None:
+            return [others]
+        hashes = prefix_hashes(prompt, self.block_tokens)
+        self._hashes[pending_request.metadata.request_id] = hashes
+        while len(self._hashes) > 4096:
+            self._hashes.popitem(last=False)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        _, holders = self.table.lookup(hashes, set(by_id))
+        if not holders:
+            return [others]
+        known = [q for q in (self._queue(r) for r in by_id) if q is not None]
+        shortest = min(known) if known else 0
+        near = [by_id[r] for r in holders if (self._queue(r) or 0) <= shortest + self.imbalance]
+        if not near:
+            return [others]
+        self.affinity_hits += 1
+        rest = [r for r in others if r not in near]
+        return [near[:2], rest] if rest else [near[:2]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any):
+        hashes = self._hashes.pop(pending_request.metadata.request_id, None)
+        if hashes:
+            self.table.record(hashes, replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self.table.forget(replica_id)

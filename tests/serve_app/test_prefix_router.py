@@ -1,0 +1,90 @@
+"""Prefix-affinity routing (serve_app/prefix_router.py): the table on its own, then on a real local Ray
+with two decode replicas (prefill on decode, prefix caching on): a conversation growing turn by turn is
+served by the replica that holds its history, so every turn finds the previous prompt's pages cached."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from ray import serve
+
+from engine.request import GenerateRequest, SamplingParams
+from serve_app.builder import DECODE_NAME, build_app
+from serve_app.prefix_router import PrefixTable, prefix_hashes, prompt_of
+from tests.serve_app.serve_helpers import collect, run_async, start_ray, stop_ray
+
+APP = "prefix_routing"
+BLOCK = 16  # the engine's page size in the served config
+
+
+def test_prefix_hashes_name_equal_prefixes_alike():
+    a = list(range(1000))
+    b = a[:700] + [5] * 300
+    ha, hb = prefix_hashes(a, 64), prefix_hashes(b, 64)
+    assert len(ha) == 1000 // 64 and len(hb) == len(ha)
+    assert ha[:10] == hb[:10] and all(x != y for x, y in zip(ha[10:], hb[10:]))  # 700 // 64 = 10 blocks agree
+    assert prefix_hashes(a[:63], 64) == [] and prefix_hashes(a, 64, max_blocks=3) == ha[:3]
+
+
+def test_table_finds_the_deepest_prefix_on_a_live_replica():
+    t = PrefixTable()
+    base = prefix_hashes(list(range(640)), 64)  # 10 blocks
+    longer = prefix_hashes(list(range(640)) + [7] * 320, 64)  # same 10, then 5 more
+    t.record(base, "r1")
+    t.record(longer, "r2")
+    assert t.lookup(longer, {"r1", "r2"}) == (15, ["r2"])
+    assert t.lookup(base, {"r1", "r2"}) == (10, ["r2", "r1"])  # both hold it; the latest first
+    assert t.lookup(longer, {"r1"}) == (10, ["r1"])  # r2 gone: the deepest block r1 holds
+    assert t.lookup(prefix_hashes([9] * 640, 64), {"r1", "r2"}) == (0, [])
+    t.forget("r2")
+    assert t.lookup(longer, {"r1", "r2"}) == (10, ["r1"])
+
+
+def test_table_is_bounded_oldest_first():
+    t = PrefixTable(max_entries=20)
+    for i in range(10):
+        t.record(prefix_hashes([i] * 64 * 4, 64), f"r{i}")  # 4 blocks each
+    assert len(t) == 20
+    assert t.lookup(prefix_hashes([0] * 256, 64), {"r0"}) == (0, [])  # evicted
+    assert t.lookup(prefix_hashes([9] * 256, 64), {"r9"}) == (4, ["r9"])
+
+
+def test_prompt_of_finds_the_generate_request():
+    class Pending:
+        def __init__(self, args, kwargs):
+            self.args, self.kwargs = args, kwargs
+
+    req = GenerateRequest("x", [1, 2, 3])
+    assert prompt_of(Pending([req, object()], {})) == [1, 2, 3]
+    assert prompt_of(Pending([], {"request": req})) == [1, 2, 3]
+    assert prompt_of(Pending(["abort-id"], {})) is None and prompt_of(None) is None
+
+
+@pytest.fixture(scope="module")
+def two_decode_replicas():
+    start_ray()
+    serve.run(build_app({"max_context": "1024", "kv_cache_memory_gib": "0.0625", "disaggregated": "false",
+                         "decode.num_replicas": "2", "decode.graceful_shutdown_timeout_s": "1",
+                         "enable_prefix_caching": "true", "prefix_routing": "true"}), name=APP, route_prefix="/pr")
+    yield serve.get_deployment_handle(DECODE_NAME, APP)
+    stop_ray()
+
+
+def test_a_growing_conversation_stays_on_the_replica_with_its_pages(two_decode_replicas):
+    handle = two_decode_replicas.options(stream=True)
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(200000) for _ in range(150)]]
+    for _ in range(6):  # each turn: the previous prompt plus 20-59 new tokens
+        prompts.append(prompts[-1] + [rng.randrange(200000) for _ in range(rng.randrange(20, 60))])
+    cached = []
+    for turn, prompt in enumerate(prompts):
+        request = GenerateRequest(f"turn{turn}-{seed}", prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                                                ignore_eos=True))
+        deltas = run_async(collect(handle.generate.remote(request)))
+        cached.append(max(d.num_cached_tokens for d in deltas))
+    # Every whole page of the previous turn's prompt: only the replica that ran it holds them all (with two
+    # replicas and random routing, six turns in a row would land right 1 time in 64).
+    assert cached == [0] + [len(p) // BLOCK * BLOCK for p in prompts[:-1]], cached
