@@ -12,8 +12,10 @@ Per step, `plan(batch)` once:
   the cache run our Triton kernel instead (sliding_prefill_triton.py: it reads only each tile's
   window, where FlashInfer's windowed prefill did ~55 TFLOP/s of useful work), unless
   `sliding_prefill="flashinfer"`.
-- mixed steps (chunked prefills next to decoding sequences): the sequences with one new token go through
-  the split decode kernel (on gathered query rows), only the others through FlashInfer. FlashInfer's
+- mixed steps (chunked prefills next to decoding sequences): in full layers the sequences with one new
+  token go through the split decode kernel (on gathered query rows), only the others through FlashInfer;
+  sliding layers run every sequence through the Triton sliding kernel in place (two launches: prompt
+  chunks, one-query rows), without gathering rows. FlashInfer's
   prefill kernel gives a one-token query a whole query tile and was ~2.4x slower end to end on 8k/1k.
 - an fp8 cache (kv_cache_dtype "fp8_e4m3"): decode reads it directly (the split kernel converts tiles to
   bf16); for prefill the pages a step attends over are first gathered and converted into bf16 staging
@@ -40,7 +42,8 @@ from kernels.attention.gpu_plan import StepBuffers, decode_num_splits, flashinfe
 from kernels.attention.kv_cache import PagedKVCache, is_fp8
 from kernels.attention.kv_write import write_kv
 from kernels.attention.metadata import AttentionBatch
-from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig, SlidingTiles, plan_tiles, sliding_prefill
+from kernels.attention.sliding_prefill_triton import (SlidingPrefillConfig, SlidingTiles, plan_tiles,
+                                                      single_query_config, sliding_prefill)
 
 SCRATCH_PAGE = 16
 
@@ -89,7 +92,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError(f"sliding_prefill must be 'triton' or 'flashinfer', got {sliding_prefill!r}")
         self.sliding_prefill = sliding_prefill
         self.sliding_prefill_config = sliding_prefill_config or SlidingPrefillConfig()
-        self.sliding_tiles: SlidingTiles | None = None  # this prefill step's tiles for the Triton sliding kernel
+        # this prefill step's launches of the Triton sliding kernel: (tiles, launch shape) each
+        self.sliding_tiles: list[tuple[SlidingTiles, SlidingPrefillConfig]] | None = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.prefill_backend = prefill_backend or flashinfer_ops.default_prefill_backend(self.device)
         self.workspace = flashinfer_ops.new_workspace(self.device)
@@ -174,9 +178,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 page_size = self.kv_cache.block_size
                 tables = meta.block_tables if pick is None else meta.block_tables[pick]
                 if sliding and self.sliding_prefill == "triton":
-                    kv_lens = meta.kv_lens if pick is None else meta.kv_lens[pick]
-                    self.sliding_tiles = plan_tiles([lens[b] for b in seqs], tables, kv_lens,
-                                                    self.sliding_prefill_config.block_m)
+                    self.sliding_tiles = self._plan_sliding_tiles(meta, lens, multi, single)
                     continue
                 kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(
                     tables, [meta.kv_lens_cpu[b] for b in seqs], page_size)
@@ -193,6 +195,25 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill_planned = torch.cuda.Event()
             self._prefill_planned.record()
 
+    def _plan_sliding_tiles(self, meta, lens: list[int], multi: list[int],
+                            single: list[int]) -> list[tuple[SlidingTiles, SlidingPrefillConfig]]:
+        """The Triton sliding kernel's launches over the whole step's q and out: prompt chunks in tiles of
+        the configured shape, one-query sequences (a mixed step's decode rows) in tiles of 16 rows."""
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        group = self.num_q_heads // self.num_kv_heads
+        launches = []
+        for seqs, config in ((multi, self.sliding_prefill_config), (single, single_query_config(group))):
+            if not seqs:
+                continue
+            pick = None if len(seqs) == len(lens) else torch.tensor(seqs, device=self.device)
+            tables = meta.block_tables if pick is None else meta.block_tables[pick]
+            kv_lens = meta.kv_lens if pick is None else meta.kv_lens[pick]
+            tiles = plan_tiles([lens[b] for b in seqs], tables, kv_lens, config.block_m, [starts[b] for b in seqs])
+            launches.append((tiles, config))
+        return launches
+
     def _plan_mixed(self, batch: AttentionBatch, single: list[int], multi: list[int]) -> "MixedSplit":
         starts = [0]
         for n in batch.query_lens_cpu:  # host lengths: no device read in the plan
@@ -203,12 +224,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             multi_rows=torch.cat([torch.arange(starts[b], starts[b + 1]) for b in multi]).to(self.device),
             tables={}, kv_lens={}, splits={})
         for sliding in self.prefill:
+            if sliding and self.sliding_prefill == "triton":
+                continue  # the sliding kernel takes one-query sequences in place (_plan_sliding_tiles)
             meta = batch.group(sliding)
             split.tables[sliding] = meta.block_tables[idx].contiguous()
             split.kv_lens[sliding] = meta.kv_lens[idx].contiguous()
             longest = self.sliding_window if sliding else max(meta.kv_lens_cpu[b] for b in single)
             split.splits[sliding] = decode_num_splits(len(single), longest, self.num_kv_heads, self.num_sms)
-        self._grow_split_scratch(len(single) * self.num_q_heads * max(split.splits.values()))
+        self._grow_split_scratch(len(single) * self.num_q_heads * max(split.splits.values(), default=1))
         return split
 
     def _grow_split_scratch(self, rows: int) -> None:
@@ -263,6 +286,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
+        if sliding and self.sliding_tiles is not None:  # every sequence of the step, in place: no gathers
+            for tiles, config in self.sliding_tiles:
+                sliding_prefill(q, k_cache, v_cache, sinks, self.scale, self.sliding_window, tiles, out, config)
+            return out
         m = self.mixed
         if m is not None:
             one = q[m.single_rows]
@@ -270,12 +297,6 @@ class FlashInferAttentionBackend(AttentionBackend):
                 one, k_cache, v_cache, m.tables[sliding], m.kv_lens[sliding], sinks, self.scale, self.window(layer),
                 m.splits[sliding], torch.empty_like(one), self.part_o, self.part_lse, self.decode_config)
             q = q[m.multi_rows]
-        if sliding and self.sliding_tiles is not None:
-            got = sliding_prefill(q, k_cache, v_cache, sinks, self.scale, self.sliding_window, self.sliding_tiles,
-                                  torch.empty_like(q) if m is not None else out, self.sliding_prefill_config)
-            if m is not None:
-                out[m.multi_rows] = got
-            return out
         if is_fp8(k_cache.dtype):
             pages = self.staged_pages[sliding]
             k_cache, v_cache = k_cache[pages].to(q.dtype), v_cache[pages].to(q.dtype)

@@ -42,6 +42,13 @@ class SlidingPrefillConfig:
     num_stages: int = 3
 
 
+def single_query_config(group: int) -> SlidingPrefillConfig:
+    """For sequences with one new query (the decode rows of a mixed step): tiles of as few queries as keep
+    the tile's rows (queries x padded GROUP) at the 16 a tensor-core dot needs."""
+    return SlidingPrefillConfig(block_m=max(1, 16 // triton.next_power_of_2(group)), block_n=64, num_warps=4,
+                                num_stages=3)
+
+
 # the launch shapes bench/attention times (and tests/kernels/test_attention_gpu.py checks)
 SWEEP_CONFIGS = [SlidingPrefillConfig(), SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 64, 4, 3),
                  SlidingPrefillConfig(8, 64, 4, 3), SlidingPrefillConfig(8, 64, 8, 3), SlidingPrefillConfig(16, 64, 8, 4),
@@ -62,12 +69,15 @@ class SlidingTiles:
     num_tiles: int
 
 
-def plan_tiles(query_lens: list[int], block_tables: torch.Tensor, kv_lens: torch.Tensor, block_m: int) -> SlidingTiles:
-    """Tiles of `block_m` queries for sequences whose queries lie back to back in q (host lists, one copy)."""
+def plan_tiles(query_lens: list[int], block_tables: torch.Tensor, kv_lens: torch.Tensor, block_m: int,
+               q_starts: list[int] | None = None) -> SlidingTiles:
+    """Tiles of `block_m` queries per sequence (host lists, one copy). The sequences' queries start at rows
+    `q_starts` of q (default: back to back from row 0), so a subset of a step's sequences can be planned
+    over the whole step's q and out."""
     seq_of_tile, q0_of_tile, starts = [], [], []
     row = 0
     for b, n in enumerate(query_lens):
-        starts.append(row)
+        starts.append(row if q_starts is None else q_starts[b])
         row += n
         for q0 in range(0, n, block_m):
             seq_of_tile.append(b)

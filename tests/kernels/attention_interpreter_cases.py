@@ -15,7 +15,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from tests.kernels.interpreter import fresh_seed  # noqa: E402,F401  (autouse fixture)
 from kernels.attention.reference import gather_pages, sink_attention  # noqa: E402
-from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig, plan_tiles, sliding_prefill  # noqa: E402
+from kernels.attention.sliding_prefill_triton import (SlidingPrefillConfig, plan_tiles,  # noqa: E402
+                                                      single_query_config, sliding_prefill)
 
 
 def paged(keys: list[torch.Tensor], values: list[torch.Tensor], page: int, dtype: torch.dtype):
@@ -73,3 +74,34 @@ def test_sliding_prefill_matches_twin(hq, hkv, d, window, block_m, block_n, kv_d
         err = ((got - want).norm() / want.norm()).item()
         assert err < 5e-3, f"sequence {b}: relative error {err}"
         row += n
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 2), (6, 2)])
+def test_mixed_step_in_place_two_launches(hq, hkv):
+    """A mixed step's sequences planned as two launches over the whole q and out (prompt chunks in 4-query
+    tiles, one-query rows in single_query_config tiles), as the backend does: every row is written once
+    and matches the twin; rows of neither launch stay untouched."""
+    d, page, window = 16, 4, 9
+    shapes = [(30, 1), (44, 13), (9, 1), (5, 5), (60, 1)]  # (visible kv length, new queries), interleaved
+    scale = d ** -0.5
+    sinks = torch.randn(hq) * 2
+    keys = [torch.randn(kv_len, hkv, d) for kv_len, _ in shapes]
+    values = [torch.randn(kv_len, hkv, d) for kv_len, _ in shapes]
+    k_pool, v_pool, tables = paged(keys, values, page, torch.bfloat16)
+    lens = [n for _, n in shapes]
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    q = torch.randn(sum(lens), hq, d).bfloat16()
+    kv_lens = torch.tensor([kv_len for kv_len, _ in shapes], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    for seqs, config in (([1, 3], SlidingPrefillConfig(block_m=4, block_n=16)), ([0, 2, 4], single_query_config(hq // hkv))):
+        pick = torch.tensor(seqs)
+        tiles = plan_tiles([lens[b] for b in seqs], tables[pick], kv_lens[pick], config.block_m, [starts[b] for b in seqs])
+        sliding_prefill(q, k_pool, v_pool, sinks, scale, window, tiles, out, config)
+    for b, (kv_len, n) in enumerate(shapes):
+        pages = tables[b, :-(-kv_len // page)].long()
+        k = gather_pages(k_pool, pages, kv_len).float()
+        v = gather_pages(v_pool, pages, kv_len).float()
+        want = sink_attention(q[starts[b]:starts[b] + n].float(), k, v, sinks, scale, window)
+        got = out[starts[b]:starts[b] + n].float()
+        assert not got.isnan().any(), f"sequence {b}: rows left unwritten"
+        assert ((got - want).norm() / want.norm()).item() < 5e-3, f"sequence {b}"
