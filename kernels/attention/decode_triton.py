@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.attention.paged_softmax_triton import paged_softmax_step
 from kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
@@ -88,20 +89,8 @@ def _sink_decode_split_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_kh
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0)
-        rows = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kt + head_off
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, m_i, m_i, l_i, acc, scale_log2,
+                                           stride_kb, stride_kt, offs_d, PAGE, BLOCK_N, 0, False)
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
