@@ -134,3 +134,14 @@ def check_against_reference(reference, outs, what: str) -> None:
                 agree += int(top2.indices[j, 0].item() == tok)
     assert checked >= 5, f"{what}: only {checked} positions with a wide margin"
     assert agree >= 0.8 * checked, f"{what}: {checked - agree} of {checked} wide-margin picks differ from one GPU"
+
+
+def test_fp8_kv_cache_over_ranks_matches_one_gpu(checkpoint, reference):
+    """TP2/EP2 with float8 K/V pages on each rank (its own heads' pages; hand-offs as bytes), decode graphs,
+    lookahead and the default all-reduce: the same check against one GPU's bf16 reference (fp8 K/V moves
+    attention outputs by ~1e-2, far inside the drift bound; a wrong page or scale is off by nats)."""
+    ex = Executor.spawn(2, "cuda")
+    try:
+        generate_and_check(ex, checkpoint, reference, 2, 2, async_decode=True, kv_cache_dtype="fp8_e4m3")
+    finally:
+        ex.shutdown()
