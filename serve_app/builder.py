@@ -39,10 +39,13 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
     )
     if runs_prompts and config.enable_prefix_caching and config.prefix_routing:
-        from ray.serve.config import RequestRouterConfig
+        try:  # Ray Serve's RequestRouter API (alpha; tested with ray 2.60)
+            from ray.serve.config import RequestRouterConfig
 
-        from serve_app.prefix_router import PrefixAffinityRouter
-
+            from serve_app.prefix_router import PrefixAffinityRouter
+        except ImportError as err:
+            raise ValueError(f"prefix_routing needs Ray Serve's request router API, which this ray lacks ({err}); "
+                             "upgrade ray or set prefix_routing=false") from None
         options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
     return options
 
