@@ -87,6 +87,15 @@ class PrefixTable:
                 del self._entries[h]
 
 
+def near_holders(holders: list[Any], queues: dict[Any, int | None], imbalance: int) -> list[Any]:
+    """The holders (most recent first) whose known queue is at most `imbalance` above the shortest known
+    queue among all candidates (`queues`: candidate -> queue length, None when not known yet; unknown
+    counts as empty)."""
+    known = [q for q in queues.values() if q is not None]
+    shortest = min(known) if known else 0
+    return [r for r in holders if (queues.get(r) or 0) <= shortest + imbalance]
+
+
 def prompt_of(pending: PendingRequest | None) -> list[int] | None:
     """The prompt token ids of a routed call (DecodeServer.generate(request), PrefillServer.prefill(request,
     offer)), or None for calls without a GenerateRequest (stats, abort)."""
@@ -129,9 +138,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         _, holders = self.table.lookup(hashes, set(by_id))
         if not holders:
             return [others]
-        known = [q for q in (self._queue(r) for r in by_id) if q is not None]
-        shortest = min(known) if known else 0
-        near = [by_id[r] for r in holders if (self._queue(r) or 0) <= shortest + self.imbalance]
+        near = [by_id[r] for r in near_holders(holders, {r: self._queue(r) for r in by_id}, self.imbalance)]
         if not near:
             return [others]
         self.affinity_hits += 1

@@ -11,7 +11,7 @@ from ray import serve
 
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
-from serve_app.prefix_router import PrefixTable, prefix_hashes, prompt_of
+from serve_app.prefix_router import PrefixTable, near_holders, prefix_hashes, prompt_of
 from tests.serve_app.serve_helpers import collect, run_async, start_ray, stop_ray
 
 APP = "prefix_routing"
@@ -48,6 +48,13 @@ def test_table_is_bounded_oldest_first():
     assert len(t) == 20
     assert t.lookup(prefix_hashes([0] * 256, 64), {"r0"}) == (0, [])  # evicted
     assert t.lookup(prefix_hashes([9] * 256, 64), {"r9"}) == (4, ["r9"])
+
+
+def test_holders_busier_than_the_guard_are_passed_over():
+    queues = {"a": 9, "b": 3, "c": None, "d": 5}
+    assert near_holders(["a", "d", "c"], queues, imbalance=4) == ["d", "c"]  # shortest known 3: a (9) is out
+    assert near_holders(["a"], queues, imbalance=6) == ["a"]
+    assert near_holders(["a", "b"], {"a": None, "b": None}, imbalance=0) == ["a", "b"]  # nothing known yet
 
 
 def test_prompt_of_finds_the_generate_request():
