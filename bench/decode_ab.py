@@ -11,7 +11,9 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
-- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
+- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
+- "swiglu-in-down": fused+pdl with SwiGLU + quantization inside the down GEMM's A loads
+  (Fp8Experts.fused_down_swiglu: one launch less per layer; not yet measured).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
 GEMV too, which was slower than cuBLAS.)
@@ -39,7 +41,7 @@ from model.config import GptOssConfig
 
 VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
             "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
-            "fp8-dense": (True, True, True, True, "all")}
+            "fp8-dense": (True, True, True, True, "all"), "swiglu-in-down": (True, True, True, True, "", True)}
 
 
 class DenseWeights:
@@ -66,9 +68,11 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str,
+                swiglu_in_down: bool = False) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
+        layer.mlp.experts.fused_down_swiglu = swiglu_in_down
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl

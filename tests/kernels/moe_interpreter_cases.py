@@ -391,3 +391,52 @@ def test_prescaled_pack_counts_groups_it_cannot_hold_exactly():
     assert packed["inexact_groups"] == 1  # 100 - 127 = -27 < -23; row 1 is uniform
     assert packed["rowexp"].tolist() == [[127, 90]]
     assert packed["fexp"][0, :, 0].tolist() == [29, 2, 6, 29]
+
+
+@pytest.mark.parametrize("max_tokens,counts,h_splits,splits", [(1, [0, 1, 0, 1, 1], 4, 2), (3, [3, 0, 2, 0, 1], 1, 1),
+                                                               (19, [5, 0, 19, 3, 0], 3, 1)])
+def test_decode_down_gemm_with_swiglu_in_its_a_loads(max_tokens, counts, h_splits, splits):
+    """grouped_gemm_decode_swiglu (SwiGLU + quantization inside the down GEMM's A loads) against the two
+    launches it replaces, swiglu_quant then grouped_gemm_decode, on the same masked-layout rows: equal to
+    the bit on every row a count covers (inter 300: K padded to 384, the last block partly masked)."""
+    e_local, inter, n = len(counts), 300, 200
+    kp = padded(inter)
+    w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, kp) * 0.05)
+    counts = torch.tensor(counts, dtype=torch.int32)
+    active = torch.nonzero(counts).flatten().int()
+    num_active = torch.tensor([active.numel()], dtype=torch.int32)
+    rows = e_local * max_tokens
+    total = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    h = split_into(total, h_splits) if h_splits > 1 else total
+    bias = torch.randn(e_local, 2 * inter)
+    # the separate launches: every layout row is a "pair" of its own expert
+    layout_expert = torch.arange(rows) // max_tokens
+    a2 = epi.Fp8Rows.empty(e_local, max_tokens, kp, "cpu")
+    epi.swiglu_quant(h, torch.arange(rows).int(), layout_expert.int(), bias, 0, 1.702, 7.0, a2, fast_div=False)
+    shape = (splits, rows, n) if splits > 1 else (rows, n)
+    dtype = torch.float32 if splits > 1 else torch.bfloat16
+    want = tgg.grouped_gemm_decode(a2, w, w_scales, torch.full(shape, float("nan"), dtype=dtype), counts, active,
+                                   num_active, max_tokens, config={"BLOCK_N": 32})
+    got = tgg.grouped_gemm_decode_swiglu(h, bias, 1.702, 7.0, w, w_scales, torch.full(shape, float("nan"), dtype=dtype),
+                                         counts, active, num_active, max_tokens, config={"BLOCK_N": 32})
+    covered = (torch.arange(rows) % max_tokens) < counts[layout_expert]
+    assert covered.any()
+    assert torch.equal(got[..., covered, :].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want[..., covered, :].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_fp8_experts_with_swiglu_in_the_down_gemm_match_the_separate_launch(num_tokens, monkeypatch):
+    """Fp8Experts.fused_down_swiglu (decode): the layer's output equals the unfused layer's, to the bit,
+    and the fused GEMM is what ran."""
+    e, hidden, inter, k = 6, 200, 136, 2
+    experts = Fp8Experts.from_torch_experts(random_experts(e, hidden, inter), backend="triton")
+    x, w, b = exact_router_inputs(num_tokens, e, hidden)
+    want = experts.routed_forward(x, w, b, k)
+    calls = []
+    fused = tgg.grouped_gemm_decode_swiglu
+    monkeypatch.setattr(tgg, "grouped_gemm_decode_swiglu", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    experts.fused_down_swiglu = True
+    got = experts.routed_forward(x, w, b, k)
+    assert calls == [1]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
