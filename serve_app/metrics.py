@@ -64,11 +64,15 @@ class ServerMetrics:
         self.fallbacks = metrics.Counter(
             "gptoss_prefill_fallbacks", "Requests whose remote prefill or K/V transfer failed, so decode "
             "ran the prompt itself", tag_keys=keys + ("reason",))
+        self.prefix_tokens = metrics.Counter(
+            "gptoss_prefix_cache_tokens", "Prompt tokens of admitted requests (kind=query) and those whose K/V "
+            "came from cached prefixes (kind=hit); hit / query is the prefix cache's hit rate", tag_keys=keys + ("kind",))
         for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
-                  self.transfer_seconds, self.transfer_bytes, self.steps, self.fallbacks):
+                  self.transfer_seconds, self.transfer_bytes, self.steps, self.fallbacks, self.prefix_tokens):
             m.set_default_tags(self.tags)
         self._last_tokens = {"prefill": 0, "decode": 0}
         self._last_steps = {"lookahead": 0, "sync": 0}
+        self._last_prefix = {"query": 0, "hit": 0}
 
     def observe_engine(self, snapshot: dict) -> None:
         self.queue_depth.set(snapshot.get("num_waiting", 0))
@@ -82,6 +86,11 @@ class ServerMetrics:
             if now > self._last_tokens[phase]:
                 self.tokens.inc(now - self._last_tokens[phase], tags={"phase": phase})
             self._last_tokens[phase] = now
+        for kind in ("query", "hit"):  # present with prefix caching on
+            now = snapshot.get(f"prefix_{kind}_tokens", 0)
+            if now > self._last_prefix[kind]:
+                self.prefix_tokens.inc(now - self._last_prefix[kind], tags={"kind": kind})
+            self._last_prefix[kind] = now
         ahead = snapshot.get("lookahead_steps_total", 0)
         for launch, now in (("lookahead", ahead), ("sync", snapshot.get("steps_total", 0) - ahead)):
             if now > self._last_steps[launch]:

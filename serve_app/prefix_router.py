@@ -30,6 +30,10 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from engine.request import GenerateRequest
 
+OUTCOMES = {"affinity": "sent first to replicas holding part of the prompt",
+            "busy": "the holders' queues were too long: two random replicas",
+            "no_match": "no remembered prefix: two random replicas",
+            "no_prompt": "a call without a prompt (stats, abort)"}
 BLOCK_TOKENS = 64
 MAX_BLOCKS = 256  # prefixes up to 16k tokens are told apart; longer ones by their first 16k
 MAX_ENTRIES = 200_000  # block hashes remembered (~ tens of MB of Python objects at most)
@@ -117,7 +121,21 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.table = PrefixTable(max_entries)
         # request id -> its block hashes, until routed (bounded: a request cancelled while queued never is)
         self._hashes: OrderedDict[str, list[int]] = OrderedDict()
-        self.affinity_hits = 0  # requests sent first to replicas holding part of their prefix
+        self.outcomes = {o: 0 for o in OUTCOMES}
+        try:  # exported with Serve's metrics (Ray's metrics agent); the router lives in the caller's process
+            from ray.util import metrics
+
+            self._counter = metrics.Counter("gptoss_prefix_routing", "Routing decisions of the prefix-affinity "
+                                            "router, by outcome: " + "; ".join(f"{k}: {v}" for k, v in OUTCOMES.items()),
+                                            tag_keys=("deployment", "outcome"))
+            self._counter.set_default_tags({"deployment": self._deployment_id.name})
+        except Exception:  # noqa: BLE001  (metrics are optional: no Ray worker context, an older Ray)
+            self._counter = None
+
+    def _decided(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        if self._counter is not None:
+            self._counter.inc(1, tags={"outcome": outcome})
 
     def _queue(self, replica_id: ReplicaID) -> int | None:
         return self.replica_queue_len_cache.get(replica_id)
@@ -129,6 +147,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         others = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         prompt = prompt_of(pending_request)
         if prompt is None:
+            self._decided("no_prompt")
             return [others]
         hashes = prefix_hashes(prompt, self.block_tokens)
         self._hashes[pending_request.metadata.request_id] = hashes
@@ -137,11 +156,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         _, holders = self.table.lookup(hashes, set(by_id))
         if not holders:
+            self._decided("no_match")
             return [others]
         near = [by_id[r] for r in near_holders(holders, {r: self._queue(r) for r in by_id}, self.imbalance)]
         if not near:
+            self._decided("busy")
             return [others]
-        self.affinity_hits += 1
+        self._decided("affinity")
         rest = [r for r in others if r not in near]
         return [near[:2], rest] if rest else [near[:2]]
 
