@@ -77,11 +77,18 @@ class ModelRunner:
                      for n in (n_full, n_sliding))
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
+        """The K/V pools' bytes: config.kv_cache_bytes, else on CUDA `gpu_memory_fraction` of the free memory
+        but no more than leaves room for the engine's largest step (engine/memory_budget.py)."""
         if config.kv_cache_bytes is not None:
             return config.kv_cache_bytes
         if self.device.type == "cuda":
+            from engine.memory_budget import activation_bytes, kv_budget_bytes
+
             free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * config.gpu_memory_fraction)
+            parallel = self.model.parallel
+            need = activation_bytes(self.model.config, config.max_num_batched_tokens, config.max_num_seqs,
+                                    parallel.tp_size, self.model.config.num_local_experts // parallel.ep_size)
+            return kv_budget_bytes(free, config.gpu_memory_fraction, need)
         return DEFAULT_CPU_KV_BYTES
 
     def allocate_kv_cache(self, num_full_pages: int, num_sliding_pages: int) -> None:
