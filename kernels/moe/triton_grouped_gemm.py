@@ -194,6 +194,17 @@ def decode_splits(num_tokens: int) -> int:
     return 4 if num_tokens <= 4 else 1
 
 
+def _decode_launch(config: dict | None, out: torch.Tensor, n: int, active: torch.Tensor) -> tuple[dict, int, tuple]:
+    """(launch config, K splits, grid) of the decode kernel; checks the tile and the split-K output."""
+    cfg = dict(DECODE_CONFIG, **(config or {}))
+    if BLOCK % cfg["BLOCK_N"]:
+        raise ValueError("BLOCK_N must divide 128 (one weight scale per tile)")
+    splits = out.shape[0] if out.dim() == 3 else 1
+    if splits > 1 and out.dtype != torch.float32:
+        raise ValueError("split-K partial sums must be fp32")
+    return cfg, splits, (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
+
+
 def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
                         counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
                         config: dict | None = None, a_row_map: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,13 +222,7 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         raise ValueError(f"a_row_map needs A as one group of token rows, got {a.groups} groups")
     if max_tokens > DECODE_MAX_TOKENS or max_tokens > a.rows_per_group:
         raise ValueError(f"grouped_gemm_decode covers up to {DECODE_MAX_TOKENS} rows per expert (and m_cap {a.rows_per_group}); got {max_tokens}")
-    cfg = dict(DECODE_CONFIG, **(config or {}))
-    if BLOCK % cfg["BLOCK_N"]:
-        raise ValueError("BLOCK_N must divide 128 (one weight scale per tile)")
-    splits = out.shape[0] if out.dim() == 3 else 1
-    if splits > 1 and out.dtype != torch.float32:
-        raise ValueError("split-K partial sums must be fp32")
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
+    cfg, splits, grid = _decode_launch(config, out, n, active)
     _fp8_grouped_gemm_decode_kernel[grid](
         a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
         a_row_map if a_row_map is not None else counts, a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
@@ -235,8 +240,9 @@ def grouped_gemm_decode_swiglu(h: torch.Tensor, bias: torch.Tensor, alpha: float
                                config: dict | None = None) -> torch.Tensor:
     """The down GEMM of decode with SwiGLU + quantization folded into its A loads: h is the gate_up GEMM's
     output in the masked layout ([rows, 2I] bf16, or [S, rows, 2I] fp32 split-K partials), bias [E, 2I] its
-    bias (fp32, the experts of W); each program rebuilds the FP8 A blocks of its K range from h (the ~23 kB of an expert's row
-    are read from L2 by each of the N/BLOCK_N programs), so one launch and A's round trip to memory go.
+    bias (fp32, the experts of W); each program rebuilds the FP8 A blocks of its K range from h (the ~23 kB
+    of an expert's row are read from L2 by each of the N/BLOCK_N programs), so one launch and A's round
+    trip to memory go.
     Same result, bit for bit, as epilogues_triton.swiglu_quant (IEEE division) then grouped_gemm_decode."""
     e, n, kp = w.shape
     inter = h.shape[-1] // 2
@@ -247,14 +253,8 @@ def grouped_gemm_decode_swiglu(h: torch.Tensor, bias: torch.Tensor, alpha: float
         raise ValueError(f"bias {tuple(bias.shape)} must be [{e}, {2 * inter}]")
     if rows % e or max_tokens > min(DECODE_MAX_TOKENS, rows // e):
         raise ValueError(f"h holds {rows} rows for {e} experts; max_tokens {max_tokens} must fit each group")
-    cfg = dict(DECODE_CONFIG, **(config or {}))
-    if BLOCK % cfg["BLOCK_N"]:
-        raise ValueError("BLOCK_N must divide 128 (one weight scale per tile)")
-    splits = out.shape[0] if out.dim() == 3 else 1
-    if splits > 1 and out.dtype != torch.float32:
-        raise ValueError("split-K partial sums must be fp32")
+    cfg, splits, grid = _decode_launch(config, out, n, active)
     h_splits = h.shape[0] if h.dim() == 3 else 1
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), active.numel(), splits)
     _fp8_grouped_gemm_decode_kernel[grid](
         h, counts, w, w_scales, out, counts, active, num_active, counts, rows // e, n, 0, w.stride(0), w.stride(1),
         out.stride(-2), out.stride(0) if splits > 1 else 0, 0, 0, w_scales.stride(0), w_scales.stride(1),
