@@ -36,5 +36,5 @@ pack_jit_cache; pack_logs
 echo "---- summary"
 grep -E "^prefill (triton|fa3|fa2)" "$OUT/attention.log" | grep -E "window=128|window=None" | tail -24
 cat "$OUT/swiglu.log" | tail -4
-tail -3 "$OUT/prefill_20b.log" "$OUT/prefill_120b.log"
+tail -n 3 "$OUT/prefill_20b.log" "$OUT/prefill_120b.log"
 tail -6 "$OUT/prefix.log" 2>/dev/null
