@@ -119,8 +119,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.block_tokens = block_tokens
         self.imbalance = imbalance
         self.table = PrefixTable(max_entries)
-        # request id -> its block hashes, until routed (bounded: a request cancelled while queued never is)
-        self._hashes: OrderedDict[str, list[int]] = OrderedDict()
+        # pending call (by identity: a parent request's calls may share their request ids) -> its block
+        # hashes, until routed (bounded: a call cancelled while queued never is)
+        self._hashes: OrderedDict[int, list[int]] = OrderedDict()
         self.outcomes = {o: 0 for o in OUTCOMES}
         try:  # exported with Serve's metrics (Ray's metrics agent); the router lives in the caller's process
             from ray.util import metrics
@@ -150,7 +151,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             self._decided("no_prompt")
             return [others]
         hashes = prefix_hashes(prompt, self.block_tokens)
-        self._hashes[pending_request.metadata.request_id] = hashes
+        self._hashes[id(pending_request)] = hashes
         while len(self._hashes) > 4096:
             self._hashes.popitem(last=False)
         by_id = {r.replica_id: r for r in candidate_replicas}
@@ -167,7 +168,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return [near[:2], rest] if rest else [near[:2]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any):
-        hashes = self._hashes.pop(pending_request.metadata.request_id, None)
+        hashes = self._hashes.pop(id(pending_request), None)
         if hashes:
             self.table.record(hashes, replica_id)
 
