@@ -26,6 +26,18 @@ import numpy as np
 from engine.sequence import Sequence
 
 
+
+def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = None) -> list[bytes]:
+    """Chained hashes of the whole blocks of a token list: out[i] names tokens [0, (i + 1) * block_size), so
+    equal hashes mean an equal prefix of that length (the prefix cache's block names; the Serve router's)."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    n = len(tokens) // block_size if max_blocks is None else min(len(tokens) // block_size, max_blocks)
+    parent, out = b"", []
+    for b in range(n):
+        parent = hashlib.blake2b(parent + tokens[b * block_size:(b + 1) * block_size].tobytes(), digest_size=16).digest()
+        out.append(parent)
+    return out
+
 class KVCacheError(RuntimeError):
     """The page accounting was asked for something impossible (more pages than free, a double free)."""
 
@@ -214,12 +226,7 @@ class BlockManager:
     # ---- prefix caching ------------------------------------------------------------------------------
     def _hashes(self, seq: Sequence) -> list[bytes]:
         if seq.block_hashes is None:
-            bs, parent, out = self.block_size, b"", []
-            tokens = np.asarray(seq.prompt_ids, dtype=np.int64)
-            for b in range(len(seq.prompt_ids) // bs):
-                parent = hashlib.blake2b(parent + tokens[b * bs:(b + 1) * bs].tobytes(), digest_size=16).digest()
-                out.append(parent)
-            seq.block_hashes = out
+            seq.block_hashes = prefix_block_hashes(seq.prompt_ids, self.block_size)
         return seq.block_hashes
 
     def _first_sliding_block(self, num_blocks: int) -> int:

@@ -18,15 +18,12 @@ leaves there (~1.7 GB) would not have held it.
 
 from __future__ import annotations
 
+from kernels.moe.fp8_quant import padded
 from model.config import GptOssConfig
 
 MARGIN = 1.5  # allocator rounding and fragmentation, transient copies the count below leaves out
 FIXED_BYTES = 1 << 30  # workspaces: cuBLAS, FlashInfer (128 MiB), DeepGEMM, NCCL / symmetric memory buffers
 SAMPLER_COPIES = 4  # fp32 logits, their softmax, the sampler's scaled / masked copies
-
-
-def _padded(n: int, block: int = 128) -> int:
-    return -(-n // block) * block
 
 
 def prefill_bytes_per_token(c: GptOssConfig, tp_size: int = 1, act_bytes: int = 2) -> int:
@@ -36,7 +33,7 @@ def prefill_bytes_per_token(c: GptOssConfig, tp_size: int = 1, act_bytes: int = 
     residual = 6 * d * act_bytes  # residual stream, norm output, MoE output, the next norm's in / out
     attention = 2 * heads * act_bytes + c.num_attention_heads // tp_size * c.head_dim * act_bytes
     # k expert rows: FP8 A (hidden, padded), gate_up output (bf16), FP8 A2, down output (bf16)
-    moe = k * (_padded(d) + 2 * inter * act_bytes + _padded(inter) + d * act_bytes)
+    moe = k * (padded(d) + 2 * inter * act_bytes + padded(inter) + d * act_bytes)
     return residual + max(attention, moe)
 
 
@@ -46,7 +43,7 @@ def activation_bytes(c: GptOssConfig, max_num_batched_tokens: int, max_num_seqs:
     per_token = prefill_bytes_per_token(c, tp_size)
     experts = num_local_experts if num_local_experts is not None else c.num_local_experts
     padding_rows = experts * 128  # the contiguous layout pads every expert's segment to 128 rows
-    moe_padding = padding_rows * (_padded(c.hidden_size) + 2 * c.intermediate_size * 2 + _padded(c.intermediate_size))
+    moe_padding = padding_rows * (padded(c.hidden_size) + 2 * c.intermediate_size * 2 + padded(c.intermediate_size))
     logits = max_num_seqs * (c.vocab_size // tp_size * 2 + c.vocab_size * 4 * SAMPLER_COPIES)
     return int(MARGIN * (max_num_batched_tokens * per_token + moe_padding + logits)) + FIXED_BYTES
 

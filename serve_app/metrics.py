@@ -82,20 +82,19 @@ class ServerMetrics:
             if total:
                 self.kv_usage.set(snapshot[f"{pool}_pages_used"] / total, tags={"pool": pool})
         for phase in ("prefill", "decode"):
-            now = snapshot.get(f"{phase}_tokens_total", 0)
-            if now > self._last_tokens[phase]:
-                self.tokens.inc(now - self._last_tokens[phase], tags={"phase": phase})
-            self._last_tokens[phase] = now
+            self._advance(self.tokens, self._last_tokens, "phase", phase, snapshot.get(f"{phase}_tokens_total", 0))
         for kind in ("query", "hit"):  # present with prefix caching on
-            now = snapshot.get(f"prefix_{kind}_tokens", 0)
-            if now > self._last_prefix[kind]:
-                self.prefix_tokens.inc(now - self._last_prefix[kind], tags={"kind": kind})
-            self._last_prefix[kind] = now
+            self._advance(self.prefix_tokens, self._last_prefix, "kind", kind, snapshot.get(f"prefix_{kind}_tokens", 0))
         ahead = snapshot.get("lookahead_steps_total", 0)
         for launch, now in (("lookahead", ahead), ("sync", snapshot.get("steps_total", 0) - ahead)):
-            if now > self._last_steps[launch]:
-                self.steps.inc(now - self._last_steps[launch], tags={"launch": launch})
-            self._last_steps[launch] = now
+            self._advance(self.steps, self._last_steps, "launch", launch, now)
+
+    @staticmethod
+    def _advance(counter, last: dict, tag: str, value: str, now: int) -> None:
+        """Forward an engine total to a Ray counter as the increment since the last poll."""
+        if now > last[value]:
+            counter.inc(now - last[value], tags={tag: value})
+        last[value] = now
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:

@@ -6,8 +6,8 @@ replica's handle to the prefill deployment (disaggregated), or the ingress's han
 deployment (prefill on decode). `PrefixAffinityRouter` replaces the default power-of-two-choices there:
 
 - the prompt (the GenerateRequest among the call's arguments) is cut into blocks of `block_tokens` and
-  chained into hashes (block i's hash covers tokens 0 .. (i+1) * block_tokens): equal hashes mean an
-  equal prefix of that length;
+  chained into hashes as the prefix cache names its blocks (engine/block_manager.prefix_block_hashes:
+  block i's hash covers tokens 0 .. (i+1) * block_tokens): equal hashes mean an equal prefix of that length;
 - `PrefixTable` remembers, for the last `max_entries` block hashes, which replicas served a prompt with
   that prefix; a new prompt's deepest remembered block names the replicas holding most of it;
 - those replicas are tried first when their known queue is at most `imbalance` requests longer than the
@@ -28,6 +28,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from engine.block_manager import prefix_block_hashes
 from engine.request import GenerateRequest
 
 OUTCOMES = {"affinity": "sent first to replicas holding part of the prompt",
@@ -40,27 +41,18 @@ MAX_ENTRIES = 200_000  # block hashes remembered (~ tens of MB of Python objects
 IMBALANCE = 4
 
 
-def prefix_hashes(token_ids: list[int], block_tokens: int = BLOCK_TOKENS, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """Chained hashes of the prompt's whole blocks: out[i] stands for tokens [0, (i + 1) * block_tokens)."""
-    out, h = [], 0
-    for i in range(min(len(token_ids) // block_tokens, max_blocks)):
-        h = hash((h, tuple(token_ids[i * block_tokens:(i + 1) * block_tokens])))
-        out.append(h)
-    return out
-
-
 class PrefixTable:
     """Block hash -> the replicas that served a prompt with that prefix (most recent last), LRU-bounded."""
 
     def __init__(self, max_entries: int = MAX_ENTRIES, replicas_per_entry: int = 4):
         self.max_entries = max_entries
         self.replicas_per_entry = replicas_per_entry
-        self._entries: OrderedDict[int, list[Any]] = OrderedDict()
+        self._entries: OrderedDict[bytes, list[Any]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, hashes: list[int], alive: set) -> tuple[int, list[Any]]:
+    def lookup(self, hashes: list[bytes], alive: set) -> tuple[int, list[Any]]:
         """(blocks matched, replicas among `alive` holding that deepest remembered prefix, most recent
         first); (0, []) when no block is remembered on a live replica."""
         for depth in range(len(hashes), 0, -1):
@@ -72,7 +64,7 @@ class PrefixTable:
                     return depth, live
         return 0, []
 
-    def record(self, hashes: list[int], replica: Any) -> None:
+    def record(self, hashes: list[bytes], replica: Any) -> None:
         for h in hashes:
             replicas = self._entries.pop(h, None) or []
             if replica in replicas:
@@ -121,7 +113,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.table = PrefixTable(max_entries)
         # pending call (by identity: a parent request's calls may share their request ids) -> its block
         # hashes, until routed (bounded: a call cancelled while queued never is)
-        self._hashes: OrderedDict[int, list[int]] = OrderedDict()
+        self._hashes: OrderedDict[int, list[bytes]] = OrderedDict()
         self.outcomes = {o: 0 for o in OUTCOMES}
         try:  # exported with Serve's metrics (Ray's metrics agent); the router lives in the caller's process
             from ray.util import metrics
@@ -150,7 +142,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if prompt is None:
             self._decided("no_prompt")
             return [others]
-        hashes = prefix_hashes(prompt, self.block_tokens)
+        hashes = prefix_block_hashes(prompt, self.block_tokens, MAX_BLOCKS)
         self._hashes[id(pending_request)] = hashes
         while len(self._hashes) > 4096:
             self._hashes.popitem(last=False)

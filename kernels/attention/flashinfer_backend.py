@@ -158,10 +158,13 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan_prefill(self, batch: AttentionBatch) -> None:
         lens = batch.query_lens_cpu
+        starts = [0]  # each sequence's first row in q, from host lengths (no device read in the plan)
+        for n in lens:
+            starts.append(starts[-1] + n)
         multi = [b for b, n in enumerate(lens) if n > 1]
         single = [b for b, n in enumerate(lens) if n == 1]
         if batch.has_cache and multi and single:
-            self.mixed = self._plan_mixed(batch, single, multi)
+            self.mixed = self._plan_mixed(batch, single, multi, starts)
             seqs = multi
         else:
             seqs = list(range(len(lens)))
@@ -175,11 +178,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             window_left = self.sliding_window - 1 if sliding else -1
             if batch.has_cache:
                 meta = batch.group(sliding)
+                if sliding and self.sliding_prefill == "triton":
+                    self.sliding_tiles = self._plan_sliding_tiles(meta, lens, starts, multi, single)
+                    continue
                 page_size = self.kv_cache.block_size
                 tables = meta.block_tables if pick is None else meta.block_tables[pick]
-                if sliding and self.sliding_prefill == "triton":
-                    self.sliding_tiles = self._plan_sliding_tiles(meta, lens, multi, single)
-                    continue
                 kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(
                     tables, [meta.kv_lens_cpu[b] for b in seqs], page_size)
                 if is_fp8(self.kv_cache.k[0].dtype):  # staging page i holds cache page kv_indices[i]
@@ -195,13 +198,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill_planned = torch.cuda.Event()
             self._prefill_planned.record()
 
-    def _plan_sliding_tiles(self, meta, lens: list[int], multi: list[int],
+    def _plan_sliding_tiles(self, meta, lens: list[int], starts: list[int], multi: list[int],
                             single: list[int]) -> list[tuple[SlidingTiles, SlidingPrefillConfig]]:
         """The Triton sliding kernel's launches over the whole step's q and out: prompt chunks in tiles of
         the configured shape, one-query sequences (a mixed step's decode rows) in tiles of 16 rows."""
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
         group = self.num_q_heads // self.num_kv_heads
         launches = []
         for seqs, config in ((multi, self.sliding_prefill_config), (single, single_query_config(group))):
@@ -214,10 +214,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             launches.append((tiles, config))
         return launches
 
-    def _plan_mixed(self, batch: AttentionBatch, single: list[int], multi: list[int]) -> "MixedSplit":
-        starts = [0]
-        for n in batch.query_lens_cpu:  # host lengths: no device read in the plan
-            starts.append(starts[-1] + n)
+    def _plan_mixed(self, batch: AttentionBatch, single: list[int], multi: list[int],
+                    starts: list[int]) -> "MixedSplit":
         idx = torch.tensor(single, device=self.device)
         split = MixedSplit(
             single_rows=torch.tensor([starts[b] for b in single], device=self.device),

@@ -83,11 +83,11 @@ def plan_tiles(query_lens: list[int], block_tables: torch.Tensor, kv_lens: torch
         for q0 in range(0, n, block_m):
             seq_of_tile.append(b)
             q0_of_tile.append(q0)
-    device = block_tables.device
-    host = torch.tensor([seq_of_tile, q0_of_tile], dtype=torch.int32).reshape(2, -1)
-    seqs = torch.tensor([starts, list(query_lens)], dtype=torch.int32).reshape(2, -1)
-    host, seqs = host.to(device, non_blocking=True), seqs.to(device, non_blocking=True)
-    return SlidingTiles(host[0], host[1], seqs[0], seqs[1], block_tables, kv_lens, len(seq_of_tile))
+    t, b = len(seq_of_tile), len(starts)
+    packed = torch.tensor(seq_of_tile + q0_of_tile + starts + list(query_lens), dtype=torch.int32)
+    packed = packed.to(block_tables.device, non_blocking=True)  # one copy for the four lists
+    return SlidingTiles(packed[:t], packed[t:2 * t], packed[2 * t:2 * t + b], packed[2 * t + b:],
+                        block_tables, kv_lens, t)
 
 
 @triton.jit

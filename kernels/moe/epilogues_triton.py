@@ -104,6 +104,30 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 
 
 @triton.jit
+def swiglu_quant_rows(h, col_ok, alpha, limit, ROWS: tl.constexpr, FAST_DIV: tl.constexpr):
+    """h [ROWS, 256]: gate_up outputs + bias of 128 output channels, (gate, up) interleaved, fp32 -> the
+    clamped SwiGLU quantized per row: FP8 [ROWS, 128] and scales [ROWS] (channels where col_ok is false are
+    zero). The one copy of this arithmetic: the SwiGLU epilogue and the down GEMM that folds it into its A
+    loads (triton_grouped_gemm) round alike. FAST_DIV: approximate division (div.full, 2 ulp) and one
+    reciprocal per block, off the twin's rounding."""
+    gate, up = tl.split(tl.reshape(h, (ROWS, 128, 2)))
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    if FAST_DIV:
+        act = tl.fdiv(gate, 1.0 + tl.exp(-alpha * gate), ieee_rounding=False) * (up + 1.0)
+        act = tl.where(col_ok, act, 0.0)
+        amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
+        scale = tl.math.div_rn(amax, 448.0)
+        q = (act * tl.math.div_rn(448.0, amax)[:, None]).to(tl.float8e4nv)
+    else:
+        act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+        act = tl.where(col_ok, act, 0.0)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
+        q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
 def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_ptr,
                          inter, stride_h, stride_split, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
@@ -125,21 +149,8 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
                 h += tl.load(h_ptr + s * stride_split + row.to(tl.int64) * stride_h + src, mask=ok_src, other=0.0)
             h = round_to_bf16(h)
         h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)
-        gate, up = tl.split(tl.reshape(h, (BLOCK_KB, 128, 2)))
         col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        if FAST_DIV:  # approximate division (div.full, 2 ulp) and a per-block reciprocal: off the twin's rounding
-            act = tl.fdiv(gate, 1.0 + tl.exp(-alpha * gate), ieee_rounding=False) * (up + 1.0)
-            act = tl.where(col < inter, act, 0.0)
-            amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
-            scale = tl.math.div_rn(amax, 448.0)
-            q = (act * tl.math.div_rn(448.0, amax)[:, None]).to(tl.float8e4nv)
-        else:
-            act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-            act = tl.where(col < inter, act, 0.0)
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
-            q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
+        q, scale = swiglu_quant_rows(h, col < inter, alpha, limit, BLOCK_KB, FAST_DIV)
         tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
         g = row // rows_per_group
         tl.store(sf_ptr + g.to(tl.int64) * sf_group_stride + kb * sf_k_stride + (row - g * rows_per_group),

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.moe.epilogues_triton import Fp8Rows
+from kernels.moe.epilogues_triton import Fp8Rows, swiglu_quant_rows
 from kernels.moe.fp8_quant import BLOCK
 from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
@@ -111,8 +111,8 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
 def _swiglu_a_tile(h_ptr, bias_ptr, rows, t_ok, expert, kb, inter, stride_h, stride_hsplit, stride_bias, alpha, limit,
                    BLOCK_T: tl.constexpr, H_SPLITS: tl.constexpr):
     """A^T tile [128, BLOCK_T] (fp8) and its row scales [BLOCK_T] for K block `kb` of the down GEMM, made from
-    the gate_up GEMM's rows as epilogues_triton's swiglu_quant makes them (same operations, same order:
-    the FP8 codes and scales are bitwise those of the separate launch with IEEE division)."""
+    the gate_up GEMM's rows as epilogues_triton's swiglu_quant makes them (same loads and split-K sum, then
+    the shared swiglu_quant_rows with IEEE division: bitwise the codes and scales of the separate launch)."""
     src = kb * 256 + tl.arange(0, 256)  # interleaved (gate, up) inputs of output channels kb*128 ..
     src_ok = src < 2 * inter
     ok = t_ok[:, None] & src_ok[None, :]
@@ -122,14 +122,8 @@ def _swiglu_a_tile(h_ptr, bias_ptr, rows, t_ok, expert, kb, inter, stride_h, str
             h += tl.load(h_ptr + s * stride_hsplit + rows[:, None] * stride_h + src[None, :], mask=ok, other=0.0)
         h = round_to_bf16(h)
     h += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias + src, mask=src_ok, other=0.0)[None, :]
-    gate, up = tl.split(tl.reshape(h, (BLOCK_T, 128, 2)))
     col = kb * 128 + tl.arange(0, 128)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-    act = tl.where(col[None, :] < inter, act, 0.0)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
-    q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
+    q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_T, False)
     return tl.trans(q), scale
 
 

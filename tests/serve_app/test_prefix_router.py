@@ -11,7 +11,8 @@ from ray import serve
 
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
-from serve_app.prefix_router import PrefixTable, near_holders, prefix_hashes, prompt_of
+from engine.block_manager import prefix_block_hashes as prefix_hashes
+from serve_app.prefix_router import PrefixTable, near_holders, prompt_of
 from tests.serve_app.serve_helpers import collect, run_async, start_ray, stop_ray
 
 APP = "prefix_routing"
