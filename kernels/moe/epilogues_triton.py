@@ -210,7 +210,8 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
 
     fast_div: approximate divisions (the sigmoid's and the quantization's, as a per-block reciprocal).
     None: on for prefill-sized calls (> 512 pairs), where they measured 1.13-1.14x (20b 4k 116.7 -> 103.4
-    us, 120b 8k 223.6 -> 196.7 us; bench/swiglu_ab, H200 2026-11-30) with the same fraction of codes one
+    us, 120b 8k 223.6 -> 196.7 us; bench/swiglu_ab, H200 2026-11-30; a second run's log in
+    bench/results/swiglu_ab_h200.log) with the same fraction of codes one
     FP8 step off the twin's (~1e-6) and none further; off for decode (5.3 vs 5.7 us at T=1)."""
     p = row_of_pair.numel()
     if fast_div is None:
