@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the decode-step fusions (repo root on the GPU machine; carry .whl .jit .dg_src; DG_USE=1):
-#  1. the GPU tests of the decode MoE chain (TESTS, default: SwiGLU inside the down GEMM, PDL, the fused front);
+#  1. the GPU tests of the decode MoE chain (TESTS, default: SwiGLU inside the down GEMM, PDL, the fused front;
+#     TESTS= runs all of TEST_FILES, default tests/kernels/test_moe_gpu.py, within TESTS_S seconds);
 #  2. python -m bench.decode_ab over MODELS (default both) with VARIANTS (default: fused+pdl, the engine's
 #     decode today, against swiglu-in-down), step times at batch 1/4/16 and context 8k, table printed last.
 #   DG_USE=1 bash bench/decode_device_run.sh              LIMIT_S (default 560) bounds the whole script
@@ -8,8 +9,8 @@ set -u
 LIMIT_S=${LIMIT_S:-560}
 start=$(date +%s)
 source scripts/device_env.sh
-timeout 150 python3 -m pytest -q -ra -s -p no:cacheprovider tests/kernels/test_moe_gpu.py \
-    -k "${TESTS:-swiglu_in_the_down or pdl or fused_front or routed_forward}" > "$OUT/tests.log" 2>&1
+timeout "${TESTS_S:-150}" python3 -m pytest -q -ra -s -p no:cacheprovider ${TEST_FILES:-tests/kernels/test_moe_gpu.py} \
+    -k "${TESTS-swiglu_in_the_down or pdl or fused_front or routed_forward}" > "$OUT/tests.log" 2>&1
 echo "tests exit $? after $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests.log")"
 grep -E "bitwise equal" "$OUT/tests.log" | head -4
 left=$(( LIMIT_S - ($(date +%s) - start) - 15 ))
