@@ -144,6 +144,8 @@ class Harness:
             else:
                 t.normal_(generator=gen)
         self.model.backend.bind_cache(self.kv)
+        self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs, once capture_prefill_graphs ran
+        self.use_prefill_graphs = False
         self.graphs = None
         self.capture = {}
         if device.type == "cuda":
@@ -196,6 +198,14 @@ class Harness:
         meta_s = KVGroupMeta(table.clone(), meta.kv_lens.clone(), slots.clone(), [end])
         return AttentionBatch(torch.tensor([0, end - start], dtype=torch.int32, device=d), [end - start], meta, meta_s)
 
+    def capture_prefill_graphs(self, buckets: list[int]) -> dict[int, float]:
+        """Piecewise prefill graphs at these token buckets (engine/prefill_graphs.py); prefill() replays them
+        while use_prefill_graphs is set. Seconds per bucket."""
+        from engine.prefill_graphs import PrefillGraphs
+
+        self.prefill_graphs = PrefillGraphs(self.model, buckets)
+        return self.prefill_graphs.capture()
+
     # ---- measurements ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, tokens: int, profile: bool, chunk: int) -> dict:
@@ -204,9 +214,14 @@ class Harness:
         bounds = [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
         batches = [self.prefill_batch(s, e) for s, e in bounds]
 
+        pieces = self.prefill_graphs if self.use_prefill_graphs else None
+
         def run():  # chunked prefill, as the engine runs prompts longer than max_num_batched_tokens
             for (s, e), batch in zip(bounds, batches):
-                hidden = self.model(ids[s:e], pos[s:e], batch)
+                if pieces is not None and pieces.serves(batch):
+                    hidden = pieces.run(ids[s:e], pos[s:e], batch)
+                else:
+                    hidden = self.model(ids[s:e], pos[s:e], batch)
             return self.model.compute_logits(hidden[-1:]).float().argmax(-1)
 
         run()

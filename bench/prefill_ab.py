@@ -12,6 +12,8 @@ Variant sets:
 - `sliding`: the sliding-window layers through FlashInfer's windowed sink prefill / our Triton kernel
   (kernels/attention/sliding_prefill_triton.py) / the Triton kernel plus the approximate-division
   SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
+- `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
+  bucket captured per chunk length.
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
 """
 
@@ -51,7 +53,15 @@ def sliding_variants():
             "triton sliding + fast swiglu": mode("triton", None)}
 
 
-VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants}
+def graphs_variants():
+    def mode(on: bool):
+        def apply(h: Harness):
+            h.use_prefill_graphs = on
+        return apply
+    return {"eager": mode(False), "graphs": mode(True)}
+
+
+VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants}
 
 
 def kernel_ms(fn) -> float:
@@ -79,6 +89,12 @@ def main(argv=None) -> int:
     lens = [int(x) for x in args.lens.split(",")]
     h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0)
     variants = VARIANTS[args.variants]()
+    capture = {}
+    if args.variants == "graphs":  # a bucket per chunk length the prompts are cut into
+        buckets = sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)})
+        capture = h.capture_prefill_graphs(buckets)
+        print("prefill graphs captured: " + ", ".join(f"{b} tokens {sec:.2f} s" for b, sec in capture.items()),
+              flush=True)
     rows = []
     for n in lens:
         walls = {name: [] for name in variants}
@@ -97,7 +113,8 @@ def main(argv=None) -> int:
                                            f"{row[name + ' kernels']:.2f}) ms" for name in variants), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                          "model": args.model, "variants": list(variants), "ttft_ms": rows}, indent=1))
+                                          "model": args.model, "variants": list(variants), "ttft_ms": rows,
+                                          "capture_s": capture}, indent=1))
     return 0
 
 

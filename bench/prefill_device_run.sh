@@ -8,18 +8,8 @@
 #     its own time guard, logs in $OUT.
 #   DG_USE=1 bash bench/prefill_device_run.sh          LIMIT_S (default 560) bounds the whole script
 set -u
-LIMIT_S=${LIMIT_S:-560}
-start=$(date +%s)
-source scripts/device_env.sh
-left() { echo $(( LIMIT_S - ($(date +%s) - start) - 15 )); }
-step() {  # step NAME SECONDS CMD...: run under min(SECONDS, time left), log to $OUT/NAME.log
-    local name=$1 secs=$2; shift 2
-    local l; l=$(left)
-    [ "$l" -lt "$secs" ] && secs=$l
-    if [ "$secs" -le 5 ]; then echo "$name: skipped (no time left)"; return; fi
-    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name exit $? after $(( $(date +%s) - start )) s"
-}
+DEVICE_START=$(date +%s)
+source scripts/device_env.sh  # step NAME SECONDS CMD..., bounded by LIMIT_S (default 560)
 step tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_attention_gpu.py \
     "tests/kernels/test_moe_gpu.py::test_dispatch_swiglu_combine_match_twins"
 tail -3 "$OUT/tests.log"

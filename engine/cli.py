@@ -162,7 +162,8 @@ def cmd_generate(args) -> int:
                           lm_head_dtype=args.lm_head_dtype, all_reduce=args.all_reduce,
                           enable_prefix_caching=args.prefix_caching,
                           seed=args.seed or 0, tp_size=args.tp,
-                          ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args))
+                          ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
+                          prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs])
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                               logprobs=args.logprobs)
@@ -231,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
     gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                      help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
+    gen.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),
+                     help="prefill / mixed steps as piecewise CUDA graphs at token buckets, attention eager "
+                          "(auto: with --cuda-graphs on one rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")

@@ -43,6 +43,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
+    # Prefill and mixed steps of up to max_num_batched_tokens as piecewise CUDA graphs at token buckets,
+    # attention eager between them (engine/prefill_graphs.py). None: on with cuda_graphs on one rank (not
+    # yet built for several ranks: True there is an error).
+    prefill_graphs: bool | None = None
     # Lookahead (engine/llm_engine.py): schedule and launch the next step before reading this one's
     # tokens. None: on with one CUDA rank; off on CPU (it only hides host time behind a GPU) and, until
     # measured on several GPUs, with several ranks (True turns it on there).
@@ -97,6 +101,13 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise EngineConfigError("cuda_graphs=True needs device 'cuda' or 'cuda:N'")
+        if self.prefill_graphs not in (None, True, False):
+            raise EngineConfigError(f"prefill_graphs must be true, false or null (auto), got {self.prefill_graphs!r}")
+        if self.prefill_graphs and not self.device.startswith("cuda"):
+            raise EngineConfigError("prefill_graphs=True needs device 'cuda' or 'cuda:N'")
+        if self.prefill_graphs and self.world_size > 1:
+            raise EngineConfigError("prefill_graphs=True runs on one rank only for now (tp_size = ep_size = 1); "
+                                    "leave it null (auto) to prefill eagerly over several ranks")
         if self.async_decode not in (None, True, False):
             raise EngineConfigError(f"async_decode must be true, false or null (auto), got {self.async_decode!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -115,6 +126,13 @@ class EngineConfig:
             raise EngineConfigError(
                 f"dp_size={self.dp_size}: data-parallel attention is not implemented; use dp_size=1 and run "
                 f"{self.dp_size} engines (Serve replicas) for data parallelism")
+
+    @property
+    def uses_prefill_graphs(self) -> bool:
+        """prefill_graphs resolved: explicit, else on with decode graphs on one rank."""
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs
+        return self.cuda_graphs and self.world_size == 1
 
     @property
     def world_size(self) -> int:

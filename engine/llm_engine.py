@@ -112,11 +112,8 @@ class LLMEngine:
                                           self.runner.has_full, self.runner.has_sliding, config.enable_prefix_caching)
         self._check_pools(num_full, num_sliding)
         self.runner.allocate_kv_cache(num_full, num_sliding)
-        self.graph_capture_seconds: dict[int, float] = {}
-        if config.cuda_graphs:
-            from engine.cuda_graphs import default_buckets
-
-            self.graph_capture_seconds = self.runner.capture_decode_graphs(default_buckets(config.max_num_seqs))
+        # seconds per bucket: decode steps by batch size, prefill / mixed steps by token count
+        self.graph_capture_seconds, self.prefill_graph_capture_seconds = self.runner.capture_graphs(config)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID
                                if mc.vocab_size > HARMONY_FIRST_SPECIAL_ID else None)

@@ -59,6 +59,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
+        self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs: other steps, piecewise
         self.step_arrays = StepArrayBuilder(block_size)
 
     @property
@@ -97,6 +98,18 @@ class ModelRunner:
                                               self.device)
         self.model.backend.bind_cache(self.kv_cache)
 
+    def capture_graphs(self, config: EngineConfig) -> tuple[dict[int, float], dict[int, float]]:
+        """The CUDA graphs `config` asks for: decode steps at batch buckets up to max_num_seqs, prefill and
+        mixed steps at token buckets up to max_num_batched_tokens. Seconds per bucket of each."""
+        from engine.cuda_graphs import default_buckets
+        from engine.prefill_graphs import default_token_buckets
+
+        decode = self.capture_decode_graphs(default_buckets(config.max_num_seqs)) if config.cuda_graphs else {}
+        prefill = {}
+        if config.uses_prefill_graphs:
+            prefill = self.capture_prefill_graphs(default_token_buckets(config.max_num_batched_tokens))
+        return decode, prefill
+
     def capture_decode_graphs(self, buckets: list[int], logits: bool = True) -> dict[int, float]:
         """Capture the decode step at `buckets` (engine/cuda_graphs.py; after allocate_kv_cache); seconds
         per bucket."""
@@ -105,6 +118,15 @@ class ModelRunner:
         self.model.backend.bind_cache(self.kv_cache)
         self.decode_graphs = DecodeGraphs(self.model, buckets, logits=logits)
         return self.decode_graphs.capture()
+
+    def capture_prefill_graphs(self, buckets: list[int]) -> dict[int, float]:
+        """Capture prefill / mixed steps at token `buckets` (engine/prefill_graphs.py; after
+        allocate_kv_cache); seconds per bucket."""
+        from engine.prefill_graphs import PrefillGraphs
+
+        self.model.backend.bind_cache(self.kv_cache)
+        self.prefill_graphs = PrefillGraphs(self.model, buckets)
+        return self.prefill_graphs.capture()
 
     # ---- the step ---------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
@@ -119,7 +141,11 @@ class ModelRunner:
         if graphs is not None and graphs.serves(inputs.attention):
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.attention)  # [B, V]
             return logits.index_select(0, inputs.logits_indices).float()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D]
+        pieces = self.prefill_graphs
+        if pieces is not None and pieces.serves(inputs.attention):
+            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D], static
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D]
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
     # ---- K/V by token, for the prefill -> decode hand-off -----------------------------------------
@@ -185,6 +211,7 @@ class ModelRunner:
         """Release the K/V cache and the decode graphs (one rank: nothing else to stop; engine/distributed
         adds its workers)."""
         self.kv_cache = None
-        if self.decode_graphs is not None:
-            self.decode_graphs.release()
-        self.decode_graphs = None
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.decode_graphs = self.prefill_graphs = None

@@ -89,14 +89,24 @@ class AttentionBlock(nn.Module):
         self.decode_gemv = True
         self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q [T, Hq, Dh], k, v [T, Hkv, Dh], kv_written): the QKV projection with q and k rotated (cos/sin cast to
+        x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
+        kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out: where q goes."""
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        # q [T, Hq, Dh], k / v [T, Hkv, Dh]; q and k rotated (cos/sin cast to x's dtype first, as the reference does)
-        # the backend may let the rotary kernel write k/v into its paged cache (one launch instead of two)
         dest = self.backend.kv_destination(self.layer)
-        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest)
-        o = self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=dest is not None)  # [T, Hq, Dh]
+        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out)
+        return q, k, v, dest is not None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sink attention of this step's tokens, [T, Hq, Dh] (into `out` when given)."""
+        return self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=kv_written, out=out)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The O projection of attention's output o [T, Hq, Dh], summed over the TP ranks: [T, D]."""
+        t = o.shape[0]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         first = self.parallel.tp_rank == 0
         if not isinstance(self.o_proj, nn.Linear):  # an Fp8Linear (bench/decode_ab's fp8-dense variant)
@@ -104,6 +114,9 @@ class AttentionBlock(nn.Module):
         bias = self.o_proj.bias if first else None
         tickets = self.o_gemv_tickets if self.decode_gemv else None
         return self.parallel.all_reduce_tp(layers.linear(o.reshape(t, -1), self.o_proj.weight, bias, tickets))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.project_out(self.attend(*self.qkv(x, cos, sin)))
 
 
 class MLPBlock(nn.Module):
@@ -135,17 +148,28 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.mlp = MLPBlock(config, parallel, experts, dtype, device)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x + delta is the residual stream entering this block (delta: the previous block's MLP output,
-        None for the first block). Returns (residual before the MLP, MLP output): each residual add is
-        done by the norm that reads it, so the stream is written once per add."""
+    def attention_inputs(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                         q_out: torch.Tensor | None = None):
+        """The block up to attention: (residual x + delta, q, k, v, kv_written); see AttentionBlock.qkv."""
         if delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, delta)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin))
+        return (x, *self.self_attn.qkv(h, cos, sin, q_out))
+
+    def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block from attention's output o on: (residual before the MLP, MLP output)."""
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.project_out(o))
         return x, self.mlp(h)
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + delta is the residual stream entering this block (delta: the previous block's MLP output,
+        None for the first block). Returns (residual before the MLP, MLP output): each residual add is
+        done by the norm that reads it, so the stream is written once per add. (engine/prefill_graphs.py
+        runs the same two halves with attention between graph replays.)"""
+        x, q, k, v, kv_written = self.attention_inputs(x, delta, cos, sin)
+        return self.after_attention(x, self.self_attn.attend(q, k, v, kv_written))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -179,13 +203,19 @@ class GptOssModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x [T, D], cos, sin [T, Dh/2]): the token embeddings and the rotary tables of their positions."""
+        return self.embed_tokens(input_ids), *self.rotary(positions)
+
+    def final_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.norm.add_and_norm(x, delta)[1]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, D]
-        cos, sin = self.rotary(positions)
+        x, cos, sin = self.embed(input_ids, positions)
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, cos, sin)
-        return self.norm.add_and_norm(x, delta)[1]
+        return self.final_norm(x, delta)
 
 
 class GptOssForCausalLM(nn.Module):

@@ -54,6 +54,17 @@ elif [ "${DG_BUILD:-0}" = 1 ] && [ -f .dg_src/deepgemm_src.tgz ]; then
         && tar czf "$OUT/dg_site.tgz" -C /tmp/dg_site . ; echo "deep_gemm build exit $?" >> "$LOGS/dg_build_stdout.log" ) &
     DG_PID=$!
 fi
+# step NAME SECONDS CMD...: run CMD under min(SECONDS, what LIMIT_S leaves of this call), log to $OUT/NAME.log
+DEVICE_START=${DEVICE_START:-$(date +%s)}
+left() { echo $(( ${LIMIT_S:-560} - ($(date +%s) - DEVICE_START) - 15 )); }
+step() {
+    local name=$1 secs=$2; shift 2
+    local l; l=$(left)
+    [ "$l" -lt "$secs" ] && secs=$l
+    if [ "$secs" -le 5 ]; then echo "$name: skipped (no time left)"; return; fi
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name exit $? after $(( $(date +%s) - DEVICE_START )) s"
+}
 pack_logs() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
 pack_jit_cache() { tar czf "$OUT/jit_cache.tgz" -C /tmp/jit triton deep_gemm 2>/dev/null; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader

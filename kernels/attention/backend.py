@@ -24,6 +24,9 @@ class AttentionBackend:
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kv_cache: PagedKVCache | None = None
         self.batch: AttentionBatch | None = None
+        # While engine/prefill_graphs.py captures (or runs its pieces eagerly): per layer kind, fixed slot
+        # buffers that kv_destination hands out instead of the planned step's slot mapping.
+        self.graph_slots: dict[bool, torch.Tensor] | None = None
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         self.kv_cache = kv_cache
@@ -38,7 +41,10 @@ class AttentionBackend:
 
     def kv_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(k_cache, v_cache, slot_mapping) where this step's k/v rows of `layer` go, for a caller that
-        writes them itself (the rotary kernel) and then passes kv_written=True; None: forward writes."""
+        writes them itself (the rotary kernel) and then passes kv_written=True; None: forward writes.
+        Here: the fixed graph_slots while they are set, else None."""
+        if self.graph_slots is not None and self.kv_cache is not None:
+            return self.kv_cache.k[layer], self.kv_cache.v[layer], self.graph_slots[self.layer_is_sliding[layer]]
         return None
 
     def forward(
@@ -49,6 +55,7 @@ class AttentionBackend:
         v: torch.Tensor,  # [T, Hkv, D]
         sinks: torch.Tensor,  # [Hq] fp32
         kv_written: bool = False,  # the caller wrote k/v at kv_destination(layer) already
+        out: torch.Tensor | None = None,  # [T, Hq, D]: where the result goes (a fresh tensor if None)
     ) -> torch.Tensor:  # [T, Hq, D]
         raise NotImplementedError
 
@@ -61,10 +68,10 @@ class TorchAttentionBackend(AttentionBackend):
         store_rows(self.kv_cache.k[layer], meta.slot_mapping, k)
         store_rows(self.kv_cache.v[layer], meta.slot_mapping, v)
 
-    def forward(self, layer, q, k, v, sinks, kv_written=False):
+    def forward(self, layer, q, k, v, sinks, kv_written=False, out=None):
         batch = self.batch
         window = self.window(layer)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         starts = batch.query_start_loc.tolist()
         if not batch.has_cache:
             for b in range(batch.num_seqs):

@@ -256,18 +256,20 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def kv_destination(self, layer: int):
         batch = self.batch
+        sliding = self.layer_is_sliding[layer]
+        if self.fuse_kv_write and self.kv_cache is not None and self.graph_slots is not None:
+            return self.kv_cache.k[layer], self.kv_cache.v[layer], self.graph_slots[sliding]
         if not self.fuse_kv_write or batch is None or not batch.has_cache:
             return None
-        sliding = self.layer_is_sliding[layer]
         slots = self.decode_buffers[sliding].slot_mapping if batch.is_decode else batch.group(sliding).slot_mapping
         return self.kv_cache.k[layer], self.kv_cache.v[layer], slots
 
-    def forward(self, layer, q, k, v, sinks, kv_written=False):
+    def forward(self, layer, q, k, v, sinks, kv_written=False, out=None):
         batch = self.batch
         sliding = self.layer_is_sliding[layer]
         q = q.contiguous()
         sinks = sinks.float().contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         if not batch.has_cache:
             shape = (self.scratch_pages, SCRATCH_PAGE, self.num_kv_heads, self.head_dim)
             pages_k = torch.zeros(shape, dtype=k.dtype, device=k.device)  # zeros: tails of last pages stay finite

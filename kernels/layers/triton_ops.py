@@ -104,16 +104,17 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, 
 
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-               head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k rotated, v a view of qkv. With kv_cache = (k_cache, v_cache [pages, PAGE, Hkv, Dh], slots [>=T]
-    int64) the same launch also writes each token's k and v rows to the cache (kv_write.write_kv's job)."""
+    int64) the same launch also writes each token's k and v rows to the cache (kv_write.write_kv's job).
+    q_out: a contiguous [T, Hq, Dh] tensor for q (checked by the caller, kernels.layers.rotary_qkv)."""
     t, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1 or head_dim % 2 \
             or head_dim & (head_dim - 1) or cos.shape != (t, head_dim // 2) or cos.stride() != sin.stride():
         raise ValueError(f"rotary_qkv: qkv {tuple(qkv.shape)} must be [T, (Hq + 2 Hkv) Dh] with a power-of-two Dh "
                          f"and cos/sin [T, Dh/2] (got {tuple(cos.shape)})")
-    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
     write = kv_cache is not None

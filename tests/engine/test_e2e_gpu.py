@@ -177,11 +177,12 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype,fp8_dense", [("auto", False), ("fp8_e4m3", False), ("auto", True)])
 def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8_dense):
-    # The engine's own graph path (ModelRunner.execute -> DecodeGraphs) against the same engine without
-    # graphs, same random weights: identical greedy tokens for a mixed batch. Both backends are built for
-    # graphs (split counts fixed by batch size): a backend planned per step picks other split counts,
-    # which changes the summation order and, on this tiny model, flipped a near-tie on the H200.
-    def engine(graphs: bool) -> LLMEngine:
+    # The engine's own graph paths (ModelRunner.execute -> DecodeGraphs, and PrefillGraphs for the prompts)
+    # against the same engine without graphs, same random weights: identical greedy tokens for a mixed
+    # batch. Both backends are built for graphs (split counts fixed by batch size): a backend planned per
+    # step picks other split counts, which changes the summation order and, on this tiny model, flipped a
+    # near-tie on the H200.
+    def engine(graphs: bool, prefill_graphs: bool) -> LLMEngine:
         model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=8,
                             max_kv_len=2048, cuda_graph=True)
         with torch.no_grad():
@@ -190,18 +191,22 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
             quantize_lm_head_fp8(model)
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                                              num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs,
-                                             kv_cache_dtype=kv_cache_dtype))
+                                             prefill_graphs=prefill_graphs, kv_cache_dtype=kv_cache_dtype))
 
     prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 130, 700)]
     outputs = []
-    for graphs in (False, True):
-        llm = engine(graphs)
+    for graphs, prefill_graphs in ((False, False), (True, False), (True, True)):
+        llm = engine(graphs, prefill_graphs)
         if graphs:
             assert llm.graph_capture_seconds, "no decode graph was captured"
+        assert bool(llm.prefill_graph_capture_seconds) == prefill_graphs
         reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
                 for i, p in enumerate(prompts)]
         outputs.append([c.output_ids for c in llm.generate(reqs)])
-    assert outputs[0] == outputs[1]
+        if prefill_graphs:
+            assert llm.runner.prefill_graphs.replays > 0
+    assert outputs[0] == outputs[1], "decode graphs changed the greedy tokens"
+    assert outputs[1] == outputs[2], "prefill graphs changed the greedy tokens"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
@@ -232,3 +237,49 @@ def test_prefix_cache_hits_export_the_kv_an_uncached_engine_computes(gpu_model, 
             a, b = a.float(), b.float()
             assert a.shape == b.shape
             assert (a - b).norm() <= 0.02 * b.norm() + 1e-3, (rid, ((a - b).norm() / b.norm()).item())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_prefill_graphs_replay_what_their_pieces_do_eagerly(gpu_model, kv_cache_dtype):
+    """Piecewise prefill graphs (engine/prefill_graphs.py) on prompt chunks and a mixed step: the replay
+    equals the same padded pieces launched eagerly, bit for bit (hidden states and the K/V written), and
+    stays within bf16 noise of the unpadded forward."""
+    from engine.block_manager import BlockManager
+    from engine.prefill_graphs import PrefillGraphs
+    from engine.runner import ModelRunner
+    from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
+
+    cfg = gpu_model.config
+    runner = ModelRunner(gpu_model, BS, kv_cache_dtype)
+    runner.allocate_kv_cache(256, 128)
+    bm = BlockManager(BS, cfg.sliding_window, 256, 128)
+    pieces = PrefillGraphs(gpu_model, [16, 64, 256, 512])
+    seconds = pieces.capture()
+    assert sorted(seconds) == [16, 64, 256, 512] and all(s > 0 for s in seconds.values())
+    prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (200, 420, 9)]
+    seqs = [Sequence(f"s{i}", p, SamplingParams(), 0, i) for i, p in enumerate(prompts)]
+    for step in ([(0, 200)], [(1, 300), (0, 1)], [(1, 120), (2, 9), (0, 1)], [(0, 1), (1, 1), (2, 1)]):
+        scheduled = []
+        for i, n in step:
+            seqs[i].output_ids += [] if seqs[i].num_computed + n <= seqs[i].num_tokens else [3]
+            bm.allocate(seqs[i], seqs[i].num_computed + n)
+            scheduled.append(ScheduledSeq(seqs[i], seqs[i].num_computed, n, is_prefill=n > 1))
+        inputs = runner.prepare(scheduled)
+        gpu_model.backend.bind_cache(runner.kv_cache)
+        plain = gpu_model(inputs.input_ids, inputs.positions, inputs.attention).float()
+        graphed = pieces.run(inputs.input_ids, inputs.positions, inputs.attention).clone()
+        cache = [t.clone() for t in (*runner.kv_cache.k, *runner.kv_cache.v)]
+        eager = pieces.run_eager(inputs.input_ids, inputs.positions, inputs.attention)
+        t = inputs.input_ids.numel()
+        assert torch.isfinite(graphed).all()
+        assert torch.equal(graphed, eager), f"{t} tokens: max diff {(graphed - eager).abs().max().item()}"
+        assert all(torch.equal(a, b) for a, b in zip(cache, (*runner.kv_cache.k, *runner.kv_cache.v)))
+        rel = ((graphed.float() - plain).norm() / plain.norm()).item()
+        print(f"{t} tokens in bucket {pieces.bucket_for(t)}: padded graphs vs the plain forward rel diff {rel:.2e}")
+        assert rel < 0.05, f"{t} tokens: the padded graphs drift from the plain forward (rel {rel:.3f})"
+        for s in scheduled:
+            s.seq.num_computed = s.end
+            bm.release_out_of_window(s.seq)
+    assert pieces.replays == 4
+    runner.close()
