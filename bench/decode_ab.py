@@ -11,12 +11,11 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
-- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
-- "swiglu-in-down": fused+pdl with SwiGLU + quantization inside the down GEMM's A loads
-  (Fp8Experts.fused_down_swiglu: one launch less per layer; not yet measured).
+- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
-(Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, and QKV on the
-GEMV too, which was slower than cuBLAS.)
+(Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
+GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x slower and removed:
+kernels/moe/NOTES.md.)
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
 + argmax, median of 3 timed loops), then every kernel of one eager step (torch.profiler):
@@ -41,7 +40,7 @@ from model.config import GptOssConfig
 
 VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
             "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
-            "fp8-dense": (True, True, True, True, "all"), "swiglu-in-down": (True, True, True, True, "", True)}
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -68,11 +67,9 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str,
-                swiglu_in_down: bool = False) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        layer.mlp.experts.fused_down_swiglu = swiglu_in_down
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl

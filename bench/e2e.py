@@ -285,6 +285,11 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
                            "dense_per_layer": h.shape.dense_bytes_per_layer, "embed": h.shape.embed_bytes},
              kv_pool={"full_pages": h.num_full, "sliding_pages": h.num_sliding, "block": BLOCK})
+    if args.prefill_graphs and device.type == "cuda":  # the prefill points through engine/prefill_graphs.py: a bucket per chunk length
+        chunk = args.prefill_chunk
+        h.use_prefill_graphs = True
+        r["prefill_graph_capture_s"] = h.capture_prefill_graphs(
+            sorted({min(chunk, n - s) for n in args.prefill_lens for s in range(0, n, chunk)}))
     save()
     contexts = args.contexts
     batches = [b for b in default_buckets(args.max_batch) if b & (b - 1) == 0 or b == args.max_batch]  # the table's
@@ -397,6 +402,8 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="unembedding weights: the model's dtype, or FP8 128x128 blocks (weight-only; opt-in, not exact)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="longest prefill forward (longer prompts chunk)")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill points as piecewise CUDA graphs (engine/prefill_graphs.py), as the engine runs them")
     p.add_argument("--engine-runs", default="", help="scenarios (1k/1k,8k/1k) to also run through LLMEngine "
                                                       "at the estimate's batch, b1 (one request alone) and b1sync "
                                                       "(the same, decode lookahead off; bench/e2e_engine_runs.py)")

@@ -107,9 +107,8 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 def swiglu_quant_rows(h, col_ok, alpha, limit, ROWS: tl.constexpr, FAST_DIV: tl.constexpr):
     """h [ROWS, 256]: gate_up outputs + bias of 128 output channels, (gate, up) interleaved, fp32 -> the
     clamped SwiGLU quantized per row: FP8 [ROWS, 128] and scales [ROWS] (channels where col_ok is false are
-    zero). The one copy of this arithmetic: the SwiGLU epilogue and the down GEMM that folds it into its A
-    loads (triton_grouped_gemm) round alike. FAST_DIV: approximate division (div.full, 2 ulp) and one
-    reciprocal per block, off the twin's rounding."""
+    zero). FAST_DIV: approximate division (div.full, 2 ulp) and one reciprocal per block, off the twin's
+    rounding."""
     gate, up = tl.split(tl.reshape(h, (ROWS, 128, 2)))
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)

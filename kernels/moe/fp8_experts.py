@@ -64,10 +64,6 @@ class Fp8Experts(nn.Module):
         # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
         # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
         self.swiglu_fast_div: bool | None = None
-        # Decode (the Triton masked GEMMs): SwiGLU + quantization inside the down GEMM's A loads
-        # (triton_grouped_gemm.grouped_gemm_decode_swiglu): one launch less per layer, the same values.
-        # Off until measured on the GPU (bench/decode_ab.py variant "fused+swiglu-in-down").
-        self.fused_down_swiglu = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -191,13 +187,6 @@ class Fp8Experts(nn.Module):
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
-        if self.fused_down_swiglu and self._decode_kernel_runs(backend, plan.layout == "masked", t):
-            from kernels.moe import triton_grouped_gemm as tgg
-
-            y = self.gemm_output(plan, splits, self.hidden)
-            tgg.grouped_gemm_decode_swiglu(h, self.b13, self.alpha, self.limit, self.w2, self.s2, y, plan.counts,
-                                           plan.active, plan.num_active, t)
-            return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
                          fast_div=self.swiglu_fast_div)

@@ -23,10 +23,9 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.moe.epilogues_triton import Fp8Rows, swiglu_quant_rows
+from kernels.moe.epilogues_triton import Fp8Rows
 from kernels.moe.fp8_quant import BLOCK
 from kernels.pdl import pdl_prologue
-from kernels.triton_rounding import round_to_bf16
 
 
 @triton.jit
@@ -108,33 +107,12 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
 
 
 @triton.jit
-def _swiglu_a_tile(h_ptr, bias_ptr, rows, t_ok, expert, kb, inter, stride_h, stride_hsplit, stride_bias, alpha, limit,
-                   BLOCK_T: tl.constexpr, H_SPLITS: tl.constexpr):
-    """A^T tile [128, BLOCK_T] (fp8) and its row scales [BLOCK_T] for K block `kb` of the down GEMM, made from
-    the gate_up GEMM's rows as epilogues_triton's swiglu_quant makes them (same loads and split-K sum, then
-    the shared swiglu_quant_rows with IEEE division: bitwise the codes and scales of the separate launch)."""
-    src = kb * 256 + tl.arange(0, 256)  # interleaved (gate, up) inputs of output channels kb*128 ..
-    src_ok = src < 2 * inter
-    ok = t_ok[:, None] & src_ok[None, :]
-    h = tl.load(h_ptr + rows[:, None] * stride_h + src[None, :], mask=ok, other=0.0).to(tl.float32)
-    if H_SPLITS > 1:
-        for s in tl.static_range(1, H_SPLITS):
-            h += tl.load(h_ptr + s * stride_hsplit + rows[:, None] * stride_h + src[None, :], mask=ok, other=0.0)
-        h = round_to_bf16(h)
-    h += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias + src, mask=src_ok, other=0.0)[None, :]
-    col = kb * 128 + tl.arange(0, 128)
-    q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_T, False)
-    return tl.trans(q), scale
-
-
-@triton.jit
 def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
                                     a_row_map_ptr, rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
-                                    h_ptr, bias_ptr, inter, stride_h, stride_hsplit, stride_bias, alpha, limit,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
-                                    SWIGLU_A: tl.constexpr, H_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                                    PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -162,12 +140,8 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
             b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-            if SWIGLU_A:  # A from the gate_up rows, in registers: no SwiGLU launch, no A in memory
-                a, sa = _swiglu_a_tile(h_ptr, bias_ptr, rows, t_ok, expert, kb, inter, stride_h, stride_hsplit,
-                                       stride_bias, alpha, limit, BLOCK_T, H_SPLITS)
-            else:
-                a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
-                sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
+            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
+            sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
             sb = tl.load(sfb_ptrs + kb)
             acc += tl.dot(b, a) * (sb * sa[None, :])
             a_ptrs += BLOCK_K
@@ -222,37 +196,6 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         a_row_map if a_row_map is not None else counts, a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
-        counts, counts, 0, 0, 0, 0, 1.0, 1.0,  # the SwiGLU-A arguments, unused
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
-        A_ROW_MAP=a_row_map is not None, SWIGLU_A=False, H_SPLITS=1, **cfg, **pdl.launch(out))
-    return out
-
-
-def grouped_gemm_decode_swiglu(h: torch.Tensor, bias: torch.Tensor, alpha: float, limit: float,
-                               w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor, counts: torch.Tensor,
-                               active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
-                               config: dict | None = None) -> torch.Tensor:
-    """The down GEMM of decode with SwiGLU + quantization folded into its A loads: h is the gate_up GEMM's
-    output in the masked layout ([rows, 2I] bf16, or [S, rows, 2I] fp32 split-K partials), bias [E, 2I] its
-    bias (fp32, the experts of W); each program rebuilds the FP8 A blocks of its K range from h (the ~23 kB
-    of an expert's row are read from L2 by each of the N/BLOCK_N programs), so one launch and A's round
-    trip to memory go.
-    Same result, bit for bit, as epilogues_triton.swiglu_quant (IEEE division) then grouped_gemm_decode."""
-    e, n, kp = w.shape
-    inter = h.shape[-1] // 2
-    rows = h.shape[-2]
-    if w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK) or kp < inter or kp % BLOCK:
-        raise ValueError(f"W {tuple(w.shape)} with scales {tuple(w_scales.shape)} does not take K = {inter} (padded)")
-    if bias.shape != (e, 2 * inter):
-        raise ValueError(f"bias {tuple(bias.shape)} must be [{e}, {2 * inter}]")
-    if rows % e or max_tokens > min(DECODE_MAX_TOKENS, rows // e):
-        raise ValueError(f"h holds {rows} rows for {e} experts; max_tokens {max_tokens} must fit each group")
-    cfg, splits, grid = _decode_launch(config, out, n, active)
-    h_splits = h.shape[0] if h.dim() == 3 else 1
-    _fp8_grouped_gemm_decode_kernel[grid](
-        h, counts, w, w_scales, out, counts, active, num_active, counts, rows // e, n, 0, w.stride(0), w.stride(1),
-        out.stride(-2), out.stride(0) if splits > 1 else 0, 0, 0, w_scales.stride(0), w_scales.stride(1),
-        h, bias, inter, h.stride(-2), h.stride(0) if h_splits > 1 else 0, bias.stride(0), float(alpha), float(limit),
-        BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
-        A_ROW_MAP=False, SWIGLU_A=True, H_SPLITS=h_splits, **cfg, **pdl.launch(out))
+        A_ROW_MAP=a_row_map is not None, **cfg, **pdl.launch(out))
     return out
