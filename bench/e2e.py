@@ -198,12 +198,12 @@ class Harness:
         meta_s = KVGroupMeta(table.clone(), meta.kv_lens.clone(), slots.clone(), [end])
         return AttentionBatch(torch.tensor([0, end - start], dtype=torch.int32, device=d), [end - start], meta, meta_s)
 
-    def capture_prefill_graphs(self, buckets: list[int]) -> dict[int, float]:
+    def capture_prefill_graphs(self, buckets: list[int], pdl: bool = True) -> dict[int, float]:
         """Piecewise prefill graphs at these token buckets (engine/prefill_graphs.py); prefill() replays them
         while use_prefill_graphs is set. Seconds per bucket."""
         from engine.prefill_graphs import PrefillGraphs
 
-        self.prefill_graphs = PrefillGraphs(self.model, buckets)
+        self.prefill_graphs = PrefillGraphs(self.model, buckets, pdl=pdl)
         return self.prefill_graphs.capture()
 
     # ---- measurements ---------------------------------------------------------------------------

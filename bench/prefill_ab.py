@@ -13,7 +13,7 @@ Variant sets:
   (kernels/attention/sliding_prefill_triton.py) / the Triton kernel plus the approximate-division
   SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
 - `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
-  bucket captured per chunk length.
+  bucket captured per chunk length, with and without programmatic dependent launch in the graphs.
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
 """
 
@@ -54,18 +54,32 @@ def sliding_variants():
 
 
 def graphs_variants():
-    def mode(on: bool):
+    """Eager forwards; piecewise graphs captured with PDL; the same graphs captured without it. The graph
+    sets are captured by main() (capture_graphs) and switched in here."""
+    def mode(key: str | None):
         def apply(h: Harness):
-            h.use_prefill_graphs = on
+            h.use_prefill_graphs = key is not None
+            if key is not None:
+                h.prefill_graphs = h.graph_sets[key]
         return apply
-    return {"eager": mode(False), "graphs": mode(True)}
+    return {"eager": mode(None), "graphs": mode("pdl"), "graphs, no PDL": mode("no pdl")}
+
+
+def capture_graphs(h: Harness, buckets: list[int]) -> dict:
+    h.graph_sets, seconds = {}, {}
+    for key, pdl_on in (("pdl", True), ("no pdl", False)):
+        seconds[key] = h.capture_prefill_graphs(buckets, pdl=pdl_on)
+        h.graph_sets[key] = h.prefill_graphs
+    return seconds
 
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants}
 
 
-def kernel_ms(fn) -> float:
-    """Summed GPU kernel time of one prefill forward (the harness's call runs it 1 + 3 times)."""
+def kernel_profile(fn) -> dict:
+    """One call of `fn` (the harness's prefill: 1 + 3 forwards) under the profiler: summed GPU kernel time
+    per forward, and the idle gaps between consecutive kernels per forward, by size (gaps of 1 ms and more
+    are the host's syncs between the forwards and are left out)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -74,7 +88,21 @@ def kernel_ms(fn) -> float:
     # kernels and copies only (a CPU op also reports the device time of what it launched)
     total_us = sum(e.self_device_time_total for e in prof.key_averages()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0)
-    return total_us / 1e3 / 4
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    bins = {"<5us": 0.0, "5-50us": 0.0, "50us-1ms": 0.0}
+    largest = []
+    end_so_far = spans[0][1] if spans else 0
+    for (start, end, name), prev in zip(spans[1:], spans):
+        gap = start - end_so_far
+        end_so_far = max(end_so_far, end)
+        if gap <= 0 or gap >= 1000:
+            continue
+        bins["<5us" if gap < 5 else "5-50us" if gap < 50 else "50us-1ms"] += gap
+        largest.append((gap, prev[2][:40], name[:40]))
+    largest.sort(reverse=True)
+    return {"kernels_ms": total_us / 1e3 / 4, "gaps_ms": {k: v / 1e3 / 4 for k, v in bins.items()},
+            "largest_gaps_us": [[round(g, 1), a, b] for g, a, b in largest[:6]]}
 
 
 def main(argv=None) -> int:
@@ -91,10 +119,8 @@ def main(argv=None) -> int:
     variants = VARIANTS[args.variants]()
     capture = {}
     if args.variants == "graphs":  # a bucket per chunk length the prompts are cut into
-        buckets = sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)})
-        capture = h.capture_prefill_graphs(buckets)
-        print("prefill graphs captured: " + ", ".join(f"{b} tokens {sec:.2f} s" for b, sec in capture.items()),
-              flush=True)
+        capture = capture_graphs(h, sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)}))
+        print(f"prefill graphs captured (s per bucket): {capture}", flush=True)
     rows = []
     for n in lens:
         walls = {name: [] for name in variants}
@@ -107,10 +133,17 @@ def main(argv=None) -> int:
             apply(h)
             row[name] = statistics.median(walls[name])
             row[name + " min"] = min(walls[name])
-            row[name + " kernels"] = kernel_ms(lambda: h.prefill(n, profile=False, chunk=args.chunk))
+            prof = kernel_profile(lambda: h.prefill(n, profile=False, chunk=args.chunk))
+            row[name + " kernels"] = prof["kernels_ms"]
+            row[name + " gaps"] = prof
         rows.append(row)
         print(f"tokens={n}: " + "; ".join(f"{name} {row[name]:.2f} (min {row[name + ' min']:.2f}, kernels "
                                            f"{row[name + ' kernels']:.2f}) ms" for name in variants), flush=True)
+        for name in variants:
+            g = row[name + " gaps"]
+            print(f"  {name}: idle between kernels per forward (ms) "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in g["gaps_ms"].items())
+                  + f"; largest (us): {g['largest_gaps_us'][:3]}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                           "model": args.model, "variants": list(variants), "ttft_ms": rows,

@@ -36,6 +36,7 @@ import time
 import torch
 
 from engine.cuda_graphs import CudaGraphError
+from kernels import pdl as pdl_launch
 from kernels.attention import AttentionBatch
 from model.gpt_oss import GptOssForCausalLM
 
@@ -55,11 +56,12 @@ def default_token_buckets(max_tokens: int) -> list[int]:
 class PrefillGraphs:
     """Per bucket, num_layers + 1 captured graphs with attention launched eagerly between them."""
 
-    def __init__(self, model: GptOssForCausalLM, buckets: list[int]):
+    def __init__(self, model: GptOssForCausalLM, buckets: list[int], pdl: bool = True):
         if not buckets:
             raise CudaGraphError("give at least one token bucket")
         self.model = model
         self.buckets = sorted(set(buckets))
+        self.pdl = pdl  # capture the Triton kernels with programmatic dependent launch (kernels/pdl.py)
         self.num_layers = len(model.model.layers)
         top, device, dtype = self.buckets[-1], model.device, model.dtype
         attn = model.model.layers[0].self_attn
@@ -157,7 +159,7 @@ class PrefillGraphs:
             start = time.perf_counter()
             state: dict = {}
             pieces = []
-            with self._writing_through_static_slots():
+            with self._writing_through_static_slots(), pdl_launch.switched(pdl_launch.ENABLED and self.pdl):
                 for i in range(self.num_layers + 1):
                     self._piece(i, size, dict(state))  # warm-up: compiles, allocator sees the shapes
                     torch.cuda.synchronize()

@@ -16,6 +16,8 @@ ENABLED = False to compare (bench/decode_ab.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -64,3 +66,14 @@ def launch(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on `t`'s device: the PDL constexpr, and launch_pdl when on."""
     on = active(t)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@contextlib.contextmanager
+def switched(on: bool):
+    """ENABLED set to `on` inside the block (e.g. while capturing graphs that must not use PDL)."""
+    global ENABLED
+    before, ENABLED = ENABLED, on
+    try:
+        yield
+    finally:
+        ENABLED = before
