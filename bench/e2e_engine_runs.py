@@ -48,11 +48,13 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     config = EngineConfig(device=str(device), max_num_seqs=max_seqs,
                           max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
                           kv_cache_bytes=budget, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda",
+                          prefill_graphs=None if getattr(args, "prefill_graphs", True) else False,
                           lm_head_dtype=args.lm_head_dtype)
     t0 = time.perf_counter()
     engine = LLMEngine(h.model, config)
     runs = r.setdefault("engine_runs", [])
     setup = {"engine_build_s": time.perf_counter() - t0, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
+             "prefill_graph_capture_s": sum(engine.prefill_graph_capture_seconds.values()),
              "full_pages": engine.block_manager.usage()["full_pages_total"]}
     auto = engine.async_decode
     for name in single:
