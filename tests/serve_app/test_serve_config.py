@@ -245,3 +245,14 @@ def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():
     assert gpu.engine_config("cuda:0").async_decode is True and gpu.engine_config("cpu").async_decode is False
     assert ServeAppConfig.from_args({"device": "cuda", "async_decode": "false"}).engine_config("cuda:0").async_decode is False
     assert ServeAppConfig.from_args({"device": "cuda", "tp_size": 2}).engine_config("cuda:0").async_decode is True
+
+
+def test_prefill_graphs_follow_decode_graphs_on_one_gpu():
+    def engine(args: dict, device: str = "cuda:0"):
+        return ServeAppConfig.from_args({"device": "cuda", **args}).engine_config(device)
+
+    assert engine({}).uses_prefill_graphs
+    assert not engine({}, "cpu").uses_prefill_graphs
+    assert not engine({"prefill_graphs": "false"}).uses_prefill_graphs
+    assert not engine({"cuda_graphs": "false"}).uses_prefill_graphs
+    assert not engine({"tp_size": 2}).uses_prefill_graphs  # several ranks: eager prefill, not an error
