@@ -153,8 +153,11 @@ class Harness:
             self.capture = self.graphs.capture()
 
     def release(self) -> None:
-        """Drop the KV pool and the decode graphs (an engine run brings its own)."""
+        """Drop the KV pool and the decode and prefill graphs (an engine run brings its own)."""
         self.graphs = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+        self.prefill_graphs, self.use_prefill_graphs = None, False
         self.model.backend.bind_cache(None)
         self.kv = None
         gc.collect()

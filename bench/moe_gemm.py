@@ -146,7 +146,7 @@ def bench_dense(shard) -> list[dict]:
         wq = [(q[0], s[0]) for q, s in wq]
         w_rowwise = [(w.float().abs().amax(1, keepdim=True).clamp(min=1e-4) / 448) for w in wb]
         w_row_q = [(w.float() / s).to(torch.float8_e4m3fn) for w, s in zip(wb, w_rowwise)]
-        for t in (1, 64, 4096):
+        for t in (1, 64, 1024, 4096, 8192):
             x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
             a = Fp8Rows.empty(1, t, padded(k), DEV)
             ident = torch.arange(t, device=DEV, dtype=torch.int32)
