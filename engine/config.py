@@ -44,8 +44,8 @@ class EngineConfig:
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
     # Prefill and mixed steps of up to max_num_batched_tokens as piecewise CUDA graphs at token buckets,
-    # attention eager between them (engine/prefill_graphs.py). None: on with cuda_graphs on one rank (not
-    # yet built for several ranks: True there is an error).
+    # attention eager between them (engine/prefill_graphs.py). None: on with cuda_graphs on one rank; over
+    # several ranks (every rank captures the same buckets, engine/distributed) only when set True.
     prefill_graphs: bool | None = None
     # Lookahead (engine/llm_engine.py): schedule and launch the next step before reading this one's
     # tokens. None: on with one CUDA rank; off on CPU (it only hides host time behind a GPU) and, until
@@ -105,9 +105,6 @@ class EngineConfig:
             raise EngineConfigError(f"prefill_graphs must be true, false or null (auto), got {self.prefill_graphs!r}")
         if self.prefill_graphs and not self.device.startswith("cuda"):
             raise EngineConfigError("prefill_graphs=True needs device 'cuda' or 'cuda:N'")
-        if self.prefill_graphs and self.world_size > 1:
-            raise EngineConfigError("prefill_graphs=True runs on one rank only for now (tp_size = ep_size = 1); "
-                                    "leave it null (auto) to prefill eagerly over several ranks")
         if self.async_decode not in (None, True, False):
             raise EngineConfigError(f"async_decode must be true, false or null (auto), got {self.async_decode!r}")
         if not isinstance(self.seed, int) or self.seed < 0:

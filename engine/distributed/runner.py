@@ -62,6 +62,11 @@ class DistributedRunner(ModelRunner):
             channel.send(Op.CAPTURE, np.asarray(buckets, dtype=np.int64))
             return super().capture_decode_graphs(buckets, logits)
 
+    def capture_prefill_graphs(self, buckets: list[int]) -> dict[int, float]:
+        with self.executor.guard("prefill graph capture", self) as channel:
+            channel.send(Op.CAPTURE_PREFILL, np.asarray(buckets, dtype=np.int64))
+            return super().capture_prefill_graphs(buckets)
+
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.host is None:
             raise ValueError("a multi-rank step needs the host arrays it was built from: use runner.prepare")

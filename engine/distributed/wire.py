@@ -33,6 +33,7 @@ class Op(enum.IntEnum):
     SHUTDOWN = 8  # none; leave the loop
     STEP_DELTA = 9  # bytes: pack_step_delta; the previous step one token further, with its changed table rows
     CAPTURE = 10  # int64 buckets; capture the decode step's CUDA graphs at them (their collectives pair up)
+    CAPTURE_PREFILL = 11  # int64 token buckets; capture the piecewise prefill graphs (engine/prefill_graphs.py)
 
 
 _NONE, _INT64, _BYTES, _PICKLE = 0, 1, 2, 3

@@ -203,6 +203,8 @@ class RankWorker:
             elif op is Op.CAPTURE:  # rank 0 samples; with the vocabulary not split nobody else needs logits
                 self.runner.capture_decode_graphs([int(b) for b in payload],
                                                   logits=self.runner.model.parallel.tp_size > 1)
+            elif op is Op.CAPTURE_PREFILL:  # same buckets, same order as rank 0: the collectives pair up
+                self.runner.capture_prefill_graphs([int(b) for b in payload])
             elif op is Op.STEP:
                 self._last_step, self._last_number = unpack_step(payload), self._last_number + 1
                 self._step(self._last_step)
@@ -234,9 +236,11 @@ class RankWorker:
         if runner.model.parallel.tp_size == 1:
             # Vocabulary not split: no all-gather to take part in, and rank 0 alone samples.
             runner.model.backend.bind_cache(runner.kv_cache)
-            graphs = runner.decode_graphs
+            graphs, pieces = runner.decode_graphs, runner.prefill_graphs  # rank 0 decides alike (ModelRunner.execute)
             if graphs is not None and graphs.serves(inputs.attention):
                 graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+            elif pieces is not None and pieces.serves(inputs.attention):
+                pieces.run(inputs.input_ids, inputs.positions, inputs.attention)
             else:
                 runner.model(inputs.input_ids, inputs.positions, inputs.attention)
         else:

@@ -76,7 +76,8 @@ def generate_and_check(ex: Executor, checkpoint, reference, tp: int, ep: int, **
         assert replays >= OUT - 2, f"{what}: only {replays} decode steps replayed a graph"
         check_against_reference(reference, outs, what)
         fast = engine.runner.model.parallel.fast_all_reduce
-        return {"fast_calls": None if fast is None else fast.calls}
+        pieces = engine.runner.prefill_graphs
+        return {"fast_calls": None if fast is None else fast.calls, "prefill_replays": pieces.replays if pieces else 0}
     except BaseException:  # shown now: a stuck shutdown after it would hide it until the timeout
         traceback.print_exc()
         raise
@@ -110,6 +111,19 @@ def test_symm_mem_all_reduce_over_ranks_matches_one_gpu(checkpoint, reference, a
     try:
         stats = generate_and_check(ex, checkpoint, reference, 2, 2, async_decode=True, all_reduce=all_reduce)
         assert stats["fast_calls"], "the symmetric-memory all-reduce never ran"
+    finally:
+        ex.shutdown()
+
+
+def test_prefill_graphs_over_ranks_match_one_gpu(checkpoint, reference):
+    """Piecewise prefill graphs (engine/prefill_graphs.py) on every rank, TP2/EP2 and EP2 (whose ranks > 0
+    replay them in their own step loop): the prompts' steps replay graphs whose collectives pair up, and
+    the tokens pass the same check against one GPU."""
+    ex = Executor.spawn(2, "cuda")
+    try:
+        for tp, ep in [(2, 2), (1, 2)]:
+            stats = generate_and_check(ex, checkpoint, reference, tp, ep, prefill_graphs=True, async_decode=True)
+            assert stats["prefill_replays"] > 0, f"tp{tp} ep{ep}: no prefill step replayed a graph"
     finally:
         ex.shutdown()
 
