@@ -91,6 +91,7 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: Non
                           kv_cache_dtype=args.kv_cache_dtype, lm_head_dtype=args.lm_head_dtype,
                           all_reduce=args.all_reduce,
                           cuda_graphs=graphs, async_decode={"on": True, "off": False}.get(args.lookahead),
+                          prefill_graphs={"on": True, "off": False}.get(args.prefill_graphs),
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None)
     t0 = time.perf_counter()
     engine = LLMEngine.with_random_weights(shapes, config, seed=args.seed)
@@ -98,6 +99,8 @@ def run_split(shapes: GptOssConfig, tp: int, ep: int, args, save=lambda rec: Non
     rec = {"split": f"tp{tp} ep{ep}", "tp": tp, "ep": ep, "gpus": world, "all_reduce": config.all_reduce,
            "all_reduce_used": "symm_mem" if fast is not None else "nccl", "build_s": time.perf_counter() - t0,
            "cuda_graphs": config.cuda_graphs, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
+           "prefill_graphs": config.uses_prefill_graphs,
+           "prefill_graph_capture_s": sum(engine.prefill_graph_capture_seconds.values()),
            "async_decode": engine.async_decode, "full_pages": engine.block_manager.usage()["full_pages_total"]}
     try:
         def done(part: str) -> None:  # progress, for runs cut short by a time limit
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--lookahead", choices=("auto", "on", "off"), default="auto",
                    help="the decode lookahead (auto: the engine's default, on for CUDA)")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="decode CUDA graphs (CUDA only)")
+    p.add_argument("--prefill-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="piecewise prefill graphs (engine/prefill_graphs.py); auto: with --graphs on")
     p.add_argument("--parts", type=lambda t: set(t.split(",")), default={"b1", "prefill", "throughput"},
                    help="comma list of b1, profile (rank 0's profile of batch-1 decode steps), prefill, throughput")
     p.add_argument("--b1-in", type=int, default=1024)

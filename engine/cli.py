@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
     gen.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),
                      help="prefill / mixed steps as piecewise CUDA graphs at token buckets, attention eager "
-                          "(auto: with --cuda-graphs on one rank)")
+                          "(auto: with --cuda-graphs, every rank)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")

@@ -44,8 +44,8 @@ class EngineConfig:
     moe_backend: str = "auto"  # "auto" | "torch" | "fp8"
     cuda_graphs: bool = False  # capture decode steps at batch buckets up to max_num_seqs (CUDA only)
     # Prefill and mixed steps of up to max_num_batched_tokens as piecewise CUDA graphs at token buckets,
-    # attention eager between them (engine/prefill_graphs.py). None: on with cuda_graphs on one rank; over
-    # several ranks (every rank captures the same buckets, engine/distributed) only when set True.
+    # attention eager between them (engine/prefill_graphs.py). None: on with cuda_graphs, on every rank of a
+    # TP/EP split too (each captures the same buckets; 20b TP2/EP2 on 2x H200: 4k prefill 53.1 -> 45.9 ms).
     prefill_graphs: bool | None = None
     # Lookahead (engine/llm_engine.py): schedule and launch the next step before reading this one's
     # tokens. None: on with one CUDA rank; off on CPU (it only hides host time behind a GPU) and, until
@@ -126,10 +126,10 @@ class EngineConfig:
 
     @property
     def uses_prefill_graphs(self) -> bool:
-        """prefill_graphs resolved: explicit, else on with decode graphs on one rank."""
+        """prefill_graphs resolved: explicit, else on with decode graphs."""
         if self.prefill_graphs is not None:
             return self.prefill_graphs
-        return self.cuda_graphs and self.world_size == 1
+        return self.cuda_graphs
 
     @property
     def world_size(self) -> int:

@@ -24,8 +24,11 @@ else lives in one pool: buckets are replayed one at a time, so the largest one's
 pool's size. A graph's intermediate tensors (residual stream, MLP output, rotary tables) are released
 once the next graph that reads them is captured; at replay the reader has run before anything reuses them.
 
-Needs the attention backend to write K/V in the rotary kernel (FlashInferAttentionBackend with
-fuse_kv_write); one rank only for now (engine/config.py says so). Legend: T = real tokens, Tp = bucket.
+Needs the attention backend to write K/V through kv_destination (FlashInferAttentionBackend with
+fuse_kv_write; on the CPU the torch backend, for run_eager). Over several ranks every rank captures the
+same buckets in the same order (engine/distributed: CAPTURE_PREFILL) and replays the same bucket each
+step, so the collectives inside the pieces pair up, as with the decode graphs.
+Legend: T = real tokens, Tp = bucket.
 """
 
 from __future__ import annotations

@@ -175,9 +175,9 @@ class ServeAppConfig(_Settings):
                           "GPU replicas (every rank of a TP/EP replica captures the same graphs); CPU replicas run eagerly.")
     prefill_graphs: bool = Field(
         True, description="Run prefill and mixed steps as piecewise CUDA graphs at token buckets up to "
-                          "max_num_batched_tokens, attention eager between them (engine/prefill_graphs.py). Applies "
-                          "to one-GPU replicas with cuda_graphs; TP/EP replicas prefill eagerly. 20b on an H200: "
-                          "1k-token TTFT 39.8 -> 16.2 ms through the engine.")
+                          "max_num_batched_tokens, attention eager between them (engine/prefill_graphs.py), with "
+                          "cuda_graphs on GPU replicas (every rank of a TP/EP replica). 20b on an H200: 1k-token "
+                          "TTFT 39.8 -> 16.2 ms through the engine; TP2/EP2 on 2 H200s: 4k prefill 53.1 -> 45.9 ms.")
     enable_prefix_caching: bool = Field(
         True, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
                           "prompts, earlier turns of a chat). 20b on an H200, 16 requests sharing 2k tokens: "
@@ -303,7 +303,7 @@ class ServeAppConfig(_Settings):
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",
-            # auto (None) turns them on with cuda_graphs on one rank; False keeps them off
+            # auto (None) turns them on with cuda_graphs; False keeps them off
             prefill_graphs=None if self.prefill_graphs and device != "cpu" else False,
             async_decode=self.async_decode and device != "cpu",
             enable_prefix_caching=self.enable_prefix_caching,

@@ -33,7 +33,7 @@ def test_config_resolves_prefill_graphs():
     assert not EngineConfig().uses_prefill_graphs
     assert EngineConfig(device="cuda", cuda_graphs=True).uses_prefill_graphs
     assert not EngineConfig(device="cuda", cuda_graphs=True, prefill_graphs=False).uses_prefill_graphs
-    assert not EngineConfig(device="cuda", cuda_graphs=True, tp_size=2).uses_prefill_graphs
+    assert EngineConfig(device="cuda", cuda_graphs=True, tp_size=2).uses_prefill_graphs  # every rank
     assert EngineConfig(device="cuda", prefill_graphs=True).uses_prefill_graphs
     with pytest.raises(EngineConfigError, match="prefill_graphs=True needs device"):
         EngineConfig(prefill_graphs=True)

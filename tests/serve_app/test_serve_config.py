@@ -247,7 +247,7 @@ def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():
     assert ServeAppConfig.from_args({"device": "cuda", "tp_size": 2}).engine_config("cuda:0").async_decode is True
 
 
-def test_prefill_graphs_follow_decode_graphs_on_one_gpu():
+def test_prefill_graphs_follow_decode_graphs():
     def engine(args: dict, device: str = "cuda:0"):
         return ServeAppConfig.from_args({"device": "cuda", **args}).engine_config(device)
 
@@ -255,4 +255,4 @@ def test_prefill_graphs_follow_decode_graphs_on_one_gpu():
     assert not engine({}, "cpu").uses_prefill_graphs
     assert not engine({"prefill_graphs": "false"}).uses_prefill_graphs
     assert not engine({"cuda_graphs": "false"}).uses_prefill_graphs
-    assert not engine({"tp_size": 2}).uses_prefill_graphs  # several ranks: eager prefill, not an error
+    assert engine({"tp_size": 2, "ep_size": 2}).uses_prefill_graphs  # every rank captures them
