@@ -3,7 +3,8 @@
 - dispatch_quant: quantize each token row of x per 128 channels to FP8 once and write it to each of
   its pairs' GEMM rows (DeepGEMM's A operand), zero-padding K 2880 -> 2944;
 - swiglu_quant: GEMM-1 row + gate_up bias (DeepGEMM has no bias), de-interleave (gate = even
-  columns, up = odd), clamp, SwiGLU, +1 on up, quantize for GEMM 2;
+  columns, up = odd), clamp, SwiGLU, +1 on up, quantize for GEMM 2 (per pair; swiglu_quant_contiguous:
+  the same per row tile of a contiguous layout, the bias loaded once per tile);
 - combine: GEMM-2 row + down bias, times the routing weight, summed over each token's k slots in
   fp32 (a gather per token: no atomics, a fixed summation order).
 
@@ -156,6 +157,31 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
                  scale, mask=kb < NUM_KB)
 
 
+@triton.jit
+def _swiglu_quant_tiles_kernel(h_ptr, m_indices_ptr, bias_ptr, a_ptr, sf_ptr, num_rows, inter, stride_h, stride_a,
+                               stride_bias, alpha, limit, sf_k_stride,
+                               BLOCK_R: tl.constexpr, FAST_DIV: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    # grid (row tiles, k-blocks) over the contiguous layout: a tile of BLOCK_R rows lies inside one expert's
+    # segment (segments start at multiples of BLOCK_R), so the tile loads its 256 bias values once, where
+    # the per-pair kernel loads a bias value per element.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1)
+    expert = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)  # -1: alignment padding
+    live = expert >= 0
+    e = tl.max(expert, axis=0)
+    if e >= 0:
+        src = kb * 256 + tl.arange(0, 256)  # interleaved (gate, up) inputs of output channels kb*128 ..
+        ok_src = src < 2 * inter
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + src[None, :],
+                    mask=live[:, None] & ok_src[None, :], other=0.0).to(tl.float32)
+        h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)[None, :]
+        col = kb * 128 + tl.arange(0, 128)
+        q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_R, FAST_DIV)
+        tl.store(a_ptr + rows[:, None].to(tl.int64) * stride_a + col[None, :], q, mask=live[:, None])
+        tl.store(sf_ptr + kb * sf_k_stride + rows, scale, mask=live)
+
+
 def _kb_per_program(pairs: int, num_kb: int) -> int:
     """k-blocks per program: one while there are few pairs (decode: spread a row over the SMs), more once
     pairs alone fill the GPU (prefill: fewer, larger programs)."""
@@ -224,6 +250,29 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
             first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
             NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4,
             **pdl.launch(h))
+    return out
+
+
+def swiglu_quant_contiguous(h: torch.Tensor, m_indices: torch.Tensor, bias: torch.Tensor, alpha: float, limit: float,
+                            out: Fp8Rows, segment_align: int, num_pairs: int, fast_div: bool | None = None,
+                            block_rows: int = 32, num_warps: int = 4) -> Fp8Rows:
+    """swiglu_quant over a contiguous-layout plan (routing_triton.plan_contiguous), tiled by rows: the same
+    values per row, bit for bit, written to the same rows (rows whose m_indices is -1 are left alone).
+    m_indices [rows]: the local expert of each row; segments start at multiples of `segment_align`, which
+    block_rows must divide. fast_div None: on above 512 pairs, as swiglu_quant decides."""
+    rows = h.shape[0]
+    if h.dim() != 2 or m_indices.shape != (rows,) or out.groups != 1 or out.rows_per_group != rows:
+        raise ValueError(f"h {tuple(h.shape)} (bf16 rows), m_indices {tuple(m_indices.shape)} and one group of "
+                         f"{out.rows_per_group} FP8 rows must describe the same {rows} rows")
+    if segment_align % block_rows:
+        raise ValueError(f"block_rows {block_rows} must divide the segment alignment {segment_align}")
+    if fast_div is None:
+        fast_div = num_pairs > 512
+    if rows:
+        _swiglu_quant_tiles_kernel[(triton.cdiv(rows, block_rows), out.k_blocks)](
+            h, m_indices, bias, out.data, out.scale_storage, rows, h.shape[1] // 2, h.stride(0), out.data.stride(0),
+            bias.stride(0), float(alpha), float(limit), out.sf_k_stride,
+            BLOCK_R=block_rows, FAST_DIV=fast_div, num_warps=num_warps, **pdl.launch(h))
     return out
 
 

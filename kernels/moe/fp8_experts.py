@@ -64,6 +64,10 @@ class Fp8Experts(nn.Module):
         # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
         # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
         self.swiglu_fast_div: bool | None = None
+        # Prefill (contiguous layout): SwiGLU + quantization by row tiles, bias loaded once per tile
+        # (epilogues_triton.swiglu_quant_contiguous, bitwise the per-pair kernel's output). Off until timed
+        # on the GPU: python -m bench.swiglu_ab (its "tiles" rows).
+        self.swiglu_tiles = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -188,8 +192,12 @@ class Fp8Experts(nn.Module):
         h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
-        epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
-                         fast_div=self.swiglu_fast_div)
+        if self.swiglu_tiles and plan.layout == "contiguous":
+            epi.swiglu_quant_contiguous(h, plan.m_indices, self.b13, self.alpha, self.limit, a2,
+                                        self._alignment(backend), ids.numel(), fast_div=self.swiglu_fast_div)
+        else:
+            epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
+                             fast_div=self.swiglu_fast_div)
         y = self.gemm_output(plan, splits, self.hidden)
         self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)

@@ -142,6 +142,38 @@ def test_swiglu_quant(inter, kb_per_program, splits, fast_div, monkeypatch):
     torch.testing.assert_close(out.scales_rows(), want_scales, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("fast_div", [False, True])
+@pytest.mark.parametrize("inter,block_rows", [(136, 16), (300, 32)])
+def test_swiglu_quant_by_row_tiles_equals_the_per_pair_kernel(inter, block_rows, fast_div):
+    """swiglu_quant_contiguous over a real contiguous plan (segments aligned to 32, padding rows, an expert
+    of another rank) writes, bit for bit, what swiglu_quant writes, and leaves padding rows alone."""
+    from kernels.moe import routing_triton
+
+    t, k, e_local, first = 23, 3, 4, 2
+    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).int()  # experts 0..7, local 2..5
+    plan = routing_triton.plan_contiguous(ids, first, e_local, 32)
+    h = (torch.randn(plan.num_rows, 2 * inter) * 4).bfloat16()
+    bias = torch.randn(e_local, 2 * inter)
+    outs = []
+    for tiles in (False, True):
+        out = epi.Fp8Rows.empty(1, plan.num_rows, padded(inter), "cpu")
+        out.data.fill_(7.0)
+        out.scale_storage.fill_(-1.0)
+        if tiles:
+            epi.swiglu_quant_contiguous(h, plan.m_indices, bias, 1.702, 7.0, out, 32, ids.numel(), fast_div=fast_div,
+                                        block_rows=block_rows)
+        else:
+            epi.swiglu_quant(h, plan.row_of_pair, ids, bias, first, 1.702, 7.0, out, fast_div=fast_div)
+        outs.append(out)
+    live = plan.m_indices >= 0
+    assert 0 < int(live.sum()) < plan.num_rows  # some padding rows in the layout
+    assert torch.equal(outs[0].data.view(torch.uint8), outs[1].data.view(torch.uint8))
+    assert torch.equal(outs[0].scales_rows(), outs[1].scales_rows())
+    assert (outs[1].data[~live].float() == 7.0).all()
+    with pytest.raises(ValueError, match="divide"):
+        epi.swiglu_quant_contiguous(h, plan.m_indices, bias, 1.702, 7.0, outs[1], 32, ids.numel(), block_rows=64)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_combine(splits):
     t, k, hidden, e_local, first = 11, 3, 200, 4, 2

@@ -307,6 +307,23 @@ def test_routed_forward_matches_route_then_experts(experts20, t):
     assert calc_diff(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("t", [129, 4096])
+def test_swiglu_by_row_tiles_changes_nothing(experts20, t):
+    """Fp8Experts.swiglu_tiles (prefill SwiGLU + quantization by row tiles of the contiguous layout): the
+    layer's output bit for bit the per-pair kernel's, on every backend here."""
+    fp8, _ = experts20
+    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
+    ids, weights = route(torch.randn(t, E20, device=DEV), K)
+    for backend in backends():
+        fp8.backend = backend
+        outs = []
+        for tiles in (False, True):
+            fp8.swiglu_tiles = tiles
+            outs.append(fp8(x, ids, weights))
+        fp8.swiglu_tiles = False
+        assert torch.equal(outs[0], outs[1]), f"{backend}, T={t}: max diff {(outs[0] - outs[1]).abs().max().item()}"
+
+
 def test_fused_front_in_cuda_graph(experts20):
     fp8, _ = experts20
     fp8.backend = backends()[-1]
