@@ -11,7 +11,8 @@ set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh  # step NAME SECONDS CMD..., bounded by LIMIT_S (default 560)
 step tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_attention_gpu.py \
-    "tests/kernels/test_moe_gpu.py::test_dispatch_swiglu_combine_match_twins"
+    "tests/kernels/test_moe_gpu.py::test_dispatch_swiglu_combine_match_twins" \
+    "tests/kernels/test_moe_gpu.py::test_swiglu_by_row_tiles_changes_nothing"
 tail -3 "$OUT/tests.log"
 step attention 90 python3 -m bench.attention --prefill-only --out "$OUT/attention_prefill_h200.json"
 step swiglu 40 python3 -m bench.swiglu_ab --out "$OUT/swiglu_ab_h200.json"
