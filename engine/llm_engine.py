@@ -326,6 +326,7 @@ class LLMEngine:
             rows = [out.scheduled[b].seq for b in inputs.sample_rows]
             batch = self._sampling_batch(rows)
             logits = self.runner.execute(inputs)
+            self.metrics.record_path(self.runner.last_path)
             sampled = self.sampler(logits, batch) if rows else None  # a step of partial prefill chunks samples nothing
             host = HostTokens(sampled) if sampled is not None else None
         except Exception as exc:  # any failure of the model or sampler: the caller aborts these requests

@@ -67,6 +67,7 @@ class EngineMetrics:
         self.steps_total = 0
         self.preemptions_total = 0
         self.lookahead_steps_total = 0  # steps launched before the previous step's tokens were read
+        self.steps_by_path_total: dict[str, int] = {}  # forwards by how they ran (ModelRunner.last_path)
         self.requests_added_total = 0
         self.requests_finished_total: dict[str, int] = {}
         self.kv_exported_total = 0
@@ -99,6 +100,10 @@ class EngineMetrics:
     def record_lookahead(self) -> None:
         with self._lock:
             self.lookahead_steps_total += 1
+
+    def record_path(self, path: str) -> None:
+        with self._lock:
+            self.steps_by_path_total[path] = self.steps_by_path_total.get(path, 0) + 1
 
     def record_added(self) -> None:
         with self._lock:
@@ -147,6 +152,7 @@ class EngineMetrics:
                 "steps_total": self.steps_total,
                 "preemptions_total": self.preemptions_total,
                 "lookahead_steps_total": self.lookahead_steps_total,
+                "steps_by_path_total": dict(self.steps_by_path_total),
                 "requests_added_total": self.requests_added_total,
                 "requests_finished_total": dict(self.requests_finished_total),
                 "kv_exported_total": self.kv_exported_total,
@@ -208,6 +214,11 @@ class PrometheusCollector:
                           snap["prefix_hit_tokens"])
         yield counter("lookahead_steps", "Steps launched before the previous step's tokens were read",
                       snap["lookahead_steps_total"])
+        paths = CounterMetricFamily(f"{ns}_steps_by_path", "Forwards by how they ran: decode_graph, prefill_graph "
+                                    "(piecewise CUDA graphs) or eager", labels=names + ["path"])
+        for path, n in sorted(snap["steps_by_path_total"].items()):
+            paths.add_metric(values + [path], n)
+        yield paths
         finished = CounterMetricFamily(f"{ns}_requests_finished", "Finished requests by reason",
                                        labels=names + ["reason"])
         for reason, n in sorted(snap["requests_finished_total"].items()):

@@ -60,6 +60,7 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
         self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs: other steps, piecewise
+        self.last_path = "eager"  # how execute ran the last step: "decode_graph", "prefill_graph" or "eager"
         self.step_arrays = StepArrayBuilder(block_size)
 
     @property
@@ -139,12 +140,15 @@ class ModelRunner:
         self.model.backend.bind_cache(self.kv_cache)
         graphs = self.decode_graphs
         if graphs is not None and graphs.serves(inputs.attention):
+            self.last_path = "decode_graph"
             logits = graphs.run(inputs.input_ids, inputs.positions, inputs.attention)  # [B, V]
             return logits.index_select(0, inputs.logits_indices).float()
         pieces = self.prefill_graphs
         if pieces is not None and pieces.serves(inputs.attention):
+            self.last_path = "prefill_graph"
             hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D], static
         else:
+            self.last_path = "eager"
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)  # [T, D]
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 

@@ -61,6 +61,9 @@ class ServerMetrics:
         self.steps = metrics.Counter(
             "gptoss_steps", "Engine steps by launch: lookahead (launched before the previous step's tokens were "
             "read, host work hidden behind the GPU) or sync", tag_keys=keys + ("launch",))
+        self.forwards = metrics.Counter(
+            "gptoss_forwards", "Model forwards by how they ran: decode_graph / prefill_graph (CUDA graph replays) "
+            "or eager (kernel by kernel: CPU replicas, or steps no graph bucket holds)", tag_keys=keys + ("path",))
         self.fallbacks = metrics.Counter(
             "gptoss_prefill_fallbacks", "Requests whose remote prefill or K/V transfer failed, so decode "
             "ran the prompt itself", tag_keys=keys + ("reason",))
@@ -68,11 +71,13 @@ class ServerMetrics:
             "gptoss_prefix_cache_tokens", "Prompt tokens of admitted requests (kind=query) and those whose K/V "
             "came from cached prefixes (kind=hit); hit / query is the prefix cache's hit rate", tag_keys=keys + ("kind",))
         for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
-                  self.transfer_seconds, self.transfer_bytes, self.steps, self.fallbacks, self.prefix_tokens):
+                  self.transfer_seconds, self.transfer_bytes, self.steps, self.forwards, self.fallbacks,
+                  self.prefix_tokens):
             m.set_default_tags(self.tags)
         self._last_tokens = {"prefill": 0, "decode": 0}
         self._last_steps = {"lookahead": 0, "sync": 0}
         self._last_prefix = {"query": 0, "hit": 0}
+        self._last_paths = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
 
     def observe_engine(self, snapshot: dict) -> None:
         self.queue_depth.set(snapshot.get("num_waiting", 0))
@@ -88,6 +93,9 @@ class ServerMetrics:
         ahead = snapshot.get("lookahead_steps_total", 0)
         for launch, now in (("lookahead", ahead), ("sync", snapshot.get("steps_total", 0) - ahead)):
             self._advance(self.steps, self._last_steps, "launch", launch, now)
+        paths = snapshot.get("steps_by_path_total", {})
+        for path in self._last_paths:
+            self._advance(self.forwards, self._last_paths, "path", path, paths.get(path, 0))
 
     @staticmethod
     def _advance(counter, last: dict, tag: str, value: str, now: int) -> None:

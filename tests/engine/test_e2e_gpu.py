@@ -203,8 +203,13 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
         reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
                 for i, p in enumerate(prompts)]
         outputs.append([c.output_ids for c in llm.generate(reqs)])
+        paths = llm.metrics.snapshot()["steps_by_path_total"]
         if prefill_graphs:
-            assert llm.runner.prefill_graphs.replays > 0
+            assert llm.runner.prefill_graphs.replays > 0 and paths.get("prefill_graph", 0) > 0
+        if graphs:
+            assert paths.get("decode_graph", 0) > 0, paths
+        if graphs and prefill_graphs:
+            assert "eager" not in paths, paths  # every step replayed one kind of graph
     assert outputs[0] == outputs[1], "decode graphs changed the greedy tokens"
     assert outputs[1] == outputs[2], "prefill graphs changed the greedy tokens"
 

@@ -26,6 +26,7 @@ def test_snapshot_counts_and_prometheus_scrape(make_engine):
     assert snap["tpot_seconds"]["count"] == 2  # a 1-token request has no time per output token
     assert snap["full_pages_used"] == 0 and snap["full_pages_free"] == snap["full_pages_total"]
     assert snap["decode_tokens_per_s"] > 0 and all(v >= 0 for v in snap["mean_step_us"].values())
+    assert snap["steps_by_path_total"] == {"eager": snap["steps_total"]}  # no CUDA graphs on the CPU
 
     registry = CollectorRegistry()
     registry.register(PrometheusCollector(engine.metrics, labels={"replica": "decode-0"}))
@@ -36,6 +37,8 @@ def test_snapshot_counts_and_prometheus_scrape(make_engine):
     assert sample[("gptoss_engine_decode_tokens_total", rep)] == snap["decode_tokens_total"]
     assert sample[("gptoss_engine_lookahead_steps_total", rep)] == snap["lookahead_steps_total"] == 0  # off on CPU
     assert sample[("gptoss_engine_num_waiting", rep)] == 0
+    assert sample[("gptoss_engine_steps_by_path_total", (("path", "eager"), ("replica", "decode-0")))] \
+        == snap["steps_total"]
     assert sample[("gptoss_engine_kv_pages", (("pool", "sliding"), ("replica", "decode-0"), ("state", "free")))] \
         == snap["sliding_pages_free"]
     assert sample[("gptoss_engine_requests_finished_total", (("reason", "length"), ("replica", "decode-0")))] == 3

@@ -267,7 +267,7 @@ def test_failed_prefill_or_transfer_falls_back_to_local_prefill(http_port, refer
 def test_engine_metrics_reach_prometheus(http_port):
     wanted = ["ray_gptoss_ttft_seconds_bucket", "ray_gptoss_tpot_seconds_bucket", "ray_gptoss_kv_transfer_bytes_bucket",
               "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
-              "ray_gptoss_tokens", "ray_gptoss_steps", "ray_serve_deployment_request_counter",
+              "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
               "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing"]
 
     def scrape() -> str | None:
@@ -279,6 +279,7 @@ def test_engine_metrics_reach_prometheus(http_port):
     assert re.search(r'ray_gptoss_queue_depth\{[^}]*deployment="prefill"', text)
     assert re.search(r'ray_gptoss_kv_usage_ratio\{[^}]*pool="full"', text)
     assert re.search(r'ray_gptoss_steps(_total)?\{[^}]*launch="sync"', text)  # CPU replicas: no lookahead
+    assert re.search(r'ray_gptoss_forwards(_total)?\{[^}]*path="eager"', text)  # CPU replicas: no CUDA graphs
     # prefix caching and routing are on by default: the prefill deployment's router sits in the decode replica
     assert re.search(r'ray_gptoss_prefix_cache_tokens(_total)?\{[^}]*kind="query"', text)
     assert re.search(r'ray_gptoss_prefix_routing(_total)?\{[^}]*deployment="PrefillServer"[^}]*outcome=', text) or \
