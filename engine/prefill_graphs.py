@@ -46,7 +46,8 @@ from model.gpt_oss import GptOssForCausalLM
 
 def default_token_buckets(max_tokens: int) -> list[int]:
     """16, 32, ..., 512, then every 256 to 2048, every 512 to 4096, every 1024 to 8192, every 2048 above,
-    and max_tokens itself: a step pads by at most 1.5x below 1024 tokens and 1.34x above."""
+    and max_tokens itself: a step of T tokens runs max(16, T) to 2T rows up to 512, at most 1.5x to 1024 and
+    1.34x above."""
     if max_tokens < 1:
         raise CudaGraphError(f"max_tokens must be >= 1, got {max_tokens}")
     out, t = [], 16
