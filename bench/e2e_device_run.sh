@@ -3,7 +3,7 @@
 #  1. scripts/device_env.sh (wheels, prebuilt FlashInfer modules, deep_gemm, JIT caches);
 #  2. the GPU tests named in TEST_ARGS (default: the engine's e2e GPU tests);
 #  3. python -m bench.e2e under a time guard (partial JSON survives a timeout), table printed last;
-#     the JIT caches go back as $OUT/jit_cache.tgz.
+#     the JIT caches go back as $OUT/jit_cache_{triton,deep_gemm}.txz (scripts/device_env.sh).
 #   bash bench/e2e_device_run.sh [bench.e2e args]       LIMIT_S (default 520) bounds the whole script
 set -u
 LIMIT_S=${LIMIT_S:-520}

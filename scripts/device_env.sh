@@ -8,8 +8,9 @@
 #  - deep_gemm (only with DG_USE=1: the from-source build segfaults in its first GEMM on the H200,
 #    2026-11-30): a built package from .dg_src/dg_site.tgz, else (DG_BUILD=1) built from source with
 #    scripts/build_deep_gemm.sh in the background (wait on $DG_PID), packed into $OUT/dg_site.tgz;
-#  - Triton and DeepGEMM JIT caches from .jit/jit_cache*.tgz into /tmp/jit (pack_jit_cache writes
-#    $OUT/jit_cache.tgz for the next call).
+#  - Triton and DeepGEMM JIT caches from .jit/jit_cache*.t?z into /tmp/jit (pack_jit_cache writes
+#    $OUT/jit_cache_triton.txz and $OUT/jit_cache_deep_gemm.txz for the next call: one file each, xz, as a
+#    file over 16 MiB does not come back; the single jit_cache.tgz had outgrown it by 2026-11-30).
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
     DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
 # DeepGEMM finds nvcc through CUDA_HOME (a wrapper nvcc on PATH would point it at /usr/local).
@@ -19,7 +20,7 @@ mkdir -p "$OUT" "$LOGS" /tmp/site /tmp/jit/triton /tmp/jit/deep_gemm /tmp/dg_sit
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$LOGS/pip.log" 2>&1 || { echo "wheel install failed"; tail -5 "$LOGS/pip.log"; }
 export PYTHONPATH=/tmp/dg_site:/tmp/site:$PWD:${PYTHONPATH:-}
-for t in .jit/jit_cache*.tgz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/jit; done
+for t in .jit/jit_cache*.t?z; do [ -f "$t" ] && tar xf "$t" -C /tmp/jit; done
 # FlashInfer loads a module from its AOT folder without invoking ninja.
 AOT=/tmp/site/flashinfer/data/aot
 mkdir -p "$AOT"
@@ -66,5 +67,8 @@ step() {
     echo "$name exit $? after $(( $(date +%s) - DEVICE_START )) s"
 }
 pack_logs() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
-pack_jit_cache() { tar czf "$OUT/jit_cache.tgz" -C /tmp/jit triton deep_gemm 2>/dev/null; }
+pack_jit_cache() {
+    local d
+    for d in triton deep_gemm; do XZ_OPT=-6 tar cJf "$OUT/jit_cache_$d.txz" -C /tmp/jit "$d" 2>/dev/null; done
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
