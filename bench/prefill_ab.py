@@ -14,6 +14,8 @@ Variant sets:
   SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
 - `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
   bucket captured per chunk length, with and without programmatic dependent launch in the graphs.
+- `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
+  up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
 """
 
@@ -73,7 +75,23 @@ def capture_graphs(h: Harness, buckets: list[int]) -> dict:
     return seconds
 
 
-VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants}
+def masked_variants():
+    """The prefill MoE in DeepGEMM's contiguous layout (what runs above 64 tokens) against its masked layout
+    up to 1,024 tokens (measured 3-6% faster on the layer at 512 tokens, kernels/moe/NOTES.md).
+    Eager forwards: compare the kernel sums."""
+    def mode(limit: int):
+        def apply(h: Harness):
+            h.use_prefill_graphs = False
+            for layer in h.model.model.layers:
+                experts = getattr(layer.mlp, "experts", None)
+                if experts is not None and hasattr(experts, "masked_max_tokens"):
+                    experts.masked_max_tokens = limit
+        return apply
+    # (the masked layout holds E x align(T) rows: 120b's gate_up output at 1k tokens is 1.5 GB, so no higher)
+    return {"contiguous above 64": mode(64), "masked to 1024": mode(1024)}
+
+
+VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants}
 
 
 def kernel_profile(fn) -> dict:
