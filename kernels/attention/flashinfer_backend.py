@@ -8,7 +8,8 @@ Per step, `plan(batch)` once:
   another `plan`. Under `cuda_graph=True` the split count depends on the batch size alone.
 - prefill / mixed steps: plan FlashInfer's BatchAttentionWithAttentionSinkWrapper, one per layer
   kind (full: window_left=-1; sliding: window_left=W-1), over CSR page lists built from our tables.
-  FlashInfer's plan reads lengths on the host: prefill is never graph-captured. Sliding layers over
+  FlashInfer's plan reads lengths on the host: prefill attention is never graph-captured (the piecewise
+  prefill graphs of engine/prefill_graphs.py launch it eagerly between their pieces). Sliding layers over
   the cache run our Triton kernel instead (sliding_prefill_triton.py: it reads only each tile's
   window, where FlashInfer's windowed prefill did ~55 TFLOP/s of useful work), unless
   `sliding_prefill="flashinfer"`.
