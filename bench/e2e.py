@@ -144,8 +144,7 @@ class Harness:
             else:
                 t.normal_(generator=gen)
         self.model.backend.bind_cache(self.kv)
-        self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs, once capture_prefill_graphs ran
-        self.use_prefill_graphs = False
+        self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs: prefill() replays it while set
         self.graphs = None
         self.capture = {}
         if device.type == "cuda":
@@ -157,7 +156,7 @@ class Harness:
         self.graphs = None
         if self.prefill_graphs is not None:
             self.prefill_graphs.release()
-        self.prefill_graphs, self.use_prefill_graphs = None, False
+        self.prefill_graphs = None
         self.model.backend.bind_cache(None)
         self.kv = None
         gc.collect()
@@ -202,8 +201,8 @@ class Harness:
         return AttentionBatch(torch.tensor([0, end - start], dtype=torch.int32, device=d), [end - start], meta, meta_s)
 
     def capture_prefill_graphs(self, buckets: list[int], pdl: bool = True) -> dict[int, float]:
-        """Piecewise prefill graphs at these token buckets (engine/prefill_graphs.py); prefill() replays them
-        while use_prefill_graphs is set. Seconds per bucket."""
+        """Piecewise prefill graphs at these token buckets (engine/prefill_graphs.py), which prefill() then
+        replays. Seconds per bucket."""
         from engine.prefill_graphs import PrefillGraphs
 
         self.prefill_graphs = PrefillGraphs(self.model, buckets, pdl=pdl)
@@ -217,7 +216,7 @@ class Harness:
         bounds = [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
         batches = [self.prefill_batch(s, e) for s, e in bounds]
 
-        pieces = self.prefill_graphs if self.use_prefill_graphs else None
+        pieces = self.prefill_graphs
 
         def run():  # chunked prefill, as the engine runs prompts longer than max_num_batched_tokens
             for (s, e), batch in zip(bounds, batches):
@@ -290,7 +289,6 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
              kv_pool={"full_pages": h.num_full, "sliding_pages": h.num_sliding, "block": BLOCK})
     if args.prefill_graphs and device.type == "cuda":  # the prefill points through engine/prefill_graphs.py: a bucket per chunk length
         chunk = args.prefill_chunk
-        h.use_prefill_graphs = True
         r["prefill_graph_capture_s"] = h.capture_prefill_graphs(
             sorted({min(chunk, n - s) for n in args.prefill_lens for s in range(0, n, chunk)}))
     save()

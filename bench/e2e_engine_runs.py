@@ -48,7 +48,7 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     config = EngineConfig(device=str(device), max_num_seqs=max_seqs,
                           max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
                           kv_cache_bytes=budget, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda",
-                          prefill_graphs=None if getattr(args, "prefill_graphs", True) else False,
+                          prefill_graphs=None if args.prefill_graphs else False,
                           lm_head_dtype=args.lm_head_dtype)
     t0 = time.perf_counter()
     engine = LLMEngine(h.model, config)

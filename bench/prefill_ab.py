@@ -60,9 +60,7 @@ def graphs_variants():
     sets are captured by main() (capture_graphs) and switched in here."""
     def mode(key: str | None):
         def apply(h: Harness):
-            h.use_prefill_graphs = key is not None
-            if key is not None:
-                h.prefill_graphs = h.graph_sets[key]
+            h.prefill_graphs = None if key is None else h.graph_sets[key]
         return apply
     return {"eager": mode(None), "graphs": mode("pdl"), "graphs, no PDL": mode("no pdl")}
 
@@ -81,7 +79,7 @@ def masked_variants():
     Eager forwards: compare the kernel sums."""
     def mode(limit: int):
         def apply(h: Harness):
-            h.use_prefill_graphs = False
+            h.prefill_graphs = None
             for layer in h.model.model.layers:
                 experts = getattr(layer.mlp, "experts", None)
                 if experts is not None and hasattr(experts, "masked_max_tokens"):

@@ -2,7 +2,7 @@
 
 An eager prefill forward launches ~14 kernels per layer from Python (a Triton launch ~13 us of host
 time, DeepGEMM's grouped GEMM ~35 us): 20b at 1k tokens measured 12.5 ms of GPU kernels in 30.7 ms of
-wall time, and 4-7 ms of launch gaps remained at 4k-8k (README, "End to end"). Attention is the one
+wall time (at 4k-8k the GPU was already busy: README, "Piecewise prefill graphs"). Attention is the one
 part of a step whose launch depends on the step's shape beyond its token count (FlashInfer plans per
 sequence on the host), so it stays eager and everything between two attention calls is replayed:
 
@@ -95,8 +95,8 @@ class PrefillGraphs:
     # ---- the pieces -------------------------------------------------------------------------------
     def _piece(self, i: int, size: int, state: dict) -> None:
         """Piece i of a forward over the first `size` rows of the static buffers; `state` carries the
-        tensors one piece hands to the next (residual x, MLP output delta, cos, sin, and k / v where the
-        backend did not write them)."""
+        tensors one piece hands to the next (residual x, cos, sin). K/V go into the cache through the
+        static slots (_writing_through_static_slots), q into the static q."""
         m = self.model.model
         if i == 0:
             x, cos, sin = m.embed(self.input_ids[:size], self.positions[:size])
@@ -105,15 +105,13 @@ class PrefillGraphs:
         else:
             x, delta = m.layers[i - 1].after_attention(state["x"], self.attn_out[:size])
         if i < self.num_layers:
-            x, _, k, v, written = m.layers[i].attention_inputs(x, delta, state["cos"], state["sin"], self.q[:size])
-            state.update(x=x, kv=None if written else (k, v))
+            state["x"] = m.layers[i].attention_inputs(x, delta, state["cos"], state["sin"], self.q[:size])[0]
         else:
             self.hidden[:size].copy_(m.final_norm(x, delta))
 
-    def _attend(self, i: int, t: int, state: dict) -> None:
-        kv = state.get("kv")
-        k, v = (kv[0][:t], kv[1][:t]) if kv is not None else (None, None)
-        self.model.model.layers[i].self_attn.attend(self.q[:t], k, v, kv is None, out=self.attn_out[:t])
+    def _attend(self, i: int, t: int) -> None:
+        """Layer i's attention over the step's T real rows; their K/V are in the cache already."""
+        self.model.model.layers[i].self_attn.attend(self.q[:t], None, None, True, out=self.attn_out[:t])
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> tuple[int, int]:
         t = batch.num_tokens
@@ -138,6 +136,9 @@ class PrefillGraphs:
         backend = self.model.backend
         backend.graph_slots = self.slots
         try:
+            if backend.kv_destination(0) is None:
+                raise CudaGraphError("prefill graphs need a backend whose rotary kernel writes K/V through fixed "
+                                     "slot buffers (FlashInferAttentionBackend with fuse_kv_write=True)")
             yield
         finally:
             backend.graph_slots = None
@@ -153,10 +154,6 @@ class PrefillGraphs:
             raise CudaGraphError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
         if model.backend.kv_cache is None:
             raise CudaGraphError("bind the K/V cache (ModelRunner.allocate_kv_cache) before capturing prefill graphs")
-        with self._writing_through_static_slots():
-            if model.backend.kv_destination(0) is None:
-                raise CudaGraphError("prefill graphs need a backend whose rotary kernel writes K/V through fixed "
-                                     "slot buffers (FlashInferAttentionBackend with fuse_kv_write=True)")
         for slots in self.slots.values():
             slots.fill_(-1)  # capture-time steps write no K/V
         for size in reversed(self.buckets):
@@ -186,7 +183,7 @@ class PrefillGraphs:
         pieces = self.graphs[size]
         for i in range(self.num_layers):
             pieces[i].replay()
-            self._attend(i, t, {})
+            self._attend(i, t)
         pieces[-1].replay()
         self.replays += 1
         return self.hidden[:t]
@@ -200,7 +197,7 @@ class PrefillGraphs:
         with self._writing_through_static_slots():
             for i in range(self.num_layers):
                 self._piece(i, size, state)
-                self._attend(i, t, state)
+                self._attend(i, t)
             self._piece(self.num_layers, size, state)
         return self.hidden[:t]
 

@@ -257,11 +257,13 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def kv_destination(self, layer: int):
         batch = self.batch
-        sliding = self.layer_is_sliding[layer]
-        if self.fuse_kv_write and self.kv_cache is not None and self.graph_slots is not None:
-            return self.kv_cache.k[layer], self.kv_cache.v[layer], self.graph_slots[sliding]
-        if not self.fuse_kv_write or batch is None or not batch.has_cache:
+        if not self.fuse_kv_write:
             return None
+        if self.graph_slots is not None:  # prefill graphs: their fixed slot buffers (base class)
+            return super().kv_destination(layer)
+        if batch is None or not batch.has_cache:
+            return None
+        sliding = self.layer_is_sliding[layer]
         slots = self.decode_buffers[sliding].slot_mapping if batch.is_decode else batch.group(sliding).slot_mapping
         return self.kv_cache.k[layer], self.kv_cache.v[layer], slots
 
