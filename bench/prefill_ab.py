@@ -89,7 +89,22 @@ def masked_variants():
     return {"contiguous above 64": mode(64), "masked to 1024": mode(1024)}
 
 
-VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants}
+def swiglu_tiles_variants():
+    """The prefill SwiGLU epilogue per pair (what runs) against row tiles of the contiguous layout
+    (Fp8Experts.swiglu_tiles: the bias loaded once per tile; bitwise the same output). Eager forwards."""
+    def mode(tiles: bool):
+        def apply(h: Harness):
+            h.prefill_graphs = None
+            for layer in h.model.model.layers:
+                experts = getattr(layer.mlp, "experts", None)
+                if experts is not None and hasattr(experts, "swiglu_tiles"):
+                    experts.swiglu_tiles = tiles
+        return apply
+    return {"swiglu per pair": mode(False), "swiglu row tiles": mode(True)}
+
+
+VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
+            "swiglu-tiles": swiglu_tiles_variants}
 
 
 def kernel_profile(fn) -> dict:
