@@ -312,6 +312,80 @@ def test_decode_front_matches_twin(t, e, first, num_local, k, hidden):
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
+def exact_add_norm_inputs(t: int, hidden: int):
+    """(x, delta, norm weight) whose add and norm are exact in fp32: each row of x + delta is +-2^j (one j per
+    row), so rms = 2^j and the normed row is +-w exactly, coarse enough for exact_router_inputs' exact dots."""
+    j = torch.randint(-2, 3, (t, 1)).float()
+    s = torch.where(torch.rand(t, hidden) < 0.5, -1.0, 1.0) * 2.0 ** j
+    delta = (torch.randint(-8, 9, (t, hidden)) / 16 * 2.0 ** j).bfloat16()
+    x = (s - delta.float()).bfloat16()
+    assert torch.equal((x.float() + delta.float()), s)  # the inputs are what the docstring says
+    w = (torch.randint(-8, 9, (hidden,)) / 8).float()
+    return x, delta, w
+
+
+@pytest.mark.parametrize("t,e,first,num_local,k,hidden", [(1, 32, 0, 32, 4, 300), (7, 12, 3, 6, 4, 260),
+                                                         (16, 128, 0, 128, 4, 136)])
+def test_decode_front_with_add_norm_matches_twin(t, e, first, num_local, k, hidden):
+    """decode_front(add_norm=...) equals the add_rms_norm twin followed by the front's twin: residual bit for
+    bit, routing exactly, the FP8 rows within a step."""
+    from kernels.moe import decode_front_triton as front
+
+    x, delta, nw = exact_add_norm_inputs(t, hidden)
+    _, w, b = exact_router_inputs(t, e, hidden)
+    kp = padded(hidden)
+    ticket = front.new_ticket("cpu")
+    ids, weights, plan, a, residual = front.decode_front(x, w, b, k, first, num_local, kp, ticket,
+                                                         add_norm=(delta, nw, 0.0))
+    assert int(ticket) == 0
+    want_res, want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front_add_norm(
+        x, delta, nw, 0.0, w, b, k, first, num_local, kp)
+    assert torch.equal(residual, want_res)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
+    used = want_tok >= 0
+    assert torch.equal(plan.token_of_row[used], want_tok[used])
+    fp8_equal_or_adjacent(a.data, want_a, 0.01)
+    torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_add_norm_routed_forward_matches_add_norm_then_routed_forward(num_tokens):
+    """Fp8Experts.add_norm_routed_forward (the add and the norm inside the fused front) against the twin's add +
+    norm followed by routed_forward: the same residual and the same layer output, bit for bit, on inputs whose
+    norm is exact (so both paths route the same h); with fuse_add_norm off, the unfused launches."""
+    e, hidden, inter, k = 6, 200, 136, 2
+    experts = Fp8Experts.from_torch_experts(random_experts(e, hidden, inter), backend="triton")
+    _, w, b = exact_router_inputs(num_tokens, e, hidden)
+    x, delta, nw = exact_add_norm_inputs(num_tokens, hidden)
+    from kernels.layers import reference as layers_reference
+
+    want_res, h = layers_reference.add_rms_norm(x, delta, nw, 0.0)
+    want = experts.routed_forward(h, w, b, k)
+    for fused in (True, False):
+        experts.fuse_add_norm = fused
+        residual, got = experts.add_norm_routed_forward(x, delta, nw, 0.0, w, b, k)
+        assert torch.equal(residual, want_res) and torch.equal(got, want), fused
+
+
+def test_decode_front_add_norm_on_random_rows():
+    """Fresh random rows and the model's eps: the residual is exact and the FP8 rows of rms_norm(x + delta) are
+    the twin's within a step (the kernel sums the squares in another order than torch's mean)."""
+    from kernels.moe import decode_front_triton as front
+
+    t, e, hidden = 3, 8, 300
+    x, delta = torch.randn(t, hidden).bfloat16(), torch.randn(t, hidden).bfloat16()
+    nw = torch.rand(hidden) + 0.5
+    w, b = torch.randn(e, hidden).bfloat16() * hidden ** -0.5, torch.randn(e).bfloat16()
+    kp = padded(hidden)
+    *_, a, residual = front.decode_front(x, w, b, 2, 0, e, kp, front.new_ticket("cpu"), add_norm=(delta, nw, 1e-5))
+    want_res, *_, want_a, want_sa = ref.decode_front_add_norm(x, delta, nw, 1e-5, w, b, 2, 0, e, kp)
+    assert torch.equal(residual, want_res)
+    fp8_equal_or_adjacent(a.data, want_a, 0.02)
+    torch.testing.assert_close(a.scales_rows(), want_sa, rtol=2 ** -7, atol=0)
+
+
 def test_decode_gemm_reads_token_rows_through_the_map():
     """grouped_gemm_decode with a_row_map (token rows) equals the same GEMM over per-pair rows."""
     t, e, hidden, n, k = 3, 4, 256, 128, 2
