@@ -67,10 +67,11 @@ class Fp8Experts(nn.Module):
         # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
         # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
         self.swiglu_fast_div: bool | None = None
-        # Prefill (contiguous layout): SwiGLU + quantization by row tiles, bias loaded once per tile
-        # (epilogues_triton.swiglu_quant_contiguous, bitwise the per-pair kernel's output). Off until timed
-        # on the GPU: python -m bench.swiglu_ab (its "tiles" rows).
-        self.swiglu_tiles = False
+        # Prefill (contiguous layout): SwiGLU + quantization by row tiles of 32 rows, bias loaded once per tile
+        # (epilogues_triton.swiglu_quant_contiguous, bitwise the per-pair kernel's output, GPU test): H200,
+        # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
+        # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
+        self.swiglu_tiles = True
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))

@@ -341,13 +341,14 @@ def test_swiglu_by_row_tiles_changes_nothing(experts20, t):
     fp8, _ = experts20
     x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
     ids, weights = route(torch.randn(t, E20, device=DEV), K)
+    default = fp8.swiglu_tiles
     for backend in backends():
         fp8.backend = backend
         outs = []
         for tiles in (False, True):
             fp8.swiglu_tiles = tiles
             outs.append(fp8(x, ids, weights))
-        fp8.swiglu_tiles = False
+        fp8.swiglu_tiles = default
         assert torch.equal(outs[0], outs[1]), f"{backend}, T={t}: max diff {(outs[0] - outs[1]).abs().max().item()}"
 
 
