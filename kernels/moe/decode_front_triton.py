@@ -36,7 +36,6 @@ from kernels.triton_rounding import round_to_bf16
 
 FRONT_MAX_TOKENS = 16
 BLOCK_T = 16  # tl.dot needs 16 rows; decode batches below that are masked
-ADD_NORM_MAX_TOKENS = 4  # add_norm loads whole rows per program: [T, 4096] tiles in registers
 BLOCK_E = 32  # router rows (experts) per program
 QBLOCK = 128  # channels per program: one quantization block
 
@@ -48,28 +47,29 @@ def default_num_warps(num_tokens: int, num_experts: int) -> int:
 
 
 @triton.jit
-def _add_and_norm_block(x_ptr, delta_ptr, nw_ptr, sum_ptr, eb, kk, rows, r_ok, hidden, eps,
-                        stride_x, stride_d, stride_s, HIDDEN_PAD: tl.constexpr):
-    """This program's 128 channels kk of h = rms_norm(s), s = bf16(x + delta), as fp32 [rows, 128]. The sum of
-    squares needs whole rows: every program loads them in one go (T x 11.5 kB at D = 2880, from L2) next to its
-    own channels; a loop over 128-channel chunks was a chain of dependent loads, 8 us per call (H200,
-    bench/results/decode_ab_add_norm_h200.json). The first expert block's programs store their channels of s:
-    the residual stream after this add."""
-    hh = tl.arange(0, HIDDEN_PAD)
-    m = r_ok[:, None] & (hh < hidden)[None, :]
+def _add_and_norm_block(x_ptr, delta_ptr, nw_ptr, sum_ptr, eb, kk, toks, t_ok, hidden, eps,
+                        stride_x, stride_d, stride_s, NUM_KB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's 128 channels kk of h = rms_norm(s), s = bf16(x + delta) (bf16 [BLOCK_T, 128]); the
+    sum of squares runs over the whole rows, which every program reads (T x 11.5 kB at D = 2880, from L2).
+    The first expert block's programs store their channels of s: the residual stream after this add."""
+    sq = tl.zeros([BLOCK_T, 128], dtype=tl.float32)
+    for c in range(NUM_KB):
+        cc = c * 128 + tl.arange(0, 128)
+        m = t_ok[:, None] & (cc < hidden)[None, :]
+        r = tl.load(x_ptr + toks[:, None] * stride_x + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        d = tl.load(delta_ptr + toks[:, None] * stride_d + cc[None, :], mask=m, other=0.0).to(tl.float32)
+        v = (r + d).to(tl.bfloat16).to(tl.float32)
+        sq += v * v
+    inv = tl.math.rsqrt(tl.sum(sq, axis=1) / hidden + eps + tl.where(t_ok, 0.0, 1.0))  # (rows past T: not 1/0)
     k_ok = kk < hidden
-    mk = r_ok[:, None] & k_ok[None, :]
-    r = tl.load(x_ptr + rows[:, None] * stride_x + hh[None, :], mask=m, other=0.0).to(tl.float32)
-    d = tl.load(delta_ptr + rows[:, None] * stride_d + hh[None, :], mask=m, other=0.0).to(tl.float32)
-    rk = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    dk = tl.load(delta_ptr + rows[:, None] * stride_d + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-    w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    v = (r + d).to(tl.bfloat16).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(v * v, axis=1) / hidden + eps + tl.where(r_ok, 0.0, 1.0))  # (rows past T: not 1/0)
-    vk = (rk + dk).to(tl.bfloat16)
+    m = t_ok[:, None] & k_ok[None, :]
+    r = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    d = tl.load(delta_ptr + toks[:, None] * stride_d + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    v = (r + d).to(tl.bfloat16)
     if eb == 0:
-        tl.store(sum_ptr + rows[:, None] * stride_s + kk[None, :], vk, mask=mk)
-    return (vk.to(tl.float32) * inv[:, None] * w[None, :]).to(tl.bfloat16).to(tl.float32)
+        tl.store(sum_ptr + toks[:, None] * stride_s + kk[None, :], v, mask=m)
+    w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    return (v.to(tl.float32) * inv[:, None] * w[None, :]).to(tl.bfloat16)
 
 
 @triton.jit
@@ -79,32 +79,27 @@ def _decode_front_kernel(x_ptr, delta_ptr, nw_ptr, sum_ptr, wr_ptr, br_ptr, part
                          stride_x, stride_d, stride_s, stride_w, stride_a, sf_k_stride, ADD_NORM: tl.constexpr,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
-                         TAIL_T: tl.constexpr, HIDDEN_PAD: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
+                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     eb, kb = tl.program_id(0), tl.program_id(1)
+    toks = tl.arange(0, BLOCK_T)
+    t_ok = toks < num_tokens
     # ---- 1. one [T, 32-expert] slice of the logits over channels [kb*128, +128); token rows of A
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = kb * 128 + tl.arange(0, 128)
     k_ok = kk < hidden
+    if ADD_NORM:  # x is the residual stream: the MLP's input is rms_norm(x + delta), as _add_rms_norm_kernel
+        xb = _add_and_norm_block(x_ptr, delta_ptr, nw_ptr, sum_ptr, eb, kk, toks, t_ok, hidden, eps,
+                                 stride_x, stride_d, stride_s, NUM_KB, BLOCK_T)
+    else:
+        xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
     wb = tl.load(wr_ptr + experts[:, None] * stride_w + kk[None, :], mask=(experts < num_experts)[:, None] & k_ok[None, :],
                  other=0.0)
-    if ADD_NORM:  # x is the residual stream, the MLP's input rms_norm(x + delta); T <= ADD_NORM_MAX_TOKENS rows
-        toks = tl.arange(0, TAIL_T)
-        t_ok = toks < num_tokens
-        xa = _add_and_norm_block(x_ptr, delta_ptr, nw_ptr, sum_ptr, eb, kk, toks, t_ok, hidden, eps,
-                                 stride_x, stride_d, stride_s, HIDDEN_PAD)
-        # exact bf16 products, fp32 sums on CUDA cores (a tensor-core dot needs 16 rows, and whole rows of 16
-        # tokens would not fit in registers above)
-        acc = tl.sum(xa[:, None, :] * wb.to(tl.float32)[None, :, :], axis=2)
-    else:
-        toks = tl.arange(0, BLOCK_T)
-        t_ok = toks < num_tokens
-        xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        xa = xb.to(tl.float32)
-        if DOT_BF16:  # tensor cores: exact bf16 products, fp32 sums
-            acc = tl.dot(xb, tl.trans(wb))
-        else:  # the same values on fp32 operands: Triton's interpreter multiplies bf16 dot operands as raw integers
-            acc = tl.dot(xa, tl.trans(wb.to(tl.float32)), input_precision="ieee")
+    xa = xb.to(tl.float32)
+    if DOT_BF16:  # tensor cores: exact bf16 products, fp32 sums
+        acc = tl.dot(xb, tl.trans(wb))
+    else:  # the same values on fp32 operands: Triton's interpreter multiplies bf16 dot operands as raw integers
+        acc = tl.dot(xa, tl.trans(wb.to(tl.float32)), input_precision="ieee")
     tl.store(partial_ptr + kb * BLOCK_T * E_PAD + toks[:, None] * E_PAD + experts[None, :], acc, mask=t_ok[:, None])
     if eb == 0:  # per-128 FP8 quantization, scale = max(amax, 1e-4) / 448 (IEEE division), as the twin
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xa), axis=1), 1e-4), 448.0)
@@ -178,18 +173,18 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
     with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A).
 
     add_norm = (delta [T, D], norm weight [D], eps): x is then the residual stream and the layer's input is
-    rms_norm(x + delta) (what kernels.layers.add_rms_norm computes, here in the same launch; T <=
-    ADD_NORM_MAX_TOKENS); the result gains a fifth item, x + delta [T, D] (bf16), the residual stream after the add."""
+    rms_norm(x + delta) (what kernels.layers.add_rms_norm computes, here in the same launch); the result
+    gains a fifth item, x + delta [T, D] (bf16), the residual stream after the add."""
     t, d = x.shape
     e = router_weight.shape[0]
     if not 0 < t <= FRONT_MAX_TOKENS or x.dtype != torch.bfloat16 or router_weight.shape != (e, d) \
             or router_bias.shape != (e,) or k_padded % QBLOCK or not d <= k_padded < d + QBLOCK or top_k > e \
-            or (add_norm is not None and (t > ADD_NORM_MAX_TOKENS or add_norm[0].shape != x.shape
-                                          or add_norm[0].dtype != x.dtype or add_norm[1].shape != (d,))):
+            or (add_norm is not None and (add_norm[0].shape != x.shape or add_norm[0].dtype != x.dtype
+                                          or add_norm[1].shape != (d,))):
         raise DecodeFrontError(f"decode_front: x {tuple(x.shape)} {x.dtype} (1..{FRONT_MAX_TOKENS} bf16 rows), router "
                                f"{tuple(router_weight.shape)}/{tuple(router_bias.shape)}, k={top_k}, Kp={k_padded}"
                                + ("" if add_norm is None else f", delta {tuple(add_norm[0].shape)} {add_norm[0].dtype}, "
-                                  f"norm weight {tuple(add_norm[1].shape)} (add_norm: 1..{ADD_NORM_MAX_TOKENS} rows)"))
+                                  f"norm weight {tuple(add_norm[1].shape)}"))
     x, router_weight = x.contiguous(), router_weight.contiguous()
     dev = x.device
     e_blocks = triton.cdiv(e, BLOCK_E)
@@ -214,8 +209,7 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         x.stride(0), delta.stride(0), residual.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
         ADD_NORM=add_norm is not None, TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
-        TAIL_T=triton.next_power_of_2(t), HIDDEN_PAD=triton.next_power_of_2(d), DOT_BF16=x.is_cuda,
-        num_warps=num_warps or (8 if add_norm is not None else default_num_warps(t, e)),
+        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
         **pdl.launch(x))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)

@@ -172,10 +172,7 @@ class Fp8Experts(nn.Module):
         """(x + delta, routed_forward(rms_norm(x + delta))): the residual add and the norm before the MLP,
         folded into the fused front's launch where that runs (fuse_add_norm), else kernels.layers.add_rms_norm."""
         backend = resolve_backend(self.backend, x.device)
-        from kernels.moe.decode_front_triton import ADD_NORM_MAX_TOKENS
-
-        if not self.fuse_add_norm or not self._front_runs(x, backend) or delta.shape != x.shape \
-                or x.shape[0] > ADD_NORM_MAX_TOKENS:
+        if not self.fuse_add_norm or not self._front_runs(x, backend) or delta.shape != x.shape:
             from kernels import layers
 
             x, h = layers.add_rms_norm(x, delta, norm_weight, eps)

@@ -324,8 +324,8 @@ def exact_add_norm_inputs(t: int, hidden: int):
     return x, delta, w
 
 
-@pytest.mark.parametrize("t,e,first,num_local,k,hidden", [(1, 32, 0, 32, 4, 300), (3, 12, 3, 6, 4, 260),
-                                                         (4, 128, 0, 128, 4, 136)])
+@pytest.mark.parametrize("t,e,first,num_local,k,hidden", [(1, 32, 0, 32, 4, 300), (7, 12, 3, 6, 4, 260),
+                                                         (16, 128, 0, 128, 4, 136)])
 def test_decode_front_with_add_norm_matches_twin(t, e, first, num_local, k, hidden):
     """decode_front(add_norm=...) equals the add_rms_norm twin followed by the front's twin: residual bit for
     bit, routing exactly, the FP8 rows within a step."""
@@ -350,7 +350,7 @@ def test_decode_front_with_add_norm_matches_twin(t, e, first, num_local, k, hidd
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4, 6])  # 6: above ADD_NORM_MAX_TOKENS, the unfused launches
+@pytest.mark.parametrize("num_tokens", [1, 5])
 def test_add_norm_routed_forward_matches_add_norm_then_routed_forward(num_tokens):
     """Fp8Experts.add_norm_routed_forward (the add and the norm inside the fused front) against the twin's add +
     norm followed by routed_forward: the same residual and the same layer output, bit for bit, on inputs whose
@@ -411,9 +411,6 @@ def test_decode_gemm_reads_token_rows_through_the_map():
 def test_decode_front_rejects_what_it_cannot_run():
     from kernels.moe import decode_front_triton as front
 
-    x, w, b = exact_router_inputs(5, 8, 128)
-    with pytest.raises(front.DecodeFrontError, match="add_norm: 1..4"):
-        front.decode_front(x, w, b, 2, 0, 8, 128, front.new_ticket("cpu"), add_norm=(x, torch.ones(128), 1e-5))
     x, w, b = exact_router_inputs(17, 8, 128)
     with pytest.raises(front.DecodeFrontError, match="1..16"):
         front.decode_front(x, w, b, 2, 0, 8, 128, front.new_ticket("cpu"))

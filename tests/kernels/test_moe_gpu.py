@@ -307,7 +307,7 @@ def test_routed_forward_matches_route_then_experts(experts20, t):
     assert calc_diff(got, want) < 1e-6
 
 
-@pytest.mark.parametrize("t", [1, 4, 16])  # 16: above ADD_NORM_MAX_TOKENS, the unfused launches
+@pytest.mark.parametrize("t", [1, 3, 16])
 def test_add_norm_in_the_front_matches_add_rms_norm_then_routed_forward(experts20, t):
     """The residual add + norm inside the fused front's launch against the add_rms_norm kernel followed by
     routed_forward, on gaussian inputs: the residual bit for bit, the layer output within the norm's fp32 sum
