@@ -8,9 +8,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused": Fp8Experts.fused_front (decode_front_triton: one launch for router..quantization), the
   rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
   (kernels/layers/gemv_triton.py);
-- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py), and the residual
-  add + norm before each MLP inside the fused front's launch (Fp8Experts.fuse_add_norm);
-- "norm-apart": fused+pdl with that add + norm as its own launch (kernels.layers.add_rms_norm), as before;
+- "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
@@ -40,11 +38,9 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-# (fused front, fused KV write, O GEMV, PDL, FP8 dense weights, add + norm inside the front)
-VARIANTS = {"unfused": (False, False, False, False, "", False), "fused": (True, True, True, False, "", True),
-            "norm-apart": (True, True, True, True, "", False),
-            "fused+pdl": (True, True, True, True, "", True), "fp8-lm-head": (True, True, True, True, "lm_head", True),
-            "fp8-dense": (True, True, True, True, "all", True)}
+VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
+            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -71,10 +67,9 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, add_norm: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        layer.mlp.experts.fuse_add_norm = add_norm
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl

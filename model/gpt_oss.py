@@ -129,16 +129,6 @@ class MLPBlock(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True, dtype=dtype, device=device)
         self.experts = experts
 
-    def add_norm_forward(self, x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, MLP(norm(x + delta))): the residual add and the norm that feed this block. Experts that
-        fold them into their first launch (Fp8Experts.add_norm_routed_forward, at decode) do so."""
-        fused = getattr(self.experts, "add_norm_routed_forward", None)
-        if fused is None:
-            x, h = norm.add_and_norm(x, delta)
-            return x, self(h)
-        x, out = fused(x, delta, norm.weight, norm.eps, self.router.weight, self.router.bias, self.top_k)
-        return x, self.parallel.all_reduce_ep(out)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed_forward = getattr(self.experts, "routed_forward", None)
         if routed_forward is not None:  # experts that fuse the router into their first launch (Fp8Experts)
@@ -169,7 +159,8 @@ class TransformerBlock(nn.Module):
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block from attention's output o on: (residual before the MLP, MLP output)."""
-        return self.mlp.add_norm_forward(x, self.self_attn.project_out(o), self.post_attention_layernorm)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.project_out(o))
+        return x, self.mlp(h)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,36 +47,10 @@ def default_num_warps(num_tokens: int, num_experts: int) -> int:
 
 
 @triton.jit
-def _add_and_norm_block(x_ptr, delta_ptr, nw_ptr, sum_ptr, eb, kk, toks, t_ok, hidden, eps,
-                        stride_x, stride_d, stride_s, NUM_KB: tl.constexpr, BLOCK_T: tl.constexpr):
-    """This program's 128 channels kk of h = rms_norm(s), s = bf16(x + delta) (bf16 [BLOCK_T, 128]); the
-    sum of squares runs over the whole rows, which every program reads (T x 11.5 kB at D = 2880, from L2).
-    The first expert block's programs store their channels of s: the residual stream after this add."""
-    sq = tl.zeros([BLOCK_T, 128], dtype=tl.float32)
-    for c in range(NUM_KB):
-        cc = c * 128 + tl.arange(0, 128)
-        m = t_ok[:, None] & (cc < hidden)[None, :]
-        r = tl.load(x_ptr + toks[:, None] * stride_x + cc[None, :], mask=m, other=0.0).to(tl.float32)
-        d = tl.load(delta_ptr + toks[:, None] * stride_d + cc[None, :], mask=m, other=0.0).to(tl.float32)
-        v = (r + d).to(tl.bfloat16).to(tl.float32)
-        sq += v * v
-    inv = tl.math.rsqrt(tl.sum(sq, axis=1) / hidden + eps + tl.where(t_ok, 0.0, 1.0))  # (rows past T: not 1/0)
-    k_ok = kk < hidden
-    m = t_ok[:, None] & k_ok[None, :]
-    r = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=m, other=0.0).to(tl.float32)
-    d = tl.load(delta_ptr + toks[:, None] * stride_d + kk[None, :], mask=m, other=0.0).to(tl.float32)
-    v = (r + d).to(tl.bfloat16)
-    if eb == 0:
-        tl.store(sum_ptr + toks[:, None] * stride_s + kk[None, :], v, mask=m)
-    w = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    return (v.to(tl.float32) * inv[:, None] * w[None, :]).to(tl.bfloat16)
-
-
-@triton.jit
-def _decode_front_kernel(x_ptr, delta_ptr, nw_ptr, sum_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
+def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          ids_ptr, weights_ptr, counts_ptr, active_ptr, row_of_pair_ptr, token_of_row_ptr,
-                         a_ptr, sf_ptr, num_tokens, hidden, num_experts, first_expert, num_local, eps,
-                         stride_x, stride_d, stride_s, stride_w, stride_a, sf_k_stride, ADD_NORM: tl.constexpr,
+                         a_ptr, sf_ptr, num_tokens, hidden, num_experts, first_expert, num_local,
+                         stride_x, stride_w, stride_a, sf_k_stride,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
                          TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
@@ -88,11 +62,7 @@ def _decode_front_kernel(x_ptr, delta_ptr, nw_ptr, sum_ptr, wr_ptr, br_ptr, part
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = kb * 128 + tl.arange(0, 128)
     k_ok = kk < hidden
-    if ADD_NORM:  # x is the residual stream: the MLP's input is rms_norm(x + delta), as _add_rms_norm_kernel
-        xb = _add_and_norm_block(x_ptr, delta_ptr, nw_ptr, sum_ptr, eb, kk, toks, t_ok, hidden, eps,
-                                 stride_x, stride_d, stride_s, NUM_KB, BLOCK_T)
-    else:
-        xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+    xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
     wb = tl.load(wr_ptr + experts[:, None] * stride_w + kk[None, :], mask=(experts < num_experts)[:, None] & k_ok[None, :],
                  other=0.0)
     xa = xb.to(tl.float32)
@@ -167,24 +137,16 @@ def new_ticket(device) -> torch.Tensor:
 
 
 def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int,
-                 first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int | None = None,
-                 add_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+                 first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, MoePlan, Fp8Rows]:
     """x [T, D] bf16, router [E, D] / [E] -> (expert ids [T, k] int32, weights [T, k] fp32, the masked plan
-    with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A).
-
-    add_norm = (delta [T, D], norm weight [D], eps): x is then the residual stream and the layer's input is
-    rms_norm(x + delta) (what kernels.layers.add_rms_norm computes, here in the same launch); the result
-    gains a fifth item, x + delta [T, D] (bf16), the residual stream after the add."""
+    with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A)."""
     t, d = x.shape
     e = router_weight.shape[0]
     if not 0 < t <= FRONT_MAX_TOKENS or x.dtype != torch.bfloat16 or router_weight.shape != (e, d) \
-            or router_bias.shape != (e,) or k_padded % QBLOCK or not d <= k_padded < d + QBLOCK or top_k > e \
-            or (add_norm is not None and (add_norm[0].shape != x.shape or add_norm[0].dtype != x.dtype
-                                          or add_norm[1].shape != (d,))):
+            or router_bias.shape != (e,) or k_padded % QBLOCK or not d <= k_padded < d + QBLOCK or top_k > e:
         raise DecodeFrontError(f"decode_front: x {tuple(x.shape)} {x.dtype} (1..{FRONT_MAX_TOKENS} bf16 rows), router "
-                               f"{tuple(router_weight.shape)}/{tuple(router_bias.shape)}, k={top_k}, Kp={k_padded}"
-                               + ("" if add_norm is None else f", delta {tuple(add_norm[0].shape)} {add_norm[0].dtype}, "
-                                  f"norm weight {tuple(add_norm[1].shape)}"))
+                               f"{tuple(router_weight.shape)}/{tuple(router_bias.shape)}, k={top_k}, Kp={k_padded}")
     x, router_weight = x.contiguous(), router_weight.contiguous()
     dev = x.device
     e_blocks = triton.cdiv(e, BLOCK_E)
@@ -198,19 +160,14 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
     row_of_pair = torch.empty(t * top_k, dtype=torch.int32, device=dev)
     token_of_row = torch.empty(num_local * t, dtype=torch.int32, device=dev)
     a = Fp8Rows.empty(1, t, k_padded, dev)
-    if add_norm is not None:
-        delta, norm_weight, eps = add_norm[0].contiguous(), add_norm[1], float(add_norm[2])
-        residual = torch.empty_like(x)
-    else:
-        delta, norm_weight, eps, residual = x, x, 0.0, x
     _decode_front_kernel[(e_blocks, num_kb)](
-        x, delta, norm_weight, residual, router_weight, router_bias, partial, ticket, ids, weights, counts, active,
-        row_of_pair, token_of_row, a.data, a.scale_storage, t, d, e, first_expert, num_local, eps,
-        x.stride(0), delta.stride(0), residual.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
-        ADD_NORM=add_norm is not None, TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
+        x, router_weight, router_bias, partial, ticket, ids, weights, counts, active, row_of_pair, token_of_row,
+        a.data, a.scale_storage, t, d, e, first_expert, num_local,
+        x.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
+        TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
         TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
         **pdl.launch(x))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
-    return (ids, weights, plan, a) if add_norm is None else (ids, weights, plan, a, residual)
+    return ids, weights, plan, a

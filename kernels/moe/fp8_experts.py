@@ -61,9 +61,6 @@ class Fp8Experts(nn.Module):
         # routed_forward fuses router + routing + plan + quantization into one launch where it can
         # (decode_front_triton); False: the unfused launches, to compare
         self.fused_front = True
-        # add_norm_routed_forward: the residual add + norm before the MLP inside the fused front's launch
-        # (one launch fewer per layer at decode); False: kernels.layers.add_rms_norm first, to compare
-        self.fuse_add_norm = True
         # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
         # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
         self.swiglu_fast_div: bool | None = None
@@ -159,47 +156,22 @@ class Fp8Experts(nn.Module):
         decode GEMM take the fused front (decode_front_triton: one launch for router, routing, plan and
         quantization); everything else routes with kernels.moe.route first."""
         backend = resolve_backend(self.backend, x.device)
-        if not self._front_runs(x, backend):
+        t = x.shape[0]
+        from kernels.moe import decode_front_triton as front
+
+        if not self.fused_front or backend == "torch" or x.dtype != torch.bfloat16 or not 0 < t <= front.FRONT_MAX_TOKENS \
+                or not self._decode_kernel_runs(backend, t <= self.masked_max_tokens, t):
             from kernels.moe import route
 
             logits = torch.nn.functional.linear(x, router_weight, router_bias)
             return self(x, *route(logits, top_k))
-        return self._fused_front_forward(x, router_weight, router_bias, top_k, backend, None)[0]
-
-    def add_norm_routed_forward(self, x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, routed_forward(rms_norm(x + delta))): the residual add and the norm before the MLP,
-        folded into the fused front's launch where that runs (fuse_add_norm), else kernels.layers.add_rms_norm."""
-        backend = resolve_backend(self.backend, x.device)
-        if not self.fuse_add_norm or not self._front_runs(x, backend) or delta.shape != x.shape:
-            from kernels import layers
-
-            x, h = layers.add_rms_norm(x, delta, norm_weight, eps)
-            return x, self.routed_forward(h, router_weight, router_bias, top_k)
-        out, residual = self._fused_front_forward(x, router_weight, router_bias, top_k, backend,
-                                                  (delta, norm_weight, eps))
-        return residual, out
-
-    def _front_runs(self, x: torch.Tensor, backend: str) -> bool:
-        from kernels.moe.decode_front_triton import FRONT_MAX_TOKENS
-
-        t = x.shape[0]
-        return self.fused_front and backend != "torch" and x.dtype == torch.bfloat16 and 0 < t <= FRONT_MAX_TOKENS \
-            and self._decode_kernel_runs(backend, t <= self.masked_max_tokens, t)
-
-    def _fused_front_forward(self, x, router_weight, router_bias, top_k: int, backend: str, add_norm):
-        """(layer output, residual x + delta or None): decode_front, then the decode GEMMs and epilogues."""
-        from kernels.moe import decode_front_triton as front
-        from kernels.moe import triton_grouped_gemm as tgg
-
         if self.front_ticket.device != x.device:
             raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {x.device}")
-        ids, weights, plan, a, *residual = front.decode_front(
-            x, router_weight, router_bias, top_k, self.first_expert, self.num_local, self.w13.shape[2],
-            self.front_ticket, add_norm=add_norm)
-        out = self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(x.shape[0]), a, backend)
-        return out, (residual[0] if residual else None)
+        ids, weights, plan, a = front.decode_front(x, router_weight, router_bias, top_k, self.first_expert,
+                                                   self.num_local, self.w13.shape[2], self.front_ticket)
+        from kernels.moe import triton_grouped_gemm as tgg
+
+        return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
 
     def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:
         from kernels.moe import epilogues_triton as epi

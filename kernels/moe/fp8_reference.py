@@ -102,17 +102,6 @@ def decode_front(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_
     return ids, weights, counts, row_of_pair, token_of_row, a, sa
 
 
-def decode_front_add_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                          weight: torch.Tensor, bias: torch.Tensor, top_k: int, first_expert: int, num_local: int,
-                          k_padded: int):
-    """Twin of decode_front_triton.decode_front(..., add_norm=(delta, norm_weight, eps)): (x + delta, then
-    decode_front's results on rms_norm(x + delta))."""
-    from kernels.layers import reference as layers_reference
-
-    residual, h = layers_reference.add_rms_norm(x, delta, norm_weight, eps)
-    return (residual, *decode_front(h, weight, bias, top_k, first_expert, num_local, k_padded))
-
-
 # ---- epilogues ---------------------------------------------------------------------------------
 def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, num_rows: int,
                    k_padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

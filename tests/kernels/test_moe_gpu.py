@@ -307,33 +307,6 @@ def test_routed_forward_matches_route_then_experts(experts20, t):
     assert calc_diff(got, want) < 1e-6
 
 
-@pytest.mark.parametrize("t", [1, 3, 16])
-def test_add_norm_in_the_front_matches_add_rms_norm_then_routed_forward(experts20, t):
-    """The residual add + norm inside the fused front's launch against the add_rms_norm kernel followed by
-    routed_forward, on gaussian inputs: the residual bit for bit, the layer output within the norm's fp32 sum
-    order (a normed value may round one bf16 step apart); and the same inside a CUDA graph."""
-    from kernels import layers
-
-    fp8, _ = experts20
-    fp8.backend = backends()[-1]
-    w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
-    b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
-    x, delta = (torch.randn(t, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    nw = torch.rand(D, device=DEV) + 0.5
-    want_res, h = layers.add_rms_norm(x, delta, nw, 1e-5)
-    want = fp8.routed_forward(h, w, b, K)
-    res, got = fp8.add_norm_routed_forward(x, delta, nw, 1e-5, w, b, K)
-    assert torch.equal(res, want_res)
-    assert calc_diff(got, want) < 1e-5
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_res, g_out = fp8.add_norm_routed_forward(x, delta, nw, 1e-5, w, b, K)
-    delta.copy_(torch.randn_like(delta))
-    graph.replay()
-    res, got = fp8.add_norm_routed_forward(x, delta, nw, 1e-5, w, b, K)
-    assert torch.equal(g_res, res) and torch.equal(g_out, got) and int(fp8.front_ticket) == 0
-
-
 @pytest.mark.parametrize("t", [129, 4096])
 def test_swiglu_by_row_tiles_changes_nothing(experts20, t):
     """Fp8Experts.swiglu_tiles (prefill SwiGLU + quantization by row tiles of the contiguous layout): the
