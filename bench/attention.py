@@ -212,12 +212,16 @@ def run_decode(args, gen, workspace, fi_backend, results):
         torch.cuda.empty_cache()
 
 
-def run_sweep(gen, results):
+def run_sweep(gen, results, only: list[tuple[int, int]] | None = None):
+    """Launch shapes x split counts of the full-layer decode kernel, graph-replayed. `only`: these (batch, ctx)
+    points, at every power-of-two split count from policy / 4 to policy * 2."""
     num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     configs = [DecodeConfig(64, 4, 2), DecodeConfig(128, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 3),
                DecodeConfig(64, 8, 3)]
     shapes = {(64, 8192): configs, (256, 8192): configs, (256, 32768): configs, (8, 32768): configs,
               (1, 32768): configs}
+    if only:
+        shapes = {point: configs[:4] for point in only}
     for (batch, ctx), shape_configs in shapes.items():
         step_bytes = batch * ctx * HKV * D * 2 * 2
         copies = min(128, -(-256 * 2**20 // step_bytes))  # room for the graph's rotating copies
@@ -227,7 +231,9 @@ def run_sweep(gen, results):
         shape = DecodeShape(pool_k, pool_v, batch, ctx, gen)
         policy = decode_num_splits(batch, ctx, HKV, num_sms)
         other = policy // 2 if policy > 1 else 2  # each config at a neighbouring split count too
-        trials = [(c, s) for c in shape_configs for s in (policy, other)]
+        counts = sorted({max(1, policy // 4), max(1, policy // 2), policy, min(64, policy * 2)}) if only \
+            else (policy, other)
+        trials = [(c, s) for c in shape_configs for s in counts]
         for config, splits in trials:
             us, err, step_bytes = bench_triton_graph(shape, None, splits, config, gen)
             results["sweep"].append({"batch": batch, "ctx": ctx, "block_n": config.block_n, "num_warps": config.num_warps,
@@ -323,6 +329,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--prefill-only", action="store_true", help="skip decode")
     parser.add_argument("--prefill-backends", default=None, help="comma list (default: the device's default)")
+    parser.add_argument("--sweep-only", default=None,
+                        help="BxCTX list (e.g. 1x8192,4x8192): only the decode sweep at these points, wider split counts")
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     workspace = flashinfer_ops.new_workspace(DEV)
@@ -334,6 +342,14 @@ def main() -> None:
                           "sliding": default_decode_config(1, WINDOW).__dict__},
         "copy_gbps": copy_gbps(), "decode": [], "prefill": [], "sweep": [],
     }
+    if args.sweep_only:
+        run_sweep(gen, results, [tuple(int(v) for v in p.split("x")) for p in args.sweep_only.split(",")])
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        for r in results["sweep"]:
+            print(f"B={r['batch']} ctx={r['ctx']} block_n={r['block_n']} stages={r['num_stages']} splits={r['splits']:>2}"
+                  f"{' (policy)' if r['policy'] else ''}: {r['graph_us']:.1f} us {r['gbps']:.0f} GB/s")
+        return
     if args.sweep:
         run_sweep(gen, results)
     if not args.prefill_only:
