@@ -42,14 +42,19 @@ def pdl_variants():
     return {"off": mode(False, True), "all launches": mode(True, False), "capture only": mode(True, True)}
 
 
+def set_on_experts(h: Harness, name: str, value) -> None:
+    """Set attribute `name` on every layer's experts module that has it (Fp8Experts' switches)."""
+    for layer in h.model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, name):
+            setattr(experts, name, value)
+
+
 def sliding_variants():
     def mode(sliding: str, fast_div: bool):
         def apply(h: Harness):
             h.model.backend.sliding_prefill = sliding
-            for layer in h.model.model.layers:
-                experts = getattr(layer.mlp, "experts", None)
-                if experts is not None and hasattr(experts, "swiglu_fast_div"):
-                    experts.swiglu_fast_div = fast_div
+            set_on_experts(h, "swiglu_fast_div", fast_div)
         return apply
     return {"flashinfer sliding": mode("flashinfer", False), "triton sliding": mode("triton", False),
             "triton sliding + fast swiglu": mode("triton", None)}
@@ -80,25 +85,19 @@ def masked_variants():
     def mode(limit: int):
         def apply(h: Harness):
             h.prefill_graphs = None
-            for layer in h.model.model.layers:
-                experts = getattr(layer.mlp, "experts", None)
-                if experts is not None and hasattr(experts, "masked_max_tokens"):
-                    experts.masked_max_tokens = limit
+            set_on_experts(h, "masked_max_tokens", limit)
         return apply
     # (the masked layout holds E x align(T) rows: 120b's gate_up output at 1k tokens is 1.5 GB, so no higher)
     return {"contiguous above 64": mode(64), "masked to 1024": mode(1024)}
 
 
 def swiglu_tiles_variants():
-    """The prefill SwiGLU epilogue per pair (what runs) against row tiles of the contiguous layout
-    (Fp8Experts.swiglu_tiles: the bias loaded once per tile; bitwise the same output). Eager forwards."""
+    """The prefill SwiGLU epilogue per pair against row tiles of the contiguous layout
+    (Fp8Experts.swiglu_tiles, the default since 2026-11-30; bitwise the same output). Eager forwards."""
     def mode(tiles: bool):
         def apply(h: Harness):
             h.prefill_graphs = None
-            for layer in h.model.model.layers:
-                experts = getattr(layer.mlp, "experts", None)
-                if experts is not None and hasattr(experts, "swiglu_tiles"):
-                    experts.swiglu_tiles = tiles
+            set_on_experts(h, "swiglu_tiles", tiles)
         return apply
     return {"swiglu per pair": mode(False), "swiglu row tiles": mode(True)}
 
