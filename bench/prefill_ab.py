@@ -102,8 +102,21 @@ def swiglu_tiles_variants():
     return {"swiglu per pair": mode(False), "swiglu row tiles": mode(True)}
 
 
+def rotary_tiles_variants():
+    """The prefill rotary (+ K/V write) kernel at one token per program against ROTARY_BLOCK_T tokens per program
+    (kernels/layers/triton_ops.py; bitwise the same outputs). Eager forwards: compare the kernel sums."""
+    from kernels.layers import triton_ops
+
+    def mode(tiled_from: int):
+        def apply(h: Harness):
+            h.prefill_graphs = None
+            triton_ops.ROTARY_TILED_FROM = tiled_from
+        return apply
+    return {"rotary token per program": mode(1 << 30), "rotary 4 tokens per program": mode(256)}
+
+
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants}
+            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants}
 
 
 def kernel_profile(fn) -> dict:

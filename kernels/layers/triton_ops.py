@@ -63,44 +63,54 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr,
+def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
                        stride_t, stride_cos, num_heads, num_kv_heads, stride_cb, stride_ct, stride_ch,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr, PAGE: tl.constexpr,
-                       PDL: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
+                       PAGE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
-    # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache)
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HALF)
-    ok = heads[:, None] < num_heads + (2 if WRITE_CACHE else 1) * num_kv_heads
+    # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache);
+    # a program takes BLOCK_T tokens x BLOCK_H heads: [BLOCK_T, BLOCK_H, HALF] tiles
+    token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
+    d = tl.arange(0, HALF)[None, None, :]
+    t_ok = token < num_tokens
+    ok = t_ok & (heads < num_heads + (2 if WRITE_CACHE else 1) * num_kv_heads)
     dtype = q_ptr.dtype.element_ty
-    c = _round(tl.load(cos_ptr + token * stride_cos + d), dtype)[None, :]
-    s = _round(tl.load(sin_ptr + token * stride_cos + d), dtype)[None, :]
-    src = qkv_ptr + token * stride_t + heads[:, None] * (2 * HALF) + d[None, :]
+    c = _round(tl.load(cos_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
+    s = _round(tl.load(sin_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
+    src = qkv_ptr + token * stride_t + heads * (2 * HALF) + d
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     o1 = (_round(x1 * c, dtype) - _round(x2 * s, dtype)).to(dtype)
     o2 = (_round(x2 * c, dtype) + _round(x1 * s, dtype)).to(dtype)
-    is_q = heads[:, None] < num_heads
-    is_k = ~is_q & (heads[:, None] < num_heads + num_kv_heads)
-    q_dst = q_ptr + (token * num_heads + heads[:, None]) * (2 * HALF) + d[None, :]
-    k_dst = k_ptr + (token * num_kv_heads + heads[:, None] - num_heads) * (2 * HALF) + d[None, :]
+    is_q = heads < num_heads
+    is_k = ~is_q & (heads < num_heads + num_kv_heads)
+    q_dst = q_ptr + (token * num_heads + heads) * (2 * HALF) + d
+    k_dst = k_ptr + (token * num_kv_heads + heads - num_heads) * (2 * HALF) + d
     tl.store(q_dst, o1, mask=ok & is_q)
     tl.store(q_dst + HALF, o2, mask=ok & is_q)
     tl.store(k_dst, o1, mask=ok & is_k)
     tl.store(k_dst + HALF, o2, mask=ok & is_k)
-    if WRITE_CACHE:  # this token's k (rotated) and v rows into its paged-cache slot; slot -1: padding
-        slot = tl.load(slot_ptr + token + tl.zeros([BLOCK_H, 1], dtype=tl.int32))  # [BLOCK_H, 1], all alike
+    if WRITE_CACHE:  # each token's k (rotated) and v rows into its paged-cache slot; slot -1: padding
+        slot = tl.load(slot_ptr + token, mask=t_ok, other=-1)  # [BLOCK_T, 1, 1]
         live = ok & (slot >= 0)
         page_row = (tl.maximum(slot, 0) // PAGE) * stride_cb + (tl.maximum(slot, 0) % PAGE) * stride_ct
         is_v = live & ~is_q & ~is_k
-        kv_head = tl.where(is_k, heads[:, None] - num_heads, heads[:, None] - num_heads - num_kv_heads)
-        dst = page_row + kv_head * stride_ch + d[None, :]
+        kv_head = tl.where(is_k, heads - num_heads, heads - num_heads - num_kv_heads)
+        dst = page_row + kv_head * stride_ch + d
         write_k = live & is_k
         tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=write_k)
         tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=write_k)
         tl.store(vc_ptr + dst, x1.to(vc_ptr.dtype.element_ty), mask=is_v)
         tl.store(vc_ptr + dst + HALF, x2.to(vc_ptr.dtype.element_ty), mask=is_v)
+
+
+# Prompt-sized calls take ROTARY_BLOCK_T tokens per program (decode-sized ones one): at one token per
+# program a 20b 4k prompt ran 20,480 programs of 2 kB and the kernel streamed ~2.3 TB/s (37 us per layer
+# for ~88 MB, H200 2026-11-30, bench/results/prefill_profile_20b_h200.json). Module-level so bench.prefill_ab
+# can switch it.
+ROTARY_BLOCK_T = 4
+ROTARY_TILED_FROM = 256
 
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -128,11 +138,12 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
         k_cache = v_cache = slots = q  # unused pointers
     if t:
         block_h = 16
+        block_t = ROTARY_BLOCK_T if t >= ROTARY_TILED_FROM else 1
         heads = num_heads + (2 if write else 1) * num_kv_heads
-        grid = (t, triton.cdiv(heads, block_h))
-        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0),
+        grid = (triton.cdiv(t, block_t), triton.cdiv(heads, block_h))
+        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, k_cache, v_cache, slots, t, qkv.stride(0), cos.stride(0),
                                  num_heads, num_kv_heads, k_cache.stride(0) if write else 0,
                                  k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0,
-                                 HALF=head_dim // 2, BLOCK_H=block_h, WRITE_CACHE=write,
+                                 HALF=head_dim // 2, BLOCK_T=block_t, BLOCK_H=block_h, WRITE_CACHE=write,
                                  PAGE=k_cache.shape[1] if write else 1, num_warps=4, **pdl.launch(qkv))
     return q, k, v

@@ -30,9 +30,18 @@ def test_rms_norm_and_residual_add(t, d, dtype):
     torch.testing.assert_close(h, want_h)
 
 
+@pytest.fixture(params=[1, 4], ids=["token per program", "4 tokens per program"])
+def rotary_block_t(request, monkeypatch):
+    """Both launch shapes of the rotary kernel: one token per program (decode) and the prompt tiling (forced on
+    from the first token, so the small cases here end in a partial tile)."""
+    monkeypatch.setattr(triton_ops, "ROTARY_BLOCK_T", request.param)
+    monkeypatch.setattr(triton_ops, "ROTARY_TILED_FROM", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,hq,hkv,dh", [(1, 8, 2, 16), (5, 64, 8, 64), (3, 3, 1, 8)])
-def test_rotary_qkv_matches_twin_exactly(t, hq, hkv, dh, dtype):
+def test_rotary_qkv_matches_twin_exactly(t, hq, hkv, dh, dtype, rotary_block_t):
     qkv = torch.randn(t, (hq + 2 * hkv) * dh).to(dtype)
     angles = torch.rand(t, dh // 2) * 50
     cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
@@ -45,7 +54,7 @@ def test_rotary_qkv_matches_twin_exactly(t, hq, hkv, dh, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,hq,hkv,dh,page", [(1, 4, 1, 16, 16), (5, 6, 3, 8, 4)])
-def test_rotary_qkv_writes_the_paged_cache(t, hq, hkv, dh, page, dtype):
+def test_rotary_qkv_writes_the_paged_cache(t, hq, hkv, dh, page, dtype, rotary_block_t):
     """The cache-writing variant: same q/k/v, and k (rotated) / v land in their slots, -1 skipped."""
     qkv = torch.randn(t, (hq + 2 * hkv) * dh).to(dtype)
     angles = torch.rand(t, dh // 2) * 50
