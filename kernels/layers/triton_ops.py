@@ -105,10 +105,10 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, 
         tl.store(vc_ptr + dst + HALF, x2.to(vc_ptr.dtype.element_ty), mask=is_v)
 
 
-# Prompt-sized calls take ROTARY_BLOCK_T tokens per program (decode-sized ones one): at one token per
-# program a 20b 4k prompt ran 20,480 programs of 2 kB and the kernel streamed ~2.3 TB/s (37 us per layer
-# for ~88 MB, H200 2026-11-30, bench/results/prefill_profile_20b_h200.json). Module-level so bench.prefill_ab
-# can switch it.
+# Prompt-sized calls take ROTARY_BLOCK_T tokens per program (decode-sized ones one). H200, 2026-11-30, with
+# the K/V write (bench/results/rotary_tiles_h200.log): 1 / 2 / 4 / 8 / 16 tokens per program 35.9 / 31.9 /
+# 29.8 / 32.6 / 36.2 us at 4k tokens, 66.6 / 58.1 / 52.9 / 59.6 / 65.1 us at 8k. Module-level so
+# bench.prefill_ab --variants rotary-tiles can switch it.
 ROTARY_BLOCK_T = 4
 ROTARY_TILED_FROM = 256
 
