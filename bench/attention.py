@@ -46,7 +46,7 @@ from kernels.attention import flashinfer_ops
 from kernels.attention.decode_triton import DecodeConfig, default_decode_config, sink_decode, split_scratch
 from kernels.attention.gpu_plan import decode_num_splits, flashinfer_page_lists
 from kernels.attention.reference import gather_pages, sink_attention
-from kernels.attention.sliding_prefill_triton import SWEEP_CONFIGS, plan_tiles, sliding_prefill
+from kernels.attention.sliding_prefill_triton import SWEEP_CONFIGS, SlidingPrefillConfig, plan_tiles, sliding_prefill
 
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 SCALE = 1.0 / math.sqrt(D)
@@ -253,7 +253,9 @@ def prefill_flops(n: int, window: int | None) -> float:
 
 
 def run_prefill(args, gen, workspace, backends, results):
-    for n in [1024, 8192] if args.quick else [1024, 4096, 8192, 32768]:
+    lens = [int(v) for v in args.prefill_lens.split(",")] if args.prefill_lens else \
+        [1024, 8192] if args.quick else [1024, 4096, 8192, 32768]
+    for n in lens:
         pages = -(-n // PAGE)
         k = torch.randn(pages + 8, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
         v = torch.randn(pages + 8, PAGE, HKV, D, generator=gen, device=DEV).bfloat16()
@@ -282,6 +284,8 @@ def run_prefill(args, gen, workspace, backends, results):
                                            "tflops": tflops, "err": err})
                 print(f"prefill {backend} N={n} window={window}: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
         run_sliding_triton(n, q, k, v, table, sinks, keys, values, results)
+        if args.full_triton:
+            run_full_triton(n, q, k, v, table, sinks, keys, values, results)
 
 
 def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results):
@@ -307,6 +311,33 @@ def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results):
         print(f"prefill {name} N={n} window={WINDOW}: {us:.1f}us {moved / us / 1e3:.0f} GB/s err {err:.1e}", flush=True)
 
 
+FULL_CONFIGS = [SlidingPrefillConfig(16, 64, 8, 3), SlidingPrefillConfig(16, 128, 8, 3), SlidingPrefillConfig(16, 64, 4, 3),
+                SlidingPrefillConfig(32, 64, 8, 3), SlidingPrefillConfig(8, 128, 4, 3)]
+
+
+def run_full_triton(n, q, k, v, table, sinks, keys, values, results):
+    """A full (causal) layer of one n-token prompt through the sliding kernel with a window past the prompt:
+    a probe of whether a Triton paged causal kernel (GQA rows packed as in the sliding one) can beat
+    FlashInfer's fa3 sink prefill on the full layers."""
+    lens = torch.tensor([n], dtype=torch.int32, device=DEV)
+    tail = 256
+    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, None)
+    for config in FULL_CONFIGS:
+        tiles = plan_tiles([n], table, lens, config.block_m)
+        out = torch.empty_like(q)
+
+        def run():
+            sliding_prefill(q, k, v, sinks, SCALE, 1 << 20, tiles, out, config)
+
+        run()
+        err = rel_err(out[-tail:], ref)
+        us = timed(run)
+        name = f"triton full {config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
+        tflops = prefill_flops(n, None) / (us * 1e-6) / 1e12
+        results["prefill"].append({"backend": name, "tokens": n, "window": None, "us": us, "err": err, "tflops": tflops})
+        print(f"prefill {name} N={n} window=None: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
+
+
 def print_table(results):
     print(f"\n{results['device']}  copy ceiling {results['copy_gbps']:.0f} GB/s  ({results['date']})")
     print("decode us (GB/s); triton_graph = CUDA-graph replay; swa = 128-key sliding layer")
@@ -329,6 +360,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--prefill-only", action="store_true", help="skip decode")
     parser.add_argument("--prefill-backends", default=None, help="comma list (default: the device's default)")
+    parser.add_argument("--prefill-lens", default=None, help="comma list of prompt lengths (default by --quick)")
+    parser.add_argument("--full-triton", action="store_true",
+                        help="also the full causal layers through the Triton paged kernel (a probe against fa3)")
     parser.add_argument("--sweep-only", default=None,
                         help="BxCTX list (e.g. 1x8192,4x8192): only the decode sweep at these points, wider split counts")
     args = parser.parse_args()
