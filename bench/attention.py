@@ -18,7 +18,10 @@ Triton kernel (kernels/attention/sliding_prefill_triton.py) at a few launch shap
 `--prefill-only` skips decode. Every implementation's output
 is checked against kernels/attention/reference.py (fp32) before it is timed. `--sweep` times the
 decode kernel's launch shapes at the policy's split count and its neighbour (graph-timed, five
-shapes): how default_decode_config was chosen.
+shapes): how default_decode_config was chosen; `--sweep-only 1x8192,4x8192` only that sweep at those
+(batch x context) points, over split counts policy/4 .. policy*2. `--prefill-lens 4096,8192` picks the prompt
+lengths; `--full-triton` also runs the full causal layers through our Triton paged kernel (a probe: fa3 was
+1.7-1.8x faster, kernels/attention/NOTES.md).
 
 Notes (bytes and FLOPs first). Decode reads every visible K and V byte once:
   bytes = B * ctx * 8 kv heads * 64 dim * 2 (K, V) * 2 B = B * ctx * 2048 B
