@@ -288,57 +288,37 @@ def run_prefill(args, gen, workspace, backends, results):
                 print(f"prefill {backend} N={n} window={window}: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
         run_sliding_triton(n, q, k, v, table, sinks, keys, values, results)
         if args.full_triton:
-            run_full_triton(n, q, k, v, table, sinks, keys, values, results)
-
-
-def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results):
-    """The sliding layer of one n-token prompt through our Triton kernel (the full table visible)."""
-    lens = torch.tensor([n], dtype=torch.int32, device=DEV)
-    tail = 256
-    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, WINDOW)
-    for config in SWEEP_CONFIGS:
-        tiles = plan_tiles([n], table, lens, config.block_m)
-        out = torch.empty_like(q)
-
-        def run():
-            sliding_prefill(q, k, v, sinks, SCALE, WINDOW, tiles, out, config)
-
-        run()
-        err = rel_err(out[-tail:], ref)
-        us = timed(run)
-        name = f"triton {config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
-        moved = 2 * q.numel() * q.element_size() + 2 * n * HKV * D * 2  # q + out, K + V once
-        results["prefill"].append({"backend": name, "tokens": n, "window": WINDOW, "us": us, "err": err,
-                                   "tflops": prefill_flops(n, WINDOW) / (us * 1e-6) / 1e12,
-                                   "gbps": moved / (us * 1e-6) / 1e9})
-        print(f"prefill {name} N={n} window={WINDOW}: {us:.1f}us {moved / us / 1e3:.0f} GB/s err {err:.1e}", flush=True)
+            run_sliding_triton(n, q, k, v, table, sinks, keys, values, results, window=None)
 
 
 FULL_CONFIGS = [SlidingPrefillConfig(16, 64, 8, 3), SlidingPrefillConfig(16, 128, 8, 3), SlidingPrefillConfig(16, 64, 4, 3),
                 SlidingPrefillConfig(32, 64, 8, 3), SlidingPrefillConfig(8, 128, 4, 3)]
 
 
-def run_full_triton(n, q, k, v, table, sinks, keys, values, results):
-    """A full (causal) layer of one n-token prompt through the sliding kernel with a window past the prompt:
-    a probe of whether a Triton paged causal kernel (GQA rows packed as in the sliding one) can beat
-    FlashInfer's fa3 sink prefill on the full layers."""
+def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results, window: int | None = WINDOW):
+    """One n-token prompt through our Triton paged kernel (the full table visible) at its launch shapes: the
+    sliding layer (window 128), or with window None a full causal layer, the kernel given a window past the
+    prompt (a probe of whether it can beat FlashInfer's fa3 sink prefill on the full layers)."""
     lens = torch.tensor([n], dtype=torch.int32, device=DEV)
     tail = 256
-    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, None)
-    for config in FULL_CONFIGS:
+    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, window)
+    for config in SWEEP_CONFIGS if window else FULL_CONFIGS:
         tiles = plan_tiles([n], table, lens, config.block_m)
         out = torch.empty_like(q)
 
         def run():
-            sliding_prefill(q, k, v, sinks, SCALE, 1 << 20, tiles, out, config)
+            sliding_prefill(q, k, v, sinks, SCALE, window or 1 << 20, tiles, out, config)
 
         run()
         err = rel_err(out[-tail:], ref)
         us = timed(run)
-        name = f"triton full {config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
-        tflops = prefill_flops(n, None) / (us * 1e-6) / 1e12
-        results["prefill"].append({"backend": name, "tokens": n, "window": None, "us": us, "err": err, "tflops": tflops})
-        print(f"prefill {name} N={n} window=None: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
+        name = f"triton{'' if window else ' full'} {config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
+        moved = 2 * q.numel() * q.element_size() + 2 * n * HKV * D * 2  # q + out, K + V once
+        tflops = prefill_flops(n, window) / (us * 1e-6) / 1e12
+        results["prefill"].append({"backend": name, "tokens": n, "window": window, "us": us, "err": err,
+                                   "tflops": tflops, "gbps": moved / (us * 1e-6) / 1e9})
+        print(f"prefill {name} N={n} window={window}: {us:.1f}us {tflops:.1f} TFLOP/s {moved / us / 1e3:.0f} GB/s "
+              f"err {err:.1e}", flush=True)
 
 
 def print_table(results):
