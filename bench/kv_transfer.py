@@ -24,33 +24,66 @@ import time
 import torch
 
 from engine.kv_payload import PrefilledKV
-from serve_app.kv_transfer import CudaIpcTransport, payload_upper_bound
+from serve_app.kv_transfer import CudaIpcTransport, KVHandle, payload_upper_bound
 
 LAYERS = [i % 2 == 0 for i in range(36)]
 KV_HEADS, HEAD_DIM, WINDOW = 8, 64, 128
 
 
 def make_payload(prompt_len: int, device: str) -> PrefilledKV:
+    """The same values on any CUDA device (Philox draws from a fixed seed), so the receiver can check them."""
+    g = torch.Generator(device=device).manual_seed(prompt_len)
     start = max(0, prompt_len - (WINDOW - 1))
     ks, vs = [], []
     for sliding in LAYERS:
         rows = prompt_len - start if sliding else prompt_len
-        ks.append(torch.randn(rows, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16))
-        vs.append(torch.randn(rows, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16))
+        ks.append(torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16))
+        vs.append(torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16))
     return PrefilledKV("bench", list(range(prompt_len)), [1], [], 0, prompt_len, start, list(LAYERS), ks, vs)
+
+
+def sm_copy_send(transport: CudaIpcTransport, payload: PrefilledKV, offer) -> KVHandle:
+    """The staged send, but the crossing done by a copy kernel on this GPU storing into the peer's
+    slot (SM stores over NVLink) instead of the copy engine (bench only: which of the two is faster)."""
+    from kernels.comm.copy_triton import copy_bytes
+    from serve_app.kv_transfer import ALIGN, pack_into, plan_layout, split_payload
+
+    t0 = time.perf_counter()
+    skeleton, tensors = split_payload(payload)
+    specs, total = plan_layout(tensors)
+    slot = transport._map_peer(offer)[offer.slot_offset: offer.slot_offset + total]
+    staging = torch.empty(total, dtype=torch.uint8, device=transport.device)
+    pack_into(staging, tensors, specs)
+    slot[:ALIGN].copy_(staging[:ALIGN])  # a copy_ across the two GPUs enables peer access in this process
+    copy_bytes(staging, slot)
+    torch.cuda.synchronize(transport.device)
+    torch.cuda.synchronize(slot.device)
+    return KVHandle("cuda_ipc", skeleton, specs, total, (time.perf_counter() - t0) * 1e3)
 
 
 def _prefill_side(device: str, jobs, results) -> None:
     transport = CudaIpcTransport(device, arena_bytes=1)
     while (job := jobs.get()) is not None:
-        prompt_len, offer, repeats = job
+        prompt_len, offer, repeats, mode = job
         payload = make_payload(prompt_len, device)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            handle = transport.send(payload, offer)  # pack into the peer's slot + synchronize
-            times.append((time.perf_counter() - t0) * 1e3)
-        results.put((handle, times))
+        times, handle, error = [], None, None
+        transport.send_mode = "staged" if mode == "sm_copy" else mode
+        try:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                send = sm_copy_send if mode == "sm_copy" else CudaIpcTransport.send
+                handle = send(transport, payload, offer)  # pack into the peer's slot + synchronize
+                times.append((time.perf_counter() - t0) * 1e3)
+        except Exception as err:  # noqa: BLE001 - a mode the platform cannot do is reported, not fatal
+            error = f"{type(err).__name__}: {err}"
+        peer = torch.cuda.can_device_access_peer(torch.device(device).index or 0, offer_device_index(offer))
+        results.put((handle, times, error, peer))
+
+
+def offer_device_index(offer) -> int:
+    from serve_app.kv_transfer import _local_index_of
+
+    return _local_index_of(offer.gpu_uuid) or 0
 
 
 def host_staging_ms(nbytes: int, repeats: int) -> float:
@@ -93,6 +126,10 @@ def main() -> None:
     parser.add_argument("--prompts", default="1024,8192,32768")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--send-modes", default="staged",
+                        help="comma list of per_tensor (each layer's K and V copied across GPUs), staged (packed "
+                             "on the prefill GPU, one copy across: what the transport does), sm_copy (staged, "
+                             "crossing by a copy kernel's stores instead of the copy engine)")
     parser.add_argument("--prefill-device", default="cuda:0", help="where the prefill side's K/V lives")
     parser.add_argument("--decode-device", default="cuda:0",
                         help="where the decode side's arena lives (another GPU: the hand-off crosses NVLink)")
@@ -105,31 +142,42 @@ def main() -> None:
     bounds = [payload_upper_bound(p, len(LAYERS), LAYERS, WINDOW, KV_HEADS, HEAD_DIM, torch.bfloat16) for p in prompts]
     decode = CudaIpcTransport(args.decode_device, arena_bytes=max(bounds) + 2**20)
     rows = []
+    modes = args.send_modes.split(",")
     for prompt_len, bound in zip(prompts, bounds):
-        offer = decode.offer(bound)
-        jobs.put((prompt_len, offer, args.repeats))
-        handle, send_ms = results.get(timeout=300)
-        receive_ms = []
-        for _ in range(args.repeats):
-            asyncio.run(decode.receive(handle, offer, timeout_s=30))
-            torch.cuda.synchronize()
-            receive_ms.append(decode.last_stats.receive_ms)
-        decode.release(offer)
-        ipc_ms = min(send_ms) + min(receive_ms)
-        rows.append({"prompt_tokens": prompt_len, "bytes": handle.nbytes, "cuda_ipc_send_ms": min(send_ms),
-                     "cuda_ipc_receive_ms": min(receive_ms), "cuda_ipc_total_ms": ipc_ms,
-                     "cuda_ipc_GBps": handle.nbytes / ipc_ms / 1e6,
-                     "host_staging_ms": host_staging_ms(handle.nbytes, args.repeats),
-                     **peer_copy(args.prefill_device, args.decode_device, handle.nbytes, args.repeats)})
+        for mode in modes:
+            offer = decode.offer(bound)
+            jobs.put((prompt_len, offer, args.repeats, mode))
+            handle, send_ms, error, sender_peer = results.get(timeout=300)
+            if handle is None:
+                decode.release(offer)
+                rows.append({"prompt_tokens": prompt_len, "send_mode": mode, "error": error})
+                print(f"{prompt_len} {mode}: {error}")
+                continue
+            receive_ms = []
+            for _ in range(args.repeats):
+                got = asyncio.run(decode.receive(handle, offer, timeout_s=30))
+                torch.cuda.synchronize()
+                receive_ms.append(decode.last_stats.receive_ms)
+            decode.release(offer)
+            want = make_payload(prompt_len, args.decode_device)
+            exact = all(torch.equal(a, b) for a, b in zip((*got.k, *got.v), (*want.k, *want.v)))
+            ipc_ms = min(send_ms) + min(receive_ms)
+            rows.append({"prompt_tokens": prompt_len, "send_mode": mode, "bytes": handle.nbytes,
+                         "cuda_ipc_send_ms": min(send_ms), "cuda_ipc_receive_ms": min(receive_ms),
+                         "cuda_ipc_total_ms": ipc_ms, "cuda_ipc_GBps": handle.nbytes / ipc_ms / 1e6,
+                         "sender_peer_access": sender_peer, "error": error, "exact": exact,
+                         "host_staging_ms": host_staging_ms(handle.nbytes, args.repeats),
+                         **peer_copy(args.prefill_device, args.decode_device, handle.nbytes, args.repeats)})
     jobs.put(None)
     proc.join(30)
-    print(f"peer access {args.prefill_device} -> {args.decode_device}: {rows[0]['peer_access']}")
-    print(f"{'prompt':>7} {'MiB':>8} {'ipc send':>9} {'ipc recv':>9} {'ipc GB/s':>9} {'host stage':>10} "
-          f"{'peer GB/s':>9}  (ms, best of {args.repeats})")
-    for r in rows:
-        print(f"{r['prompt_tokens']:>7} {r['bytes'] / 2**20:>8.1f} {r['cuda_ipc_send_ms']:>9.2f} "
+    done = [r for r in rows if "bytes" in r]
+    print(f"peer access {args.prefill_device} -> {args.decode_device}: {done[0]['peer_access'] if done else '?'}")
+    print(f"{'prompt':>7} {'mode':>10} {'MiB':>8} {'ipc send':>9} {'ipc recv':>9} {'ipc GB/s':>9} {'host stage':>10} "
+          f"{'peer GB/s':>9} {'exact':>5}  (ms, best of {args.repeats})")
+    for r in done:
+        print(f"{r['prompt_tokens']:>7} {r['send_mode']:>10} {r['bytes'] / 2**20:>8.1f} {r['cuda_ipc_send_ms']:>9.2f} "
               f"{r['cuda_ipc_receive_ms']:>9.2f} {r['cuda_ipc_GBps']:>9.1f} {r['host_staging_ms']:>10.2f} "
-              f"{r['peer_copy_GBps']:>9.1f}")
+              f"{r['peer_copy_GBps']:>9.1f} {str(r['exact']):>5}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "prefill_device": args.prefill_device,

@@ -248,6 +248,10 @@ class CudaIpcTransport(ObjectStoreTransport):
     """GPU-to-GPU K/V within a node through a CUDA IPC-shared receive arena on the decode replica."""
 
     name = "cuda_ipc"
+    # How send() moves K/V into the peer's slot: "staged" packs every layer's K and V into one buffer on
+    # this GPU and crosses to the peer in one copy; "per_tensor" copies each tensor into the slot across
+    # GPUs (python -m bench.kv_transfer --send-modes compares them).
+    send_mode = "staged"
 
     def __init__(self, device: str, arena_bytes: int, max_peers: int = 16):
         super().__init__(device)
@@ -316,7 +320,12 @@ class CudaIpcTransport(ObjectStoreTransport):
                         payload.request_id, total, offer.slot_nbytes)
             return super().send(payload, offer)
         slot = peer[offer.slot_offset: offer.slot_offset + total]
-        pack_into(slot, tensors, specs)
+        if self.send_mode == "staged":
+            staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            pack_into(staging, tensors, specs)
+            slot.copy_(staging, non_blocking=True)
+        else:
+            pack_into(slot, tensors, specs)
         # The decode replica reads the slot right after our answer: every copy must have landed.
         torch.cuda.synchronize(self.device)
         torch.cuda.synchronize(slot.device)
@@ -336,13 +345,24 @@ class CudaIpcTransport(ObjectStoreTransport):
             return None
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        args = list(offer.arena_ipc)
-        args[6] = local  # storage_device: the decode's GPU as numbered in this process
-        try:
-            arena = rebuild_cuda_tensor(*args)
-        except RuntimeError as err:  # e.g. IPC unsupported between these processes
+        # Opened in this GPU's context, the arena is a peer mapping that this GPU's copies (and kernels)
+        # write over NVLink: 300-380 GB/s on 2x H200 (bench/kv_transfer.py). Opened in the decode GPU's
+        # context instead, copies from here into it were staged by the driver at 10-35 GB/s. Without peer
+        # access between the two GPUs only the latter works.
+        own = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        contexts = [own, local] if own != local and torch.cuda.can_device_access_peer(own, local) else [local]
+        arena, errors = None, []
+        for storage_device in contexts:
+            args = list(offer.arena_ipc)
+            args[6] = storage_device  # the GPU (as numbered in this process) whose context maps the arena
+            try:
+                arena = rebuild_cuda_tensor(*args)
+                break
+            except RuntimeError as err:  # e.g. IPC unsupported between these processes
+                errors.append(f"on cuda:{storage_device}: {err}")
+        if arena is None:
             log.warning("cannot map decode arena %s over CUDA IPC (%s); using the object store",
-                        offer.arena_key, err)
+                        offer.arena_key, "; ".join(errors))
             return None
         self._peers[offer.arena_key] = arena
         while len(self._peers) > self._max_peers:

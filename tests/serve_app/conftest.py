@@ -1,4 +1,7 @@
-"""A real HTTP server (uvicorn on a free localhost port, in a background thread) around the app."""
+"""A real HTTP server (uvicorn on a free localhost port, in a background thread) around the app.
+
+The serving stack (uvicorn, FastAPI) is imported where a fixture needs it, so a GPU host without it can
+still run this folder's transport tests (test_serve_cuda_ipc.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,12 @@ import socket
 import threading
 import time
 
-import pytest
-import uvicorn
+from typing import TYPE_CHECKING
 
-from serve_app.openai_api.app import create_app
-from tests.serve_app.stub_backend import ScriptedBackend
+import pytest
+
+if TYPE_CHECKING:
+    from tests.serve_app.stub_backend import ScriptedBackend
 
 MODEL = "gpt-oss-test"
 MAX_CONTEXT = 4096
@@ -19,6 +23,8 @@ START_DATE = "2025-06-28"
 
 class LiveServer:
     def __init__(self, app):
+        import uvicorn
+
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
@@ -42,6 +48,9 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def backend_and_server():
+    from serve_app.openai_api.app import create_app
+    from tests.serve_app.stub_backend import ScriptedBackend
+
     backend = ScriptedBackend(max_context=MAX_CONTEXT)
     app = create_app(backend, model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date=START_DATE,
                      max_body_bytes=256 * 1024)

@@ -40,7 +40,8 @@ def _prefill_process(offers, answers) -> None:
         job = offers.get()
         if job is None:
             return
-        request_id, prompt_len, seed, offer = job
+        request_id, prompt_len, seed, offer, send_mode = job
+        transport.send_mode = send_mode
         payload = make_payload(request_id, prompt_len, seed, "cuda:0")
         handle = transport.send(payload, offer)
         answers.put(handle)
@@ -57,14 +58,23 @@ def prefill_process():
     proc.join(30)
 
 
+def _decode_devices() -> list:
+    two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a second GPU")
+    return ["cuda:0", pytest.param("cuda:1", marks=two)]
+
+
+@pytest.mark.parametrize("decode_device", _decode_devices())
+@pytest.mark.parametrize("send_mode", ["staged", "per_tensor"])
 @pytest.mark.parametrize("prompt_len", [1, 127, 989, 4099])
-def test_cuda_ipc_moves_kv_into_the_decode_arena(prefill_process, prompt_len):
+def test_cuda_ipc_moves_kv_into_the_decode_arena(prefill_process, prompt_len, send_mode, decode_device):
+    """Prefill on cuda:0; decode on the same GPU, or on a second one (the arena then maps into the
+    sender's context as a peer mapping: serve_app/kv_transfer.py, CudaIpcTransport._map_peer)."""
     offers, answers = prefill_process
-    decode = CudaIpcTransport("cuda:0", arena_bytes=256 * 2**20)
+    decode = CudaIpcTransport(decode_device, arena_bytes=256 * 2**20)
     bound = payload_upper_bound(prompt_len, len(LAYERS), LAYERS, WINDOW, KV_HEADS, HEAD_DIM, torch.bfloat16)
     offer = decode.offer(bound)
     assert offer.kind == "cuda_ipc"
-    offers.put((f"r{prompt_len}", prompt_len, prompt_len, offer))
+    offers.put((f"r{prompt_len}", prompt_len, prompt_len, offer, send_mode))
     try:
         handle = answers.get(timeout=120)
     except queue.Empty:
@@ -77,9 +87,9 @@ def test_cuda_ipc_moves_kv_into_the_decode_arena(prefill_process, prompt_len):
     payload.check_compatible(LAYERS, KV_HEADS, HEAD_DIM)
     assert payload.output_ids == [42] and payload.sliding_start == expected.sliding_start
     for got, want in zip((*payload.k, *payload.v), (*expected.k, *expected.v)):
-        assert got.device.type == "cuda" and torch.equal(got, want)
+        assert got.device == torch.device(decode_device) and torch.equal(got, want.to(got.device))
     stats = decode.last_stats
-    print(f"\ncuda_ipc prompt={prompt_len}: {handle.nbytes} bytes, pack (prefill side) {handle.pack_ms:.3f} ms, "
+    print(f"\ncuda_ipc prompt={prompt_len} ({send_mode}, to {decode_device}): {handle.nbytes} bytes, pack (prefill side) {handle.pack_ms:.3f} ms, "
           f"receive {stats.receive_ms:.3f} ms")
 
 
