@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import json
+import pstats
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,7 @@ class Side:
     shapes: GptOssConfig
     config: EngineConfig
     seed: int
+    profile: bool = False  # print a host profile (cProfile) of each export + send
 
 
 def engine_config(args, device: str, longest: int) -> EngineConfig:
@@ -68,9 +72,23 @@ def _prefill_side(side: Side, jobs, results) -> None:
                 while engine.has_unfinished():
                     engine.step_prefill()
                 t1 = time.perf_counter()
-                payload = engine.export_kv(rid)
+                prof = cProfile.Profile() if side.profile else None
+                if prof:
+                    prof.enable()
+                payload = engine.export_kv(rid, transport.export_target(offer) if cuda else None)
+                if cuda:
+                    torch.cuda.synchronize(engine.runner.device)
+                t2 = time.perf_counter()
                 out = transport.send(payload, offer) if cuda else payload
-                results.put(("ok", out, {"prefill_ms": (t1 - t0) * 1e3, "send_ms": (time.perf_counter() - t1) * 1e3}))
+                t3 = time.perf_counter()
+                if prof:
+                    prof.disable()
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(18)
+                    print(f"export + send of {len(request.prompt_ids)} tokens, host profile:\n{text.getvalue()}",
+                          flush=True)
+                results.put(("ok", out, {"prefill_ms": (t1 - t0) * 1e3, "export_ms": (t2 - t1) * 1e3,
+                                         "send_ms": (t3 - t1) * 1e3, "copy_ms": (t3 - t2) * 1e3}))
             except Exception as exc:  # reported to the decode side, which fails the run with it
                 results.put(("error", repr(exc), {}))
     finally:
@@ -93,6 +111,7 @@ def handoff(decode: LLMEngine, transport, jobs, results, req: GenerateRequest, b
     deltas = decode.import_prefilled(req, payload)
     ids = [t for d in deltas for t in d.token_ids]
     stamps = [time.perf_counter()] * len(ids)
+    import_ms = (stamps[0] - t2) * 1e3 if stamps else None
     if transport:
         transport.release(offer)
     while decode.has_unfinished():
@@ -100,7 +119,8 @@ def handoff(decode: LLMEngine, transport, jobs, results, req: GenerateRequest, b
             stamps += [time.perf_counter()] * len(d.token_ids)
             ids += d.token_ids
     rec = {"in_len": len(req.prompt_ids), "out_len": len(stamps), "kv_bytes": nbytes, **times,
-           "receive_ms": (t2 - t1) * 1e3, "ttft_ms": (stamps[0] - t0) * 1e3, "output_ids": ids}
+           "receive_ms": (t2 - t1) * 1e3, "import_ms": import_ms, "ttft_ms": (stamps[0] - t0) * 1e3,
+           "output_ids": ids}
     rec["handoff_GBps"] = nbytes / ((times["send_ms"] + rec["receive_ms"]) / 1e3) / 1e9
     if len(stamps) > 1:
         rec["tpot_ms"] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
@@ -125,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--kv-cache-mb", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-export", action="store_true", help="host profile of the prefill side's export + send")
     p.add_argument("--out", default="bench/results/disaggregated.json")
     args = p.parse_args(argv)
     shapes = tiny_config() if args.tiny else GptOssConfig.preset(args.model)
@@ -137,7 +158,8 @@ def main(argv=None) -> int:
     longest = max(prompts) + out_len + 16
     ctx = torch.multiprocessing.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill_side, args=(Side(shapes, engine_config(args, pre_dev, longest), args.seed),
+    proc = ctx.Process(target=_prefill_side, args=(Side(shapes, engine_config(args, pre_dev, longest), args.seed,
+                                                                 args.profile_export),
                                                    jobs, results))
     proc.start()
     decode = LLMEngine.with_random_weights(shapes, engine_config(args, dec_dev, longest), args.seed)
@@ -163,6 +185,9 @@ def main(argv=None) -> int:
             row["same_tokens"] = row["disaggregated"]["output_ids"] == row["one_engine"]["output_ids"]
             record["rows"].append(row)
             d, o = row["disaggregated"], row["one_engine"]
+            if "export_ms" in d:
+                print(f"[{n} tokens] prefill side: export {d['export_ms']:.2f} ms, copy {d['copy_ms']:.2f} ms; decode "
+                      f"side: receive {d['receive_ms']:.2f} ms, import {d['import_ms']:.2f} ms", flush=True)
             print(f"[{n} tokens] hand-off {d['kv_bytes'] / 2**20:.1f} MiB at {d['handoff_GBps']:.1f} GB/s | TTFT "
                   f"{d['ttft_ms']:.1f} ms split vs {o['ttft_ms']:.1f} ms one engine | ms/token {d.get('tpot_ms', 0):.3f} "
                   f"vs {o.get('tpot_ms', 0):.3f} | same tokens: {row['same_tokens']}", flush=True)

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.kv_payload import PrefilledKV
+from engine.kv_payload import KVDestination, PrefilledKV
 from engine.llm_engine import LLMEngine, StepFailedError
 from engine.request import GenerateRequest, InvalidRequestError, TokenDelta
 
@@ -33,11 +33,15 @@ class RequestAbortedError(RuntimeError):
     """A prefill-only request was aborted before its K/V was ready."""
 
 
+ABORT_WAIT_S = 30.0
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefill: asyncio.Future | None = None  # set for prefill-only requests: resolves to the payload
+    into: KVDestination | None = None  # where a prefill-only request's K/V is exported (engine/kv_payload.py)
 
     def put(self, item) -> None:
         """From the engine thread: a TokenDelta, or an exception to raise in the consumer."""
@@ -94,21 +98,37 @@ class AsyncEngine:
         async for delta in self._drain(request.request_id, stream):
             yield delta
 
-    async def prefill(self, request: GenerateRequest) -> PrefilledKV:
-        """Run only the prefill and return K/V + first token + sampler state for a decode replica."""
+    async def prefill(self, request: GenerateRequest, into: KVDestination | None = None) -> PrefilledKV:
+        """Run only the prefill and return K/V + first token + sampler state for a decode replica; `into`
+        may place the K/V (a transport's slot). Cancelled, it returns only once the engine thread has
+        dropped the request, so nothing writes into `into`'s memory after that."""
         self.engine.validate(request)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, prefill=loop.create_future())
+        stream = _Stream(loop, prefill=loop.create_future(), into=into)
         self._submit(lambda: self._start(request.request_id, stream,
                                          lambda: self.engine.add_request(request, prefill_only=True)))
         try:
             return await stream.prefill
         except asyncio.CancelledError:
-            await self.abort(request.request_id)
+            await self.abort(request.request_id, wait=into is not None)
             raise
 
-    async def abort(self, request_id: str) -> None:
-        self._submit(lambda: self._abort(request_id))
+    async def abort(self, request_id: str, wait: bool = False) -> None:
+        """Abort a request; with wait, return once the engine thread has done it."""
+        if not wait:
+            self._submit(lambda: self._abort(request_id))
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def command() -> None:
+            try:
+                self._abort(request_id)
+            finally:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        self._submit(command)
+        await asyncio.wait({done}, timeout=ABORT_WAIT_S)  # bounded: a stopped engine thread never answers
 
     def metrics(self) -> dict:
         return self.engine.metrics.snapshot()
@@ -169,7 +189,7 @@ class AsyncEngine:
             if stream.prefill is not None:  # prefill-only: its one delta means the K/V is ready
                 self._streams.pop(delta.request_id)
                 try:
-                    stream.put(self.engine.export_kv(delta.request_id))
+                    stream.put(self.engine.export_kv(delta.request_id, stream.into))
                 except RuntimeError as exc:  # a failed device read: this request only
                     self.engine.abort(delta.request_id)
                     stream.put(exc)

@@ -8,11 +8,18 @@ plain torch tensors on the prefill device; a transport (Ray object store, NIXL, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.request import TokenLogprob
+
+
+# Where an export may write its K/V: given the per-tensor shapes (every layer's K, then every V) and the
+# dtype, the destination tensors (e.g. views of a transport's receive slot on another GPU), or None for
+# new ones. Lets the prefill side gather pages straight into the decode replica's slot.
+KVDestination = Callable[[list[tuple[int, ...]], torch.dtype], "list[torch.Tensor] | None"]
 
 
 class KVPayloadError(ValueError):

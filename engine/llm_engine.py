@@ -35,7 +35,7 @@ import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig, EngineConfigError
-from engine.kv_payload import KVPayloadError, PrefilledKV
+from engine.kv_payload import KVDestination, KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
 from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
                             TokenLogprob)
@@ -241,8 +241,10 @@ class LLMEngine:
         self._update_state_metrics()
         return self._delta(seq)
 
-    def export_kv(self, request_id: str) -> PrefilledKV:
-        """K/V + sampling state of a request whose prefill is done; the request leaves this engine."""
+    def export_kv(self, request_id: str, into: KVDestination | None = None) -> PrefilledKV:
+        """K/V + sampling state of a request whose prefill is done; the request leaves this engine.
+        `into` may place the K/V (a transport's slot, engine/kv_payload.py); the rows have landed there
+        when this returns."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise UnknownRequestError(request_id)
@@ -252,7 +254,7 @@ class LLMEngine:
             raise RequestStateError(f"request {request_id!r} is {seq.status.value} with {seq.num_remaining} "
                                     f"uncached tokens: export after its prefill has sampled a token")
         sliding_start = self.block_manager.first_visible_position(seq.num_computed) if self.runner.has_sliding else 0
-        k, v = self.runner.read_kv(seq, sliding_start)
+        k, v = self.runner.read_kv(seq, sliding_start, into)
         payload = PrefilledKV(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), list(seq.output_logprobs),
                               seq.seed, seq.num_computed, sliding_start, list(self.runner.layer_is_sliding), k, v,
                               num_cached_tokens=seq.num_cached_prefix)

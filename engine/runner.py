@@ -16,12 +16,13 @@ import torch
 
 from engine.block_manager import cdiv
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from engine.kv_payload import PrefilledKV
+from engine.kv_payload import KVDestination, PrefilledKV
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_arrays import StepArrayBuilder, StepInputs, to_device
 from kernels.attention import PagedKVCache
-from kernels.attention.kv_cache import resolve_kv_dtype, store_rows
+from kernels.attention.kv_cache import resolve_kv_dtype
+from kernels.attention.kv_rows import empty_rows, gather_rows, scatter_rows
 from model.gpt_oss import GptOssForCausalLM
 
 
@@ -170,42 +171,48 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def read_kv_slots(self, slots: dict[bool, np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind."""
+    def read_kv_slots(self, slots: dict[bool, np.ndarray], into: KVDestination | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind, every layer in one
+        launch on GPUs (kernels/attention/kv_rows.py). `into(shapes, dtype)` may supply the destination
+        tensors (every K, then every V: a transport's slot); otherwise they are views of one new buffer."""
         index = {s: to_device(self.device, a) for s, a in slots.items()}
-        ks, vs = [], []
-        for layer, sliding in enumerate(self.layer_is_sliding):
-            kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-            ks.append(kc.view(-1, *kc.shape[2:]).index_select(0, index[sliding]))
-            vs.append(vc.view(-1, *vc.shape[2:]).index_select(0, index[sliding]))
-        return ks, vs
+        caches, kinds = [*self.kv_cache.k, *self.kv_cache.v], self.layer_is_sliding * 2
+        shapes = [(len(slots[s]), *self.kv_cache.k[0].shape[2:]) for s in kinds]
+        outs = into(shapes, self.kv_dtype) if into is not None else None
+        foreign = outs is not None
+        if not foreign:
+            outs = empty_rows(shapes, self.kv_dtype, self.device)
+        gather_rows(caches, [index[s] for s in kinds], outs)
+        if foreign and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # someone else's memory: the rows land before we return
+        n = len(self.layer_is_sliding)
+        return outs[:n], outs[n:]
 
     @torch.inference_mode()
-    def write_kv_slots(self, slots: dict[bool, np.ndarray], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
-        """Write per layer K and V [len(slots), Hkv, Dh] at the slots of the layer's kind."""
+    def write_kv_slots(self, slots: dict[bool, np.ndarray], ks: list[torch.Tensor], vs: list[torch.Tensor],
+                       pads: list[int] | None = None) -> None:
+        """Write per layer K and V [rows, Hkv, Dh] at the slots of the layer's kind, after pads[i] zero rows
+        (every K entry, then every V entry); one launch on GPUs (kernels/attention/kv_rows.py)."""
         index = {s: to_device(self.device, a) for s, a in slots.items()}
-        for layer, sliding in enumerate(self.layer_is_sliding):
-            kc, vc = self.kv_cache.k[layer], self.kv_cache.v[layer]
-            store_rows(kc, index[sliding], ks[layer])
-            store_rows(vc, index[sliding], vs[layer])
+        caches, kinds = [*self.kv_cache.k, *self.kv_cache.v], self.layer_is_sliding * 2
+        rows = [t.to(self.device, self.kv_dtype) for t in (*ks, *vs)]
+        scatter_rows(caches, [index[s] for s in kinds], rows, pads or [0] * len(caches))
 
-    def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def read_kv(self, seq: Sequence, sliding_start: int, into: KVDestination | None = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer K and V [tokens, Hkv, Dh] of positions 0 (full) or sliding_start (sliding) to num_computed."""
-        return self.read_kv_slots(self.kv_slots(seq, sliding_start, seq.num_computed))
+        return self.read_kv_slots(self.kv_slots(seq, sliding_start, seq.num_computed), into)
 
-    def import_slots(self, seq: Sequence, payload: PrefilledKV) -> tuple[dict[bool, np.ndarray], list, list]:
-        """Where imported K/V goes in the pages the scheduler gave `seq`, and the K/V padded to match."""
-        # The first live sliding page also holds positions before sliding_start, which the window masks
-        # out; they are written as zeros because a masked key still meets its value in 0 * V (NaN stays NaN).
+    def import_slots(self, seq: Sequence, payload: PrefilledKV) -> tuple[dict[bool, np.ndarray], list, list, list]:
+        """Where imported K/V goes in the pages the scheduler gave `seq`: (slots, K, V, zero rows before
+        each K then V entry). The first live sliding page also holds positions before sliding_start, which
+        the window masks out; they are written as zeros because a masked key still meets its value in
+        0 * V (NaN stays NaN)."""
         page_start = seq.sliding_first * self.block_size
         pad = payload.sliding_start - page_start
-        ks, vs = list(payload.k), list(payload.v)
-        if pad:
-            for layer, sliding in enumerate(self.layer_is_sliding):
-                if sliding:
-                    ks[layer] = torch.cat([ks[layer].new_zeros(pad, *ks[layer].shape[1:]), ks[layer]])
-                    vs[layer] = torch.cat([vs[layer].new_zeros(pad, *vs[layer].shape[1:]), vs[layer]])
-        return self.kv_slots(seq, page_start, payload.num_cached), ks, vs
+        pads = [pad if sliding else 0 for sliding in self.layer_is_sliding] * 2
+        return self.kv_slots(seq, page_start, payload.num_cached), list(payload.k), list(payload.v), pads
 
     def write_kv(self, seq: Sequence, payload: PrefilledKV) -> None:
         """Write imported K/V into the pages the scheduler gave `seq`."""

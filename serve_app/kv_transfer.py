@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_payload import PrefilledKV
+from engine.kv_payload import KVDestination, PrefilledKV
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,16 @@ class TensorSpec:
 
 
 def plan_layout(tensors: list[torch.Tensor]) -> tuple[list[TensorSpec], int]:
+    return plan_shapes([(tuple(t.shape), t.dtype) for t in tensors])
+
+
+def plan_shapes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[TensorSpec], int]:
+    """Each tensor's place in the flat buffer (ALIGN-aligned, in order) and the buffer's size."""
     specs, offset = [], 0
-    for t in tensors:
-        specs.append(TensorSpec(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    for shape, dtype in shapes:
+        spec = TensorSpec(offset, str(dtype).removeprefix("torch."), tuple(shape))
+        specs.append(spec)
+        offset += -(-spec.nbytes // ALIGN) * ALIGN
     return specs, offset
 
 
@@ -165,6 +171,10 @@ class ObjectStoreTransport:
     def offer(self, max_bytes: int) -> ReceiveOffer:
         return ReceiveOffer("object_store", _node_id())
 
+    def export_target(self, offer: ReceiveOffer) -> KVDestination | None:
+        """Where the engine may export K/V for this offer: anywhere (the payload is packed by `send`)."""
+        return None
+
     def send(self, payload: PrefilledKV, offer: ReceiveOffer) -> KVHandle:
         import ray
 
@@ -248,10 +258,11 @@ class CudaIpcTransport(ObjectStoreTransport):
     """GPU-to-GPU K/V within a node through a CUDA IPC-shared receive arena on the decode replica."""
 
     name = "cuda_ipc"
-    # How send() moves K/V into the peer's slot: "staged" packs every layer's K and V into one buffer on
-    # this GPU and crosses to the peer in one copy; "per_tensor" copies each tensor into the slot across
-    # GPUs (python -m bench.kv_transfer --send-modes compares them).
-    send_mode = "staged"
+    # How send() moves K/V into the peer's slot: "per_tensor" copies each layer's K and V straight into
+    # the slot (peer-mapped: over NVLink); "staged" packs them into one buffer on this GPU first and
+    # crosses in one copy. On 2x H200 per_tensor sent 292.5 MiB in 1.98 ms against 3.31 (2026-11-30,
+    # `python -m bench.kv_transfer --send-modes per_tensor,staged,sm_copy`).
+    send_mode = "per_tensor"
 
     def __init__(self, device: str, arena_bytes: int, max_peers: int = 16):
         super().__init__(device)
@@ -308,6 +319,21 @@ class CudaIpcTransport(ObjectStoreTransport):
         return None if self._arena is None else self._arena.free_bytes
 
     # -- prefill side
+    def export_target(self, offer: ReceiveOffer) -> KVDestination | None:
+        """Where the prefill engine can gather a request's K/V straight into the offered slot (the layout
+        `send` would pack), so that `send` has nothing left to copy; None when this offer cannot take it."""
+        if offer.kind != "cuda_ipc":
+            return None
+
+        def into(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor] | None:
+            peer = self._map_peer(offer)
+            specs, total = plan_shapes([(shape, dtype) for shape in shapes])
+            if peer is None or peer.device != self.device or total > offer.slot_nbytes:
+                return None  # send() then copies (or falls back) as usual
+            return unpack(peer[offer.slot_offset: offer.slot_offset + total], specs)
+
+        return into
+
     def send(self, payload: PrefilledKV, offer: ReceiveOffer) -> KVHandle:
         peer = self._map_peer(offer) if offer.kind == "cuda_ipc" else None
         if peer is None or not all(t.is_cuda for t in (*payload.k, *payload.v)):
@@ -320,7 +346,9 @@ class CudaIpcTransport(ObjectStoreTransport):
                         payload.request_id, total, offer.slot_nbytes)
             return super().send(payload, offer)
         slot = peer[offer.slot_offset: offer.slot_offset + total]
-        if self.send_mode == "staged":
+        if all(t.data_ptr() == slot.data_ptr() + spec.offset for t, spec in zip(tensors, specs)):
+            pass  # exported into the slot already (export_target)
+        elif self.send_mode == "staged":
             staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             pack_into(staging, tensors, specs)
             slot.copy_(staging, non_blocking=True)

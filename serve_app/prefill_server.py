@@ -32,7 +32,8 @@ class PrefillServer:
     async def prefill(self, request: GenerateRequest, offer: ReceiveOffer) -> KVHandle:
         """Run the prompt, ship its K/V as `offer` asks; InvalidRequestError for a request the engine refuses."""
         t0 = time.perf_counter()
-        payload = await self.engine.prefill(request)
+        # over CUDA IPC the engine gathers the K/V straight into the decode replica's slot
+        payload = await self.engine.prefill(request, self.transport.export_target(offer))
         t1 = time.perf_counter()
         if offer.kind == "cuda_ipc":
             # In the event loop, not a thread: once started, the copy into the decode replica's slot must

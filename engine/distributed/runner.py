@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from engine.distributed.wire import (Op, fed_on_device, flatten_kv, pack_slots, pack_step, pack_step_delta,
                                      unflatten_kv)
-from engine.kv_payload import PrefilledKV
+from engine.kv_payload import KVDestination, PrefilledKV
 from engine.runner import ModelRunner
 from engine.step_arrays import StepArrays, StepInputs
+from kernels.attention.kv_rows import pad_rows
 from engine.sequence import Sequence
 
 
@@ -89,9 +90,10 @@ class DistributedRunner(ModelRunner):
 
     @torch.inference_mode()
     def write_kv(self, seq: Sequence, payload: PrefilledKV) -> None:
-        slots, ks, vs = self.import_slots(seq, payload)
-        ks = [k.to(self.device, self.kv_dtype) for k in ks]
-        vs = [v.to(self.device, self.kv_dtype) for v in vs]
+        slots, ks, vs, pads = self.import_slots(seq, payload)
+        # the ranks receive rows for every slot, the sliding layers' leading zero rows included
+        ks, vs = ([pad_rows(t.to(self.device, self.kv_dtype), pad) for t, pad in zip(part, pads)]
+                  for part in (ks, vs))
         with self.executor.guard("K/V import", self) as channel:
             channel.send(Op.IMPORT_KV, pack_slots(slots))
             if self.tp_size == 1 and self.world_size > 1:
@@ -106,10 +108,11 @@ class DistributedRunner(ModelRunner):
         self.write_kv_slots(slots, *unflatten_kv(mine, self._rows(slots), self.kv_heads, self.head_dim, self.kv_dtype))
 
     @torch.inference_mode()
-    def read_kv(self, seq: Sequence, sliding_start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def read_kv(self, seq: Sequence, sliding_start: int, into: KVDestination | None = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         slots = self.kv_slots(seq, sliding_start, seq.num_computed)
         if self.tp_size == 1 and self.world_size > 1:  # every rank holds every head
-            return self.read_kv_slots(slots)
+            return self.read_kv_slots(slots, into)
         with self.executor.guard("K/V export", self) as channel:
             channel.send(Op.EXPORT_KV, pack_slots(slots))
             flat = flatten_kv(*self.read_kv_slots(slots))
@@ -119,7 +122,12 @@ class DistributedRunner(ModelRunner):
         layers = range(len(self.layer_is_sliding))
         ks = [torch.cat([k[layer] for k, _ in per_rank], dim=1) for layer in layers]  # [tokens, Hkv, Dh]
         vs = [torch.cat([v[layer] for _, v in per_rank], dim=1) for layer in layers]
-        return ks, vs
+        outs = into([tuple(t.shape) for t in (*ks, *vs)], self.kv_dtype) if into is not None else None
+        if outs is None:
+            return ks, vs
+        for out, t in zip(outs, (*ks, *vs)):
+            out.copy_(t)
+        return outs[:len(ks)], outs[len(ks):]
 
     def close(self) -> None:
         """Drop the model on every rank; with owns_executor also stop the worker processes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,8 +42,15 @@ def _prefill_process(offers, answers) -> None:
         if job is None:
             return
         request_id, prompt_len, seed, offer, send_mode = job
-        transport.send_mode = send_mode
         payload = make_payload(request_id, prompt_len, seed, "cuda:0")
+        if send_mode == "export_target":  # as the engine exports: rows written into the slot's views
+            tensors = [*payload.k, *payload.v]
+            outs = transport.export_target(offer)([tuple(t.shape) for t in tensors], tensors[0].dtype)
+            for out, t in zip(outs, tensors):
+                out.copy_(t)
+            payload = replace(payload, k=outs[:len(payload.k)], v=outs[len(payload.k):])
+        else:
+            transport.send_mode = send_mode
         handle = transport.send(payload, offer)
         answers.put(handle)
 
@@ -64,7 +72,7 @@ def _decode_devices() -> list:
 
 
 @pytest.mark.parametrize("decode_device", _decode_devices())
-@pytest.mark.parametrize("send_mode", ["staged", "per_tensor"])
+@pytest.mark.parametrize("send_mode", ["staged", "per_tensor", "export_target"])
 @pytest.mark.parametrize("prompt_len", [1, 127, 989, 4099])
 def test_cuda_ipc_moves_kv_into_the_decode_arena(prefill_process, prompt_len, send_mode, decode_device):
     """Prefill on cuda:0; decode on the same GPU, or on a second one (the arena then maps into the
