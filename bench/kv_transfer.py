@@ -1,8 +1,9 @@
 """Benchmark: K/V hand-off prefill -> decode over CUDA IPC vs. staging through host memory (one GPU node).
 
     python -m bench.kv_transfer [--prompts 1024,8192,32768] [--json out.json]
-    python -m bench.kv_transfer --prefill-device cuda:0 --decode-device cuda:1   (across GPUs: 28-34 GB/s on
-    2x H200 NV18 at 8k-32k tokens, 2026-11-30, bench/results/kv_transfer_h200x2.json)
+    python -m bench.kv_transfer --prefill-device cuda:0 --decode-device cuda:1 [--send-modes per_tensor,staged]
+    (across GPUs, 2x H200 NV18, 2026-11-30: sends of 292.5 / 1,156.5 MiB in 1.15 / 3.74 ms with the arena
+    mapped in the sender's context, 10-35 GB/s before; bench/results/kv_transfer_h200x2*.json)
 
 Payloads have gpt-oss-120b's K/V shapes (36 layers alternating sliding/full, 8 KV heads x 64, bf16; the
 sliding layers carry only their last 127 tokens). A spawned process plays the prefill replica: it packs
