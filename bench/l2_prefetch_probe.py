@@ -15,7 +15,9 @@ the weight (summing it into a sink, so nothing is optimized away; plain or `evic
 the question that decides whether a side stream pays: in a CUDA graph, after an L2 flush, the main
 stream runs a stand-in for the small kernels before the projection (a spin of S us, or a 16 MB read as
 a long-context attention layer would do) and then F.linear, while a forked side stream loads the weight;
-graph time with and without the side stream (CUDA events, median over replays).
+graph time with and without the side stream (CUDA events, median over replays). Result (H200,
+2026-11-30, bench/results/l2_load_probe_h200.json): the loads leave the weight little more usable than
+the bulk prefetch did, and the side stream slows every graph (kernels/moe/NOTES.md).
 
 Why it exists: prefetching the next QKV / O / active experts' down weights into L2 on a side stream,
 during the small kernels of a batch-1 decode step, measured 5% slower (kernels/moe/NOTES.md, "L2
