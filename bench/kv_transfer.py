@@ -23,6 +23,8 @@ import json
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from engine.kv_payload import PrefilledKV
 from serve_app.kv_transfer import CudaIpcTransport, KVHandle, payload_upper_bound
@@ -43,10 +45,28 @@ def make_payload(prompt_len: int, device: str) -> PrefilledKV:
     return PrefilledKV("bench", list(range(prompt_len)), [1], [], 0, prompt_len, start, list(LAYERS), ks, vs)
 
 
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n_words, BLOCK: tl.constexpr):
+    """dst[:n_words] = src[:n_words] (int64 words), grid-strided: for sm_copy only (a peer GPU's memory
+    mapped into this process as dst, written by this GPU's SMs over NVLink)."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    for base in range(start, n_words, tl.num_programs(0).to(tl.int64) * BLOCK):
+        idx = base + tl.arange(0, BLOCK)
+        tl.store(dst_ptr + idx, tl.load(src_ptr + idx, mask=idx < n_words), mask=idx < n_words)
+
+
+def copy_bytes(src: torch.Tensor, dst: torch.Tensor, block: int = 2048) -> None:
+    """Copy equal-length, 8-byte aligned uint8 tensors with 4 programs per SM of src's GPU."""
+    n = src.numel() // 8
+    programs = 4 * torch.cuda.get_device_properties(src.device).multi_processor_count
+    with torch.cuda.device(src.device):
+        _copy_kernel[(max(1, min(programs, triton.cdiv(n, block))),)](
+            src.view(torch.int64), dst.view(torch.int64), n, BLOCK=block, num_warps=8)
+
+
 def sm_copy_send(transport: CudaIpcTransport, payload: PrefilledKV, offer) -> KVHandle:
     """The staged send, but the crossing done by a copy kernel on this GPU storing into the peer's
     slot (SM stores over NVLink) instead of the copy engine (bench only: which of the two is faster)."""
-    from kernels.comm.copy_triton import copy_bytes
     from serve_app.kv_transfer import ALIGN, pack_into, plan_layout, split_payload
 
     t0 = time.perf_counter()
@@ -127,9 +147,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="1024,8192,32768")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--send-modes", default="staged",
-                        help="comma list of per_tensor (each layer's K and V copied across GPUs), staged (packed "
-                             "on the prefill GPU, one copy across: what the transport does), sm_copy (staged, "
+    parser.add_argument("--send-modes", default="per_tensor",
+                        help="comma list of per_tensor (each layer's K and V copied into the slot: the transport's "
+                             "default), staged (packed on the prefill GPU, one copy across), sm_copy (staged, "
                              "crossing by a copy kernel's stores instead of the copy engine)")
     parser.add_argument("--prefill-device", default="cuda:0", help="where the prefill side's K/V lives")
     parser.add_argument("--decode-device", default="cuda:0",

@@ -97,6 +97,22 @@ def linear_us(means: dict[str, float]) -> float:
     return sum(means[k] for k in names)
 
 
+def shape_row(name: str, n: int, k: int, flush: torch.Tensor, reps: int):
+    """A random [n, k] bf16 weight, F.linear on one token over it, and the row's cold / warm timings."""
+    w = torch.randn(n, k, device=flush.device, dtype=torch.bfloat16)
+    x = torch.randn(1, k, device=flush.device, dtype=torch.bfloat16)
+    lin = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+
+    def cold():
+        flush.fill_(1)
+        torch.cuda._sleep(100_000)
+        lin()
+
+    row = {"shape": name, "mb": n * k * 2 / 1e6, "cold_us": linear_us(kernel_means(cold, reps)),
+           "warm_us": linear_us(kernel_means(lambda: (lin(), lin()), reps)) / 2}
+    return w, lin, row
+
+
 def graph_us(fn, reps: int) -> float:
     """Median us of one replay of a CUDA graph of fn (captured after a warm-up)."""
     fn()
@@ -122,17 +138,7 @@ def load_rows(args, flush: torch.Tensor, sink: torch.Tensor) -> list[dict]:
     cycles_per_us = 1980.0  # the H200's SM clock under load, MHz (torch.cuda._sleep spins clock cycles)
     rows = []
     for name, (n, k) in list(SHAPES.items())[:2]:
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        lin = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-
-        def cold():
-            flush.fill_(1)
-            torch.cuda._sleep(100_000)
-            lin()
-
-        row = {"shape": name, "mb": n * k * 2 / 1e6, "cold_us": linear_us(kernel_means(cold, args.reps)),
-               "warm_us": linear_us(kernel_means(lambda: (lin(), lin()), args.reps)) / 2}
+        w, lin, row = shape_row(name, n, k, flush, args.reps)
         for evict in ("", "evict_last"):
             for programs in map(int, args.programs.split(",")):
                 def pre(programs=programs, evict=evict):
@@ -189,17 +195,7 @@ def main(argv=None) -> int:
     sink = torch.zeros(1 << 16, dtype=torch.int32, device=dev)
     rows = load_rows(args, flush, sink) if args.loads else []
     for name, (n, k) in ({} if args.loads else SHAPES).items():
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        lin = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-
-        def cold():
-            flush.fill_(1)
-            torch.cuda._sleep(100_000)
-            lin()
-
-        row = {"shape": name, "mb": n * k * 2 / 1e6, "cold_us": linear_us(kernel_means(cold, args.reps)),
-               "warm_us": linear_us(kernel_means(lambda: (lin(), lin()), args.reps)) / 2}
+        w, lin, row = shape_row(name, n, k, flush, args.reps)
         for chunk in map(int, args.chunks.split(",")):
             def pre(chunk=chunk):
                 flush.fill_(1)
