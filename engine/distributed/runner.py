@@ -127,6 +127,8 @@ class DistributedRunner(ModelRunner):
             return ks, vs
         for out, t in zip(outs, (*ks, *vs)):
             out.copy_(t)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # someone else's memory: the rows land before we return
         return outs[:len(ks)], outs[len(ks):]
 
     def close(self) -> None:

@@ -94,8 +94,21 @@ def _poison(engine) -> None:
         t.fill_(float("nan"))
 
 
+class _Destination:
+    """A KVDestination handing out NaN-filled tensors (as a transport's slot would be), remembering them."""
+
+    def __init__(self):
+        self.given: list[torch.Tensor] = []
+
+    def __call__(self, shapes, dtype):
+        self.given = [torch.full(shape, float("nan"), dtype=dtype) for shape in shapes]
+        return self.given
+
+
+@pytest.mark.parametrize("export_into", [False, True])
 @pytest.mark.parametrize("decode_kind", [StepKind.DECODE, StepKind.MIXED])
-def test_prefill_export_then_import_equals_one_engine(make_engine, model, decode_kind):
+def test_prefill_export_then_import_equals_one_engine(make_engine, model, decode_kind, export_into):
+    """export_into: the K/V is exported into tensors the caller supplies (engine/kv_payload.KVDestination)."""
     reqs = mixed_requests()
     one = make_engine()
     for r in reqs:
@@ -107,7 +120,14 @@ def test_prefill_export_then_import_equals_one_engine(make_engine, model, decode
     for r in reqs:
         prefill.add_request(r, prefill_only=True)
     first = run_to_end(prefill, prefill.step_prefill)
-    payloads = {r.request_id: prefill.export_kv(r.request_id) for r in reqs}
+    payloads = {}
+    for r in reqs:
+        into = _Destination() if export_into else None
+        payloads[r.request_id] = prefill.export_kv(r.request_id, into)
+        if into is not None:  # the payload is the supplied tensors, filled
+            p = payloads[r.request_id]
+            assert [t.data_ptr() for t in (*p.k, *p.v)] == [t.data_ptr() for t in into.given]
+            assert not any(t.isnan().any() for t in into.given)
     assert_pool_full(prefill)
     assert not prefill.seqs
     for r in reqs:

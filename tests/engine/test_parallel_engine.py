@@ -57,7 +57,10 @@ def prefill_and_export(engine: LLMEngine) -> dict:
     for r in requests():
         engine.add_request(r, prefill_only=True)
     run_to_end(engine, engine.step_prefill)
-    payloads = {r.request_id: engine.export_kv(r.request_id) for r in requests()}
+    # every other request exports into caller-supplied tensors (a transport's slot: KVDestination)
+    supplied = lambda shapes, dtype: [torch.full(s, float("nan"), dtype=dtype) for s in shapes]  # noqa: E731
+    payloads = {r.request_id: engine.export_kv(r.request_id, supplied if i % 2 else None)
+                for i, r in enumerate(requests())}
     assert_pool_full(engine)
     return payloads
 
