@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -82,18 +83,57 @@ def sm_copy_send(transport: CudaIpcTransport, payload: PrefilledKV, offer) -> KV
     return KVHandle("cuda_ipc", skeleton, specs, total, (time.perf_counter() - t0) * 1e3)
 
 
+def paged_copy(payload: PrefilledKV, block: int = 16) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The payload's rows scattered into fresh paged caches (one per K/V tensor, slots shuffled per layer
+    kind), so that an export gathers them back: (caches, slots per tensor)."""
+    from kernels.attention.kv_rows import scatter_rows
+
+    tensors = [*payload.k, *payload.v]
+    device = tensors[0].device
+    rows = max(t.shape[0] for t in tensors)
+    blocks = -(-rows // block) + 4
+    by_rows = {n: torch.randperm(blocks * block, device=device)[:n] for n in {t.shape[0] for t in tensors}}
+    caches = [torch.zeros(blocks, block, *t.shape[1:], dtype=t.dtype, device=device) for t in tensors]
+    slots = [by_rows[t.shape[0]] for t in tensors]
+    scatter_rows(caches, slots, tensors, [0] * len(tensors))
+    return caches, slots
+
+
+def export_send(transport: CudaIpcTransport, payload: PrefilledKV, offer, paged) -> KVHandle:
+    """As the prefill engine and server do it: gather the rows out of the pages into export_target's
+    tensors (kernels/attention/kv_rows.py), then send."""
+    from kernels.attention.kv_rows import gather_rows
+
+    caches, slots = paged
+    t0 = time.perf_counter()
+    tensors = [*payload.k, *payload.v]
+    outs = transport.export_target(offer)([tuple(t.shape) for t in tensors], tensors[0].dtype)
+    gather_rows(caches, slots, outs)
+    torch.cuda.synchronize(transport.device)
+    n = len(payload.k)
+    handle = transport.send(replace(payload, k=outs[:n], v=outs[n:]), offer)
+    return replace(handle, pack_ms=(time.perf_counter() - t0) * 1e3)
+
+
 def _prefill_side(device: str, jobs, results) -> None:
     transport = CudaIpcTransport(device, arena_bytes=1)
     while (job := jobs.get()) is not None:
         prompt_len, offer, repeats, mode = job
         payload = make_payload(prompt_len, device)
         times, handle, error = [], None, None
-        transport.send_mode = "staged" if mode == "sm_copy" else mode
+        transport.send_mode = mode if mode in ("per_tensor", "staged") else "staged"
+        paged = None
+        if mode.startswith("export_"):
+            transport.export_via = mode.removeprefix("export_")
+            paged = paged_copy(payload)
         try:
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                send = sm_copy_send if mode == "sm_copy" else CudaIpcTransport.send
-                handle = send(transport, payload, offer)  # pack into the peer's slot + synchronize
+                if paged is not None:
+                    handle = export_send(transport, payload, offer, paged)
+                else:
+                    send = sm_copy_send if mode == "sm_copy" else CudaIpcTransport.send
+                    handle = send(transport, payload, offer)  # pack into the peer's slot + synchronize
                 times.append((time.perf_counter() - t0) * 1e3)
         except Exception as err:  # noqa: BLE001 - a mode the platform cannot do is reported, not fatal
             error = f"{type(err).__name__}: {err}"
@@ -150,7 +190,9 @@ def main() -> None:
     parser.add_argument("--send-modes", default="per_tensor",
                         help="comma list of per_tensor (each layer's K and V copied into the slot: the transport's "
                              "default), staged (packed on the prefill GPU, one copy across), sm_copy (staged, "
-                             "crossing by a copy kernel's stores instead of the copy engine)")
+                             "crossing by a copy kernel's stores instead of the copy engine), export_peer / "
+                             "export_local (rows gathered out of paged caches as the engine exports: into the "
+                             "slot itself, or into a local buffer sent in one copy; CudaIpcTransport.export_via)")
     parser.add_argument("--prefill-device", default="cuda:0", help="where the prefill side's K/V lives")
     parser.add_argument("--decode-device", default="cuda:0",
                         help="where the decode side's arena lives (another GPU: the hand-off crosses NVLink)")

@@ -271,6 +271,12 @@ class CudaIpcTransport(ObjectStoreTransport):
     # crosses in one copy. On 2x H200 per_tensor sent 292.5 MiB in 1.98 ms against 3.31 (2026-11-30,
     # `python -m bench.kv_transfer --send-modes per_tensor,staged,sm_copy`).
     send_mode = "per_tensor"
+    # Where export_target has the engine gather the K/V: "peer", straight into the decode replica's slot
+    # (the gather kernel's stores cross NVLink); "local", into one buffer on this GPU laid out as the slot,
+    # which send() then copies across in one copy-engine transfer. Gather + send on 2x H200 (2026-11-30,
+    # `python -m bench.kv_transfer --send-modes export_peer,export_local`, 120b shapes): 1.25 / 1.94 /
+    # 5.39 ms (peer) against 1.34 / 2.05 / 5.80 ms (local) for 40.5 / 292.5 / 1,156.5 MiB.
+    export_via = "peer"
 
     def __init__(self, device: str, arena_bytes: int, max_peers: int = 16):
         super().__init__(device)
@@ -338,6 +344,8 @@ class CudaIpcTransport(ObjectStoreTransport):
             specs, total = plan_shapes([(shape, dtype) for shape in shapes])
             if peer is None or peer.device != self.device or total > offer.slot_nbytes:
                 return None  # send() then copies (or falls back) as usual
+            if self.export_via == "local":
+                return unpack(torch.empty(total, dtype=torch.uint8, device=self.device), specs)
             return unpack(peer[offer.slot_offset: offer.slot_offset + total], specs)
 
         return into
@@ -354,8 +362,11 @@ class CudaIpcTransport(ObjectStoreTransport):
                         payload.request_id, total, offer.slot_nbytes)
             return super().send(payload, offer)
         slot = peer[offer.slot_offset: offer.slot_offset + total]
-        if all(t.data_ptr() == slot.data_ptr() + spec.offset for t, spec in zip(tensors, specs)):
-            pass  # exported into the slot already (export_target)
+        packed = _packed_flat(tensors, specs, total)  # laid out as the slot wants (export_target)?
+        if packed is not None and packed.data_ptr() == slot.data_ptr():
+            pass  # exported into the slot itself
+        elif packed is not None:
+            slot.copy_(packed, non_blocking=True)  # one copy across
         elif self.send_mode == "staged":
             staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             pack_into(staging, tensors, specs)
@@ -404,6 +415,21 @@ class CudaIpcTransport(ObjectStoreTransport):
         while len(self._peers) > self._max_peers:
             self._peers.popitem(last=False)  # a replaced decode replica: unmap its arena
         return arena
+
+
+def _packed_flat(tensors: list[torch.Tensor], specs: list[TensorSpec], total: int) -> torch.Tensor | None:
+    """The `total`-byte buffer the tensors sit in at their specs' offsets (views of one allocation, as
+    export_target hands out), or None when they are laid out otherwise."""
+    if not tensors:
+        return None
+    storage = tensors[0].untyped_storage()
+    base = tensors[0].data_ptr() - specs[0].offset
+    start = base - storage.data_ptr()
+    if start < 0 or start + total > storage.nbytes() or not all(
+            t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() == base + spec.offset
+            and t.is_contiguous() for t, spec in zip(tensors, specs)):
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage, start, (total,))
 
 
 def _gpu_uuid(device: torch.device) -> str:

@@ -76,16 +76,21 @@ def _launch(caches, slots, rows, pads, scatter: bool) -> None:
 
     n = len(caches)
     counts = [int(s.numel()) for s in slots]
-    starts, total = [], 0
-    for c in counts:
-        starts.append(total)
-        total += c
-    if not total:
+    if not sum(counts):
         return
     device = caches[0].device
+    # entries share slot tensors (one per layer kind): each distinct one is copied once
+    distinct: dict[int, int] = {}
+    parts, total = [], 0
+    for s in slots:
+        if id(s) not in distinct:
+            distinct[id(s)] = total
+            parts.append(s.to(device=device, dtype=torch.int64))
+            total += s.numel()
+    starts = [distinct[id(s)] for s in slots]
     meta = torch.tensor([c.data_ptr() for c in caches] + [r.data_ptr() for r in rows] + starts + counts
                         + list(pads), dtype=torch.int64).to(device, non_blocking=True)
-    all_slots = torch.cat([s.to(device=device, dtype=torch.int64) for s in slots])
+    all_slots = torch.cat(parts) if len(parts) > 1 else parts[0]
     words = _row_words(caches[0].view(-1, *caches[0].shape[2:]))
     grid = (n, -(-max(counts) // BLOCK_ROWS))
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

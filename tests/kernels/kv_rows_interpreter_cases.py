@@ -17,10 +17,14 @@ from tests.kernels.kv_rows_common import make_case  # noqa: E402
 from kernels.attention import kv_rows  # noqa: E402
 
 
+@pytest.mark.parametrize("shared_slots", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", [1, 17, 300])
-def test_gather_then_scatter_match_the_twins(rows, dtype):
+def test_gather_then_scatter_match_the_twins(rows, dtype, shared_slots):
+    """shared_slots: entries reuse two slot tensors, as the runner passes one per layer kind."""
     caches, slots, pads = make_case(rows, dtype, layers=3)
+    if shared_slots:
+        slots = [slots[0] if i % 2 == 0 else slots[1] for i in range(len(slots))]
     outs = [torch.full((s.numel(), *c.view(torch.uint8).shape[2:]), 7, dtype=torch.uint8).view(dtype)
             for c, s in zip(caches, slots)]
     want = [o.clone() for o in outs]

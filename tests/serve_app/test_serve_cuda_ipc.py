@@ -43,7 +43,8 @@ def _prefill_process(offers, answers) -> None:
             return
         request_id, prompt_len, seed, offer, send_mode = job
         payload = make_payload(request_id, prompt_len, seed, "cuda:0")
-        if send_mode == "export_target":  # as the engine exports: rows written into the slot's views
+        if send_mode.startswith("export_"):  # as the engine exports: rows written into export_target's views
+            transport.export_via = send_mode.removeprefix("export_")  # peer: the slot itself; local: a buffer
             tensors = [*payload.k, *payload.v]
             outs = transport.export_target(offer)([tuple(t.shape) for t in tensors], tensors[0].dtype)
             for out, t in zip(outs, tensors):
@@ -72,7 +73,7 @@ def _decode_devices() -> list:
 
 
 @pytest.mark.parametrize("decode_device", _decode_devices())
-@pytest.mark.parametrize("send_mode", ["staged", "per_tensor", "export_target"])
+@pytest.mark.parametrize("send_mode", ["staged", "per_tensor", "export_peer", "export_local"])
 @pytest.mark.parametrize("prompt_len", [1, 127, 989, 4099])
 def test_cuda_ipc_moves_kv_into_the_decode_arena(prefill_process, prompt_len, send_mode, decode_device):
     """Prefill on cuda:0; decode on the same GPU, or on a second one (the arena then maps into the
