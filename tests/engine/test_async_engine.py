@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import StepFailedError
@@ -160,3 +161,49 @@ def test_async_prefill_then_decode_on_another_engine(make_engine):
     assert prefill.metrics()["kv_exported_total"] == len(reqs) == decode.metrics()["kv_imported_total"]
     assert_pool_full(prefill.engine)
     assert_pool_full(decode.engine)
+
+
+def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_engine):
+    """prefill(request, into): the payload is the destination's tensors; a cancelled prefill with a
+    destination returns only after the engine thread has dropped the request (nothing writes into the
+    destination after the call ends)."""
+    reqs = _requests()
+    expected = _sync_outputs(make_engine, reqs)
+    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(make_engine())
+    given: dict[str, list] = {}
+
+    def into_for(rid):
+        def into(shapes, dtype):
+            given[rid] = [torch.full(s, float("nan"), dtype=dtype) for s in shapes]
+            return given[rid]
+        return into
+
+    async def one(r):
+        payload = await prefill.prefill(r, into_for(r.request_id))
+        assert [t.data_ptr() for t in (*payload.k, *payload.v)] == [t.data_ptr() for t in given[r.request_id]]
+        return await _collect(decode.generate_prefilled(r, payload))
+
+    async def cancelled():
+        r = request("c", _prompt(40, 3), greedy(4))
+        task = asyncio.ensure_future(prefill.prefill(r, into_for("c")))
+        await asyncio.sleep(0)  # submitted, not yet done
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the abort has run on the engine thread: the request is gone, its pages are back
+        assert "c" not in prefill.engine.seqs
+
+    async def main():
+        out = await asyncio.gather(*(one(r) for r in reqs))
+        await cancelled()
+        await _wait_idle(prefill)
+        return out
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    for r, (ids, _) in zip(reqs, results):
+        assert ids == expected[r.request_id]
+    assert_pool_full(prefill.engine)
