@@ -242,9 +242,8 @@ class LLMEngine:
         return self._delta(seq)
 
     def export_kv(self, request_id: str, into: KVDestination | None = None) -> PrefilledKV:
-        """K/V + sampling state of a request whose prefill is done; the request leaves this engine.
-        `into` may place the K/V (a transport's slot, engine/kv_payload.py); the rows have landed there
-        when this returns."""
+        """K/V + sampling state of a request whose prefill is done; the request leaves this engine. `into`
+        may place the K/V (a transport's slot: engine/kv_payload.py); it has landed there on return."""
         seq = self.seqs.get(request_id)
         if seq is None:
             raise UnknownRequestError(request_id)
