@@ -29,10 +29,13 @@ class ServeTokenBackend:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         responses = self._decode.generate.remote(request)
         self._in_flight[request.request_id] = responses
+        ended = False
         try:
             async for delta in responses:
                 yield delta
+            ended = True
         except RayTaskError as err:
+            ended = True
             # The decode replica refused the request: re-raise the engine's own error so the API turns it
             # into a 400 with its `param`. Anything else (a replica that died, ...) propagates as is and
             # becomes a 503 in the API layer.
@@ -42,6 +45,11 @@ class ServeTokenBackend:
             raise
         finally:
             self._in_flight.pop(request.request_id, None)
+            if not ended:
+                # Closed early (the client went away while this generator sat at a `yield`, not inside
+                # Serve's await, so no cancellation reached the decode replica; `abort` then finds the
+                # request gone from _in_flight): cancel the decode call here, or it runs to max_tokens.
+                responses.cancel()
 
     async def abort(self, request_id: str) -> None:
         """Cancel the request on whichever decode replica runs it (Serve propagates the cancellation,
