@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import io
 import json
@@ -43,7 +44,7 @@ class Side:
     shapes: GptOssConfig
     config: EngineConfig
     seed: int
-    profile: bool = False  # print a host profile (cProfile) of each export + send
+    profile: str = ""  # "python" (cProfile) or "ops" (torch.profiler): print a profile of each export + send
 
 
 def engine_config(args, device: str, longest: int) -> EngineConfig:
@@ -72,21 +73,26 @@ def _prefill_side(side: Side, jobs, results) -> None:
                 while engine.has_unfinished():
                     engine.step_prefill()
                 t1 = time.perf_counter()
-                prof = cProfile.Profile() if side.profile else None
+                prof = cProfile.Profile() if side.profile == "python" else None
+                ops = torch.profiler.profile() if side.profile == "ops" else contextlib.nullcontext()
                 if prof:
                     prof.enable()
-                payload = engine.export_kv(rid, transport.export_target(offer) if cuda else None)
-                if cuda:
-                    torch.cuda.synchronize(engine.runner.device)
-                t2 = time.perf_counter()
-                out = transport.send(payload, offer) if cuda else payload
-                t3 = time.perf_counter()
+                with ops:
+                    payload = engine.export_kv(rid, transport.export_target(offer) if cuda else None)
+                    if cuda:
+                        torch.cuda.synchronize(engine.runner.device)
+                    t2 = time.perf_counter()
+                    out = transport.send(payload, offer) if cuda else payload
+                    t3 = time.perf_counter()
                 if prof:
                     prof.disable()
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(18)
                     print(f"export + send of {len(request.prompt_ids)} tokens, host profile:\n{text.getvalue()}",
                           flush=True)
+                if side.profile == "ops":
+                    print(f"export + send of {len(request.prompt_ids)} tokens, ops:\n"
+                          + ops.key_averages().table(sort_by="cpu_time_total", row_limit=16), flush=True)
                 results.put(("ok", out, {"prefill_ms": (t1 - t0) * 1e3, "export_ms": (t2 - t1) * 1e3,
                                          "send_ms": (t3 - t1) * 1e3, "copy_ms": (t3 - t2) * 1e3}))
             except Exception as exc:  # reported to the decode side, which fails the run with it
@@ -145,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--kv-cache-mb", type=int)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile-export", action="store_true", help="host profile of the prefill side's export + send")
+    p.add_argument("--profile-export", choices=["", "python", "ops"], default="",
+                   help="profile the prefill side's export + send: python (cProfile) or ops (torch.profiler)")
     p.add_argument("--out", default="bench/results/disaggregated.json")
     args = p.parse_args(argv)
     shapes = tiny_config() if args.tiny else GptOssConfig.preset(args.model)
