@@ -108,9 +108,10 @@ def test_engine_scenarios_with_lookahead(scenario, make_lookahead, reference_gre
     fn(**{k: v for k, v in kwargs.items() if k in fn.__code__.co_varnames[:fn.__code__.co_argcount]})
 
 
+@pytest.mark.parametrize("export_into", [False, True])
 @pytest.mark.parametrize("decode_kind", [StepKind.DECODE, StepKind.MIXED])
-def test_prefill_export_then_import_with_lookahead(make_lookahead, model, decode_kind):
-    scenarios.test_prefill_export_then_import_equals_one_engine(make_lookahead, model, decode_kind)
+def test_prefill_export_then_import_with_lookahead(make_lookahead, model, decode_kind, export_into):
+    scenarios.test_prefill_export_then_import_equals_one_engine(make_lookahead, model, decode_kind, export_into)
 
 
 def test_abort_while_a_step_is_in_flight(make_engine, make_lookahead):
