@@ -30,6 +30,7 @@ import asyncio
 import functools
 import logging
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -288,6 +289,8 @@ class CudaIpcTransport(ObjectStoreTransport):
         self._arena_ipc: tuple | None = None
         self._peers: OrderedDict[str, torch.Tensor] = OrderedDict()  # sending side: mapped arenas, LRU
         self._max_peers = max_peers
+        # The engine thread maps arenas (export_target) while the event loop does too (send)
+        self._peers_lock = threading.Lock()
 
     # -- decode side
     def reserve_arena(self) -> None:
@@ -382,6 +385,10 @@ class CudaIpcTransport(ObjectStoreTransport):
         """The decode replica's arena mapped into this process, or None when it is out of reach."""
         if offer.node_id != _node_id():
             return None
+        with self._peers_lock:
+            return self._map_peer_locked(offer)
+
+    def _map_peer_locked(self, offer: ReceiveOffer) -> torch.Tensor | None:
         if offer.arena_key in self._peers:
             self._peers.move_to_end(offer.arena_key)
             return self._peers[offer.arena_key]
