@@ -110,3 +110,19 @@ def test_auto_all_reduce_picks_nccl_where_symm_mem_cannot_run():
     if not torch.cuda.is_available():  # this process sees no GPU: auto cannot map the others' memory
         assert not wants_symm_mem("auto", 2, torch.device("cuda:0"))
 
+
+
+def test_disaggregated_load_benchmark_smoke_run(tmp_path):
+    """bench/disaggregated_load.py: a burst of requests through a prefill process and this process's decode
+    engine, then half of them through one engine doing both; every request gets all its tokens, and the
+    same prompts give the same greedy tokens both ways (fp32 on CPU)."""
+    from bench import disaggregated_load
+
+    out = tmp_path / "load.json"
+    assert disaggregated_load.main(["--tiny", "--device", "cpu", "--requests", "4", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tokens_per_request"] == [6] and rec["same_tokens"] == 2
+    for key in ("split", "both"):
+        r = rec[key]
+        assert r["requests"] == (4 if key == "split" else 2) and r["output_tok_s"] > 0
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_max"] and 0 < r["itl_ms_p50"] <= r["itl_ms_max"]
