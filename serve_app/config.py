@@ -192,8 +192,10 @@ class ServeAppConfig(_Settings):
                           "(120b TP2/EP2 on 2x H200: batch-1 decode 196 -> 328 tok/s, same tokens).")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
-        True, description="Run prompts on the prefill deployment and move their KV to decode. False: no "
-                          "prefill deployment; decode replicas run prompts themselves.")
+        True, description="Run prompts on the prefill deployment and move their KV to decode: decode steps "
+                          "never wait behind a prompt chunk. False: no prefill deployment; decode replicas run "
+                          "prompts themselves (more tokens per GPU, longer token gaps under prompt bursts: "
+                          "README, bench.disaggregated_load).")
     kv_transport: Literal["auto", "object_store", "cuda_ipc"] = Field(
         "auto", description="How KV moves prefill -> decode. object_store: Ray's object store (host memory, "
                             "any node). cuda_ipc: GPU memory mapped between processes of one node, falling "
