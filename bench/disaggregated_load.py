@@ -16,7 +16,8 @@ does. Two setups on the same 2 GPUs, random weights of the real shapes, greedy, 
   prefill, mixed steps); the other GPU would run the other half the same way, so its numbers stand for
   both GPUs (throughput doubled).
 
-Per setup: time to first token (request sent -> first token on the decode side), the time between a
+Prefix caching is off (both setups run the same prompts) and each setup is warmed up first with prompts
+of the measured length (first chunks and mixed steps of a shape compile kernels). Per setup: time to first token (request sent -> first token on the decode side), the time between a
 request's consecutive tokens (inter-token latency, all gaps of all requests), and output tokens per
 second over the 2 GPUs (last token's time). Prints a table, writes JSON.
 """
@@ -43,8 +44,8 @@ from model.config import GptOssConfig
 from serve_app.kv_transfer import CudaIpcTransport, payload_upper_bound
 
 
-def requests(n: int, prompt_len: int, out_len: int, vocab: int, tag: str) -> list[GenerateRequest]:
-    return [GenerateRequest(f"{tag}{i}", prompt(prompt_len, vocab, 1000 + i), SamplingParams(
+def requests(n: int, prompt_len: int, out_len: int, vocab: int, tag: str, seed: int = 1000) -> list[GenerateRequest]:
+    return [GenerateRequest(f"{tag}{i}", prompt(prompt_len, vocab, seed + i), SamplingParams(
         temperature=0.0, max_tokens=out_len, ignore_eos=True)) for i in range(n)]
 
 
@@ -140,8 +141,9 @@ def main(argv=None) -> int:
         args.dtype = "bfloat16" if cuda else "float32"
     longest = args.prompt_len + args.out_len + 16
 
-    def config(device: str):
-        return replace(engine_config(args, device, longest), max_num_seqs=max(4, args.requests))
+    def config(device: str):  # no prefix caching: both setups run the same prompts
+        return replace(engine_config(args, device, longest), max_num_seqs=max(4, args.requests),
+                       enable_prefix_caching=False)
 
     ctx = torch.multiprocessing.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
@@ -161,8 +163,11 @@ def main(argv=None) -> int:
                                     shapes.num_key_value_heads, shapes.head_dim, dtype)
         transport = CudaIpcTransport(dec_dev, arena_bytes=args.requests * bound + 2**20) if cuda else None
         vocab = shapes.vocab_size
-        run_split(decode, transport, jobs, results, requests(2, 16, 4, vocab, "warm"), bound, args.timeout_s)  # warm-up
-        run_both(decode, requests(2, 16, 4, vocab, "warmboth"))
+        # Warm-ups at the measured prompt length: the first prompt chunks and mixed steps of a shape compile
+        # kernels (Triton, DeepGEMM) that would otherwise land inside the timed runs.
+        run_split(decode, transport, jobs, results, requests(2, args.prompt_len, 4, vocab, "warm", seed=50), bound,
+                  args.timeout_s)
+        run_both(decode, requests(3, args.prompt_len, 4, vocab, "warmboth", seed=60))
         t0 = time.perf_counter()
         split, split_ids = run_split(decode, transport, jobs, results, requests(
             args.requests, args.prompt_len, args.out_len, vocab, "s"), bound, args.timeout_s)
