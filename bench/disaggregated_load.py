@@ -60,7 +60,9 @@ def summarize(t0: float, stamps: dict[str, list[float]], gpus: int, copies: int)
     def pct(xs: list[float], q: float) -> float:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    return {"requests": len(stamps), "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p90": pct(ttft, 0.9),
+    where = sorted(((b - a) * 1e3, rid, i + 1) for rid, s in stamps.items() for i, (a, b) in enumerate(zip(s, s[1:])))
+    return {"largest_gaps": [{"ms": g, "request": rid, "token": i} for g, rid, i in where[-4:][::-1]],
+            "requests": len(stamps), "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p90": pct(ttft, 0.9),
             "ttft_ms_max": ttft[-1], "itl_ms_p50": statistics.median(gaps), "itl_ms_p90": pct(gaps, 0.9),
             "itl_ms_p99": pct(gaps, 0.99), "itl_ms_max": gaps[-1], "makespan_s": end - t0,
             "output_tok_s": copies * tokens / (end - t0), "gpus": gpus}
@@ -195,6 +197,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
+    for key in ("split", "both"):
+        print(f"{key}: largest gaps (ms, request, token index): "
+              + ", ".join(f"{g['ms']:.1f} {g['request']} #{g['token']}" for g in record[key]["largest_gaps"]))
     print(f"requests with the same tokens both ways: {record['same_tokens']} of {args.requests // 2}; wrote {out}")
     return 0
 
