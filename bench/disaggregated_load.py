@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import json
+import pstats
 import queue
 import statistics
 import time
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=400)
+    p.add_argument("--profile-both", action="store_true", help="cProfile the timed both-run (where its stalls go)")
     p.add_argument("--out", default="bench/results/disaggregated_load.json")
     args = p.parse_args(argv)
     args.tp = args.ep = 1
@@ -174,8 +178,27 @@ def main(argv=None) -> int:
         split, split_ids = run_split(decode, transport, jobs, results, requests(
             args.requests, args.prompt_len, args.out_len, vocab, "s"), bound, args.timeout_s)
         record["split"] = summarize(t0, split, gpus=2, copies=1)
+        prof = cProfile.Profile() if args.profile_both else None
+        compiled: list[str] = []
+        if prof:
+            import triton
+
+            def record_compile(**kw):  # Triton calls this before it compiles a kernel variant
+                compiled.append(str(kw.get("repr", "?"))[:300])
+                return False
+
+            triton.knobs.runtime.jit_cache_hook = record_compile
+            prof.enable()
         t0 = time.perf_counter()
         both, both_ids = run_both(decode, requests(args.requests // 2, args.prompt_len, args.out_len, vocab, "b"))
+        if prof:
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"host profile of the timed both-run (by own time):\n{text.getvalue()}", flush=True)
+            print(f"Triton kernel variants compiled inside the timed both-run: {len(compiled)}", flush=True)
+            for c in compiled:
+                print("  " + c, flush=True)
         record["both"] = summarize(t0, both, gpus=2, copies=2)
         # the same prompts (seeds) give the same greedy tokens whichever way they ran (exact on CPU; on GPUs
         # batching changes bf16 rounding, so near-ties may differ)

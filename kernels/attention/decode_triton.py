@@ -46,7 +46,8 @@ def default_decode_config(num_splits: int, window: int | None) -> DecodeConfig:
     return DecodeConfig(64, 4, 3) if window else DecodeConfig(128, 4, 2)
 
 
-@triton.jit
+# stride_bt (a step's block-table width) is not specialized on: why, at sliding_prefill_triton.py's kernel
+@triton.jit(do_not_specialize=["stride_bt"])
 def _sink_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, kv_lens_ptr, sinks_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,

@@ -90,7 +90,11 @@ def plan_tiles(query_lens: list[int], block_tables: torch.Tensor, kv_lens: torch
                         block_tables, kv_lens, t)
 
 
-@triton.jit
+# stride_bt (the step's block-table width) is not specialized on: Triton would compile a variant per
+# "divisible by 16 / equal to 1 / other" width, and eager mixed steps, whose tables are as wide as their
+# longest sequence, met new ones mid-burst (a ~0.4 s compile inside a step: bench/disaggregated_load.py
+# --profile-both, 2026-11-30)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _sliding_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
     tile_seq_ptr, tile_q0_ptr, q_start_ptr, q_len_ptr, block_tables_ptr, kv_lens_ptr,
