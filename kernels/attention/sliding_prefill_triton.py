@@ -84,10 +84,18 @@ def plan_tiles(query_lens: list[int], block_tables: torch.Tensor, kv_lens: torch
             seq_of_tile.append(b)
             q0_of_tile.append(q0)
     t, b = len(seq_of_tile), len(starts)
-    packed = torch.tensor(seq_of_tile + q0_of_tile + starts + list(query_lens), dtype=torch.int32)
-    packed = packed.to(block_tables.device, non_blocking=True)  # one copy for the four lists
-    return SlidingTiles(packed[:t], packed[t:2 * t], packed[2 * t:2 * t + b], packed[2 * t + b:],
-                        block_tables, kv_lens, t)
+    # Each list starts on a 16-byte boundary: Triton specializes pointer arguments on that alignment, so
+    # unpadded slices (offsets t, 2t, 2t + b) gave the kernel a new variant to compile whenever a step's
+    # tile and sequence counts changed their residues mod 4 (mixed steps of a burst did, mid-run).
+    parts = [seq_of_tile, q0_of_tile, starts, list(query_lens)]
+    offsets, flat = [], []
+    for part in parts:
+        offsets.append(len(flat))
+        flat += part + [0] * (-len(part) % 4)
+    packed = torch.tensor(flat, dtype=torch.int32).to(block_tables.device, non_blocking=True)  # one copy
+    (o_seq, o_q0, o_start, o_len), sizes = offsets, (t, t, b, b)
+    tile_seq, tile_q0, q_start, q_len = (packed[o:o + n] for o, n in zip((o_seq, o_q0, o_start, o_len), sizes))
+    return SlidingTiles(tile_seq, tile_q0, q_start, q_len, block_tables, kv_lens, t)
 
 
 # stride_bt (the step's block-table width) is not specialized on: Triton would compile a variant per
