@@ -101,6 +101,40 @@ def _prefill_side(side: Side, jobs, results) -> None:
         engine.close()
 
 
+def start_prefill_process(side: Side):
+    """(process, jobs, results): the prefill side running _prefill_side; wait_ready before sending jobs."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    jobs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_prefill_side, args=(side, jobs, results))
+    proc.start()
+    return proc, jobs, results
+
+
+def stop_both(proc, jobs, decode: LLMEngine) -> None:
+    """End the prefill process (killed if it does not stop) and close the decode engine."""
+    jobs.put(None)
+    proc.join(120)
+    if proc.is_alive():
+        proc.kill()
+    decode.close()
+
+
+def wait_ready(results) -> None:
+    status, detail, _ = results.get(timeout=900)
+    if status != "ready":
+        raise RuntimeError(f"the prefill process failed to start: {detail}")
+
+
+def kv_bound(shapes: GptOssConfig, dtype_name: str, prompt_len: int) -> int:
+    """Bytes a prompt's K/V hand-off can take (the decode side's offer)."""
+    from serve_app.kv_transfer import payload_upper_bound
+
+    sliding = [shapes.is_sliding(i) for i in range(shapes.num_hidden_layers)]
+    dtype = torch.bfloat16 if dtype_name == "bfloat16" else torch.float32
+    return payload_upper_bound(prompt_len, shapes.num_hidden_layers, sliding, shapes.sliding_window,
+                               shapes.num_key_value_heads, shapes.head_dim, dtype)
+
+
 def handoff(decode: LLMEngine, transport, jobs, results, req: GenerateRequest, bound: int) -> dict:
     t0 = time.perf_counter()
     offer = transport.offer(bound) if transport else None
@@ -134,7 +168,7 @@ def handoff(decode: LLMEngine, transport, jobs, results, req: GenerateRequest, b
 
 
 def main(argv=None) -> int:
-    from serve_app.kv_transfer import CudaIpcTransport, payload_upper_bound
+    from serve_app.kv_transfer import CudaIpcTransport
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt-oss-120b")
@@ -163,23 +197,14 @@ def main(argv=None) -> int:
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cuda else "float32"
     longest = max(prompts) + out_len + 16
-    ctx = torch.multiprocessing.get_context("spawn")
-    jobs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill_side, args=(Side(shapes, engine_config(args, pre_dev, longest), args.seed,
-                                                                 args.profile_export),
-                                                   jobs, results))
-    proc.start()
+    proc, jobs, results = start_prefill_process(Side(shapes, engine_config(args, pre_dev, longest), args.seed,
+                                                     args.profile_export))
     decode = LLMEngine.with_random_weights(shapes, engine_config(args, dec_dev, longest), args.seed)
     record = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "tiny" if args.tiny else args.model,
               "tp": args.tp, "ep": args.ep, "prefill_device": pre_dev, "decode_device": dec_dev, "rows": []}
     try:
-        status, detail, _ = results.get(timeout=900)
-        if status != "ready":
-            raise RuntimeError(f"the prefill process failed to start: {detail}")
-        sliding = [shapes.is_sliding(i) for i in range(shapes.num_hidden_layers)]
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        bounds = {n: payload_upper_bound(n, shapes.num_hidden_layers, sliding, shapes.sliding_window,
-                                         shapes.num_key_value_heads, shapes.head_dim, dtype) for n in prompts}
+        wait_ready(results)
+        bounds = {n: kv_bound(shapes, args.dtype, n) for n in prompts}
         transport = CudaIpcTransport(dec_dev, arena_bytes=max(bounds.values()) + 2**20) if cuda else None
         timed_single(decode, prompt(16, shapes.vocab_size, 1), 2)  # warm-up
         handoff(decode, transport, jobs, results, GenerateRequest("warm", prompt(16, shapes.vocab_size, 1), SamplingParams(
@@ -199,11 +224,7 @@ def main(argv=None) -> int:
                   f"{d['ttft_ms']:.1f} ms split vs {o['ttft_ms']:.1f} ms one engine | ms/token {d.get('tpot_ms', 0):.3f} "
                   f"vs {o.get('tpot_ms', 0):.3f} | same tokens: {row['same_tokens']}", flush=True)
     finally:
-        jobs.put(None)
-        proc.join(120)
-        if proc.is_alive():
-            proc.kill()
-        decode.close()
+        stop_both(proc, jobs, decode)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))

@@ -38,13 +38,13 @@ from pathlib import Path
 
 import torch
 
-from bench.disaggregated import Side, _prefill_side, engine_config
+from bench.disaggregated import Side, engine_config, kv_bound, start_prefill_process, stop_both, wait_ready
 from bench.e2e import tiny_config
 from bench.parallel import prompt
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
 from model.config import GptOssConfig
-from serve_app.kv_transfer import CudaIpcTransport, payload_upper_bound
+from serve_app.kv_transfer import CudaIpcTransport
 
 
 def requests(n: int, prompt_len: int, out_len: int, vocab: int, tag: str, seed: int = 1000) -> list[GenerateRequest]:
@@ -151,22 +151,14 @@ def main(argv=None) -> int:
         return replace(engine_config(args, device, longest), max_num_seqs=max(4, args.requests),
                        enable_prefix_caching=False)
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    jobs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_prefill_side, args=(Side(shapes, config(pre_dev), args.seed), jobs, results))
-    proc.start()
+    proc, jobs, results = start_prefill_process(Side(shapes, config(pre_dev), args.seed))
     decode = LLMEngine.with_random_weights(shapes, config(dec_dev), args.seed)
     record = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "tiny" if args.tiny else args.model,
               "prefill_device": pre_dev, "decode_device": dec_dev, "requests": args.requests,
               "prompt_len": args.prompt_len, "out_len": args.out_len, "chunk": args.chunk}
     try:
-        status, detail, _ = results.get(timeout=900)
-        if status != "ready":
-            raise RuntimeError(f"the prefill process failed to start: {detail}")
-        sliding = [shapes.is_sliding(i) for i in range(shapes.num_hidden_layers)]
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        bound = payload_upper_bound(args.prompt_len, shapes.num_hidden_layers, sliding, shapes.sliding_window,
-                                    shapes.num_key_value_heads, shapes.head_dim, dtype)
+        wait_ready(results)
+        bound = kv_bound(shapes, args.dtype, args.prompt_len)
         transport = CudaIpcTransport(dec_dev, arena_bytes=args.requests * bound + 2**20) if cuda else None
         vocab = shapes.vocab_size
         # Warm-ups at the measured prompt length: the first prompt chunks and mixed steps of a shape compile
@@ -205,11 +197,7 @@ def main(argv=None) -> int:
         record["tokens_per_request"] = sorted({len(v) for v in (*split_ids.values(), *both_ids.values())})
         record["same_tokens"] = sum(split_ids[f"s{i}"] == both_ids[f"b{i}"] for i in range(args.requests // 2))
     finally:
-        jobs.put(None)
-        proc.join(120)
-        if proc.is_alive():
-            proc.kill()
-        decode.close()
+        stop_both(proc, jobs, decode)
     print(f"{args.requests} requests x {args.prompt_len} in / {args.out_len} out, {record['model']}, 2 GPUs:")
     print(f"{'setup':>26} {'TTFT p50':>9} {'p90':>8} {'max':>8} {'ITL p50':>8} {'p90':>7} {'p99':>7} {'max':>8} {'tok/s':>8}")
     for key, name in (("split", "prefill GPU + decode GPU"), ("both", "each GPU both (DP2)")):
