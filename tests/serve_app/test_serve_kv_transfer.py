@@ -100,3 +100,21 @@ def test_exported_payload_fits_the_bound_and_survives_packing(small_engine, prom
     assert payload.k[0].dtype == runner.kv_dtype
     for a, b in zip((*payload.k, *payload.v), (*restored.k, *restored.v)):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_packed_flat_finds_the_buffer_an_export_target_laid_out():
+    """send() copies nothing (peer slot) or one buffer (local) when the payload's tensors sit at the
+    layout's offsets in one allocation, and packs tensor by tensor otherwise."""
+    from serve_app.kv_transfer import _packed_flat, plan_layout, plan_shapes, unpack
+
+    shapes = [((5, 8, 64), torch.bfloat16), ((3, 8, 64), torch.bfloat16), ((1, 8, 64), torch.bfloat16)]
+    specs, total = plan_shapes(shapes)
+    backing = torch.zeros(total + 1024, dtype=torch.uint8)
+    flat = backing[512:512 + total]
+    views = unpack(flat, specs)
+    found = _packed_flat(views, specs, total)
+    assert found is not None and found.data_ptr() == flat.data_ptr() and found.numel() == total
+    separate = [torch.zeros(s, dtype=d) for s, d in shapes]
+    assert _packed_flat(separate, *plan_layout(separate)) is None
+    shifted = [views[0], views[2], views[1]]  # the right buffer, the wrong order
+    assert _packed_flat(shifted, *plan_layout(shifted)) is None
