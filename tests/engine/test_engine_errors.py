@@ -19,6 +19,8 @@ BAD_REQUESTS = [
     ("prompt_ids", random_prompt(96, 0), SamplingParams()),  # max_model_len is 96: no room for a token
     ("prompt_ids", [1, VOCAB], SamplingParams()),
     ("prompt_ids", [1, -2], SamplingParams()),
+    ("prompt_ids", [1, True], SamplingParams()),  # a bool is not a token id
+    ("prompt_ids", [1, 2.0], SamplingParams()),
 ]
 
 
