@@ -1,7 +1,7 @@
 """Benchmark: K/V hand-off prefill -> decode over CUDA IPC vs. staging through host memory (one GPU node).
 
     python -m bench.kv_transfer [--prompts 1024,8192,32768] [--json out.json]
-    python -m bench.kv_transfer --prefill-device cuda:0 --decode-device cuda:1 [--send-modes per_tensor,staged]
+    python -m bench.kv_transfer --prefill-device cuda:0 --decode-device cuda:1 [--send-modes per_tensor,sm_copy]
     (across GPUs, 2x H200 NV18, 2026-11-30: sends of 292.5 / 1,156.5 MiB in 1.15 / 3.74 ms with the arena
     mapped in the sender's context, 10-35 GB/s before; bench/results/kv_transfer_h200x2*.json)
 
@@ -66,8 +66,8 @@ def copy_bytes(src: torch.Tensor, dst: torch.Tensor, block: int = 2048) -> None:
 
 
 def sm_copy_send(transport: CudaIpcTransport, payload: PrefilledKV, offer) -> KVHandle:
-    """The staged send, but the crossing done by a copy kernel on this GPU storing into the peer's
-    slot (SM stores over NVLink) instead of the copy engine (bench only: which of the two is faster)."""
+    """Packed into one buffer on this GPU, then a copy kernel on this GPU stores it into the peer's slot
+    (SM stores over NVLink) instead of the copy engine (bench only: measured slower, 2026-11-30)."""
     from serve_app.kv_transfer import ALIGN, pack_into, plan_layout, split_payload
 
     t0 = time.perf_counter()
@@ -121,7 +121,6 @@ def _prefill_side(device: str, jobs, results) -> None:
         prompt_len, offer, repeats, mode = job
         payload = make_payload(prompt_len, device)
         times, handle, error = [], None, None
-        transport.send_mode = mode if mode in ("per_tensor", "staged") else "staged"
         paged = None
         if mode.startswith("export_"):
             transport.export_via = mode.removeprefix("export_")
@@ -188,11 +187,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--send-modes", default="per_tensor",
-                        help="comma list of per_tensor (each layer's K and V copied into the slot: the transport's "
-                             "default), staged (packed on the prefill GPU, one copy across), sm_copy (staged, "
-                             "crossing by a copy kernel's stores instead of the copy engine), export_peer / "
-                             "export_local (rows gathered out of paged caches as the engine exports: into the "
-                             "slot itself, or into a local buffer sent in one copy; CudaIpcTransport.export_via)")
+                        help="comma list of per_tensor (each layer's K and V copied into the slot: what send "
+                             "does), sm_copy (packed on the prefill GPU, crossing by a copy kernel's stores), "
+                             "export_peer / export_local (rows gathered out of paged caches as the engine exports: "
+                             "into the slot itself, or into a local buffer sent in one copy; CudaIpcTransport.export_via)")
     parser.add_argument("--prefill-device", default="cuda:0", help="where the prefill side's K/V lives")
     parser.add_argument("--decode-device", default="cuda:0",
                         help="where the decode side's arena lives (another GPU: the hand-off crosses NVLink)")

@@ -267,11 +267,6 @@ class CudaIpcTransport(ObjectStoreTransport):
     """GPU-to-GPU K/V within a node through a CUDA IPC-shared receive arena on the decode replica."""
 
     name = "cuda_ipc"
-    # How send() moves K/V into the peer's slot: "per_tensor" copies each layer's K and V straight into
-    # the slot (peer-mapped: over NVLink); "staged" packs them into one buffer on this GPU first and
-    # crosses in one copy. On 2x H200 per_tensor sent 292.5 MiB in 1.98 ms against 3.31 (2026-11-30,
-    # `python -m bench.kv_transfer --send-modes per_tensor,staged,sm_copy`).
-    send_mode = "per_tensor"
     # Where export_target has the engine gather the K/V: "peer", straight into the decode replica's slot
     # (the gather kernel's stores cross NVLink); "local", into one buffer on this GPU laid out as the slot,
     # which send() then copies across in one copy-engine transfer. Gather + send on 2x H200 (2026-11-30,
@@ -370,11 +365,8 @@ class CudaIpcTransport(ObjectStoreTransport):
             pass  # exported into the slot itself
         elif packed is not None:
             slot.copy_(packed, non_blocking=True)  # one copy across
-        elif self.send_mode == "staged":
-            staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-            pack_into(staging, tensors, specs)
-            slot.copy_(staging, non_blocking=True)
-        else:
+        else:  # each tensor straight into the slot (packing on this GPU first and crossing in one copy measured
+            # slower: 292.5 MiB in 3.31 against 1.98 ms on 2x H200, 2026-11-30, bench/results/kv_transfer_h200x2_modes_*)
             pack_into(slot, tensors, specs)
         # The decode replica reads the slot right after our answer: every copy must have landed.
         torch.cuda.synchronize(self.device)

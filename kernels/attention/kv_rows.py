@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from kernels.attention.kv_cache import store_rows
+
 BLOCK_ROWS = 16
 
 
@@ -54,8 +56,7 @@ def gather_rows_reference(caches: list[torch.Tensor], slots: list[torch.Tensor],
 def scatter_rows_reference(caches: list[torch.Tensor], slots: list[torch.Tensor], srcs: list[torch.Tensor],
                            pads: list[int]) -> None:
     for cache, idx, src, pad in zip(caches, slots, srcs, pads):
-        flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
-        flat.index_copy_(0, idx, pad_rows(src.to(cache.device).view(torch.uint8), pad))
+        store_rows(cache, idx, pad_rows(src, pad))
 
 
 def _fits_kernel(caches: list[torch.Tensor], rows: list[torch.Tensor], use_kernel: bool | None) -> bool:

@@ -50,8 +50,6 @@ def _prefill_process(offers, answers) -> None:
             for out, t in zip(outs, tensors):
                 out.copy_(t)
             payload = replace(payload, k=outs[:len(payload.k)], v=outs[len(payload.k):])
-        else:
-            transport.send_mode = send_mode
         handle = transport.send(payload, offer)
         answers.put(handle)
 
@@ -73,7 +71,7 @@ def _decode_devices() -> list:
 
 
 @pytest.mark.parametrize("decode_device", _decode_devices())
-@pytest.mark.parametrize("send_mode", ["staged", "per_tensor", "export_peer", "export_local"])
+@pytest.mark.parametrize("send_mode", ["per_tensor", "export_peer", "export_local"])
 @pytest.mark.parametrize("prompt_len", [1, 127, 989, 4099])
 def test_cuda_ipc_moves_kv_into_the_decode_arena(prefill_process, prompt_len, send_mode, decode_device):
     """Prefill on cuda:0; decode on the same GPU, or on a second one (the arena then maps into the
