@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 GIB = 2**30
+RANDOM_PREFIX = "random:"  # model: random:<shape name> (ServeAppConfig.model)
 
 
 class ServeConfigError(ValueError):
@@ -131,7 +132,11 @@ class ServeAppConfig(_Settings):
     # ---- the model -------------------------------------------------------------------------------
     model: str | None = Field(
         None, description="HF-layout checkpoint folder (config.json + safetensors). None: the embedded tiny "
-                          "random model, created on first use under $GPTOSS_CACHE_DIR or ~/.cache/gptoss.")
+                          "random model, created on first use under $GPTOSS_CACHE_DIR or ~/.cache/gptoss. "
+                          "`random:gpt-oss-20b` / `random:gpt-oss-120b` / `random:tiny`: random weights of "
+                          "those shapes drawn on each replica's device from `seed` (every replica draws the same "
+                          "model), for benchmarking the deployment where no checkpoint is at hand; the tokens "
+                          "are meaningless.")
     served_model_name: str = Field(
         "gpt-oss", min_length=1, description="The name clients pass as `model` in API requests.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -219,6 +224,9 @@ class ServeAppConfig(_Settings):
         # Replicas run with another working directory: pin a relative path to where the app was built.
         if value is None or value.strip().lower() in ("", "none", "null", "tiny"):
             return None
+        if value.startswith(RANDOM_PREFIX):
+            random_model_config(value)  # an unknown shape name fails here, not in a replica
+            return value
         return os.path.abspath(os.path.expanduser(value))
 
     @model_validator(mode="after")
@@ -229,6 +237,9 @@ class ServeAppConfig(_Settings):
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): a full decode batch needs one token per sequence")
+        if self.random_model is not None and self.random_model != "tiny" and self.device == "cpu":
+            raise ValueError(f"model {self.model} draws full-size weights: it needs device=cuda (on CPU use "
+                             f"{RANDOM_PREFIX}tiny or a checkpoint)")
         if self.world_size > 1 and self.device == "cpu":
             raise ValueError(f"tp_size={self.tp_size}, ep_size={self.ep_size} needs device=cuda: the CPU path "
                              "runs one rank in the replica's process")
@@ -262,12 +273,19 @@ class ServeAppConfig(_Settings):
     def gpus_per_replica(self) -> int:
         return self.dp_size * self.world_size
 
+    @property
+    def random_model(self) -> str | None:
+        """The shape name of a `random:<name>` model, else None."""
+        return self.model.removeprefix(RANDOM_PREFIX) if self.model and self.model.startswith(RANDOM_PREFIX) else None
+
     def model_config_if_readable(self):
         """The model's GptOssConfig, or None when `model` names a folder this machine cannot read."""
         from model.config import ConfigError, GptOssConfig
 
         if self.model is None:
             return tiny_model_config()
+        if self.random_model is not None:
+            return random_model_config(self.model)
         path = Path(self.model) / "config.json"
         if not path.is_file():
             return None
@@ -392,6 +410,20 @@ def _explain(err: ValidationError) -> str:
             msg = "unknown setting; see serve_app/config.py for the accepted keys"
         lines.append(f"{key}: {msg}")
     return "invalid serve_app arguments:\n  " + "\n  ".join(lines)
+
+
+def random_model_config(model: str):
+    """The GptOssConfig of `random:<name>`: a preset (gpt-oss-20b, gpt-oss-120b) or the embedded tiny shapes."""
+    from model.config import ConfigError, GptOssConfig
+    from model.tiny import tiny_config
+
+    name = model.removeprefix(RANDOM_PREFIX)
+    if name == "tiny":
+        return tiny_config()
+    try:
+        return GptOssConfig.preset(name)
+    except ConfigError as err:
+        raise ValueError(f"model {model!r}: {err} (or tiny)") from None
 
 
 def tiny_model_path() -> Path:

@@ -42,25 +42,32 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
         raise MultiRankReplicaError(
             f"dp_size={config.dp_size} asks for {config.dp_size} model instances per replica, which is not "
             "built: use dp_size=1 and more replicas (autoscaling) instead")
-    folder = config.model or str(tiny_model_path())
     engine_config = config.engine_config(device)
+    # random:<shape>: weights drawn from config.seed, alike on every replica (prefill and decode agree)
+    random_shapes = config.model_config_if_readable() if config.random_model is not None else None
+    folder = None if random_shapes is not None else config.model or str(tiny_model_path())
     if engine_config.world_size > 1 and device != "cpu":
-        engine = _start_over_rank_actors(folder, engine_config, ReplicaResources.of(config, settings, "cuda"))
+        engine = _start_over_rank_actors(folder, engine_config, ReplicaResources.of(config, settings, "cuda"),
+                                         random_shapes, config.seed)
+    elif random_shapes is not None:
+        engine = LLMEngine.with_random_weights(random_shapes, engine_config, seed=config.seed)
     else:  # one rank, or CPU ranks as spawned processes
         engine = LLMEngine.from_checkpoint(folder, engine_config)
     log.info("engine ready on %s (tp=%d, ep=%d): model %s, context %d, pages %s", device, config.tp_size,
-             config.ep_size, folder, engine.max_model_len, engine.block_manager.usage())
+             config.ep_size, folder or config.model, engine.max_model_len, engine.block_manager.usage())
     return AsyncEngine(engine)
 
 
-def _start_over_rank_actors(folder: str, engine_config, resources: ReplicaResources):
+def _start_over_rank_actors(folder: str | None, engine_config, resources: ReplicaResources, random_shapes=None,
+                            seed: int = 0):
     import ray
 
     from engine.distributed import Executor, RankWorker, local_group
 
     spec = local_group(engine_config.world_size, device=engine_config.device)  # localhost: STRICT_PACK = one node
     actors = start_rank_workers(ray.remote(RankWorker), resources, spec, local_cuda_device)
-    return Executor.over_ray_actors(spec, actors).start_engine(folder, engine_config, owns_executor=True)
+    return Executor.over_ray_actors(spec, actors).start_engine(folder, engine_config, owns_executor=True,
+                                                               model=random_shapes, seed=seed)
 
 
 async def report_metrics_forever(engine, metrics: ServerMetrics, interval_s: float = METRICS_INTERVAL_S) -> None:

