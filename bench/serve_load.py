@@ -27,7 +27,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -207,14 +207,19 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
 
 
 def run(url: str, model: str, concurrencies: list[int], requests: int, prompt_tokens: int, max_tokens: int,
-        seed: int = 0, timeout_s: float = 600.0, warmup: int = 2) -> list[dict]:
+        seed: int = 0, timeout_s: float = 600.0, warmup: int = 2, probe=None) -> list[dict]:
+    """One summary per concurrency level; `probe` (bench.serve_launch.ServerProbe) adds the server's side."""
     prompts = build_prompts(requests + warmup, prompt_tokens, seed)
     if warmup:  # first requests pay one-time costs (kernel variants, connections): not timed
         asyncio.run(run_level(url, model, prompts[requests:], max_tokens, warmup, timeout_s))
     levels = []
     for c in concurrencies:
+        if probe is not None:
+            probe.start()
         results, wall = asyncio.run(run_level(url, model, prompts[:requests], max_tokens, c, timeout_s))
         levels.append(summarize(results, wall, c))
+        if probe is not None:
+            levels[-1]["server"] = probe.finish(wall)
     return levels
 
 
@@ -248,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         url, model = args.url, args.model
     try:
         t0 = time.perf_counter()
+        probe = None
+        if launched is not None:
+            from bench.serve_launch import ServerProbe
+
+            probe = ServerProbe(launched)
         levels = run(url, model, concurrencies, args.requests, args.prompt_tokens, args.max_tokens, args.seed,
-                     args.timeout_s, args.warmup)
+                     args.timeout_s, args.warmup, probe)
         checks = error_checks(url, model) if args.error_checks else []
         replicas = launched.replica_stats() if launched else None
     finally:
@@ -265,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{args.label}.json").write_text(json.dumps(result, indent=2))
     plot(levels, out / f"{args.label}.png", f"{model}: {args.prompt_tokens} in / {args.max_tokens} out")
     print_table(levels)
+    for s in levels:
+        if "server" in s:
+            print(f"concurrency {s['concurrency']}: engines {json.dumps(s['server']['engines'])}; "
+                  f"CPU cores busy {json.dumps(s['server']['cpu_cores_busy'])}")
     for c in checks:
         print(f"error check {c['check']!r}: HTTP {c['status']}, OpenAI shape {c['openai_error_shape']}")
     if replicas:

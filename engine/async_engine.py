@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from engine.kv_payload import KVDestination, PrefilledKV
@@ -51,6 +51,19 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """One delta carrying `first`'s tokens followed by `then`'s (consecutive deltas of one request)."""
+    logprobs = None if first.logprobs is None and then.logprobs is None else \
+        [*(first.logprobs or []), *(then.logprobs or [])]
+    return replace(then, token_ids=[*first.token_ids, *then.token_ids], logprobs=logprobs,
+                   num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    for queue_, delta in batch:
+        queue_.put_nowait(delta)
+
+
 def _resolve(future: asyncio.Future, item) -> None:
     if future.done():
         return
@@ -63,8 +76,11 @@ def _resolve(future: asyncio.Future, item) -> None:
 class AsyncEngine:
     """Implements engine.request.TokenBackend; also `prefill` / `generate_prefilled` for disaggregation."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5):
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5, coalesce: bool = True):
+        """coalesce: a request's deltas that are already queued when its consumer asks for the next one
+        are merged into one (same tokens, fewer messages); False hands out one delta per engine step."""
         self.engine = engine
+        self.coalesce = coalesce
         self.max_context = engine.max_model_len
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -148,12 +164,22 @@ class AsyncEngine:
 
     async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[TokenDelta]:
         finished = False
+        held = None  # an exception met while merging: raised after the merged delta is out
         try:
             while True:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                held = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                # Deltas that queued up while the consumer was busy leave as one (under load a Serve replica
+                # then sends one message per request per wake-up instead of one per engine step).
+                while self.coalesce and item.finish_reason is None and not stream.queue.empty():
+                    more = stream.queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        held = more
+                        break
+                    item = merge_deltas(item, more)
                 finished = item.finish_reason is not None
                 yield item
                 if finished:
@@ -182,6 +208,7 @@ class AsyncEngine:
                        RequestAbortedError(f"request {request_id} was aborted during its prefill"))
 
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
@@ -194,9 +221,11 @@ class AsyncEngine:
                     self.engine.abort(delta.request_id)
                     stream.put(exc)
                 continue
-            stream.put(delta)
+            batches.setdefault(stream.loop, []).append((stream.queue, delta))
             if delta.finish_reason is not None:
                 self._streams.pop(delta.request_id)
+        for loop, batch in batches.items():  # one wake-up of each event loop per step, not one per request
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for rid in request_ids:

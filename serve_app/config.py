@@ -195,6 +195,10 @@ class ServeAppConfig(_Settings):
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
                           "tokens, so the host's step work overlaps the GPU. GPU replicas, TP/EP ones included "
                           "(120b TP2/EP2 on 2x H200: batch-1 decode 196 -> 328 tok/s, same tokens).")
+    stream_coalescing: bool = Field(
+        True, description="A request's tokens that queue up while its replica is busy leave in one message "
+                          "(Ray streaming item, SSE chunk) instead of one per engine step: fewer messages per "
+                          "token under load, the same tokens (bench.serve_load; README, Serving benchmark).")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode: decode steps "

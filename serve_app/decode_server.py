@@ -116,9 +116,9 @@ class DecodeServer:
         total_s = handle.pack_ms / 1e3 + (time.perf_counter() - t_recv)
         self.num_transfers += 1
         self.metrics.observe_transfer(handle.kind, handle.nbytes, total_s)
-        log.info("kv transfer %s: %d bytes via %s, pack %.2f ms + receive %.2f ms (%.1f MB/s)",
-                 request.request_id, handle.nbytes, handle.kind, handle.pack_ms, stats.receive_ms,
-                 handle.nbytes / max(total_s, 1e-9) / 1e6)
+        log.info("kv transfer %s: %d bytes via %s, pack %.2f ms + receive %.2f ms (waiting for the copy: %s ms; "
+                 "%.1f MB/s)", request.request_id, handle.nbytes, handle.kind, handle.pack_ms, stats.receive_ms,
+                 "-" if stats.wait_ms is None else f"{stats.wait_ms:.2f}", handle.nbytes / max(total_s, 1e-9) / 1e6)
         return payload
 
     async def _call_prefill(self, request: GenerateRequest, offer: ReceiveOffer):

@@ -55,7 +55,7 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
         engine = LLMEngine.from_checkpoint(folder, engine_config)
     log.info("engine ready on %s (tp=%d, ep=%d): model %s, context %d, pages %s", device, config.tp_size,
              config.ep_size, folder or config.model, engine.max_model_len, engine.block_manager.usage())
-    return AsyncEngine(engine)
+    return AsyncEngine(engine, coalesce=config.stream_coalescing)
 
 
 def _start_over_rank_actors(folder: str | None, engine_config, resources: ReplicaResources, random_shapes=None,

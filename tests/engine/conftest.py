@@ -24,6 +24,13 @@ def model(tiny_dir):
     return load_model(tiny_dir, dtype="float32", progress=False)
 
 
+@pytest.fixture(scope="session")
+def other_model(tiny_dir):
+    """A second copy of the tiny model, for tests that run two engines at once: an engine binds its K/V
+    cache into its model's attention backend, so two engines stepping in two threads must not share one."""
+    return load_model(tiny_dir, dtype="float32", progress=False)
+
+
 @pytest.fixture
 def make_engine(model):
     def make(**overrides) -> LLMEngine:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import StepFailedError
+from engine.llm_engine import LLMEngine, StepFailedError
 from engine.request import FINISH_ABORT, FINISH_LENGTH, InvalidRequestError, SamplingParams
-from tests.engine.engine_testlib import assert_pool_full, greedy, random_prompt, request, run_to_end
+from tests.engine.engine_testlib import assert_pool_full, engine_config, greedy, random_prompt, request, run_to_end
 
 POISON = 999  # a prompt made of this token makes the injected fault fire
 
@@ -139,10 +139,10 @@ def test_a_failing_step_fails_only_its_requests(make_engine, reference_greedy):
     assert_pool_full(llm)
 
 
-def test_async_prefill_then_decode_on_another_engine(make_engine):
+def test_async_prefill_then_decode_on_another_engine(make_engine, other_model):
     reqs = _requests()
     expected = _sync_outputs(make_engine, reqs)
-    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(make_engine())
+    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(LLMEngine(other_model, engine_config()))
 
     async def one(r):
         payload = await prefill.prefill(r)
@@ -163,13 +163,13 @@ def test_async_prefill_then_decode_on_another_engine(make_engine):
     assert_pool_full(decode.engine)
 
 
-def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_engine):
+def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_engine, other_model):
     """prefill(request, into): the payload is the destination's tensors; a cancelled prefill with a
     destination returns only after the engine thread has dropped the request (nothing writes into the
     destination after the call ends)."""
     reqs = _requests()
     expected = _sync_outputs(make_engine, reqs)
-    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(make_engine())
+    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(LLMEngine(other_model, engine_config()))
     given: dict[str, list] = {}
 
     def into_for(rid):
@@ -207,3 +207,40 @@ def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_en
     for r, (ids, _) in zip(reqs, results):
         assert ids == expected[r.request_id]
     assert_pool_full(prefill.engine)
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_deltas_queued_behind_a_slow_consumer_leave_as_one(make_engine, coalesce):
+    """The consumer takes its first delta, then waits until the engine has finished the request: with
+    coalescing the rest arrives as one delta (same tokens, same logprobs, the finish reason); without,
+    one delta per engine step."""
+    r = request("slow", _prompt(5, 3), greedy(7, logprobs=2))
+    reference = run_to_end(_engine_with(make_engine, r))["slow"]
+    engine = AsyncEngine(make_engine(), coalesce=coalesce)
+
+    async def main():
+        deltas = []
+        async for delta in engine.generate(r):
+            deltas.append(delta)
+            if len(deltas) == 1:
+                deadline = time.monotonic() + 10
+                while engine.metrics()["requests_finished_total"].get("length", 0) < 1:
+                    assert time.monotonic() < deadline, "the engine did not finish the request"
+                    await asyncio.sleep(0.005)
+        return deltas
+
+    try:
+        deltas = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [t for d in deltas for t in d.token_ids] == reference["ids"]
+    assert [lp for d in deltas for lp in d.logprobs] == reference["logprobs"]
+    assert deltas[-1].finish_reason == FINISH_LENGTH and deltas[-1].num_output_tokens == 7
+    assert len(deltas) == (2 if coalesce else reference["deltas"])
+    assert reference["deltas"] == 7  # one token per step on this engine: the test would show nothing otherwise
+
+
+def _engine_with(make_engine, r):
+    engine = make_engine()
+    engine.add_request(r)
+    return engine
