@@ -198,7 +198,7 @@ class ServeAppConfig(_Settings):
     stream_coalescing: bool = Field(
         True, description="A request's tokens that queue up while its replica is busy leave in one message "
                           "(Ray streaming item, SSE chunk) instead of one per engine step: fewer messages per "
-                          "token under load, the same tokens (bench.serve_load; README, Serving benchmark).")
+                          "token under load, the same tokens (bench.serve_load; README, The Serve app on GPUs).")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode: decode steps "
