@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
+import torch
+
 from engine.kv_payload import KVDestination, PrefilledKV
 from engine.llm_engine import LLMEngine, StepFailedError
 from engine.request import GenerateRequest, InvalidRequestError, TokenDelta
@@ -235,6 +237,13 @@ class AsyncEngine:
                 stream.put(exc)
 
     def _run(self) -> None:
+        device = getattr(self.engine.runner, "device", None)
+        if device is not None and device.type == "cuda":
+            # The current CUDA device is per thread and a new thread starts on cuda:0, where Triton launches
+            # its kernels: an engine on cuda:1 (a Serve replica that sees every GPU of its node, for CUDA IPC)
+            # ran its eager Triton kernels on GPU 0 over peer memory, or failed "Pointer argument cannot be
+            # accessed from Triton" where no peer mapping existed (2x H200, 2026-11-30).
+            torch.cuda.set_device(device)
         while not self._stopping:
             while True:
                 try:

@@ -60,3 +60,40 @@ def test_engine_on_gpu_reproduces_the_cpu_engine(tiny_dir):
             engine.add_request(r)
         outputs.append({rid: r["ids"] for rid, r in run_to_end(engine).items()})
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a thread's default device is cuda:0: needs a second GPU")
+def test_async_engine_thread_runs_on_the_engine_device(tiny_dir):
+    """The engine thread of an engine on cuda:1 has cuda:1 current (Triton launches on the current device)
+    and generates what the same engine stepped from this thread generates."""
+    import asyncio
+    import threading
+
+    from engine.async_engine import AsyncEngine
+
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    torch.cuda.set_device(0)
+    r = request("d", random_prompt(12, 4), SamplingParams(temperature=0.0, max_tokens=6))
+
+    def make():
+        return LLMEngine(load_model(tiny_dir, dtype="float32", device=device, progress=False),
+                         engine_config(device=device, max_num_batched_tokens=16))
+
+    sync = make()
+    sync.add_request(r)
+    expected = run_to_end(sync)["d"]["ids"]
+    engine = AsyncEngine(make())
+    seen = []
+    done = threading.Event()
+    engine._submit(lambda: (seen.append(torch.cuda.current_device()), done.set()))
+
+    async def collect():
+        return [t async for d in engine.generate(r) for t in d.token_ids]
+
+    try:
+        assert done.wait(10)
+        ids = asyncio.run(collect())
+    finally:
+        engine.shutdown()
+    assert seen == [torch.device(device).index]
+    assert ids == expected
