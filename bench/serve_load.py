@@ -244,14 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
     launched = None
+    url, model = args.url, args.model
     if args.launch is not None:
         from bench.serve_launch import LaunchedApp
 
         launched = LaunchedApp(args.launch, num_gpus=args.num_gpus)
-        url, model = launched.start(), launched.model_name
-    else:
-        url, model = args.url, args.model
     try:
+        if launched is not None:  # inside the try: a failed start still stops the Ray it started
+            url, model = launched.start(), launched.model_name
         t0 = time.perf_counter()
         probe = None
         if launched is not None:

@@ -128,3 +128,19 @@ def test_launch_loads_the_serve_app_and_reads_its_replicas(tmp_path):
     assert engines["PrefillServer"]["ttft_ms_mean"] > 0  # the prompts ran on the prefill replica
     assert engines["DecodeServer"]["tpot_ms_mean"] > 0
     assert any("DecodeServer" in title for title in level["server"]["cpu_cores_busy"])
+
+
+def test_a_launch_that_fails_stops_the_ray_it_started(monkeypatch, tmp_path):
+    """A Ray instance left running by a failed launch made every later ray.init in the process fail."""
+    import ray
+
+    from bench import serve_launch
+
+    def start_then_fail(self):
+        ray.init(include_dashboard=False, num_cpus=1)
+        raise RuntimeError("serve_app failed to deploy: (simulated)")
+
+    monkeypatch.setattr(serve_launch.LaunchedApp, "start", start_then_fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        serve_load.main(["--launch", "model=random:tiny", "--out-dir", str(tmp_path)])
+    assert not ray.is_initialized()
