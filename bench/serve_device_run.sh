@@ -12,7 +12,7 @@
 # SETUPS (default "split both"): split = prefill replica on GPU 0 + decode replica on GPU 1, K/V over CUDA
 # IPC; split-nocoalesce = the same with stream_coalescing=false; split-ingress4 = with 4 ingress replicas;
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress
-# replicas. A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
+# replicas; split-tp2 (4 GPUs, not run yet) = TP2/EP2 prefill and decode replicas. A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
     DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +29,7 @@ python3 -c "import ray, fastapi, openai, openai_harmony; print('ray', ray.__vers
 
 MODEL=${MODEL:-random:gpt-oss-20b}
 LOAD=${LOAD:---concurrency 1,8,32 --requests 32 --prompt-tokens 2048 --max-tokens 256}
-COMMON="model=$MODEL served_model_name=gpt-oss-20b device=cuda max_context=16384 max_num_seqs=64
+COMMON="model=$MODEL served_model_name=${MODEL#random:} device=cuda max_context=16384 max_num_seqs=64
  max_num_batched_tokens=8192 cuda_ipc_buffer_gib=4 ingress.conversation_start_date=2026-11-30"
 START=$(date +%s)
 for setup in ${1:-split both}; do
@@ -41,6 +41,8 @@ for setup in ${1:-split both}; do
  kv_transport=cuda_ipc ingress.num_replicas=4" ;;
         both) args="$COMMON disaggregated=false decode.num_replicas=2" ;;
         both-ingress4) args="$COMMON disaggregated=false decode.num_replicas=2 ingress.num_replicas=4" ;;
+        split-tp2) args="$COMMON tp_size=2 ep_size=2 disaggregated=true prefill.num_replicas=1 decode.num_replicas=1
+ kv_transport=cuda_ipc ingress.num_replicas=4" ;;  # 4 GPUs: a TP2/EP2 prefill replica + a TP2/EP2 decode one
         *) echo "unknown setup $setup"; continue ;;
     esac
     # shellcheck disable=SC2086
