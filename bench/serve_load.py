@@ -6,10 +6,10 @@
 For each concurrency level: `--requests` streamed chat completions (`stream_options.include_usage`),
 at most that many in flight; per request the time to the first chunk (TTFT: this server starts its
 stream once the request's first token exists), the time per output token after the first (TPOT, from
-the usage the server reports) and the gaps between text chunks (ITL). The Harmony parser streams text
-once a message header is complete, so a model with random weights (whose tokens form no header) sends
-its text in one piece at the end: then TTFT and TPOT still hold, ITL does not (tokens per chunk shows it). Then a table, JSON and a PNG under
-bench/results/. Bad requests are sent too (`--error-checks`): each must come back as an HTTP 4xx in
+the usage the server reports) and the gaps between text chunks (ITL). The Harmony parser holds text
+until a message header completes, so with random weights (whose tokens rarely form one) chunks carry
+several tokens: TTFT and TPOT still hold, ITL is per chunk (tokens per chunk says how coarse). Then a
+table, JSON and a PNG under bench/results/. Bad requests are sent too (`--error-checks`): each must come back as an HTTP 4xx in
 OpenAI's error shape.
 
 `--launch key=value ...` first starts this project's Serve app on a local Ray (the same arguments as

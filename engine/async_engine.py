@@ -237,8 +237,8 @@ class AsyncEngine:
                 stream.put(exc)
 
     def _run(self) -> None:
-        device = getattr(self.engine.runner, "device", None)
-        if device is not None and device.type == "cuda":
+        device = self.engine.runner.device
+        if device.type == "cuda":
             # The current CUDA device is per thread and a new thread starts on cuda:0, where Triton launches
             # its kernels: an engine on cuda:1 (a Serve replica that sees every GPU of its node, for CUDA IPC)
             # ran its eager Triton kernels on GPU 0 over peer memory, or failed "Pointer argument cannot be

@@ -139,10 +139,19 @@ def test_a_failing_step_fails_only_its_requests(make_engine, reference_greedy):
     assert_pool_full(llm)
 
 
-def test_async_prefill_then_decode_on_another_engine(make_engine, other_model):
+@pytest.fixture
+def prefill_and_decode(make_engine, other_model):
+    """Two async engines on two copies of the model (a prefill and a decode replica), shut down after."""
+    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(LLMEngine(other_model, engine_config()))
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_async_prefill_then_decode_on_another_engine(make_engine, prefill_and_decode):
     reqs = _requests()
     expected = _sync_outputs(make_engine, reqs)
-    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(LLMEngine(other_model, engine_config()))
+    prefill, decode = prefill_and_decode
 
     async def one(r):
         payload = await prefill.prefill(r)
@@ -151,11 +160,7 @@ def test_async_prefill_then_decode_on_another_engine(make_engine, other_model):
     async def main():
         return await asyncio.gather(*(one(r) for r in reqs))
 
-    try:
-        results = asyncio.run(main())
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    results = asyncio.run(main())
     for r, (ids, deltas) in zip(reqs, results):
         assert ids == expected[r.request_id] and deltas[-1].finish_reason == FINISH_LENGTH
     assert prefill.metrics()["kv_exported_total"] == len(reqs) == decode.metrics()["kv_imported_total"]
@@ -163,13 +168,13 @@ def test_async_prefill_then_decode_on_another_engine(make_engine, other_model):
     assert_pool_full(decode.engine)
 
 
-def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_engine, other_model):
+def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_engine, prefill_and_decode):
     """prefill(request, into): the payload is the destination's tensors; a cancelled prefill with a
     destination returns only after the engine thread has dropped the request (nothing writes into the
     destination after the call ends)."""
     reqs = _requests()
     expected = _sync_outputs(make_engine, reqs)
-    prefill, decode = AsyncEngine(make_engine()), AsyncEngine(LLMEngine(other_model, engine_config()))
+    prefill, decode = prefill_and_decode
     given: dict[str, list] = {}
 
     def into_for(rid):
@@ -199,11 +204,7 @@ def test_async_prefill_into_a_destination_and_cancel_waits_for_the_abort(make_en
         await _wait_idle(prefill)
         return out
 
-    try:
-        results = asyncio.run(main())
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    results = asyncio.run(main())
     for r, (ids, _) in zip(reqs, results):
         assert ids == expected[r.request_id]
     assert_pool_full(prefill.engine)
