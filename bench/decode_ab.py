@@ -35,18 +35,12 @@ import torch
 
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
-from kernels import pdl as pdl_module
+from kernels import pdl
 from model.config import GptOssConfig
 
-# Each variant: settings over the engine's decode today (fused front, rotary writing k/v, O GEMV, PDL).
-ENGINE = dict(front=True, kv=True, gemv=True, pdl=True, fp8="", qkv_gemv=False, pre_k=0, pre_kb=0)
-VARIANTS = {"unfused": dict(front=False, kv=False, gemv=False, pdl=False), "fused": dict(pdl=False),
-            "fused+pdl": dict(), "fp8-lm-head": dict(fp8="lm_head"), "fp8-dense": dict(fp8="all"),
-            # weights read before the PDL wait: PRE_K columns per O-GEMV program, PRE_KB tiles per down-GEMM one
-            "preload-o": dict(pre_k=256), "preload-o-128": dict(pre_k=128), "preload-o-512": dict(pre_k=512),
-            "preload-down": dict(pre_kb=2), "preload-down-1": dict(pre_kb=1),
-            "preload": dict(pre_k=256, pre_kb=2), "preload+qkv-gemv": dict(pre_k=256, pre_kb=2, qkv_gemv=True),
-            "qkv-gemv": dict(qkv_gemv=True)}
+VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
+            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -73,19 +67,12 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, pdl: bool, fp8: str, qkv_gemv: bool, pre_k: int,
-                pre_kb: int) -> None:
-    from kernels.layers import gemv_triton
-    from kernels.moe import triton_grouped_gemm
-
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
-        layer.self_attn.qkv_gemv = qkv_gemv
     h.model.backend.fuse_kv_write = kv
-    pdl_module.ENABLED = pdl
-    gemv_triton.DEFAULT_CONFIG["PRE_K"] = pre_k
-    triton_grouped_gemm.WEIGHTS_BEFORE_WAIT_KB = pre_kb
+    pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
         if not hasattr(h, "dense_weights"):
             h.dense_weights = DenseWeights(h.model)
@@ -109,7 +96,8 @@ def run(name: str, args) -> dict:
     h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb)
     out = {"variants": {}}
     for variant in args.variants:
-        set_variant(h, **dict(ENGINE, **VARIANTS[variant]))
+        flags = VARIANTS[variant]
+        set_variant(h, *flags)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

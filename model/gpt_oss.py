@@ -88,19 +88,13 @@ class AttentionBlock(nn.Module):
         # These are the GEMV's per-block tickets; decode_gemv=False: always F.linear (to compare).
         self.decode_gemv = True
         self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
-        # qkv_gemv=True: QKV through the GEMV too (bench/decode_ab's comparisons; off: cuBLAS measured faster)
-        self.qkv_gemv = False
-        self.register_buffer("qkv_gemv_tickets", layers.gemv_tickets(qkv_out, device), persistent=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """(q [T, Hq, Dh], k, v [T, Hkv, Dh], kv_written): the QKV projection with q and k rotated (cos/sin cast to
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out: where q goes."""
-        if self.qkv_gemv and isinstance(self.qkv_proj, nn.Linear):
-            qkv = layers.linear(x, self.qkv_proj.weight, self.qkv_proj.bias, self.qkv_gemv_tickets)
-        else:
-            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
         dest = self.backend.kv_destination(self.layer)
         q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out)
         return q, k, v, dest is not None

@@ -27,50 +27,34 @@ from kernels.pdl import pdl_prologue
 
 GEMV_MAX_TOKENS = 16
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N  # tickets are sized for this, so any BLOCK_N >= 16 fits them
-# PRE_K: columns of each program's weight slab read before the PDL wait (a power of two; 0: none).
-DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, waves=2, num_warps=4, num_stages=4, PRE_K=0)
+DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, waves=2, num_warps=4, num_stages=4)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k, k_per_split,
                  stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_BF16: tl.constexpr,
-                 PRE_K: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
+    pdl_prologue(PDL)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     n_ok = offs_n < n
     t_ok = offs_t < num_tokens
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, k)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    if PRE_K > 0:
-        # The first PRE_K columns of this program's slab, read before waiting for the predecessor: weights
-        # are no kernel's output, so under PDL they stream while the previous kernel finishes.
-        offs_p = k_start + tl.arange(0, PRE_K)
-        w_pre = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None] & (offs_p < k_end)[None, :], other=0.0)
-    pdl_prologue(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    if PRE_K > 0:
-        x_pre = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_p[:, None],
-                        mask=t_ok[None, :] & (offs_p < k_end)[:, None], other=0.0)
-        acc = _dot(w_pre, x_pre, acc, DOT_BF16)
-    for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = offs_k < k
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         xt = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_k[:, None], mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = _dot(w, xt, acc, DOT_BF16)
+        if DOT_BF16:
+            acc = tl.dot(w, xt, acc)
+        else:  # Triton's interpreter multiplies bf16 dot operands as raw integers: fp32 there
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
     finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
                    HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
-
-
-@triton.jit
-def _dot(w, xt, acc, DOT_BF16: tl.constexpr):
-    if DOT_BF16:
-        return tl.dot(w, xt, acc)
-    # Triton's interpreter multiplies bf16 dot operands as raw integers: fp32 there
-    return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -134,7 +118,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
                          f"bias {None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets")
     x, weight = x.contiguous(), weight.contiguous()
     splits, per = num_splits(n, k, num_sms(x.device), cfg)
-    pre_k = triton.next_power_of_2(min(cfg["PRE_K"], per) + 1) // 2 if cfg["PRE_K"] else 0  # a power of 2 <= per
     block_t = 16
     partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -142,5 +125,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
         x, weight, bias if bias is not None else weight, y, partial, tickets, t, n, k, per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=splits, DOT_BF16=x.is_cuda and x.dtype == torch.bfloat16,
-        PRE_K=pre_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

@@ -112,33 +112,21 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
-                                    PRE_KB: tl.constexpr, PDL: tl.constexpr):
+                                    PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
-    kb_per_split: tl.constexpr = (NUM_KB + SPLIT_K - 1) // SPLIT_K
-    kb0 = split * kb_per_split
-    kb_end = tl.minimum(kb0 + kb_per_split, NUM_KB)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n
-    offs_k = kb0 * BLOCK_K + tl.arange(0, BLOCK_K)
-    if PRE_KB > 0:
-        # The first PRE_KB weight tiles, read before the PDL wait. Only for a launch whose active-expert list
-        # was complete before its predecessor started (grouped_gemm_decode's `weights_before_wait`).
-        # (Masks are compared as vectors: Triton's interpreter rejects a block & a scalar.)
-        num_active = tl.load(num_active_ptr)
-        early = tl.load(active_ptr + slot, mask=slot < num_active, other=0).to(tl.int64)
-        live_n = n_ok & ((offs_n * 0 + slot) < num_active)
-        pre_ptrs = b_ptr + early * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-        b_pre0 = tl.load(pre_ptrs, mask=(live_n & ((offs_n * 0 + kb0) < kb_end))[:, None], other=0.0)
-        if PRE_KB > 1:
-            b_pre1 = tl.load(pre_ptrs + BLOCK_K, mask=(live_n & ((offs_n * 0 + kb0 + 1) < kb_end))[:, None], other=0.0)
-    pdl_prologue(PDL)
     if slot < tl.load(num_active_ptr):
         expert = tl.load(active_ptr + slot)
         count = tl.load(counts_ptr + expert)
+        kb_per_split: tl.constexpr = (NUM_KB + SPLIT_K - 1) // SPLIT_K
+        kb0 = split * kb_per_split
         offs_t = tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = kb0 * BLOCK_K + tl.arange(0, BLOCK_K)
         t_ok = offs_t < count
+        n_ok = offs_n < n
         rows = expert.to(tl.int64) * rows_per_group + offs_t
         if A_ROW_MAP:  # A holds token rows (one group): row r of the layout reads A row a_row_map[r]
             a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
@@ -150,40 +138,21 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
         sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        kb_loop = kb0
-        if PRE_KB > 0:
-            acc = _scaled_step(acc, b_pre0, a_ptrs, sfa_ptrs, sfb_ptrs, kb0, sfa_k_stride, t_ok, kb_end, NUM_KB)
-            kb_loop += 1
-            if PRE_KB > 1:
-                acc = _scaled_step(acc, b_pre1, a_ptrs + BLOCK_K, sfa_ptrs, sfb_ptrs, kb0 + 1, sfa_k_stride, t_ok,
-                                   kb_end, NUM_KB)
-                kb_loop += 1
-            a_ptrs += (kb_loop - kb0) * BLOCK_K
-            b_ptrs += (kb_loop - kb0) * BLOCK_K
-        for kb in range(kb_loop, kb_end):
+        for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
             b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-            acc = _scaled_step(acc, b, a_ptrs, sfa_ptrs, sfb_ptrs, kb, sfa_k_stride, t_ok, kb_end, NUM_KB)
+            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
+            sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
+            sb = tl.load(sfb_ptrs + kb)
+            acc += tl.dot(b, a) * (sb * sa[None, :])
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
 
 
-@triton.jit
-def _scaled_step(acc, b, a_ptrs, sfa_ptrs, sfb_ptrs, kb, sfa_k_stride, t_ok, kb_end, NUM_KB: tl.constexpr):
-    """acc + (W tile b @ A^T tile at a_ptrs) x the two blocks' scales for K block kb; adds zeros for
-    kb >= kb_end (a preloaded tile past a short split: A masked to zero, W's scale index clamped)."""
-    ok = t_ok & ((t_ok.to(tl.int32) * 0 + kb) < kb_end)
-    a = tl.load(a_ptrs, mask=ok[None, :], other=0.0)
-    sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=ok, other=0.0)
-    sb = tl.load(sfb_ptrs + tl.minimum(kb, NUM_KB - 1))
-    return acc + tl.dot(b, a) * (sb * sa[None, :])
-
-
 # H200, bench/moe.py decode section (2026-11-30): see kernels/moe/NOTES.md.
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
-WEIGHTS_BEFORE_WAIT_KB = 0  # weight tiles (0, 1, 2) a `weights_before_wait` launch reads before the PDL wait
 
 
 def decode_splits(num_tokens: int) -> int:
@@ -206,18 +175,13 @@ def _decode_launch(config: dict | None, out: torch.Tensor, n: int, active: torch
 
 def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
                         counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
-                        config: dict | None = None, a_row_map: torch.Tensor | None = None,
-                        weights_before_wait: bool = False) -> torch.Tensor:
+                        config: dict | None = None, a_row_map: torch.Tensor | None = None) -> torch.Tensor:
     """Masked-layout grouped GEMM for decode: out rows [e * m_cap, e * m_cap + counts[e]) = A @ W[e]^T for
     the experts active[:num_active] (`routing_triton.plan_masked`). `max_tokens` >= every count
     (the step's T); one program row per possible active expert, len(active) of them.
     `out` [rows, N] gets the products; `out` [S, rows, N] (fp32) gets S partial sums over K splits.
     With `a_row_map` [rows] (decode_front_triton's token_of_row) A is one group of T token rows (T = the
-    layout's m_cap) and layout row r reads A row a_row_map[r]; out rows stay the layout's.
-    weights_before_wait: the programs read the active-expert list and their first PRE_KB weight tiles before
-    the PDL wait (config PRE_KB, default WEIGHTS_BEFORE_WAIT_KB). Only correct when the list was written by
-    a kernel that finished before this launch's predecessor passed its own wait: the down GEMM (after the
-    SwiGLU, after the gate_up GEMM), never the gate_up GEMM, whose predecessor writes the list."""
+    layout's m_cap) and layout row r reads A row a_row_map[r]; out rows stay the layout's."""
     e, n, kp = w.shape
     if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
         raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
@@ -227,14 +191,11 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
     if max_tokens > DECODE_MAX_TOKENS or max_tokens > a.rows_per_group:
         raise ValueError(f"grouped_gemm_decode covers up to {DECODE_MAX_TOKENS} rows per expert (and m_cap {a.rows_per_group}); got {max_tokens}")
     cfg, splits, grid = _decode_launch(config, out, n, active)
-    pre_kb = cfg.pop("PRE_KB", WEIGHTS_BEFORE_WAIT_KB)
-    if not weights_before_wait:
-        pre_kb = 0
     _fp8_grouped_gemm_decode_kernel[grid](
         a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
         a_row_map if a_row_map is not None else counts, a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
-        A_ROW_MAP=a_row_map is not None, PRE_KB=pre_kb, **cfg, **pdl.launch(out))
+        A_ROW_MAP=a_row_map is not None, **cfg, **pdl.launch(out))
     return out

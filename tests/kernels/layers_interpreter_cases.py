@@ -93,26 +93,6 @@ def test_gemv_matches_linear(t, n, k, with_bias):
         torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 320, 200), (5, 100, 300), (3, 1100, 256)])
-def test_gemv_weights_read_before_the_wait(t, n, k):
-    """PRE_K columns of each slab loaded ahead (before the PDL wait on the GPU): PRE_K = BLOCK_K is the
-    same sequence of dots as none (bitwise); wider, or wider than a split (clamped), stays the linear's."""
-    from kernels.layers import gemv_triton
-
-    x = torch.randn(t, k).bfloat16()
-    w = (torch.randn(n, k) * k ** -0.5).bfloat16()
-    b = torch.randn(n).bfloat16()
-    tickets = gemv_triton.new_tickets(n, "cpu")
-    base = dict(BLOCK_N=16, BLOCK_K=64, waves=4)
-    plain = gemv_triton.gemv(x, w, b, tickets, base)
-    assert torch.equal(gemv_triton.gemv(x, w, b, tickets, dict(base, PRE_K=64)), plain)
-    want = x.float() @ w.float().T + b.float()
-    for pre_k in (128, 4096):
-        got = gemv_triton.gemv(x, w, b, tickets, dict(base, PRE_K=pre_k))
-        assert int(tickets.abs().sum()) == 0
-        torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-5)
-
-
 # (T, N, K): awkward N (partial 128-blocks of weight scales, partial BLOCK_N), K below its padding
 @pytest.mark.parametrize("t,n,k", [(1, 200, 300), (6, 130, 256), (16, 64, 1000), (40, 70, 300), (3, 1100, 256)])  # last: one K split (wide N)
 @pytest.mark.parametrize("with_bias", [True, False])
