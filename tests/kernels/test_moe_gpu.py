@@ -345,8 +345,10 @@ def test_fused_front_in_cuda_graph(experts20):
 
 def test_pdl_launches_change_nothing(experts20):
     """The decode MoE chain (front, GEMMs, SwiGLU, combine) and the O GEMV captured in a CUDA graph with
-    programmatic dependent launch (kernels/pdl.py) and without: bitwise the same outputs."""
-    from kernels import pdl
+    programmatic dependent launch (kernels/pdl.py) and without: bitwise the same outputs, replay after
+    replay on fresh inputs (a kernel reading its input before the producer finished would see the last
+    replay's values)."""
+    from kernels import layers, pdl
     from kernels.layers import gemv_triton
 
     fp8, _ = experts20
@@ -355,28 +357,35 @@ def test_pdl_launches_change_nothing(experts20):
     b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
     wo = torch.randn(D, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, D, device=DEV, dtype=torch.bfloat16)
-    o_in = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
+    o_src = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
+    norm_w = torch.rand(4096, device=DEV) + 0.5
     tickets = gemv_triton.new_tickets(D, DEV)
 
-    def chain():
-        return fp8.routed_forward(x + gemv_triton.gemv(o_in, wo, None, tickets), w, b, K)
+    def chain():  # the GEMV reads what a Triton kernel (the norm) wrote just before it
+        o = layers.rms_norm(o_src, norm_w, 1e-5)
+        return fp8.routed_forward(x + gemv_triton.gemv(o, wo, None, tickets), w, b, K)
 
-    outs = {}
+    graphs, outs = {}, {}
     enabled = pdl.ENABLED
     try:
         for on in (False, True):
             pdl.ENABLED = on
             chain()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain()
-            graph.replay()
-            torch.cuda.synchronize()
-            outs[on] = out.clone()
+            graphs[on] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[on]):
+                outs[on] = chain()
     finally:
         pdl.ENABLED = enabled
     assert pdl.HAVE_GDC, "this Triton lacks the GDC intrinsics: PDL never runs"
-    assert torch.equal(outs[True], outs[False])
+    for _ in range(4):
+        x.copy_(torch.randn_like(x))
+        o_src.copy_(torch.randn_like(o_src))
+        got = {}
+        for on in (False, True):
+            graphs[on].replay()
+            torch.cuda.synchronize()
+            got[on] = outs[on].clone()
+        assert torch.equal(got[True], got[False])
 
 
 @pytest.mark.parametrize("t", [1, 4, 13])
