@@ -13,8 +13,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   kernels/layers/fp8_linear.py, weight-only);
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
-- "persistent*": the decode MoE GEMM as one flat loop of whole (expert, N tile, K split) units per program
-  (kernels/moe/triton_grouped_gemm.py), at several tiles, stage counts and programs per SM.
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x slower and removed:
 kernels/moe/NOTES.md.)
@@ -37,19 +35,12 @@ import torch
 
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
-from kernels import pdl as pdl_module
+from kernels import pdl
 from model.config import GptOssConfig
 
-# Each variant: settings over the engine's decode today (fused front, rotary writing k/v, O GEMV, PDL).
-ENGINE = dict(front=True, kv=True, gemv=True, pdl=True, fp8="", persistent=None)
-VARIANTS = {"unfused": dict(front=False, kv=False, gemv=False, pdl=False), "fused": dict(pdl=False),
-            "fused+pdl": dict(), "fp8-lm-head": dict(fp8="lm_head"), "fp8-dense": dict(fp8="all"),
-            # the decode MoE GEMM as a persistent kernel (triton_grouped_gemm.PERSISTENT_CONFIG)
-            "persistent": dict(persistent=dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=2)),
-            "persistent-w1": dict(persistent=dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=1)),
-            "persistent-w4": dict(persistent=dict(BLOCK_N=64, num_warps=4, num_stages=3, waves=4)),
-            "persistent-n128": dict(persistent=dict(BLOCK_N=128, num_warps=4, num_stages=4, waves=2)),
-            "persistent-s6": dict(persistent=dict(BLOCK_N=64, num_warps=4, num_stages=6, waves=2))}
+VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
+            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -76,15 +67,12 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, pdl: bool, fp8: str, persistent: dict | None) -> None:
-    from kernels.moe import triton_grouped_gemm
-
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
-    pdl_module.ENABLED = pdl
-    triton_grouped_gemm.PERSISTENT_CONFIG = persistent
+    pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
         if not hasattr(h, "dense_weights"):
             h.dense_weights = DenseWeights(h.model)
@@ -108,7 +96,8 @@ def run(name: str, args) -> dict:
     h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb)
     out = {"variants": {}}
     for variant in args.variants:
-        set_variant(h, **dict(ENGINE, **VARIANTS[variant]))
+        flags = VARIANTS[variant]
+        set_variant(h, *flags)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -150,67 +150,9 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
 
 
-@triton.jit
-def _fp8_grouped_gemm_decode_persistent_kernel(
-        a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr, a_row_map_ptr, rows_per_group,
-        n, stride_a, stride_bg, stride_bn, stride_d, stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride,
-        sfb_n_stride, num_programs, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr, PDL: tl.constexpr):
-    """The decode kernel's work as one flat loop per program: units (active expert slot, N tile, K split) of
-    KB_PER 128-deep steps each, a contiguous run of whole units per program (so each unit's partial sum is
-    one program's and the store order is the plain kernel's). The loads of the next unit stream while this
-    one finishes; a split shorter than KB_PER runs masked steps that add exact zeros."""
-    pdl_prologue(PDL)
-    KB_PER: tl.constexpr = (NUM_KB + SPLIT_K - 1) // SPLIT_K
-    n_tiles = tl.cdiv(n, BLOCK_N)
-    units = tl.load(num_active_ptr) * n_tiles * SPLIT_K
-    pid = tl.program_id(0)
-    u0 = (pid * units) // num_programs
-    u1 = ((pid + 1) * units) // num_programs
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_c = tl.arange(0, BLOCK_N)
-    offs_kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    for i in range(u0 * KB_PER, u1 * KB_PER):
-        unit = i // KB_PER
-        j = i % KB_PER
-        slot = unit // (n_tiles * SPLIT_K)
-        n_tile = (unit // SPLIT_K) % n_tiles
-        split = unit % SPLIT_K
-        kb = split * KB_PER + j
-        expert = tl.load(active_ptr + slot).to(tl.int64)
-        count = tl.load(counts_ptr + expert)
-        offs_n = n_tile * BLOCK_N + offs_c
-        n_ok = offs_n < n
-        k_ok = (offs_kk * 0 + kb) < NUM_KB  # vectors: Triton's interpreter rejects a block & a scalar
-        t_ok = offs_t < count
-        rows = expert * rows_per_group + offs_t
-        if A_ROW_MAP:
-            a_rows = tl.load(a_row_map_ptr + rows, mask=t_ok, other=0).to(tl.int64)
-            sfa = tl.load(sfa_ptr + a_rows + kb * sfa_k_stride, mask=t_ok & (offs_t * 0 + kb < NUM_KB), other=0.0)
-        else:
-            a_rows = rows
-            sfa = tl.load(sfa_ptr + expert * sfa_group_stride + offs_t + kb * sfa_k_stride,
-                          mask=t_ok & (offs_t * 0 + kb < NUM_KB), other=0.0)
-        a = tl.load(a_ptr + a_rows[None, :] * stride_a + kb * BLOCK_K + offs_kk[:, None],
-                    mask=t_ok[None, :] & k_ok[:, None], other=0.0)
-        b = tl.load(b_ptr + expert * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + kb * BLOCK_K + offs_kk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sfb = tl.load(sfb_ptr + expert * sfb_group_stride + (n_tile * BLOCK_N // BLOCK_K) * sfb_n_stride
-                      + tl.minimum(kb, NUM_KB - 1))
-        acc += tl.dot(b, a) * (sfb * sfa[None, :])
-        last = (offs_c * 0 + j) == KB_PER - 1
-        d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
-        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & (n_ok & last)[:, None])
-        acc = tl.where(last[:, None], 0.0, acc)
-
-
 # H200, bench/moe.py decode section (2026-11-30): see kernels/moe/NOTES.md.
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
-# The persistent form (_fp8_grouped_gemm_decode_persistent_kernel): off unless PERSISTENT_CONFIG is set
-# (bench/decode_ab.py's comparison); waves x SMs programs.
-PERSISTENT_CONFIG: dict | None = None
 
 
 def decode_splits(num_tokens: int) -> int:
@@ -248,9 +190,6 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         raise ValueError(f"a_row_map needs A as one group of token rows, got {a.groups} groups")
     if max_tokens > DECODE_MAX_TOKENS or max_tokens > a.rows_per_group:
         raise ValueError(f"grouped_gemm_decode covers up to {DECODE_MAX_TOKENS} rows per expert (and m_cap {a.rows_per_group}); got {max_tokens}")
-    if PERSISTENT_CONFIG is not None and config is None:
-        return _decode_persistent(a, w, w_scales, out, counts, active, num_active, max_tokens, PERSISTENT_CONFIG,
-                                  a_row_map)
     cfg, splits, grid = _decode_launch(config, out, n, active)
     _fp8_grouped_gemm_decode_kernel[grid](
         a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
@@ -259,23 +198,4 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
         A_ROW_MAP=a_row_map is not None, **cfg, **pdl.launch(out))
-    return out
-
-
-def _decode_persistent(a: Fp8Rows, w, w_scales, out, counts, active, num_active, max_tokens: int, config: dict,
-                       a_row_map) -> torch.Tensor:
-    """grouped_gemm_decode through the persistent kernel (same arguments, same results bit for bit)."""
-    from kernels.layers.gemv_triton import num_sms
-
-    e, n, kp = w.shape
-    cfg = dict(config)
-    waves = cfg.pop("waves", 2)
-    cfg, splits, grid = _decode_launch(cfg, out, n, active)
-    programs = max(1, min(grid[0] * grid[1] * grid[2], waves * num_sms(out.device)))
-    _fp8_grouped_gemm_decode_persistent_kernel[(programs,)](
-        a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
-        a_row_map if a_row_map is not None else counts, a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1),
-        out.stride(-2), out.stride(0) if splits > 1 else 0, a.sf_group_stride, a.sf_k_stride, w_scales.stride(0),
-        w_scales.stride(1), programs, BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK,
-        NUM_KB=kp // BLOCK, SPLIT_K=splits, A_ROW_MAP=a_row_map is not None, **cfg, **pdl.launch(out))
     return out

@@ -388,42 +388,6 @@ def test_pdl_launches_change_nothing(experts20):
         assert torch.equal(got[True], got[False])
 
 
-@pytest.mark.parametrize("t", [1, 3, 16])
-@pytest.mark.parametrize("config", [dict(BLOCK_N=64, num_stages=4, waves=2), dict(BLOCK_N=128, num_stages=3, waves=1)])
-def test_persistent_decode_gemm_equals_the_plain_kernel(t, config):
-    """The persistent decode GEMM (whole units per program, flat loop) on real plans, 20b gate_up and down
-    shapes, token rows through the map as the fused front leaves them: bitwise the plain kernel's output."""
-    from kernels.moe import triton_grouped_gemm as tgg
-    from kernels.moe.epilogues_triton import Fp8Rows
-    from kernels.moe.routing_triton import plan_masked
-
-    e, kp = E20, padded(D)
-    ids = route(torch.randn(t, e, device=DEV), K)[0]
-    plan = plan_masked(ids, 0, e, t)
-    a = Fp8Rows.empty(1, t, kp, DEV)
-    a.data.copy_((torch.randn(a.data.shape, device=DEV) * 60).to(FP8))
-    a.scale_storage.copy_(torch.rand(a.scale_storage.shape, device=DEV) * 0.02 + 0.001)
-    token_of_row = torch.zeros(e * t, dtype=torch.int32, device=DEV)
-    token_of_row[plan.row_of_pair.long()] = (torch.arange(t * K, device=DEV) // K).int()
-    splits = tgg.decode_splits(t)
-    rows = plan.row_of_pair.long()
-    for n in (2 * I, D):
-        w, ws = quantize_weight_blocks(torch.randn(e, n, D, device=DEV) * D ** -0.5)
-        shape = (e * t, n) if splits == 1 else (splits, e * t, n)
-        dtype = torch.bfloat16 if splits == 1 else torch.float32
-        outs = []
-        for persistent in (False, True):
-            out = torch.full(shape, float("nan"), device=DEV, dtype=dtype)
-            if persistent:
-                tgg._decode_persistent(a, w, ws, out, plan.counts, plan.active, plan.num_active, t, config, token_of_row)
-            else:
-                tgg.grouped_gemm_decode(a, w, ws, out, plan.counts, plan.active, plan.num_active, t,
-                                        config={"BLOCK_N": config["BLOCK_N"]}, a_row_map=token_of_row)
-            outs.append(out[..., rows, :])
-        assert torch.isfinite(outs[0]).all()
-        assert torch.equal(outs[0], outs[1])
-
-
 @pytest.mark.parametrize("t", [1, 4, 13])
 def test_mxfp4_decode_gemm_matches_twin(t):
     """The MXFP4 decode GEMM on the 20b gate_up shape (token rows through the map, split-K at T <= 4)
