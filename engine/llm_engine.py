@@ -39,7 +39,7 @@ from engine.kv_payload import KVDestination, KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
 from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
                             TokenLogprob)
-from engine.runner import ModelRunner, plan_pool_sizes
+from engine.runner import ModelRunner, device_current, on_runner_device, plan_pool_sizes
 from engine.sampler import HostTokens, Sampler, SamplerOutput, SamplingBatch
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -111,9 +111,9 @@ class LLMEngine:
         self.block_manager = BlockManager(config.block_size, mc.sliding_window, num_full, num_sliding,
                                           self.runner.has_full, self.runner.has_sliding, config.enable_prefix_caching)
         self._check_pools(num_full, num_sliding)
-        self.runner.allocate_kv_cache(num_full, num_sliding)
-        # seconds per bucket: decode steps by batch size, prefill / mixed steps by token count
-        self.graph_capture_seconds, self.prefill_graph_capture_seconds = self.runner.capture_graphs(config)
+        with device_current(self.runner.device):  # seconds per bucket: decode graphs by batch, prefill ones by tokens
+            self.runner.allocate_kv_cache(num_full, num_sliding)
+            self.graph_capture_seconds, self.prefill_graph_capture_seconds = self.runner.capture_graphs(config)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID
                                if mc.vocab_size > HARMONY_FIRST_SPECIAL_ID else None)
@@ -242,6 +242,7 @@ class LLMEngine:
         self._update_state_metrics()
         return self._delta(seq)
 
+    @on_runner_device
     def export_kv(self, request_id: str, into: KVDestination | None = None) -> PrefilledKV:
         """K/V + sampling state of a request whose prefill is done; the request leaves this engine. `into`
         may place the K/V (a transport's slot: engine/kv_payload.py); it has landed there on return."""
@@ -285,6 +286,7 @@ class LLMEngine:
     def step_decode(self) -> list[TokenDelta]:
         return self._step(StepKind.DECODE)
 
+    @on_runner_device
     def _step(self, kind: StepKind) -> list[TokenDelta]:
         if self._inflight is not None:  # launched by the previous call (lookahead)
             cur, self._inflight = self._inflight, None

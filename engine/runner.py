@@ -10,6 +10,9 @@ Hkv / Dh = K/V heads on this rank / head dim.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 
 import numpy as np
 import torch
@@ -41,6 +44,22 @@ def plan_pool_sizes(config: EngineConfig, budget_bytes: int, full_page_bytes: in
         sliding = config.max_num_seqs * (cdiv(sliding_window - 1, bs) + 2) + cdiv(config.max_num_batched_tokens, bs)
     full = max(0, budget_bytes - sliding * sliding_page_bytes) // full_page_bytes
     return full, sliding
+
+
+def device_current(device: torch.device):
+    """A context with `device` the current CUDA device (nothing for other devices). Triton launches on the
+    current device and torch's "cuda" means it: an engine on cuda:1 stepped from a thread where cuda:0 is
+    current failed "Pointer argument cannot be accessed from Triton" (2x H200, 2026-12-01)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def on_runner_device(method):
+    """Decorator for methods of objects with a `runner`: the runner's device is current while they run."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with device_current(self.runner.device):
+            return method(self, *args, **kwargs)
+    return run
 
 
 class ModelRunner:
