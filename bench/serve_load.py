@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -270,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
               "error_checks": checks, "replicas": replicas, "run_s": round(time.perf_counter() - t0, 1)}
     if launched is not None:
         result["startup_s"] = launched.startup_s
+        # which HTTP front end Serve ran: HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1) or its Python proxy actor
+        result["http_ingress"] = "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve_proxy"
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.label}.json").write_text(json.dumps(result, indent=2))
