@@ -61,6 +61,24 @@ class LaunchedApp:
         self.startup_s = round(time.perf_counter() - t0, 1)
         return self.url
 
+    def http_listener(self) -> str | None:
+        """Name of the process accepting HTTP on the app's port (`listener_on`)."""
+        return self.listener_on(int(self.url.rsplit(":", 1)[1]))
+
+    @staticmethod
+    def listener_on(port: int) -> str | None:
+        """Name of the process listening on a local TCP port: "haproxy" when Serve runs HAProxy
+        (RAY_SERVE_ENABLE_HA_PROXY=1), "ray::ProxyActor" for its Python proxy; None if not found."""
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                try:
+                    return psutil.Process(conn.pid).name()
+                except psutil.Error:
+                    return None
+        return None
+
     def replica_stats(self, deployment: str | None = None) -> list[dict]:
         """A deployment's replicas' `stats()` (device, transport, transfers, fallbacks, pool usage, engine
         counters), one per device: Serve routes each call to some replica, so it asks a few times per

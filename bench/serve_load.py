@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -263,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                      args.timeout_s, args.warmup, probe)
         checks = error_checks(url, model) if args.error_checks else []
         replicas = launched.replica_stats() if launched else None
+        listener = launched.http_listener() if launched else None
     finally:
         if launched is not None:
             launched.stop()
@@ -271,8 +271,7 @@ def main(argv: list[str] | None = None) -> int:
               "error_checks": checks, "replicas": replicas, "run_s": round(time.perf_counter() - t0, 1)}
     if launched is not None:
         result["startup_s"] = launched.startup_s
-        # which HTTP front end Serve ran: HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1) or its Python proxy actor
-        result["http_ingress"] = "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve_proxy"
+        result["http_listener"] = listener  # HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1) or Serve's Python proxy
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.label}.json").write_text(json.dumps(result, indent=2))
@@ -286,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error check {c['check']!r}: HTTP {c['status']}, OpenAI shape {c['openai_error_shape']}")
     if replicas:
         print("replicas:", json.dumps(replicas))
+    if launched is not None:
+        print(f"HTTP listener: {result['http_listener']}")
     failed = sum(s["failed"] for s in levels) + sum(not c["passed"] for c in checks)
     return 1 if failed else 0
 
