@@ -14,7 +14,8 @@
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress
 # replicas; split-tp2 (4 GPUs, not run yet) = TP2/EP2 prefill and decode replicas. A setup name ending in
 # -haproxy runs the same with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas
-# in place of Serve's Python proxy actor; README, "HTTP ingress"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
+# in place of Serve's Python proxy actor), -haproxy-to also with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (README,
+# "HTTP front end"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
     DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -35,9 +36,9 @@ COMMON="model=$MODEL served_model_name=${MODEL#random:} device=cuda max_context=
  max_num_batched_tokens=8192 cuda_ipc_buffer_gib=4 ingress.conversation_start_date=2026-11-30"
 START=$(date +%s)
 for setup in ${1:-split both}; do
-    haproxy=0
-    case $setup in *-haproxy) haproxy=1 ;; esac
-    case ${setup%-haproxy} in
+    haproxy=0 to=0 base=$setup
+    case $setup in *-haproxy-to) haproxy=1 to=1 base=${setup%-haproxy-to} ;; *-haproxy) haproxy=1 base=${setup%-haproxy} ;; esac
+    case $base in
         split) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1 kv_transport=cuda_ipc" ;;
         split-nocoalesce) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1
  kv_transport=cuda_ipc stream_coalescing=false" ;;
@@ -50,7 +51,7 @@ for setup in ${1:-split both}; do
         *) echo "unknown setup $setup"; continue ;;
     esac
     # shellcheck disable=SC2086
-    RAY_SERVE_ENABLE_HA_PROXY=$haproxy timeout $(( ${LIMIT_S:-560} - ($(date +%s) - START) - 20 )) python3 -m bench.serve_load --launch $args $LOAD \
+    RAY_SERVE_ENABLE_HA_PROXY=$haproxy RAY_SERVE_THROUGHPUT_OPTIMIZED=$to timeout $(( ${LIMIT_S:-560} - ($(date +%s) - START) - 20 )) python3 -m bench.serve_load --launch $args $LOAD \
         --error-checks --label "serve_load_${setup}" --out-dir "$RES" > "$RES/serve_load_$setup.log" 2>&1
     echo "== $setup: exit $? after $(( $(date +%s) - START )) s"
     grep -v "^\s*$" "$RES/serve_load_$setup.log" | grep -v "(ServeReplica\|(ServeController\|(ProxyActor\|(raylet\|INFO\|WARNING" \

@@ -31,6 +31,7 @@ class LaunchedApp:
         self.ready_timeout_s = ready_timeout_s
         self.startup_s: float | None = None
         self.url: str | None = None
+        self._loop = None  # the event-loop thread handle calls run on (_on_loop)
 
     def start(self) -> str:
         import ray
@@ -92,12 +93,27 @@ class LaunchedApp:
         if status is None:
             return []
         running = status.replica_states.get("RUNNING", 1)
-        handle = serve.get_deployment_handle(deployment, APP)
+
+        async def ask() -> list[dict]:
+            handle = serve.get_deployment_handle(deployment, APP)
+            return [await handle.stats.remote() for _ in range(4 * running)]
+
         seen: dict[str, dict] = {}
-        for _ in range(4 * running):
-            stats = handle.stats.remote().result()
+        for stats in self._on_loop(ask()):
             seen.setdefault(stats["device"], stats)
         return [seen[d] for d in sorted(seen)]
+
+    def _on_loop(self, coroutine, timeout_s: float = 60.0):
+        """Run a coroutine on this object's event-loop thread. Handles are used from there: with
+        RAY_SERVE_THROUGHPUT_OPTIMIZED=1 Serve routes on the caller's running loop and a plain
+        `.result()` outside one raises."""
+        import asyncio
+        import threading
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="serve-launch-handles", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
     def engine_counters(self) -> dict:
         """Per deployment, the engines' TTFT / TPOT sums and counts added over their replicas."""
@@ -121,6 +137,9 @@ class LaunchedApp:
             serve.shutdown()
         finally:
             ray.shutdown()
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
 
 
 class ServerProbe:

@@ -191,6 +191,9 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    levels = [s for s in levels if s["ok"]]  # a level where every request failed has no times to draw
+    if not levels:
+        return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     conc = [s["concurrency"] for s in levels]
     axes[0].plot(conc, [s["output_tok_s"] for s in levels], "o-")

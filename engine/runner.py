@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 
-
 import numpy as np
 import torch
 

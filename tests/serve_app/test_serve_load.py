@@ -57,11 +57,13 @@ def test_bad_requests_are_4xx_in_openai_shape(live):
     assert all(c["passed"] for c in checks), checks
 
 
-def test_a_failed_request_is_counted_not_raised(live):
+def test_a_failed_request_is_counted_not_raised(live, tmp_path):
     server, _ = live
     levels = serve_load.run(server.url, "no-such-model", [2], requests=2, prompt_tokens=10, max_tokens=2, warmup=0)
     assert levels[0]["ok"] == 0 and levels[0]["failed"] == 2
     assert any("404" in e or "NotFound" in e for e in levels[0]["errors"])
+    serve_load.plot(levels, tmp_path / "p.png", "all failed")  # nothing to draw: no plot, no crash (the table follows)
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_random_model_setting():
