@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from bench.serve_launch import LaunchedApp, _free_port
+from bench.serve_launch import free_port, listener_on
 
 api = FastAPI()
 
@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/http_front_probe.json")
     args = p.parse_args(argv)
     ray.init(include_dashboard=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(Front.bind(Tokens.bind()), name="probe", route_prefix="/")
     try:
-        listener = LaunchedApp.listener_on(port)
+        listener = listener_on(port)
         rows = {}
         for path in ("direct", "one_hop"):
             ms = time_to_first_byte(f"http://127.0.0.1:{port}/{path}", args.requests, args.warmup)

@@ -14,10 +14,24 @@ import urllib.request
 APP = "bench"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listener_on(port: int) -> str | None:
+    """Name of the process listening on a local TCP port: "haproxy" when Serve runs HAProxy
+    (RAY_SERVE_ENABLE_HA_PROXY=1), "ray::ProxyActor" for its Python proxy; None if not found."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                return psutil.Process(conn.pid).name()
+            except psutil.Error:
+                return None
+    return None
 
 
 class LaunchedApp:
@@ -31,6 +45,7 @@ class LaunchedApp:
         self.ready_timeout_s = ready_timeout_s
         self.startup_s: float | None = None
         self.url: str | None = None
+        self.port: int | None = None
         self._loop = None  # the event-loop thread handle calls run on (_on_loop)
 
     def start(self) -> str:
@@ -41,10 +56,10 @@ class LaunchedApp:
 
         t0 = time.perf_counter()
         ray.init(include_dashboard=False, num_gpus=self.num_gpus)
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        self.port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         serve.run(build_app(self.args), name=APP, route_prefix="/", blocking=False)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             try:
@@ -64,21 +79,7 @@ class LaunchedApp:
 
     def http_listener(self) -> str | None:
         """Name of the process accepting HTTP on the app's port (`listener_on`)."""
-        return self.listener_on(int(self.url.rsplit(":", 1)[1]))
-
-    @staticmethod
-    def listener_on(port: int) -> str | None:
-        """Name of the process listening on a local TCP port: "haproxy" when Serve runs HAProxy
-        (RAY_SERVE_ENABLE_HA_PROXY=1), "ray::ProxyActor" for its Python proxy; None if not found."""
-        import psutil
-
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
-                try:
-                    return psutil.Process(conn.pid).name()
-                except psutil.Error:
-                    return None
-        return None
+        return listener_on(self.port)
 
     def replica_stats(self, deployment: str | None = None) -> list[dict]:
         """A deployment's replicas' `stats()` (device, transport, transfers, fallbacks, pool usage, engine

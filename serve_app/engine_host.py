@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from serve_app.config import DeploymentSettings, ServeAppConfig, tiny_model_path
+from serve_app.config import DeploymentSettings, ServeAppConfig, random_model_config, tiny_model_path
 from serve_app.metrics import ServerMetrics
 from serve_app.placement import ReplicaResources, local_cuda_device, start_rank_workers
 
@@ -44,7 +44,7 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
             "built: use dp_size=1 and more replicas (autoscaling) instead")
     engine_config = config.engine_config(device)
     # random:<shape>: weights drawn from config.seed, alike on every replica (prefill and decode agree)
-    random_shapes = config.model_config_if_readable() if config.random_model is not None else None
+    random_shapes = random_model_config(config.model) if config.random_model is not None else None
     folder = None if random_shapes is not None else config.model or str(tiny_model_path())
     if engine_config.world_size > 1 and device != "cpu":
         engine = _start_over_rank_actors(folder, engine_config, ReplicaResources.of(config, settings, "cuda"),
