@@ -46,6 +46,7 @@ import triton
 from triton.testing import do_bench
 
 from kernels.attention import flashinfer_ops
+from kernels.attention.dense_prefill import causal_attention_lse, dense_sink_prefill, sink_rescale
 from kernels.attention.decode_triton import DecodeConfig, default_decode_config, sink_decode, split_scratch
 from kernels.attention.gpu_plan import decode_num_splits, flashinfer_page_lists
 from kernels.attention.reference import gather_pages, sink_attention
@@ -287,6 +288,8 @@ def run_prefill(args, gen, workspace, backends, results):
                                            "tflops": tflops, "err": err})
                 print(f"prefill {backend} N={n} window={window}: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
         run_sliding_triton(n, q, k, v, table, sinks, keys, values, results)
+        if args.dense:
+            run_dense(n, q, keys, values, sinks, results)
         if args.full_triton:
             run_sliding_triton(n, q, k, v, table, sinks, keys, values, results, window=None)
 
@@ -321,6 +324,37 @@ def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results, window: 
               f"err {err:.1e}", flush=True)
 
 
+def run_dense(n, q, keys, values, sinks, results):
+    """The full causal layer of a whole prompt through torch's fused SDPA kernels + the sink rescale
+    (kernels/attention/dense_prefill.py), K/V contiguous rows as the rotary kernel leaves them (v a strided
+    view of the QKV rows). Times the whole path, the SDPA call alone and the rescale alone."""
+    qkv = torch.empty(n, (HQ + 2 * HKV) * D, dtype=q.dtype, device=DEV)
+    qkv[:, (HQ + HKV) * D:] = values.reshape(n, HKV * D)
+    v = qkv[:, (HQ + HKV) * D:].view(n, HKV, D)
+    k = keys.contiguous()
+    tail = 256
+    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, None)
+    for backend in ("cudnn", "flash"):
+        name = f"torch-{backend}+rescale"
+        try:
+            out = dense_sink_prefill(q, k, v, sinks, SCALE, backend)
+        except Exception as exc:  # an op this torch build lacks for these shapes: report, go on
+            print(f"prefill {name} N={n}: unavailable ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+            results["prefill"].append({"backend": name, "tokens": n, "window": None, "error": str(exc)[:500]})
+            continue
+        err = rel_err(out[-tail:], ref)
+        dest = torch.empty_like(q)
+        us = timed(lambda: dense_sink_prefill(q, k, v, sinks, SCALE, backend, dest))
+        sdpa_us = timed(lambda: causal_attention_lse(q, k, v, SCALE, backend))
+        got, lse = causal_attention_lse(q, k, v, SCALE, backend)
+        rescale_us = timed(lambda: sink_rescale(got, lse, sinks, dest))
+        tflops = prefill_flops(n, None) / (us * 1e-6) / 1e12
+        results["prefill"].append({"backend": name, "tokens": n, "window": None, "us": us, "tflops": tflops,
+                                   "err": err, "sdpa_us": sdpa_us, "rescale_us": rescale_us})
+        print(f"prefill {name} N={n}: {us:.0f}us {tflops:.1f} TFLOP/s (sdpa {sdpa_us:.0f} us, rescale "
+              f"{rescale_us:.1f} us) err {err:.1e}", flush=True)
+
+
 def print_table(results):
     print(f"\n{results['device']}  copy ceiling {results['copy_gbps']:.0f} GB/s  ({results['date']})")
     print("decode us (GB/s); triton_graph = CUDA-graph replay; swa = 128-key sliding layer")
@@ -332,6 +366,8 @@ def print_table(results):
         print(f"{r['batch']:>4} {r['ctx']:>6} {r['splits']:>3} | {cells} | {r['triton_graph_swa_us']:>9.1f} "
               f"{r['fi_sink_swa_us']:>7.1f} | {err:.1e}")
     for r in results["prefill"]:
+        if "us" not in r:
+            continue
         print(f"prefill {r['backend']} N={r['tokens']:>6} window={str(r['window']):>4}: {r['us']:>9.0f} us "
               f"{r['tflops']:>6.1f} TFLOP/s  err {r['err']:.1e}")
 
@@ -346,6 +382,8 @@ def main() -> None:
     parser.add_argument("--prefill-lens", default=None, help="comma list of prompt lengths (default by --quick)")
     parser.add_argument("--full-triton", action="store_true",
                         help="also the full causal layers through the Triton paged kernel (a probe against fa3)")
+    parser.add_argument("--dense", action="store_true",
+                        help="also the full causal layers through torch's cuDNN / flash SDPA + the sink rescale")
     parser.add_argument("--sweep-only", default=None,
                         help="BxCTX list (e.g. 1x8192,4x8192): only the decode sweep at these points, wider split counts")
     args = parser.parse_args()
