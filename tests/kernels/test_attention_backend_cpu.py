@@ -95,7 +95,8 @@ def test_step_buffers_refuse_a_step_larger_than_allocated():
 
 
 def test_attention_triton_kernels_under_the_interpreter():
-    """The sliding-window prefill kernel against reference.sink_attention (attention_interpreter_cases.py)."""
+    """The sliding-window prefill kernel against reference.sink_attention, the dense-prefill rescale kernel against
+    its formula (attention_interpreter_cases.py)."""
     from tests.kernels.interpreter import run_cases
 
     run_cases("attention_interpreter_cases.py")
