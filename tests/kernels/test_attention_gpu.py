@@ -320,3 +320,23 @@ def test_flashinfer_sink_prefill_direct(backend, window):
     sinks = random_sinks(gen)
     out = flashinfer_ops.run_sink_prefill(wrapper, q, world.cache.k[layer], world.cache.v[layer], sinks, SCALE)
     world.check(out, q, sinks, sliding)
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("n", [1, 129, 1000])
+def test_dense_sink_prefill_matches_reference(backend, n):
+    """The probe of kernels/attention/dense_prefill.py (torch SDPA + the sink rescale kernel) on a whole prompt,
+    v a strided view of wider rows as the rotary kernel leaves it."""
+    from kernels.attention.dense_prefill import dense_sink_prefill
+
+    gen = torch.Generator(device=DEV).manual_seed(n)
+    q = torch.randn(n, HQ, D, generator=gen, device=DEV).bfloat16()
+    k = torch.randn(n, HKV, D, generator=gen, device=DEV).bfloat16()
+    rows = torch.randn(n, 3 * HKV * D, generator=gen, device=DEV).bfloat16()
+    v = rows[:, HKV * D:2 * HKV * D].view(n, HKV, D)
+    sinks = random_sinks(gen)
+    try:
+        out = dense_sink_prefill(q, k, v, sinks, SCALE, backend)
+    except RuntimeError as exc:  # this torch build has no such kernel for these shapes
+        pytest.skip(f"torch {backend} SDPA unavailable: {str(exc).splitlines()[0][:120]}")
+    assert rel_err(out, reference(q, k, v, sinks, None)) < BF16_TOL
