@@ -9,7 +9,7 @@ entries: program (entry, block of rows) copies whole rows (kv_heads x head_dim e
 
 - `gather_rows(caches, slots, outs)`: outs[i][r] = caches[i] at flat slot slots[i][r]. The outputs may be
   a peer GPU's memory mapped into this process (the CUDA IPC transport's slot): the stores then cross
-  NVLink directly.
+  NVLink directly. Host outputs of a GPU cache are gathered on the GPU and copied over.
 - `scatter_rows(caches, slots, srcs, pads)`: caches[i] at flat slot slots[i][r] = 0 for r < pads[i], else
   srcs[i][r - pads[i]] (the decode side's sliding layers start their first page with masked positions,
   written as zeros: engine/runner.py).
@@ -106,6 +106,14 @@ def gather_rows(caches: list[torch.Tensor], slots: list[torch.Tensor], outs: lis
         if out.shape[0] != idx.numel() or out.shape[1:] != cache.shape[2:] or out.dtype != cache.dtype:
             raise ValueError(f"gather_rows: rows {tuple(out.shape)} {out.dtype} for {idx.numel()} slots of a "
                              f"{tuple(cache.shape)} {cache.dtype} cache")
+    if caches and caches[0].is_cuda and not all(o.is_cuda for o in outs):
+        # host destinations (a caller's pinned staging buffers, say): the kernel cannot store there, and
+        # index_select will not write across devices; gather on the device, then copy the rows over
+        staged = empty_rows([tuple(o.shape) for o in outs], caches[0].dtype, caches[0].device)
+        gather_rows(caches, slots, staged, use_kernel)
+        for out, rows in zip(outs, staged):
+            out.copy_(rows)
+        return
     if _fits_kernel(caches, outs, use_kernel):
         _launch(caches, slots, outs, [0] * len(caches), scatter=False)
     else:

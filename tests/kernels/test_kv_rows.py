@@ -51,3 +51,17 @@ def test_kernel_on_the_gpu(rows, dtype):
     kv_rows.scatter_rows(got, slots, srcs, pads)
     kv_rows.scatter_rows_reference(expect, slots, srcs, pads)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, expect))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_cache_rows_into_host_tensors():
+    """A caller may supply host destinations (export_kv's `into`): the rows arrive there, nothing faults
+    (before 2026-12-01 the kernel stored through host pointers: an illegal address that killed the context)."""
+    caches, slots, _ = make_case(300, torch.bfloat16, layers=3, device="cuda")
+    outs = [torch.full((s.numel(), *c.shape[2:]), float("nan"), dtype=torch.bfloat16) for c, s in zip(caches, slots)]
+    want = [torch.empty(o.shape, dtype=o.dtype, device="cuda") for o in outs]
+    kv_rows.gather_rows(caches, slots, outs)
+    kv_rows.gather_rows_reference(caches, slots, want)
+    torch.cuda.synchronize()
+    assert all(o.device.type == "cpu" and torch.equal(o, w.cpu()) for o, w in zip(outs, want))
