@@ -53,12 +53,14 @@ def requests() -> list[GenerateRequest]:
     return out
 
 
-def prefill_and_export(engine: LLMEngine) -> dict:
+def prefill_and_export(engine: LLMEngine, dest_device: str = "cpu") -> dict:
     for r in requests():
         engine.add_request(r, prefill_only=True)
     run_to_end(engine, engine.step_prefill)
-    # every other request exports into caller-supplied tensors (a transport's slot: KVDestination)
-    supplied = lambda shapes, dtype: [torch.full(s, float("nan"), dtype=dtype) for s in shapes]  # noqa: E731
+    # every other request exports into caller-supplied tensors (a transport's slot: KVDestination), on
+    # dest_device (host tensors from a GPU engine: gathered on the GPU, then copied)
+    supplied = lambda shapes, dtype: [torch.full(s, float("nan"), dtype=dtype, device=dest_device)  # noqa: E731
+                                      for s in shapes]
     payloads = {r.request_id: engine.export_kv(r.request_id, supplied if i % 2 else None)
                 for i, r in enumerate(requests())}
     assert_pool_full(engine)
@@ -393,7 +395,8 @@ def test_decode_steps_travel_as_deltas(checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_world_1_matches_the_single_process_engine(checkpoint):
     """On one GPU the multi-rank path runs whole over NCCL: step broadcast, pool-size MIN, and the K/V
-    scatter and gather over a group of one. Pure-torch kernels on both sides, so tokens must match."""
+    scatter and gather over a group of one. Pure-torch kernels on both sides, so tokens must match. The GPU
+    engine exports half its requests into host tensors (prefill_and_export), the NCCL one into GPU tensors."""
     import torch.distributed as dist
 
     cfg = config(device="cuda", attention_backend="torch", moe_backend="torch")
@@ -410,10 +413,10 @@ def test_nccl_world_1_matches_the_single_process_engine(checkpoint):
             engine.add_request(r)
         assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == expected
         assert import_and_decode(engine, plain_payloads) == expected  # scatter over NCCL
-        payloads = prefill_and_export(engine)  # gather over NCCL
+        payloads = prefill_and_export(engine, dest_device="cuda")  # gather over NCCL
         for rid, p in payloads.items():
             for got, want in zip([*p.k, *p.v], [*plain_payloads[rid].k, *plain_payloads[rid].v]):
-                assert got.device.type == "cuda" and (got - want).abs().max().item() < 1e-6
+                assert got.device.type == "cuda" and (got - want.to(got.device)).abs().max().item() < 1e-6
         engine.close()
     finally:
         ex.shutdown()
