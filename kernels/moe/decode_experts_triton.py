@@ -37,7 +37,6 @@ from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
 
 BLOCK_N = 64  # weight rows per program (DECODE_CONFIG's tile)
-BACKOFF = True  # waiting programs poll with volatile loads and sleeps (False: acquire atomics in a loop)
 SYNC_SLOTS = 64  # expert slots the sync buffer holds: T <= 16 tokens x top-4
 TILES_PER_BLOCK = 2 * BLOCK // BLOCK_N  # gate_up tiles feeding one 128-channel block of the activation
 
@@ -75,23 +74,6 @@ def _tile_dot(a_ptrs, sfa_ptrs, sfa_k_stride, b_ptrs, sfb_ptrs, t_ok, n_ok, kb0,
 
 
 @triton.jit
-def _wait_flag(ptr, BACKOFF: tl.constexpr):
-    """Until *ptr != 0, then acquire. BACKOFF: poll with plain volatile loads and a short sleep between them
-    (fewer L2 atomics while the producers stream); else poll with acquire atomics (the interpreter's path)."""
-    if BACKOFF:
-        flag = tl.load(ptr, volatile=True)
-        while flag == 0:
-            flag = tl.inline_asm_elementwise("nanosleep.u32 32;\n mov.u32 $0, $1;", "=r,r", [flag], dtype=tl.int32,
-                                             is_pure=False, pack=1)
-            flag = tl.load(ptr, volatile=True)
-        tl.atomic_add(ptr, 0, sem="acquire")
-    else:
-        flag = tl.atomic_add(ptr, 0, sem="acquire")
-        while flag == 0:
-            flag = tl.atomic_add(ptr, 0, sem="acquire")
-
-
-@triton.jit
 def _decode_experts_kernel(
         counts_ptr, active_ptr, num_active_ptr, token_of_row_ptr, row_of_pair_ptr, ids_ptr, weights_ptr,
         a1_ptr, sfa1_ptr, w13_ptr, s13_ptr, b13_ptr, a2_ptr, sfa2_ptr, w2_ptr, s2_ptr, b2_ptr,
@@ -102,7 +84,7 @@ def _decode_experts_kernel(
         stride_h, stride_hs, stride_y, stride_ys, stride_out,
         SLOTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, NUM_KB1: tl.constexpr, NUM_KB2: tl.constexpr, SPLIT_K: tl.constexpr,
-        BACKOFF: tl.constexpr, PDL: tl.constexpr):
+        PDL: tl.constexpr):
     pdl_prologue(PDL)
     TILES: tl.constexpr = 2 * BLOCK_K // BLOCK_N
     ticket_a = sync_ptr
@@ -176,7 +158,9 @@ def _decode_experts_kernel(
             kb0 = split * kb_per2
             kb1 = tl.minimum(kb0 + kb_per2, NUM_KB2)
             for kb in range(kb0, kb1):  # wait for the activation blocks this split reads
-                _wait_flag(ready + slot * NUM_KB2 + kb, BACKOFF)
+                flag = tl.atomic_add(ready + slot * NUM_KB2 + kb, 0, sem="acquire")
+                while flag == 0:
+                    flag = tl.atomic_add(ready + slot * NUM_KB2 + kb, 0, sem="acquire")
             tl.debug_barrier()
             t_ok = offs_t < count
             rows = expert.to(tl.int64) * rows_per_group + offs_t
@@ -251,7 +235,6 @@ def decode_experts(a1: Fp8Rows, plan, expert_ids: torch.Tensor, expert_weights: 
         a2.data.stride(0), a2.sf_group_stride, a2.sf_k_stride, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         b2.stride(0), h.stride(1), h.stride(0), y.stride(1), y.stride(0), out.stride(0),
         SLOTS=slots, TOP_K=k, BLOCK_T=max(16, triton.next_power_of_2(plan.rows_per_group)), BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK, NUM_KB1=kp1 // BLOCK, NUM_KB2=kp2 // BLOCK, SPLIT_K=splits, BACKOFF=BACKOFF and out.is_cuda,
-        num_warps=4, num_stages=3,
+        BLOCK_K=BLOCK, NUM_KB1=kp1 // BLOCK, NUM_KB2=kp2 // BLOCK, SPLIT_K=splits, num_warps=4, num_stages=3,
         **pdl.launch(out))
     return out
