@@ -12,8 +12,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
-- "moe-one-launch": fused+pdl with the experts after the front in one launch (Fp8Experts.decode_one_launch,
-  kernels/moe/decode_experts_triton.py).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -40,10 +38,9 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-VARIANTS = {"unfused": (False, False, False, False, "", False), "fused": (True, True, True, False, "", False),
-            "fused+pdl": (True, True, True, True, "", False), "fp8-lm-head": (True, True, True, True, "lm_head", False),
-            "fp8-dense": (True, True, True, True, "all", False),
-            "moe-one-launch": (True, True, True, True, "", True)}
+VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
+            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
+            "fp8-dense": (True, True, True, True, "all")}
 
 
 class DenseWeights:
@@ -70,10 +67,9 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, one_launch: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        layer.mlp.experts.decode_one_launch = one_launch
         layer.self_attn.decode_gemv = gemv
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl

@@ -8,8 +8,7 @@ Variants, each checked against TorchExperts (bf16, same dequantized weights) bef
   fp8_dg_alt the other layout at T = 64 and 512 (how the threshold was chosen)
   fp8_tr     Fp8Experts, Triton only (the decode GEMM for T <= 64, the grouped GEMM above)
   fp8_routed (T <= 16) router + layer as the engine's decode step runs them: Fp8Experts.routed_forward, the
-             fused decode front (router GEMV, top-k, plan, quantization in one launch) then fp8_tr's path;
-             fp8_routed_1l the same with the experts in one launch (Fp8Experts.decode_one_launch)
+             fused decode front (router GEMV, top-k, plan, quantization in one launch) then fp8_tr's path
 The engine runs fp8_tr's path at T <= 64 and fp8_dg's above (Fp8Experts.decode_kernel = "triton").
   bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
 Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
@@ -164,18 +163,18 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
             print(f"{model:>5} T={t:<6} {name:<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
                   f"{row['weight_gbps']:7.0f} GB/s  floor {floor:8.1f} us  diff {diff:.1e}  [{mode}]", flush=True)
         if not shard and t <= ROUTED_MAX_TOKENS:
-            rows += [bench_routed(model, layer, t, one_launch) for one_launch in (False, True)]
+            rows.append(bench_routed(model, layer, t))
     return rows
 
 
 ROUTED_MAX_TOKENS = 16
 
 
-def bench_routed(model: str, layer: Layer, t: int, one_launch: bool) -> dict:
+def bench_routed(model: str, layer: Layer, t: int) -> dict:
     """The layer as the engine's decode step runs it (`Fp8Experts.routed_forward`): router GEMV, routing,
-    plan and quantization in the fused front, then the Triton decode GEMMs (one_launch: the experts in one
-    launch, decode_experts_triton), in a CUDA graph (PDL on) over 4 inputs whose routings differ. Bytes
-    counted: the experts each input routes to (the router's 0.7 MB left out)."""
+    plan and quantization in the fused front, then the Triton decode GEMMs, in a CUDA graph (PDL on) over
+    4 inputs whose routings differ. Bytes counted: the experts each input routes to (the router's 0.7 MB
+    left out)."""
     g = torch.Generator(device=DEV).manual_seed(1000 + t)
     rw = (torch.randn(layer.e, D, device=DEV, generator=g) * D ** -0.5).bfloat16()
     rb = (torch.randn(layer.e, device=DEV, generator=g) * 0.1).bfloat16()
@@ -183,22 +182,17 @@ def bench_routed(model: str, layer: Layer, t: int, one_launch: bool) -> dict:
     layer.fp8.backend, layer.fp8.masked_max_tokens, layer.fp8.use_psum, layer.fp8.decode_kernel = "triton", 64, True, "triton"
 
     def fn(x):
-        layer.fp8.decode_one_launch = one_launch
-        try:
-            return layer.fp8.routed_forward(x, rw, rb, TOP_K)
-        finally:
-            layer.fp8.decode_one_launch = False
+        return layer.fp8.routed_forward(x, rw, rb, TOP_K)
 
     routed = [route(torch.nn.functional.linear(x, rw, rb), TOP_K) for (x,) in xs]
     diff = calc_diff(fn(xs[0][0]), layer.ref(xs[0][0], *routed[0]))
     us, mode = graph_time_us(fn, xs)
     distinct = sum(int(torch.unique(ids).numel()) for ids, _ in routed) / len(routed)
     floor = distinct * FP8_EXPERT_BYTES / (COPY_TBPS * 1e12) * 1e6
-    name = "fp8_routed_1l" if one_launch else "fp8_routed"
-    row = dict(model=model, experts=layer.e, tokens=t, variant=name, us=us, mode=mode, diff_vs_bf16_ref=diff,
+    row = dict(model=model, experts=layer.e, tokens=t, variant="fp8_routed", us=us, mode=mode, diff_vs_bf16_ref=diff,
                tflops=t * TOP_K * FLOP_PER_PAIR / us / 1e6, weight_gbps=distinct * FP8_EXPERT_BYTES / us / 1e3,
                active_experts=distinct, fp8_floor_us=floor)
-    print(f"{model:>5} T={t:<6} {name:<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
+    print(f"{model:>5} T={t:<6} {'fp8_routed':<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
           f"{row['weight_gbps']:7.0f} GB/s  floor {floor:8.1f} us  diff {diff:.1e}  [{mode}]", flush=True)
     return row
 

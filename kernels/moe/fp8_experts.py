@@ -69,10 +69,6 @@ class Fp8Experts(nn.Module):
         # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
-        # Decode after the fused front: gate_up GEMM, SwiGLU + quantization, down GEMM and combine in one launch
-        # whose programs hand blocks on through counters (decode_experts_triton; bitwise the four launches'
-        # output). False: the four launches.
-        self.decode_one_launch = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -84,10 +80,6 @@ class Fp8Experts(nn.Module):
         # the fused decode front's ticket counter (zero between calls; see decode_front_triton)
         # (a plain zeros buffer: building the module must not import Triton)
         self.register_buffer("front_ticket", torch.zeros(1, dtype=torch.int32, **kw), persistent=False)
-        # decode_experts_triton's counters (its sync_size: 2 x 64 slots x activation blocks + down tiles + 1;
-        # zero between calls)
-        self.register_buffer("decode_sync", torch.zeros(2 * 64 * (ip // BLOCK) + -(-hidden // 64) + 1, dtype=torch.int32,
-                                                        **kw), persistent=False)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -179,12 +171,6 @@ class Fp8Experts(nn.Module):
                                                    self.num_local, self.w13.shape[2], self.front_ticket)
         from kernels.moe import triton_grouped_gemm as tgg
 
-        if self.decode_one_launch and plan.active.numel() <= 64:
-            from kernels.moe import decode_experts_triton as dx
-
-            out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
-            return dx.decode_experts(a, plan, ids, weights, self.w13, self.s13, self.b13, self.w2, self.s2, self.b2,
-                                     self.first_expert, self.alpha, self.limit, tgg.decode_splits(t), self.decode_sync, out)
         return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
 
     def _forward_gpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, backend: str) -> torch.Tensor:

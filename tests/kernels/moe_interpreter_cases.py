@@ -423,33 +423,3 @@ def test_prescaled_pack_counts_groups_it_cannot_hold_exactly():
     assert packed["inexact_groups"] == 1  # 100 - 127 = -27 < -23; row 1 is uniform
     assert packed["rowexp"].tolist() == [[127, 90]]
     assert packed["fexp"][0, :, 0].tolist() == [29, 2, 6, 29]
-
-
-# (T, router experts, first local expert, local experts, k): batch 1, a split-K batch with idle slots, an
-# unsplit batch, an expert-parallel slice (pairs routed elsewhere have no row here)
-@pytest.mark.parametrize("t,e,first,num_local,k", [(1, 6, 0, 6, 2), (3, 6, 0, 6, 2), (6, 6, 0, 6, 2), (4, 12, 3, 6, 4)])
-def test_decode_experts_in_one_launch_equal_the_four_launches(t, e, first, num_local, k):
-    """decode_experts_triton.decode_experts against Fp8Experts' gate_up GEMM / swiglu_quant / down GEMM /
-    combine on the same front outputs: bitwise, twice on one sync buffer (the counters reset themselves)."""
-    from kernels.moe import decode_experts_triton as dx
-    from kernels.moe import decode_front_triton as front
-
-    hidden, inter = 200, 136
-    te = TorchExperts(num_local, first, hidden, inter, 1.702, 7.0, torch.float32)
-    with torch.no_grad():
-        for p, std in ((te.gate_up_proj, hidden ** -0.5), (te.down_proj, inter ** -0.5),
-                       (te.gate_up_proj_bias, 0.1), (te.down_proj_bias, 0.1)):
-            p.normal_(0, std)
-    experts = Fp8Experts.from_torch_experts(te, backend="triton")
-    sync = dx.new_sync(hidden, inter, "cpu")
-    for _ in range(2):
-        x, w, b = exact_router_inputs(t, e, hidden)
-        ids, weights, plan, a = front.decode_front(x, w, b, k, first, num_local, experts.w13.shape[2],
-                                                   front.new_ticket("cpu"))
-        splits = tgg.decode_splits(t)
-        want = experts._experts_gpu(x, ids, weights, plan, splits, a, "triton")
-        got = dx.decode_experts(a, plan, ids, weights, experts.w13, experts.s13, experts.b13, experts.w2,
-                                experts.s2, experts.b2, first, experts.alpha, experts.limit, splits, sync,
-                                torch.empty_like(want))
-        assert torch.equal(got, want)
-        assert not sync.any(), "a counter or flag left set"

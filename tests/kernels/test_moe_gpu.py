@@ -416,37 +416,3 @@ def test_mxfp4_decode_gemm_matches_twin(t):
     rows = plan.row_of_pair.long()
     tol = 1e-4 if splits > 1 else 2 ** -7  # bf16 output rounding when unsplit
     torch.testing.assert_close(got[rows], want[rows], rtol=tol, atol=tol * float(want[rows].abs().max()))
-
-
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 7, 16])
-def test_decode_experts_in_one_launch_equal_the_four_launches(experts20, t):
-    """Fp8Experts.decode_one_launch (kernels/moe/decode_experts_triton.py) against the four launches, on the
-    20b shapes, eagerly and replayed from a CUDA graph with PDL on fresh inputs: bitwise equal every time,
-    and the counters zero after every call."""
-    fp8, _ = experts20
-    fp8.backend = backends()[-1]
-    w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
-    b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
-    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
-
-    def run(one_launch: bool) -> torch.Tensor:
-        fp8.decode_one_launch = one_launch
-        try:
-            return fp8.routed_forward(x, w, b, K)
-        finally:
-            fp8.decode_one_launch = False
-
-    assert torch.equal(run(True), run(False))
-    graphs, outs = {}, {}
-    for one in (False, True):
-        run(one)
-        graphs[one] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[one]):
-            outs[one] = run(one)
-    for _ in range(5):
-        x.copy_(torch.randn_like(x))
-        for one in (False, True):
-            graphs[one].replay()
-        torch.cuda.synchronize()
-        assert torch.equal(outs[True], outs[False])
-        assert not fp8.decode_sync.any(), "a counter or flag left set"
