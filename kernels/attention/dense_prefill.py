@@ -7,13 +7,15 @@ value. With a kernel's plain causal softmax, Z = sum_j e^{s_j}, out = sum_j e^{s
 
 so any fused kernel that returns its log-sum-exp gives sink attention with one elementwise pass after it
 (`sink_rescale`). Kernels (`backend`):
-  "cudnn"  torch's cuDNN SDPA (a Hopper warp-specialized kernel), K/V repeated to the query heads where
-           the op does not take grouped heads
+  "cudnn"  torch's cuDNN SDPA (a Hopper warp-specialized kernel), K/V repeated to the query heads (the
+           private op takes equal head counts)
   "flash"  torch's FlashAttention-2 kernel (grouped heads natively)
   "cpu"    torch's CPU flash kernel: the tests' path for the same rescale
 
-Only prompts without history (every key is one of the step's new rows, contiguous k / v) qualify; the
-paged cache's readers (FlashInfer, the Triton kernels) cover the rest.
+Only prompts without history (every key is one of the step's new rows, contiguous k / v) would qualify.
+A probe, not on the engine's path: on the H200 both were slower than FlashInfer's fa3 with its native sink
+(cuDNN 0.84-0.94x, FA2 0.64-0.81x at 1k-16k tokens; kernels/attention/NOTES.md). `python -m bench.attention
+--prefill-only --dense` re-runs the comparison.
 """
 
 from __future__ import annotations
