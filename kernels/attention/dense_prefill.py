@@ -14,7 +14,7 @@ so any fused kernel that returns its log-sum-exp gives sink attention with one e
 
 Only prompts without history (every key is one of the step's new rows, contiguous k / v) would qualify.
 A probe, not on the engine's path: on the H200 both were slower than FlashInfer's fa3 with its native sink
-(cuDNN 0.84-0.94x, FA2 0.64-0.81x at 1k-16k tokens; kernels/attention/NOTES.md). `python -m bench.attention
+(cuDNN 0.58-0.94x, FA2 0.64-0.81x of its speed at 1k-16k tokens; kernels/attention/NOTES.md). `python -m bench.attention
 --prefill-only --dense` re-runs the comparison.
 """
 
