@@ -36,3 +36,24 @@ def gpt_oss_reference():
     from gpt_oss.torch import model
 
     return model
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop Ray Serve's router event loop if a test started one in this process. Handles called from the
+    driver run on a daemon thread with an event-loop monitor that records Ray metrics every few seconds,
+    and it outlives ray.shutdown(): it was the one such thread alive when the run ended (2026-12-01), and
+    one CI run in five segfaulted in interpreter teardown after every test had passed."""
+    import time
+
+    router = sys.modules.get("ray.serve._private.router")
+    cls = getattr(router, "SingletonThreadRouter", None)
+    loop = getattr(cls, "_asyncio_loop", None)
+    if loop is None or not loop.is_running():
+        return
+    monitor = getattr(cls, "_event_loop_monitor", None)
+    if monitor is not None:
+        loop.call_soon_threadsafe(monitor.stop)
+    loop.call_soon_threadsafe(loop.stop)
+    deadline = time.monotonic() + 5
+    while loop.is_running() and time.monotonic() < deadline:
+        time.sleep(0.05)
