@@ -126,7 +126,6 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
         layer = layers[e]
         rot = 4 if t <= 512 else 1
         sets = inputs(t, e, rot, seed=t)
-        pairs = t * TOP_K
         active = int(torch.unique(torch.cat([s[1].reshape(-1) for s in sets])).numel())
         distinct = sum(int(torch.unique(s[1]).numel()) for s in sets) / rot
         for name, backend, masked_max, use_psum in variants_for(t):
@@ -148,20 +147,15 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
                 continue  # compiled: that is all a warm-up shard is for
             diff = calc_diff(out, layer.ref(*sets[0]))
             us, mode = graph_time_us(fn, sets)
-            wbytes = distinct * (BF16_EXPERT_BYTES if backend == "bf16" else FP8_EXPERT_BYTES)
-            floor = max(distinct * FP8_EXPERT_BYTES / (COPY_TBPS * 1e12), pairs * FLOP_PER_PAIR / (FP8_PFLOPS * 1e15)) * 1e6
-            row = dict(model=model, experts=e, tokens=t, variant=name, us=us, mode=mode, diff_vs_bf16_ref=diff,
-                       tflops=pairs * FLOP_PER_PAIR / us / 1e6, weight_gbps=wbytes / us / 1e3,
-                       active_experts=distinct, fp8_floor_us=floor, experts_touched_by_rotation=active)
+            extra = {"experts_touched_by_rotation": active}
             if name in ("fp8_dg", "fp8_tr") and model == "120b" and t in (1, 64, 4096):
                 try:
-                    row["stages_us"] = stage_breakdown(layer, *sets[0], backend)
-                    print(f"  stages {row['stages_us']}", flush=True)
+                    extra["stages_us"] = stage_breakdown(layer, *sets[0], backend)
+                    print(f"  stages {extra['stages_us']}", flush=True)
                 except RuntimeError as exc:
                     print(f"  stage breakdown failed: {str(exc).splitlines()[0][:160]}")
-            rows.append(row)
-            print(f"{model:>5} T={t:<6} {name:<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
-                  f"{row['weight_gbps']:7.0f} GB/s  floor {floor:8.1f} us  diff {diff:.1e}  [{mode}]", flush=True)
+            rows.append(layer_row(model, e, t, name, us, mode, diff, distinct,
+                                  BF16_EXPERT_BYTES if backend == "bf16" else FP8_EXPERT_BYTES, **extra))
         if not shard and t <= ROUTED_MAX_TOKENS:
             rows.append(bench_routed(model, layer, t))
     return rows
@@ -188,11 +182,19 @@ def bench_routed(model: str, layer: Layer, t: int) -> dict:
     diff = calc_diff(fn(xs[0][0]), layer.ref(xs[0][0], *routed[0]))
     us, mode = graph_time_us(fn, xs)
     distinct = sum(int(torch.unique(ids).numel()) for ids, _ in routed) / len(routed)
-    floor = distinct * FP8_EXPERT_BYTES / (COPY_TBPS * 1e12) * 1e6
-    row = dict(model=model, experts=layer.e, tokens=t, variant="fp8_routed", us=us, mode=mode, diff_vs_bf16_ref=diff,
-               tflops=t * TOP_K * FLOP_PER_PAIR / us / 1e6, weight_gbps=distinct * FP8_EXPERT_BYTES / us / 1e3,
-               active_experts=distinct, fp8_floor_us=floor)
-    print(f"{model:>5} T={t:<6} {'fp8_routed':<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
+    return layer_row(model, layer.e, t, "fp8_routed", us, mode, diff, distinct, FP8_EXPERT_BYTES)
+
+
+def layer_row(model: str, e: int, t: int, variant: str, us: float, mode: str, diff: float, distinct: float,
+              expert_bytes: float, **extra) -> dict:
+    """One timed layer: TFLOP/s, expert-weight GB/s (distinct experts x expert_bytes) and the FP8 floor
+    (max of the FP8 weight bytes at the copy ceiling and the FLOPs at the FP8 peak); printed and returned."""
+    pairs = t * TOP_K
+    floor = max(distinct * FP8_EXPERT_BYTES / (COPY_TBPS * 1e12), pairs * FLOP_PER_PAIR / (FP8_PFLOPS * 1e15)) * 1e6
+    row = dict(model=model, experts=e, tokens=t, variant=variant, us=us, mode=mode, diff_vs_bf16_ref=diff,
+               tflops=pairs * FLOP_PER_PAIR / us / 1e6, weight_gbps=distinct * expert_bytes / us / 1e3,
+               active_experts=distinct, fp8_floor_us=floor, **extra)
+    print(f"{model:>5} T={t:<6} {variant:<10} {us:9.1f} us  {row['tflops']:7.1f} TFLOP/s  "
           f"{row['weight_gbps']:7.0f} GB/s  floor {floor:8.1f} us  diff {diff:.1e}  [{mode}]", flush=True)
     return row
 

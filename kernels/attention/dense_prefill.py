@@ -8,7 +8,7 @@ value. With a kernel's plain causal softmax, Z = sum_j e^{s_j}, out = sum_j e^{s
 so any fused kernel that returns its log-sum-exp gives sink attention with one elementwise pass after it
 (`sink_rescale`). Kernels (`backend`):
   "cudnn"  torch's cuDNN SDPA (a Hopper warp-specialized kernel), K/V repeated to the query heads (the
-           private op takes equal head counts)
+           private op takes equal head counts; so does the CPU one)
   "flash"  torch's FlashAttention-2 kernel (grouped heads natively)
   "cpu"    torch's CPU flash kernel: the tests' path for the same rescale
 
@@ -39,21 +39,15 @@ def causal_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     n, hq, d = q.shape
     hkv = k.shape[1]
+    if backend != "flash" and hkv != hq:  # grouped heads: repeat K/V to the query heads (a copy per call)
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    q, k, v = _as_bhsd(q), _as_bhsd(k), _as_bhsd(v)
     if backend == "cudnn":
-        if hkv != hq:  # grouped heads: repeat K/V to the query heads (one copy per layer call)
-            k = k.repeat_interleave(hq // hkv, dim=1)
-            v = v.repeat_interleave(hq // hkv, dim=1)
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), None, True, 0.0, True, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
     elif backend == "flash":
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), 0.0, True, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
     else:
-        if hkv != hq:
-            k = k.repeat_interleave(hq // hkv, dim=1)
-            v = v.repeat_interleave(hq // hkv, dim=1)
-        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _as_bhsd(q), _as_bhsd(k), _as_bhsd(v), 0.0, True, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
     out, lse = res[0], res[1]
     return out[0].transpose(0, 1), lse.reshape(hq, n).float()
 
