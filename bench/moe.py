@@ -6,8 +6,6 @@
 Variants, each checked against TorchExperts (bf16, same dequantized weights) before it is timed:
   fp8_dg     Fp8Experts, DeepGEMM grouped GEMMs only (masked layout for T <= 64, contiguous/psum above)
   fp8_dg_alt the other layout at T = 64 and 512 (how the threshold was chosen)
-  fp8_dg_a64 (T > 64) fp8_dg with the contiguous segments aligned to 64 rows (DeepGEMM's BLOCK_M 64, half the
-             padding rows per expert)
   fp8_tr     Fp8Experts, Triton only (the decode GEMM for T <= 64, the grouped GEMM above)
   fp8_routed (T <= 16) router + layer as the engine's decode step runs them: Fp8Experts.routed_forward, the
              fused decode front (router GEMV, top-k, plan, quantization in one launch) then fp8_tr's path
@@ -102,23 +100,21 @@ def layer_cases(quick: bool, tokens: list[int] | None = None):
             yield model, e, t
 
 
-def variants_for(t: int) -> list[tuple[str, str, int, bool, int | None]]:
-    """(name, backend, masked_max_tokens, use_psum, contiguous_align)."""
+def variants_for(t: int) -> list[tuple[str, str, int, bool]]:
+    """(name, backend, masked_max_tokens, use_psum)."""
     out = []
     if deep_gemm_ops.available():
-        out.append(("fp8_dg", "deep_gemm", 64, True, None))
+        out.append(("fp8_dg", "deep_gemm", 64, True))
         if t in (64, 512):
-            out.append(("fp8_dg_alt", "deep_gemm", 0 if t <= 64 else 10 ** 9, True, None))
-        if t > 64:  # contiguous layout with per-row m_indices instead of psum; segments of 64 rows
-            out.append(("fp8_dg_mi", "deep_gemm", 64, False, None))
-            out.append(("fp8_dg_a64", "deep_gemm", 64, True, 64))
-    out.append(("fp8_tr", "triton", 64, True, None))
-    out.append(("bf16", "bf16", 0, True, None))
+            out.append(("fp8_dg_alt", "deep_gemm", 0 if t <= 64 else 10 ** 9, True))
+        if t > 64:  # contiguous layout with per-row m_indices instead of psum
+            out.append(("fp8_dg_mi", "deep_gemm", 64, False))
+    out.append(("fp8_tr", "triton", 64, True))
+    out.append(("bf16", "bf16", 0, True))
     return out
 
 
-def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] | None = None,
-                 only: set[str] | None = None) -> list[dict]:
+def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] | None = None) -> list[dict]:
     rows, layers = [], {}
     for index, (model, e, t) in enumerate(layer_cases(quick, tokens)):
         if shard and index % shard[1] != shard[0]:
@@ -132,14 +128,13 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
         sets = inputs(t, e, rot, seed=t)
         active = int(torch.unique(torch.cat([s[1].reshape(-1) for s in sets])).numel())
         distinct = sum(int(torch.unique(s[1]).numel()) for s in sets) / rot
-        for name, backend, masked_max, use_psum, seg_align in variants_for(t):
-            if (shard and backend == "bf16") or (only and name not in only):
+        for name, backend, masked_max, use_psum in variants_for(t):
+            if shard and backend == "bf16":
                 continue
             if backend == "bf16":
                 fn = layer.bf16_forward
             else:
                 layer.fp8.backend, layer.fp8.masked_max_tokens, layer.fp8.use_psum = backend, masked_max, use_psum
-                layer.fp8.contiguous_align = seg_align
                 layer.fp8.decode_kernel = "deep_gemm" if backend == "deep_gemm" else "triton"
                 fn = layer.fp8
             try:
@@ -161,7 +156,7 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
                     print(f"  stage breakdown failed: {str(exc).splitlines()[0][:160]}")
             rows.append(layer_row(model, e, t, name, us, mode, diff, distinct,
                                   BF16_EXPERT_BYTES if backend == "bf16" else FP8_EXPERT_BYTES, **extra))
-        if not shard and t <= ROUTED_MAX_TOKENS and (not only or "fp8_routed" in only):
+        if not shard and t <= ROUTED_MAX_TOKENS:
             rows.append(bench_routed(model, layer, t))
     return rows
 
@@ -332,7 +327,6 @@ def main() -> None:
     parser.add_argument("--warmup-shard", default=None, help="I/N: compile the I-th of N case groups, no timing")
     parser.add_argument("--load-bench", default=None, help="folder for the checkpoint load-time comparison")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,gemm,decode,dense")
-    parser.add_argument("--variants", default="", help="comma list: time only these layer variants (default all)")
     parser.add_argument("--probe", action="store_true", help="only check that deep_gemm works here (exit 0/1)")
     args = parser.parse_args()
     if args.probe:
@@ -345,8 +339,7 @@ def main() -> None:
     result["grouped_gemm"] = [] if "gemm" in skip else bench_grouped_gemm(shard)
     result["decode_gemm"] = [] if "decode" in skip else bench_decode_gemm(shard)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-    result["layers"] = [] if "layers" in skip else bench_layers(args.quick, shard, tokens,
-                                                                         set(filter(None, args.variants.split(","))))
+    result["layers"] = [] if "layers" in skip else bench_layers(args.quick, shard, tokens)
     result["dense"] = [] if "dense" in skip else bench_dense(shard)
     if args.load_bench and not shard:
         result["load"] = bench_load(Path(args.load_bench))

@@ -14,7 +14,6 @@ Variant sets:
   SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
 - `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
   bucket captured per chunk length, with and without programmatic dependent launch in the graphs.
-- `align`: DeepGEMM's prefill grouped GEMMs over expert segments aligned to 128 or 64 rows (its BLOCK_M).
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -116,22 +115,8 @@ def rotary_tiles_variants():
     return {"rotary token per program": mode(1 << 30), "rotary 4 tokens per program": mode(256)}
 
 
-def align_variants():
-    """DeepGEMM's prefill grouped GEMMs with the contiguous layout's expert segments aligned to 128 rows (its
-    default BLOCK_M on SM90) or 64: each expert's last row block computes whole, so 64 halves the padding
-    rows (~BLOCK_M / 2 per expert: ~25% of the rows at 120b 8k, 256 rows per expert) at the price of smaller
-    tiles. Eager forwards: compare the kernel sums."""
-    def mode(rows: int | None):
-        def apply(h: Harness):
-            h.prefill_graphs = None
-            set_on_experts(h, "contiguous_align", rows)
-        return apply
-    return {"segments of 128 rows": mode(128), "segments of 64 rows": mode(64)}
-
-
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "align": align_variants}
+            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants}
 
 
 def kernel_profile(fn) -> dict:

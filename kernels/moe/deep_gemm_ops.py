@@ -86,24 +86,9 @@ def _dg():
     return mod
 
 
-# DeepGEMM's own default row alignment of contiguous-layout segments on SM90 (its BLOCK_M there)
-DEFAULT_MK_ALIGNMENT = 128
-CONTIGUOUS_ALIGNMENTS = (64, 128)
-
-
 def mk_alignment() -> int:
-    """Row alignment of expert segments in the contiguous layout as DeepGEMM is set now (128 unless changed)."""
+    """Row alignment of expert segments in the contiguous layout (128 on SM90)."""
     return int(_dg().get_mk_alignment_for_contiguous_layout())
-
-
-def _use_alignment(rows: int) -> None:
-    """On SM90 DeepGEMM's contiguous grouped GEMM takes its BLOCK_M from this process-wide setting, read when
-    it is called (and so baked into a CUDA graph captured then): set it to what the plan was laid out with."""
-    if rows not in CONTIGUOUS_ALIGNMENTS:
-        raise ValueError(f"contiguous-layout segments must be aligned to one of {CONTIGUOUS_ALIGNMENTS} rows, got {rows}")
-    dg = _dg()
-    if int(dg.get_mk_alignment_for_contiguous_layout()) != rows:
-        dg.set_mk_alignment_for_contiguous_layout(rows)
 
 
 def check_scale_alignment(rows: int) -> None:
@@ -116,13 +101,10 @@ def check_scale_alignment(rows: int) -> None:
 
 
 def grouped_gemm_contiguous(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
-                            m_indices: torch.Tensor | None = None, psum: torch.Tensor | None = None,
-                            segment_align: int = DEFAULT_MK_ALIGNMENT) -> torch.Tensor:
-    """out [M, N] = A @ W[e]^T for the expert segments given by m_indices or (preferred) psum; the segments
-    start at multiples of segment_align rows (64 or 128), which DeepGEMM then uses as its BLOCK_M."""
+                            m_indices: torch.Tensor | None = None, psum: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = A @ W[e]^T for the expert segments given by m_indices or (preferred) psum."""
     if (m_indices is None) == (psum is None):
         raise ValueError("pass exactly one of m_indices (per-row experts) and psum (segment ends)")
-    _use_alignment(segment_align)
     dg = _dg()
     a_pair = (a.data, a.scales_2d())
     if psum is not None:

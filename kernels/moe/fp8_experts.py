@@ -69,10 +69,6 @@ class Fp8Experts(nn.Module):
         # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
-        # Prefill under DeepGEMM (contiguous layout): expert segments aligned to this many rows, which DeepGEMM
-        # also takes as its BLOCK_M (64 or 128). Every expert's last block computes whole: ~BLOCK_M / 2 rows of
-        # padding per expert. None: DeepGEMM's default, 128.
-        self.contiguous_align: int | None = None
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -199,7 +195,7 @@ class Fp8Experts(nn.Module):
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         if self.swiglu_tiles and plan.layout == "contiguous":
             epi.swiglu_quant_contiguous(h, plan.m_indices, self.b13, self.alpha, self.limit, a2,
-                                        plan.segment_align, ids.numel(), fast_div=self.swiglu_fast_div)
+                                        self._alignment(backend), ids.numel(), fast_div=self.swiglu_fast_div)
         else:
             epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
                              fast_div=self.swiglu_fast_div)
@@ -221,7 +217,7 @@ class Fp8Experts(nn.Module):
             plan = routing_triton.plan_masked(ids, self.first_expert, self.num_local,
                                               t if decode else align(t, MASKED_ROW_ALIGN))
         else:
-            plan = routing_triton.plan_contiguous(ids, self.first_expert, self.num_local, self._alignment(backend, t))
+            plan = routing_triton.plan_contiguous(ids, self.first_expert, self.num_local, self._alignment(backend))
         return plan, tgg.decode_splits(t) if decode else 1
 
     def gemm_output(self, plan, splits: int, n: int) -> torch.Tensor:
@@ -231,13 +227,11 @@ class Fp8Experts(nn.Module):
             return torch.empty(plan.num_rows, n, dtype=torch.bfloat16, device=device)
         return torch.empty(splits, plan.num_rows, n, dtype=torch.float32, device=device)
 
-    def _alignment(self, backend: str, num_tokens: int) -> int:
-        """Row alignment of the contiguous layout's expert segments: DeepGEMM's BLOCK_M on SM90, 128 for the
-        Triton grouped GEMM."""
+    def _alignment(self, backend: str) -> int:
         if backend == "deep_gemm":
             from kernels.moe import deep_gemm_ops
 
-            return self.contiguous_align or deep_gemm_ops.DEFAULT_MK_ALIGNMENT
+            return deep_gemm_ops.mk_alignment()
         return BLOCK
 
     def _decode_kernel_runs(self, backend: str, masked: bool, num_tokens: int) -> bool:
@@ -259,9 +253,9 @@ class Fp8Experts(nn.Module):
             if masked:
                 dg.grouped_gemm_masked(a, w, s, out, plan.counts, -(-num_pairs // self.num_local))
             elif self.use_psum:
-                dg.grouped_gemm_contiguous(a, w, s, out, psum=plan.psum, segment_align=plan.segment_align)
+                dg.grouped_gemm_contiguous(a, w, s, out, psum=plan.psum)
             else:
-                dg.grouped_gemm_contiguous(a, w, s, out, m_indices=plan.m_indices, segment_align=plan.segment_align)
+                dg.grouped_gemm_contiguous(a, w, s, out, m_indices=plan.m_indices)
         else:
             triton_grouped_gemm.grouped_gemm(a, w, s, out, plan.counts if masked else plan.m_indices, masked,
                                              expected_m=-(-num_pairs // self.num_local))

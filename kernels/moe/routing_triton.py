@@ -117,8 +117,7 @@ def _contiguous_layout_kernel(ids_ptr, counts_ptr, ranks_ptr, row_of_pair_ptr, m
 class MoePlan:
     """Where each token-expert pair goes. `row_of_pair[p]` is the row of A / of the GEMM outputs that
     holds pair p (-1: expert not on this rank). Contiguous: rows [num_rows] with `m_indices` (expert
-    or -1 per row) and `psum` (end row of each expert's segment, segments starting at multiples of
-    `segment_align`: DeepGEMM's row-block size, which must be the same number).
+    or -1 per row) and `psum` (end row of each expert's segment, segments starting 128-aligned).
     Masked: rows [E_local * m_cap], expert e owns rows [e*m_cap, e*m_cap + counts[e])."""
 
     layout: str  # "contiguous" or "masked"
@@ -134,8 +133,6 @@ class MoePlan:
     # masked, fused decode front only: row r of the gate_up GEMM reads token row token_of_row[r] of A
     # (A holds each token once); None: A holds one row per pair at row_of_pair
     token_of_row: torch.Tensor | None = None
-    # contiguous: the row alignment of the expert segments (0 for masked plans)
-    segment_align: int = 0
 
     @property
     def num_groups(self) -> int:
@@ -178,4 +175,4 @@ def plan_contiguous(expert_ids: torch.Tensor, first_expert: int, num_local: int,
     _contiguous_layout_kernel[(triton.cdiv(max(num_rows, p), block),)](
         expert_ids, counts, ranks, row_of_pair, m_indices, psum, p, num_rows, first_expert, num_local,
         ALIGN=align_rows, BLOCK_E=triton.next_power_of_2(num_local), BLOCK=block, num_warps=4)
-    return MoePlan("contiguous", row_of_pair, counts, num_rows, num_rows, m_indices, psum, segment_align=align_rows)
+    return MoePlan("contiguous", row_of_pair, counts, num_rows, num_rows, m_indices, psum)

@@ -129,12 +129,10 @@ def test_dispatch_swiglu_combine_match_twins():
 
 
 # ---- grouped GEMMs ------------------------------------------------------------------------------
-@pytest.mark.parametrize("impl", ["triton", "deep_gemm", "deep_gemm_psum", "deep_gemm_a64", "deep_gemm_psum_a64"])
+@pytest.mark.parametrize("impl", ["triton", "deep_gemm", "deep_gemm_psum"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("n", [2 * I, D])
 def test_grouped_gemm_matches_twin(impl, masked, n):
-    """DeepGEMM's contiguous GEMM with m_indices or psum, segments aligned to 128 rows or (_a64) to 64 (its
-    BLOCK_M then 64)."""
     from kernels.moe import deep_gemm_ops, triton_grouped_gemm
     from kernels.moe.epilogues_triton import Fp8Rows
 
@@ -142,9 +140,8 @@ def test_grouped_gemm_matches_twin(impl, masked, n):
         if not deep_gemm_ops.available():
             pytest.skip(deep_gemm_ops.why_unavailable())
         deep_gemm_ops.check_scale_alignment(257)  # our scale rows are laid out as DeepGEMM's TMA wants
-    if masked and impl != "deep_gemm" and impl.startswith("deep_gemm"):
-        pytest.skip("psum and the 64-row alignment are contiguous-layout options")
-    align_rows = 64 if impl.endswith("_a64") else 128
+    if masked and impl == "deep_gemm_psum":
+        pytest.skip("psum is a contiguous-layout option")
     e, kp = 8, padded(D)
     w, ws = quantize_weight_blocks(torch.randn(e, n, D, device=DEV) * D ** -0.5)
     counts = torch.tensor([3, 0, 130, 1, 0, 77, 128, 5], dtype=torch.int32, device=DEV)
@@ -157,7 +154,7 @@ def test_grouped_gemm_matches_twin(impl, masked, n):
         ids = torch.repeat_interleave(torch.arange(e, device=DEV), counts.long())[:, None]
         from kernels.moe.routing_triton import plan_contiguous
 
-        plan = plan_contiguous(ids, 0, e, align_rows)
+        plan = plan_contiguous(ids, 0, e, 128)
         a = Fp8Rows.empty(1, plan.num_rows, kp, DEV)
         expert_of_row = plan.m_indices.long()
     a.data.copy_((torch.randn(a.data.shape, device=DEV) * 60).to(FP8))
@@ -167,10 +164,10 @@ def test_grouped_gemm_matches_twin(impl, masked, n):
         triton_grouped_gemm.grouped_gemm(a, w, ws, out, counts if masked else plan.m_indices, masked)
     elif masked:
         deep_gemm_ops.grouped_gemm_masked(a, w, ws, out, counts, expected_m=60)
-    elif impl.startswith("deep_gemm_psum"):
-        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum, segment_align=align_rows)
+    elif impl == "deep_gemm_psum":
+        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, psum=plan.psum)
     else:
-        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices, segment_align=align_rows)
+        deep_gemm_ops.grouped_gemm_contiguous(a, w, ws, out, m_indices=plan.m_indices)
     valid = expert_of_row >= 0
     want = ref.grouped_gemm(a.data, a.scales_rows(), w, ws, expert_of_row)
     assert torch.isfinite(out[valid]).all()  # every real row written
@@ -209,14 +206,12 @@ def test_grouped_gemm_decode_matches_twin(t, splits, n, block_n):
 
 # ---- the whole layer ----------------------------------------------------------------------------
 @pytest.mark.parametrize("t", [1, 7, 129, 4096])
-@pytest.mark.parametrize("backend", ["triton", "deep_gemm", "deep_gemm_a64"])
+@pytest.mark.parametrize("backend", ["triton", "deep_gemm"])
 def test_layer_matches_bf16_reference(experts20, backend, t):
-    """deep_gemm_a64: prefill-sized calls in the contiguous layout with 64-row segments (DeepGEMM's BLOCK_M 64)."""
-    if backend.removesuffix("_a64") not in backends():
+    if backend not in backends():
         pytest.skip("deep_gemm unavailable")
     fp8, bf16_ref = experts20
-    fp8.backend = backend.removesuffix("_a64")
-    fp8.contiguous_align = 64 if backend.endswith("_a64") else None
+    fp8.backend = backend
     x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
     ids, weights = route(torch.randn(t, E20, device=DEV, dtype=torch.bfloat16), K)
     out = fp8(x, ids, weights)
@@ -227,26 +222,7 @@ def test_layer_matches_bf16_reference(experts20, backend, t):
     # measured 1.1e-4 (T=4096) to 2.9e-4 (T=7) on the H200. Stage by stage the kernels match
     # their twins far closer (tests above).
     twin = ref.fp8_moe_forward(x, ids, weights, fp8.w13, fp8.s13, fp8.b13, fp8.w2, fp8.s2, fp8.b2, 0, 1.702, 7.0)
-    fp8.contiguous_align = None
     assert calc_diff(out, twin) < 5e-4
-
-
-@pytest.mark.parametrize("t", [129, 4096])
-def test_contiguous_align_changes_nothing(experts20, t):
-    """DeepGEMM's BLOCK_M (the segment alignment, 128 or 64) changes which rows a block computes, not the order
-    of any output's sums: the layer's output bit for bit the same."""
-    if "deep_gemm" not in backends():
-        pytest.skip("deep_gemm unavailable")
-    fp8, _ = experts20
-    fp8.backend = "deep_gemm"
-    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
-    ids, weights = route(torch.randn(t, E20, device=DEV), K)
-    outs = []
-    for align_rows in (128, 64):
-        fp8.contiguous_align = align_rows
-        outs.append(fp8(x, ids, weights))
-    fp8.contiguous_align = None
-    assert torch.equal(outs[0], outs[1]), f"T={t}: max diff {(outs[0] - outs[1]).abs().max().item()}"
 
 
 def test_layer_expert_parallel_and_both_layouts(experts20):
