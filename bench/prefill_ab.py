@@ -14,7 +14,6 @@ Variant sets:
   SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
 - `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
   bucket captured per chunk length, with and without programmatic dependent launch in the graphs.
-- `defer-plan`: the full layers' FlashInfer plan up front or at the first full layer, eager and with graphs.
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -116,23 +115,8 @@ def rotary_tiles_variants():
     return {"rotary token per program": mode(1 << 30), "rotary 4 tokens per program": mode(256)}
 
 
-def defer_plan_variants():
-    """The full layers' FlashInfer plan made up front with the rest of the step's plan, or deferred to the first
-    full layer (FlashInferAttentionBackend.defer_full_plan, the default), under the piecewise prefill graphs
-    (the engine's default path; captured by main()) and eagerly. Compare the wall times: the kernels are the
-    same."""
-    def mode(defer: bool, graphs: bool):
-        def apply(h: Harness):
-            h.model.backend.defer_full_plan = defer
-            h.prefill_graphs = h.graph_sets["pdl"] if graphs else None
-        return apply
-    return {"eager, plan up front": mode(False, False), "eager, plan deferred": mode(True, False),
-            "graphs, plan up front": mode(False, True), "graphs, plan deferred": mode(True, True)}
-
-
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "defer-plan": defer_plan_variants}
+            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants}
 
 
 def kernel_profile(fn) -> dict:
@@ -177,7 +161,7 @@ def main(argv=None) -> int:
     h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0)
     variants = VARIANTS[args.variants]()
     capture = {}
-    if args.variants in ("graphs", "defer-plan"):  # a bucket per chunk length the prompts are cut into
+    if args.variants == "graphs":  # a bucket per chunk length the prompts are cut into
         capture = capture_graphs(h, sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)}))
         print(f"prefill graphs captured (s per bucket): {capture}", flush=True)
     rows = []

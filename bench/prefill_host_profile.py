@@ -69,56 +69,15 @@ def profile_tokens(h: Harness, n: int) -> dict:
                                for (f, line, fn), v in py]}
 
 
-def plan_profile(h: Harness, n: int) -> dict:
-    """Host time of the attention plan of one n-token prompt step over the cache, made whole (the full layers'
-    FlashInfer plan up front, defer_full_plan off) on an idle GPU: median of 10 calls, and cProfile's top
-    functions by own time over one call."""
-    backend = h.model.backend
-    batch = h.prefill_batch(0, n)
-    backend.defer_full_plan, defer = False, backend.defer_full_plan
-    try:
-        times = []
-        for _ in range(10):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            backend.plan(batch)
-            times.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        pr = cProfile.Profile()
-        pr.enable()
-        backend.plan(batch)
-        pr.disable()
-        torch.cuda.synchronize()
-    finally:
-        backend.defer_full_plan = defer
-    py = sorted(pstats.Stats(pr).stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]
-    return {"tokens": n, "plan_ms": sorted(times), "plan_ms_median": sorted(times)[len(times) // 2],
-            "top_python_own": [{"function": f"{Path(f).name}:{line}({fn})", "calls": v[1],
-                                "own_us": round(v[2] * 1e6, 1), "cum_us": round(v[3] * 1e6, 1)}
-                               for (f, line, fn), v in py]}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt-oss-20b")
     p.add_argument("--tokens", default="1024", help="comma list of prompt lengths")
     p.add_argument("--out", default="bench/results/prefill_host_profile.json")
-    p.add_argument("--plan", action="store_true", help="only the attention plan's host time per prompt length")
     args = p.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(tokens) + 64, 10.0)
     res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": args.model, "runs": []}
-    if args.plan:
-        for n in tokens:
-            r = plan_profile(h, n)
-            res["runs"].append(r)
-            print(f"{args.model} {n} tokens: attention plan {r['plan_ms_median']:.3f} ms (host; "
-                  f"{[round(t, 3) for t in r['plan_ms']]})")
-            for f in r["top_python_own"][:10]:
-                print(f"  {f['own_us']:9.1f} us own {f['cum_us']:9.1f} cum {f['calls']:5d}x  {f['function']}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-        return 0
     for n in tokens:
         r = profile_tokens(h, n)
         res["runs"].append(r)

@@ -12,8 +12,7 @@ Per step, `plan(batch)` once:
   prefill graphs of engine/prefill_graphs.py launch it eagerly between their pieces). Sliding layers over
   the cache run our Triton kernel instead (sliding_prefill_triton.py: it reads only each tile's
   window, where FlashInfer's windowed prefill did ~55 TFLOP/s of useful work), unless
-  `sliding_prefill="flashinfer"`. Over the cache the full layers' plan is deferred to the step's first
-  full layer (`defer_full_plan`): its host work then overlaps the GPU's embedding and first layer.
+  `sliding_prefill="flashinfer"`.
 - mixed steps (chunked prefills next to decoding sequences): in full layers the sequences with one new
   token go through the split decode kernel (on gathered query rows), only the others through FlashInfer;
   sliding layers run every sequence through the Triton sliding kernel in place (two launches: prompt
@@ -32,8 +31,6 @@ The pure-torch TorchAttentionBackend is the twin; tests/kernels/test_attention_g
 """
 
 from __future__ import annotations
-
-import functools
 
 from dataclasses import dataclass
 
@@ -115,16 +112,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.scratch_pages = 0
         self.staged_pages: dict[bool, torch.Tensor] = {}  # fp8 cache, prefill: cache page of each staging page
         self.mixed: MixedSplit | None = None  # this step's one-token sequences, run by the decode kernel
-        # FlashInfer's plan writes its wrapper's pinned host buffer and queues its copy to the device. With
-        # the engine's lookahead a plan can come while that wrapper's previous copy still waits behind GPU
-        # work: the next plan first waits for that copy (an event after each plan, per wrapper).
-        self._planned: dict[bool, torch.cuda.Event] = {}
-        # The full layers' FlashInfer plan of a prefill or mixed step (page lists, FlashInfer's host-side
-        # scheduling: 0.6-1 ms of host time at 4k-8k prompt tokens, GPU idle) runs when the step reaches its
-        # first full layer, by then the GPU has the embedding and the first (sliding) layer queued. False:
-        # planned up front with the rest, to compare (bench/prefill_ab --variants defer-plan).
-        self.defer_full_plan = True
-        self._pending_full_plan = None
+        # FlashInfer's plan writes a pinned host buffer and queues its copy to the device. With the
+        # engine's lookahead a plan can come while the previous plan's copy still waits behind GPU
+        # work: the next plan first waits for that copy (an event after each plan).
+        self._prefill_planned: torch.cuda.Event | None = None
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         # Rebinding the bound cache (the runner does it every step) keeps the decode buffers: captured
@@ -146,7 +137,6 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch) -> None:
         super().plan(batch)
         self.mixed = None
-        self._pending_full_plan = None
         if batch.is_decode and batch.has_cache:
             self._plan_decode(batch)
         else:
@@ -181,45 +171,33 @@ class FlashInferAttentionBackend(AttentionBackend):
             seqs = list(range(len(lens)))
         qo_indptr = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.cumsum(torch.tensor([lens[b] for b in seqs], dtype=torch.int32), 0)
+        if self._prefill_planned is not None:
+            self._prefill_planned.synchronize()  # the previous plan's pinned buffer has reached the device
         pick = None if len(seqs) == len(lens) else torch.tensor(seqs, device=self.device)
         self.sliding_tiles = None
         for sliding, wrapper in self.prefill.items():
             window_left = self.sliding_window - 1 if sliding else -1
-            if not batch.has_cache:
-                self._flashinfer_plan(sliding, qo_indptr, *self._plan_scratch_pages(lens), SCRATCH_PAGE, window_left)
-                continue
-            meta = batch.group(sliding)
-            if sliding and self.sliding_prefill == "triton":
-                self.sliding_tiles = self._plan_sliding_tiles(meta, lens, starts, multi, single)
-                continue
-            plan = functools.partial(self._plan_paged, sliding, qo_indptr, meta, seqs, pick, window_left)
-            if self.defer_full_plan and not sliding:
-                self._pending_full_plan = plan  # forward() runs it at the step's first full layer
+            if batch.has_cache:
+                meta = batch.group(sliding)
+                if sliding and self.sliding_prefill == "triton":
+                    self.sliding_tiles = self._plan_sliding_tiles(meta, lens, starts, multi, single)
+                    continue
+                page_size = self.kv_cache.block_size
+                tables = meta.block_tables if pick is None else meta.block_tables[pick]
+                kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(
+                    tables, [meta.kv_lens_cpu[b] for b in seqs], page_size)
+                if is_fp8(self.kv_cache.k[0].dtype):  # staging page i holds cache page kv_indices[i]
+                    self.staged_pages[sliding] = kv_indices.long()
+                    kv_indices = torch.arange(len(kv_indices), dtype=torch.int32, device=self.device)
             else:
-                plan()
-
-    def _plan_paged(self, sliding: bool, qo_indptr: torch.Tensor, meta, seqs: list[int], pick: torch.Tensor | None,
-                    window_left: int) -> None:
-        page_size = self.kv_cache.block_size
-        tables = meta.block_tables if pick is None else meta.block_tables[pick]
-        kv_indptr, kv_indices, last_page_len = flashinfer_page_lists(tables, [meta.kv_lens_cpu[b] for b in seqs], page_size)
-        if is_fp8(self.kv_cache.k[0].dtype):  # staging page i holds cache page kv_indices[i]
-            self.staged_pages[sliding] = kv_indices.long()
-            kv_indices = torch.arange(len(kv_indices), dtype=torch.int32, device=self.device)
-        self._flashinfer_plan(sliding, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size, window_left)
-
-    def _flashinfer_plan(self, sliding: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size: int,
-                         window_left: int) -> None:
-        """FlashInfer's plan of one layer kind's wrapper, once that wrapper's previous plan reached the device."""
-        done = self._planned.get(sliding)
-        if done is not None:
-            done.synchronize()
-        flashinfer_ops.plan_sink_prefill(self.prefill[sliding], qo_indptr, kv_indptr, kv_indices, last_page_len,
-                                         self.num_q_heads, self.num_kv_heads, self.head_dim, page_size, window_left,
-                                         self.scale)
+                page_size = SCRATCH_PAGE
+                kv_indptr, kv_indices, last_page_len = self._plan_scratch_pages(batch.query_lens_cpu)
+            flashinfer_ops.plan_sink_prefill(
+                wrapper, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                self.num_q_heads, self.num_kv_heads, self.head_dim, page_size, window_left, self.scale)
         if self.device.type == "cuda":
-            self._planned[sliding] = torch.cuda.Event()
-            self._planned[sliding].record()
+            self._prefill_planned = torch.cuda.Event()
+            self._prefill_planned.record()
 
     def _plan_sliding_tiles(self, meta, lens: list[int], starts: list[int], multi: list[int],
                             single: list[int]) -> list[tuple[SlidingTiles, SlidingPrefillConfig]]:
@@ -311,9 +289,6 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
-        if not sliding and self._pending_full_plan is not None:
-            plan, self._pending_full_plan = self._pending_full_plan, None
-            plan()
         if sliding and self.sliding_tiles is not None:  # every sequence of the step, in place: no gathers
             for tiles, config in self.sliding_tiles:
                 sliding_prefill(q, k_cache, v_cache, sinks, self.scale, self.sliding_window, tiles, out, config)

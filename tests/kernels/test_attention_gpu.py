@@ -184,23 +184,6 @@ def test_backend_prefill_matches_reference(batch_size, sliding_prefill):
     run_step(world, make_backend(sliding_prefill=sliding_prefill), seed=batch_size)
 
 
-@pytest.mark.parametrize("defer", [False, True])
-@pytest.mark.parametrize("sliding_prefill", ["triton", "flashinfer"])
-def test_full_layer_plan_deferred_or_up_front(defer, sliding_prefill):
-    """The full layers' FlashInfer plan made at the step's first full layer (defer_full_plan, the default) or up
-    front: both match the reference on a mixed step, also after a plan whose step never reached a full layer
-    (its deferred plan must be dropped, not run against the next step's pages)."""
-    rng = random.Random(7)
-    prefix = [rng.choice([0, 129, 1000]) for _ in range(4)]
-    world = PagedWorld(prefix, [1, 128, 1000, 1], page=16, seed=7)
-    abandoned = PagedWorld([5, 0], [300, 77], page=16, seed=8)
-    backend = make_backend(sliding_prefill=sliding_prefill)
-    backend.defer_full_plan = defer
-    backend.bind_cache(abandoned.cache)
-    backend.plan(abandoned.batch())
-    run_step(world, backend, seed=9)
-
-
 @pytest.mark.parametrize("decode,sliding_prefill", [(True, "triton"), (False, "triton"), (False, "flashinfer")])
 def test_backend_over_an_fp8_cache_matches_reference(decode, sliding_prefill):
     """kv_cache_dtype fp8_e4m3: decode reads fp8 pages in the split kernel, prefill stages them as bf16
