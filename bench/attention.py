@@ -287,6 +287,8 @@ def run_prefill(args, gen, workspace, backends, results):
                 results["prefill"].append({"backend": backend, "tokens": n, "window": window, "us": us,
                                            "tflops": tflops, "err": err})
                 print(f"prefill {backend} N={n} window={window}: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
+        if args.ragged:
+            run_ragged(n, q, keys, values, sinks, workspace, backends, results)
         run_sliding_triton(n, q, k, v, table, sinks, keys, values, results)
         if args.dense:
             run_dense(n, q, keys, values, sinks, results)
@@ -322,6 +324,32 @@ def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results, window: 
                                    "tflops": tflops, "gbps": moved / (us * 1e-6) / 1e9})
         print(f"prefill {name} N={n} window={window}: {us:.1f}us {tflops:.1f} TFLOP/s {moved / us / 1e3:.0f} GB/s "
               f"err {err:.1e}", flush=True)
+
+
+def run_ragged(n, q, keys, values, sinks, workspace, backends, results):
+    """The full causal layer of a whole prompt through FlashInfer's ragged wrapper on the sink module: K/V as
+    contiguous rows (no page table), as a fresh prompt's K/V leave the QKV projection, against the paged
+    sink prefill above on the same inputs."""
+    tail = 256
+    ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, None)
+    indptr = torch.tensor([0, n], dtype=torch.int32)
+    k, v = keys.contiguous(), values.contiguous()
+    for backend in backends:
+        name = f"{backend}-ragged"
+        try:
+            wrapper = flashinfer_ops.sink_prefill_ragged_wrapper(workspace, -1, backend, D)
+            flashinfer_ops.plan_sink_prefill_ragged(wrapper, indptr, indptr, HQ, HKV, D, -1, SCALE)
+            out = torch.empty_like(q)
+            flashinfer_ops.run_sink_prefill_ragged(wrapper, q, k, v, sinks, SCALE, out)
+        except Exception as exc:  # a module or entry point this build lacks: report, go on
+            print(f"prefill {name} N={n}: unavailable ({type(exc).__name__}: {str(exc)[:300]})", flush=True)
+            results["prefill"].append({"backend": name, "tokens": n, "window": None, "error": str(exc)[:500]})
+            continue
+        err = rel_err(out[-tail:], ref)
+        us = timed(lambda: flashinfer_ops.run_sink_prefill_ragged(wrapper, q, k, v, sinks, SCALE, out))
+        tflops = prefill_flops(n, None) / (us * 1e-6) / 1e12
+        results["prefill"].append({"backend": name, "tokens": n, "window": None, "us": us, "tflops": tflops, "err": err})
+        print(f"prefill {name} N={n} window=None: {us:.0f}us {tflops:.1f} TFLOP/s err {err:.1e}", flush=True)
 
 
 def run_dense(n, q, keys, values, sinks, results):
@@ -382,6 +410,8 @@ def main() -> None:
     parser.add_argument("--prefill-lens", default=None, help="comma list of prompt lengths (default by --quick)")
     parser.add_argument("--full-triton", action="store_true",
                         help="also the full causal layers through the Triton paged kernel (a probe against fa3)")
+    parser.add_argument("--ragged", action="store_true",
+                        help="also the full layers through FlashInfer's ragged wrapper (contiguous K/V, no pages)")
     parser.add_argument("--dense", action="store_true",
                         help="also the full causal layers through torch's cuDNN / flash SDPA + the sink rescale")
     parser.add_argument("--sweep-only", default=None,

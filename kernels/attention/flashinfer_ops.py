@@ -92,6 +92,39 @@ def plan_sink_prefill(
     )
 
 
+def sink_prefill_ragged_wrapper(
+    workspace: torch.Tensor, window_left: int, backend: str, head_dim: int
+) -> "flashinfer.BatchPrefillWithRaggedKVCacheWrapper":
+    """Sink attention over K/V given as contiguous rows [nnz, Hkv, D] per sequence (no pages): FlashInfer's
+    ragged wrapper on the same JIT module as sink_prefill_wrapper (its `ragged_run` entry point)."""
+    if backend not in PREFILL_BACKENDS:
+        raise ValueError(f"prefill backend {backend!r} unknown; use one of {PREFILL_BACKENDS}")
+    sliding = window_left >= 0
+    dtype = torch.bfloat16
+    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        workspace, kv_layout="NHD", backend=backend,
+        jit_args=[f"batch_prefill_attention_sink_bf16_swa_{sliding}_{backend}", dtype, dtype, dtype, torch.int32,
+                  head_dim, head_dim, ["sink"], ["float"], ["sm_scale"], ["double"], "AttentionSink",
+                  attention_sink_decl[backend]],
+        jit_kwargs={"use_sliding_window": sliding, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0},
+    )
+
+
+def plan_sink_prefill_ragged(wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
+                             num_kv_heads: int, head_dim: int, window_left: int, scale: float) -> None:
+    """Causal plan over ragged K/V (host int32 indptrs [B+1]; each sequence's queries are its last keys)."""
+    wrapper.plan(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim, causal=True, sm_scale=scale,
+                 window_left=window_left, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                 disable_split_kv=True)
+
+
+def run_sink_prefill_ragged(wrapper, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k / v [nnz, Hkv, D] (rows may be strided views: the head and D strides must be the
+    contiguous ones), sinks fp32 [Hq]."""
+    return wrapper.run(q, k, v, sinks, scale, out=out)
+
+
 def run_sink_prefill(
     wrapper,
     q: torch.Tensor,  # [T, Hq, D] bf16
