@@ -160,6 +160,15 @@ def bench_dense(shard) -> list[dict]:
                 "fp8_scaled_mm_rowwise": lambda: [torch._scaled_mm(xq, q.t(), xs, s.t(), out_dtype=torch.bfloat16)
                                                   for q, s in zip(w_row_q, w_rowwise)],
             }
+            bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) * 0.1
+            if use_dg and name in ("qkv", "o") and t >= 1024:  # prefill-sized bf16: cuBLAS against DeepGEMM's
+                fns["bf16_bias"] = lambda: [torch.nn.functional.linear(x, w, bias) for w in wb]
+                fns["bf16_dg_gemm"] = lambda: [deep_gemm_ops.bf16_gemm(x, w, out) for w in wb]
+                fns["bf16_dg_gemm_bias"] = lambda: [deep_gemm_ops.bf16_gemm(x, w, out).add_(bias) for w in wb]
+                got = deep_gemm_ops.bf16_gemm(x, wb[0], out).float()
+                want = torch.nn.functional.linear(x, wb[0]).float()
+                print(f"dense {name:<12} T={t:<5} DeepGEMM bf16 vs cuBLAS: diff {calc_diff(got, want):.1e}, "
+                      f"max |d| {(got - want).abs().max().item():.2e} (max |y| {want.abs().max().item():.2e})")
             fns["fp8_act_quant"]()
             # FP8 error of the whole dense layer (weights and activations), rowwise torch FP8
             ref = torch.nn.functional.linear(x, wb[0])

@@ -124,6 +124,12 @@ def grouped_gemm_masked(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
     return out
 
 
+def bf16_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Dense bf16 GEMM out [M, N] = x [M, K] @ W [N, K]^T (fp32 accumulation, no bias): a comparison with cuBLAS."""
+    _dg().bf16_gemm_nt(x, w, out)
+    return out
+
+
 def gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Dense FP8 GEMM out [M, N] = A @ W^T (W [N, K] with 128x128 scales): the dense-layer comparison."""
     _dg().fp8_fp4_gemm_nt((a.data, a.scales_2d()), (w, w_scales), out)
