@@ -16,9 +16,10 @@ from engine.request import TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.chat import create_chat_completion
+from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge, install_error_handlers, parse_json
 from serve_app.openai_api.generation import IngressConfig, IngressContext
-from serve_app.openai_api.protocol import ChatCompletionRequest, ResponsesRequest
+from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from serve_app.openai_api.responses import create_response
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
@@ -34,7 +35,7 @@ def create_app(
     knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """Serve /v1/chat/completions, /v1/responses, /v1/models and /health for `backend`.
+    """Serve /v1/chat/completions, /v1/responses, /v1/completions, /v1/models and /health for `backend`.
 
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).
@@ -78,6 +79,12 @@ def create_app(
         req = ChatCompletionRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
         check_model(req.model)
         return await create_chat_completion(req, request, ctx)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = CompletionRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
+        check_model(req.model)
+        return await create_completion(req, request, ctx)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

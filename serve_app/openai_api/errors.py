@@ -141,7 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
         if err.status_code == 404:
             message = f"Unknown path {request.url.path}; this server serves /v1/chat/completions, " \
-                      "/v1/responses, /v1/models and /health."
+                      "/v1/responses, /v1/completions, /v1/models and /health."
         elif err.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}."
         else:

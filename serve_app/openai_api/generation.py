@@ -76,12 +76,14 @@ class SamplingRequest:
     logit_bias: dict[str, float] | None = None
 
 
-def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig) -> SamplingParams:
-    """Engine sampling parameters; prompts that leave no room for the completion are a 400."""
+def sampling_params(req: SamplingRequest, prompt_len: int, config: IngressConfig,
+                    context_param: str = "messages") -> SamplingParams:
+    """Engine sampling parameters; prompts that leave no room for the completion are a 400 (naming
+    `context_param`)."""
     if prompt_len >= config.max_context:
         raise ContextLengthExceeded(
             f"The prompt is {prompt_len} tokens but the context is {config.max_context} tokens; "
-            "shorten the conversation.")
+            "shorten the conversation.", param=context_param)
     room = config.max_context - prompt_len
     if req.max_tokens is not None and req.max_tokens > room:
         raise ContextLengthExceeded(
@@ -152,55 +154,29 @@ def forced_call_ids(tool_choice: Any, tool_names: list[str], encoding: HarmonyEn
                            allowed_special="all")
 
 
-class Generation:
-    def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
-                 sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None):
-        """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
-        header): sent as prompt, parsed as output, not counted as completion tokens."""
+class BackendRequest:
+    """One engine request as the ingress drives it: `start()` sends it and waits for the first delta (so a
+    request the engine refuses is a plain 400 before any streaming), `_next_delta()` reads on, `close()`
+    aborts it unless it finished on its own. Subclasses turn deltas into what their API returns."""
+
+    def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
         self.ctx = ctx
         self.request_id = request_id
-        prompt_ids = list(prompt_ids) + list(forced_ids or [])
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
-        self.reasoning_tokens = 0
-        self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls", once finished
+        self.finish_reason: str | None = None  # the API's finish reason, once finished
         self._request = GenerateRequest(request_id, list(prompt_ids), sampling)
-        self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
-        self._stops = list(stop or [])
-        self._matcher: StopMatcher | None = None
-        self._content_parts: list[str] = []
-        self._content_channel: str | None = None
-        self._stopped_by_string = False
         self._backend_finish: str | None = None
-        self._saw_tool_call = False
         self._stream: Any = None
         self._first: TokenDelta | None = None
         self._backend_done = False
         self._closed = False
-        # (token id, logprob) of the tokens fed since the last one that went into an item: header and
-        # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
-        self._unplaced: list[tuple[int, TokenLogprob | None]] = []
-        self._primed: list[ParseEvent] = []  # the forced header's events, sent with the first step
-        for token_id in forced_ids or []:
-            for event in self._parser.feed(token_id):
-                self._apply_stop(event, self._primed)
 
     async def start(self) -> None:
         """Send the request and wait for its first delta (InvalidRequestError surfaces here)."""
         self._stream = self.ctx.backend.generate(self._request).__aiter__()
         self._first = await self._next_delta()
-
-    async def steps(self) -> AsyncIterator[Step]:
-        """Item events per backend delta; the last step closes open items and sets finish_reason."""
-        delta, self._first = self._first, None
-        while delta is not None and not self._stopped_by_string:
-            step = self._consume(delta)
-            if step.events or step.content_logprobs:
-                yield step
-            delta = None if self._backend_done else await self._next_delta()
-        events = self._finish()
-        yield Step(events, self._recovered_logprobs())
 
     async def close(self) -> None:
         """Abort the backend request unless it ran to its end; safe to call more than once."""
@@ -216,8 +192,6 @@ class Generation:
             aclose = getattr(self._stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-    # -- internals ----------------------------------------------------------------------------------
 
     async def _next_delta(self) -> TokenDelta | None:
         try:
@@ -235,10 +209,56 @@ class Generation:
         if delta.finish_reason is not None:
             self._backend_done = True
             self._backend_finish = delta.finish_reason
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         return delta
 
+    def _check_not_aborted(self) -> None:
+        if self._backend_finish == FINISH_ABORT:
+            raise EngineFailure("The engine aborted the request (it may be shutting down); retry.")
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "reasoning_tokens": 0, "cached_tokens": self.cached_tokens}
+
+
+class Generation(BackendRequest):
+    def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
+                 sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None):
+        """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
+        header): sent as prompt, parsed as output, not counted as completion tokens."""
+        super().__init__(ctx, request_id=request_id, prompt_ids=list(prompt_ids) + list(forced_ids or []),
+                         sampling=sampling)
+        self.reasoning_tokens = 0
+        self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
+        self._stops = list(stop or [])
+        self._matcher: StopMatcher | None = None
+        self._content_parts: list[str] = []
+        self._content_channel: str | None = None
+        self._stopped_by_string = False
+        self._saw_tool_call = False
+        # (token id, logprob) of the tokens fed since the last one that went into an item: header and
+        # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
+        self._unplaced: list[tuple[int, TokenLogprob | None]] = []
+        self._primed: list[ParseEvent] = []  # the forced header's events, sent with the first step
+        for token_id in forced_ids or []:
+            for event in self._parser.feed(token_id):
+                self._apply_stop(event, self._primed)
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """Item events per backend delta; the last step closes open items and sets finish_reason."""
+        delta, self._first = self._first, None
+        while delta is not None and not self._stopped_by_string:
+            step = self._consume(delta)
+            if step.events or step.content_logprobs:
+                yield step
+            delta = None if self._backend_done else await self._next_delta()
+        events = self._finish()
+        yield Step(events, self._recovered_logprobs())
+
+    # -- internals ----------------------------------------------------------------------------------
+
     def _consume(self, delta: TokenDelta) -> Step:
-        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         step = Step(self._primed)
         self._primed = []
         logprobs = delta.logprobs or []
@@ -309,9 +329,9 @@ class Generation:
                 self._apply_stop(event, events)
         if self._stopped_by_string:
             self.finish_reason = "stop"
-        elif self._backend_finish == FINISH_ABORT:
-            raise EngineFailure("The engine aborted the request (it may be shutting down); retry.")
-        elif self._backend_finish == FINISH_LENGTH:
+            return events
+        self._check_not_aborted()
+        if self._backend_finish == FINISH_LENGTH:
             self.finish_reason = "length"
         elif self._saw_tool_call:
             self.finish_reason = "tool_calls"
@@ -320,16 +340,14 @@ class Generation:
         return events
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "reasoning_tokens": self.reasoning_tokens, "cached_tokens": self.cached_tokens}
+        return {**super().usage(), "reasoning_tokens": self.reasoning_tokens}
 
 
 class GenerationGroup:
     """The n completions of one chat request (`n` > 1): n engine requests of one prompt, started and
     closed together; usage counts the prompt once, as OpenAI does."""
 
-    def __init__(self, gens: list[Generation]):
+    def __init__(self, gens: list[BackendRequest]):
         self.gens = gens
 
     async def start(self) -> None:

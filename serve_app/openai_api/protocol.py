@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 Effort = Literal["low", "medium", "high"]
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -81,8 +81,12 @@ def _reject_unless(value: Any, allowed: tuple, why: str) -> Any:
     return value
 
 
-class RequestBase(Strict):
-    """Fields both APIs share (`top_k`, `min_p` are vLLM-style sampling extensions)."""
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class SamplingBase(Strict):
+    """Fields every generation API shares (`top_k`, `min_p` are vLLM-style sampling extensions)."""
 
     model: str
     stream: bool = False
@@ -91,9 +95,58 @@ class RequestBase(Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, lt=1)
     seed: int | None = None
+    user: str | None = None
+
+
+class TextOutputFields(Strict):
+    """Chat Completions' and Completions' shared output controls."""
+
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: Union[str, list[str], None]) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings")
+        return stops
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _penalty(cls, value: float | None) -> float | None:
+        if value is not None and not -2 <= value <= 2:
+            raise ValueError("must be between -2 and 2")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict | None) -> dict | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be between -100 and 100, got {bias!r} for token {key}")
+        return value
+
+
+class RequestBase(SamplingBase):
+    """Fields Chat Completions and Responses share."""
+
     parallel_tool_calls: bool | None = None
     tool_choice: Any = None
-    user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None  # accepted; nothing is stored
     service_tier: str | None = None
@@ -163,58 +216,15 @@ class ChatTool(Lenient):
     function: FunctionDefinition
 
 
-class StreamOptions(Lenient):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(RequestBase):
+class ChatCompletionRequest(RequestBase, TextOutputFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: Union[str, list[str], None] = None
-    n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: Effort | None = None
     tools: list[ChatTool] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int | None) -> int | None:
-        if value is not None and not 1 <= value <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: Union[str, list[str], None]) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
-            raise ValueError(f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings")
-        return stops
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _penalty(cls, value: float | None) -> float | None:
-        if value is not None and not -2 <= value <= 2:
-            raise ValueError("must be between -2 and 2")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, value: dict | None) -> dict | None:
-        for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"values must be between -100 and 100, got {bias!r} for token {key}")
-        return value
 
     @field_validator("response_format")
     @classmethod
@@ -356,3 +366,50 @@ class ResponsesRequest(RequestBase):
         if len(set(names)) != len(names):
             raise ValueError(f"tool names must be unique, got {names}")
         return tools
+
+
+# -- Completions (legacy, raw text) ------------------------------------------------------------------------
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each times n becomes an engine request)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingBase, TextOutputFields):
+    """POST /v1/completions. `ignore_eos` is the extension vLLM's and SGLang's benchmark clients send."""
+
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    ignore_eos: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Prompt) -> Prompt:
+        if isinstance(value, str):
+            value = [value]
+        if not value:
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists; "
+                             "got an empty list")
+        if isinstance(value[0], int):
+            value = [value]
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"takes up to {MAX_PROMPTS} prompts per request, got {len(value)}")
+        if any(len(p) == 0 for p in value):
+            raise ValueError("prompts must not be empty")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str | None) -> str | None:
+        return _reject_unless(value, (None, ""), "suffix (insertion) is not supported by gpt-oss; leave it out")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value not in (None, 1, info.data.get("n") or 1):
+            raise ValueError("is only supported equal to n (the server returns every completion it runs)")
+        return value

@@ -76,6 +76,30 @@ def test_greedy_chat_returns_exactly_what_the_engine_generated(real):
     assert r.choices[0].finish_reason == expected_finish
 
 
+def test_greedy_completion_is_the_engine_tokens_as_text(real):
+    """/v1/completions: the raw text of exactly the tokens the engine generates, the end token left out;
+    streamed and not, with one logprob entry per returned token."""
+    from serve_app.openai_api.completions import RAW_STOP_TOKEN_IDS
+
+    reference, engine, server = real
+    enc = load_harmony_encoding()
+    text = "<|start|>user<|message|>Hi!<|end|><|start|>assistant"
+    prompt = enc.encode(text, allowed_special="all")
+    (direct,) = reference.generate([GenerateRequest("ref", prompt, SamplingParams(
+        temperature=0.0, max_tokens=12, stop_token_ids=RAW_STOP_TOKEN_IDS))])
+    returned = direct.output_ids[:-1] if direct.finish_reason == "stop" else direct.output_ids
+
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0, logprobs=1)
+    assert r.choices[0].text == enc.decode(returned, errors="replace")
+    assert r.choices[0].finish_reason == ("length" if direct.finish_reason == "length" else "stop")
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(direct.output_ids)
+    assert len(r.choices[0].logprobs.token_logprobs) == len(returned)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
 def test_penalized_greedy_chat_returns_what_the_engine_generated(real):
     """Penalties travel from the API to the sampler: the same tokens as the engine called directly."""
     reference, engine, server = real

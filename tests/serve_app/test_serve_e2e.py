@@ -185,6 +185,12 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
            [want.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
 
+    # /v1/completions through the Serve ingress: the same raw text as the single-process app.
+    raw = dict(model="gpt-oss", prompt="<|start|>user<|message|>Hello<|end|><|start|>assistant", max_tokens=16,
+               temperature=0)
+    got, want = served.completions.create(**raw), ref.completions.create(**raw)
+    assert got.choices[0].text == want.choices[0].text and got.usage.model_dump() == want.usage.model_dump()
+
 
 def test_twenty_concurrent_streams_then_pools_are_free(http_port, reference_port):
     requests = [dict(model="gpt-oss", messages=[{"role": "user", "content": f"Question {i}: " + "why? " * (i % 7)}],
