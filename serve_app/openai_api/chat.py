@@ -170,6 +170,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
     ), len(prompt_ids) + len(forced), ctx.config)
+    sampling = replace(sampling, ignore_eos=req.ignore_eos)
     n = req.n or 1
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 

@@ -99,9 +99,14 @@ class SamplingBase(Strict):
 
 
 class TextOutputFields(Strict):
-    """Chat Completions' and Completions' shared output controls."""
+    """Chat Completions' and Completions' shared output controls. Extensions other engines' benchmark clients
+    send: `ignore_eos` (generate past the end tokens, to fix output lengths; vLLM's and SGLang's), and
+    `repetition_penalty` (vLLM's `bench serve` sends 1.0 on every completions request; other values are
+    refused: use presence_penalty / frequency_penalty)."""
 
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
     max_tokens: int | None = Field(None, ge=1)
     stop: Union[str, list[str], None] = None
     n: int | None = None
@@ -130,6 +135,12 @@ class TextOutputFields(Strict):
         if value is not None and not -2 <= value <= 2:
             raise ValueError("must be between -2 and 2")
         return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, value: float | None) -> float | None:
+        return _reject_unless(value, (None, 1, 1.0), "only 1.0 (no penalty) is supported; use presence_penalty "
+                              "or frequency_penalty")
 
     @field_validator("logit_bias")
     @classmethod
@@ -377,14 +388,13 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(SamplingBase, TextOutputFields):
-    """POST /v1/completions. `ignore_eos` is the extension vLLM's and SGLang's benchmark clients send."""
+    """POST /v1/completions."""
 
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    ignore_eos: bool = False
 
     @field_validator("prompt")
     @classmethod

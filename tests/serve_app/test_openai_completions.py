@@ -112,7 +112,40 @@ def test_ignore_eos_goes_to_the_engine_and_keeps_generating(client, backend):
     assert r.choices[0].text == "a<|return|>b<|return|>c" and r.choices[0].finish_reason == "length"
 
 
+def stream_frames(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        frames = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+def test_the_requests_of_vllm_and_sglang_benchmark_clients(server, backend):
+    """The bodies `vllm bench serve` (completions and chat backends) and SGLang's `bench_serving` send, field
+    for field, with --ignore-eos: streamed with usage, exactly max_tokens generated past the end tokens."""
+    script = "Hi<|return|>" * 20
+    vllm_completions = {"model": MODEL, "prompt": "The quick brown fox", "repetition_penalty": 1.0, "max_tokens": 12,
+                        "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    sglang_completions = {"model": MODEL, "prompt": "The quick brown fox", "temperature": 0.0, "best_of": 1,
+                          "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True},
+                          "ignore_eos": True}
+    vllm_chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                 "max_completion_tokens": 12, "stream": True, "stream_options": {"include_usage": True},
+                 "ignore_eos": True}
+    for path, body in (("/v1/completions", vllm_completions), ("/v1/completions", sglang_completions),
+                       ("/v1/chat/completions", vllm_chat)):
+        backend.push(script, chunk=2)
+        chunks = stream_frames(server, path, body)
+        assert backend.requests[-1].sampling.ignore_eos and backend.requests[-1].sampling.max_tokens == 12
+        assert chunks[-1]["usage"]["completion_tokens"] == 12, path
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert finishes == ["length"], path
+        if path == "/v1/completions":
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ENC.decode(ids(script)[:12])
+
+
 @pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
