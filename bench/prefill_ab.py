@@ -14,6 +14,7 @@ Variant sets:
   SwiGLU epilogue (Fp8Experts.swiglu_fast_div).
 - `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
   bucket captured per chunk length, with and without programmatic dependent launch in the graphs.
+- `ragged`: the full layers of whole prompts over pages or over the step's k / v rows, eager and with graphs.
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -115,8 +116,22 @@ def rotary_tiles_variants():
     return {"rotary token per program": mode(1 << 30), "rotary 4 tokens per program": mode(256)}
 
 
+def ragged_variants():
+    """The full layers of a whole prompt through FlashInfer's paged sink prefill or its ragged one over the step's
+    own k / v rows (FlashInferAttentionBackend.ragged_full, the default), eagerly and under the piecewise prefill
+    graphs (captured by main())."""
+    def mode(ragged: bool, graphs: bool):
+        def apply(h: Harness):
+            h.model.backend.ragged_full = ragged
+            h.prefill_graphs = h.graph_sets["pdl"] if graphs else None
+        return apply
+    return {"eager, paged": mode(False, False), "eager, ragged": mode(True, False),
+            "graphs, paged": mode(False, True), "graphs, ragged": mode(True, True)}
+
+
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants}
+            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
+            "ragged": ragged_variants}
 
 
 def kernel_profile(fn) -> dict:
@@ -161,7 +176,7 @@ def main(argv=None) -> int:
     h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0)
     variants = VARIANTS[args.variants]()
     capture = {}
-    if args.variants == "graphs":  # a bucket per chunk length the prompts are cut into
+    if args.variants in ("graphs", "ragged"):  # a bucket per chunk length the prompts are cut into
         capture = capture_graphs(h, sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)}))
         print(f"prefill graphs captured (s per bucket): {capture}", flush=True)
     rows = []

@@ -89,14 +89,17 @@ class AttentionBlock(nn.Module):
         self.decode_gemv = True
         self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor | None = None
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor | None = None,
+            k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """(q [T, Hq, Dh], k, v [T, Hkv, Dh], kv_written): the QKV projection with q and k rotated (cos/sin cast to
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
-        kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out: where q goes."""
+        kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
+        where q, k, v go (the prefill graphs' static buffers)."""
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
         dest = self.backend.kv_destination(self.layer)
-        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out)
+        q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out,
+                                    k_out, v_out)
         return q, k, v, dest is not None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool,
@@ -149,13 +152,14 @@ class TransformerBlock(nn.Module):
         self.mlp = MLPBlock(config, parallel, experts, dtype, device)
 
     def attention_inputs(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                         q_out: torch.Tensor | None = None):
+                         q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+                         v_out: torch.Tensor | None = None):
         """The block up to attention: (residual x + delta, q, k, v, kv_written); see AttentionBlock.qkv."""
         if delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, delta)
-        return (x, *self.self_attn.qkv(h, cos, sin, q_out))
+        return (x, *self.self_attn.qkv(h, cos, sin, q_out, k_out, v_out))
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block from attention's output o on: (residual before the MLP, MLP output)."""

@@ -12,7 +12,9 @@ Per step, `plan(batch)` once:
   prefill graphs of engine/prefill_graphs.py launch it eagerly between their pieces). Sliding layers over
   the cache run our Triton kernel instead (sliding_prefill_triton.py: it reads only each tile's
   window, where FlashInfer's windowed prefill did ~55 TFLOP/s of useful work), unless
-  `sliding_prefill="flashinfer"`.
+  `sliding_prefill="flashinfer"`. Full layers of a step whose sequences all start at position 0 (no cached
+  prefix, no decode rows) attend over the step's own k / v rows instead, through FlashInfer's ragged sink
+  prefill (`ragged_full`; the rows are the rotary kernel's outputs, the pages are still written).
 - mixed steps (chunked prefills next to decoding sequences): in full layers the sequences with one new
   token go through the split decode kernel (on gathered query rows), only the others through FlashInfer;
   sliding layers run every sequence through the Triton sliding kernel in place (two launches: prompt
@@ -104,6 +106,13 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.workspace, sliding_window - 1 if sliding else -1, self.prefill_backend, head_dim)
             for sliding in kinds
         }
+        # Full layers of steps whose prompts have no cached prefix: FlashInfer's ragged sink prefill over the
+        # step's own k / v rows (the same JIT module; 7-10% faster than the paged kernel on whole prompts, H200,
+        # kernels/attention/NOTES.md). False: always the paged kernel, to compare (bench/prefill_ab --variants ragged).
+        self.ragged_full = True
+        self.full_ragged_wrapper = flashinfer_ops.sink_prefill_ragged_wrapper(
+            self.workspace, -1, self.prefill_backend, head_dim) if False in kinds else None
+        self.step_ragged = False  # this step's full layers run the ragged kernel
         self.decode_buffers: dict[bool, StepBuffers] = {}
         self.num_splits = {sliding: 1 for sliding in kinds}
         self.part_o, self.part_lse = split_scratch(0, num_q_heads, 1, head_dim, self.device)
@@ -137,6 +146,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch) -> None:
         super().plan(batch)
         self.mixed = None
+        self.step_ragged = False
         if batch.is_decode and batch.has_cache:
             self._plan_decode(batch)
         else:
@@ -175,8 +185,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill_planned.synchronize()  # the previous plan's pinned buffer has reached the device
         pick = None if len(seqs) == len(lens) else torch.tensor(seqs, device=self.device)
         self.sliding_tiles = None
+        self.step_ragged = self._ragged_eligible(batch, lens)
+        if self.step_ragged:
+            flashinfer_ops.plan_sink_prefill_ragged(self.full_ragged_wrapper, qo_indptr, qo_indptr, self.num_q_heads,
+                                                    self.num_kv_heads, self.head_dim, -1, self.scale)
         for sliding, wrapper in self.prefill.items():
             window_left = self.sliding_window - 1 if sliding else -1
+            if not sliding and self.step_ragged:
+                continue
             if batch.has_cache:
                 meta = batch.group(sliding)
                 if sliding and self.sliding_prefill == "triton":
@@ -198,6 +214,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.device.type == "cuda":
             self._prefill_planned = torch.cuda.Event()
             self._prefill_planned.record()
+
+    def _ragged_eligible(self, batch: AttentionBatch, lens: list[int]) -> bool:
+        """Whether this step's full layers can attend over its own k / v rows: a step over the cache (not
+        mixed: every sequence has several new tokens) in which no sequence has cached tokens before them."""
+        if not (self.ragged_full and self.full_ragged_wrapper is not None and batch.has_cache and self.mixed is None):
+            return False
+        full = batch.group(False)
+        return all(n > 1 for n in lens) and list(full.kv_lens_cpu) == list(lens)
 
     def _plan_sliding_tiles(self, meta, lens: list[int], starts: list[int], multi: list[int],
                             single: list[int]) -> list[tuple[SlidingTiles, SlidingPrefillConfig]]:
@@ -289,6 +313,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.window(layer), self.num_splits[sliding], out, self.part_o, self.part_lse, self.decode_config)
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, batch.group(sliding).slot_mapping)
+        if not sliding and self.step_ragged:  # the step's prompts are all of their keys: attend over k / v rows
+            if k is None or v is None:
+                raise ValueError("this step's full layers attend over the step's k / v rows (no cached prefix): pass "
+                                 "them to forward (prefill graphs: their static k / v row buffers)")
+            return flashinfer_ops.run_sink_prefill_ragged(self.full_ragged_wrapper, q, k, v, sinks, self.scale, out)
         if sliding and self.sliding_tiles is not None:  # every sequence of the step, in place: no gathers
             for tiles, config in self.sliding_tiles:
                 sliding_prefill(q, k_cache, v_cache, sinks, self.scale, self.sliding_window, tiles, out, config)

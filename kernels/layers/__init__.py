@@ -26,24 +26,25 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+               v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) [T, H, Dh] with q and k rotated; with kv_cache = (k_cache, v_cache, slot_mapping) also
-    writes k and v into the paged cache (slot -1: skipped), on CUDA in the same launch. q_out: a
-    contiguous [T, Hq, Dh] tensor q is written into (and returned as)."""
-    if q_out is not None and (q_out.shape != (qkv.shape[0], num_heads, head_dim) or not q_out.is_contiguous()
-                              or q_out.dtype != qkv.dtype):
-        raise ValueError(f"rotary_qkv: q_out {tuple(q_out.shape)} {q_out.dtype} must be a contiguous "
-                         f"[{qkv.shape[0]}, {num_heads}, {head_dim}] {qkv.dtype} tensor")
+    writes k and v into the paged cache (slot -1: skipped), on CUDA in the same launch. q_out / k_out /
+    v_out: contiguous [T, H, Dh] tensors q, k, v are written into (and returned as)."""
+    t = qkv.shape[0]
+    for name, out, heads in (("q_out", q_out, num_heads), ("k_out", k_out, num_kv_heads), ("v_out", v_out, num_kv_heads)):
+        if out is not None and (out.shape != (t, heads, head_dim) or not out.is_contiguous() or out.dtype != qkv.dtype):
+            raise ValueError(f"rotary_qkv: {name} {tuple(out.shape)} {out.dtype} must be a contiguous "
+                             f"[{t}, {heads}, {head_dim}] {qkv.dtype} tensor")
     if qkv.is_cuda:
         from kernels.layers import triton_ops
 
         return triton_ops.rotary_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads,
-                                     num_kv_heads, head_dim, kv_cache, q_out)
+                                     num_kv_heads, head_dim, kv_cache, q_out, k_out, v_out)
     q, k, v = reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     if kv_cache is not None:
         reference.write_kv(k, v, *kv_cache)
-    if q_out is not None:
-        q = q_out.copy_(q)
+    q, k, v = (x if out is None else out.copy_(x) for x, out in ((q, q_out), (k, k_out), (v, v_out)))
     return q, k, v
 
 

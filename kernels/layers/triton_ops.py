@@ -63,18 +63,18 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
+def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
                        stride_t, stride_cos, num_heads, num_kv_heads, stride_cb, stride_ct, stride_ch,
                        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
-                       PAGE: tl.constexpr, PDL: tl.constexpr):
+                       V_OUT: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
-    # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache);
-    # a program takes BLOCK_T tokens x BLOCK_H heads: [BLOCK_T, BLOCK_H, HALF] tiles
+    # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache and,
+    # with V_OUT, to contiguous rows); a program takes BLOCK_T tokens x BLOCK_H heads: [BLOCK_T, BLOCK_H, HALF]
     token = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
     d = tl.arange(0, HALF)[None, None, :]
     t_ok = token < num_tokens
-    ok = t_ok & (heads < num_heads + (2 if WRITE_CACHE else 1) * num_kv_heads)
+    ok = t_ok & (heads < num_heads + (2 if WRITE_CACHE or V_OUT else 1) * num_kv_heads)
     dtype = q_ptr.dtype.element_ty
     c = _round(tl.load(cos_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
     s = _round(tl.load(sin_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
@@ -91,6 +91,11 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, 
     tl.store(q_dst + HALF, o2, mask=ok & is_q)
     tl.store(k_dst, o1, mask=ok & is_k)
     tl.store(k_dst + HALF, o2, mask=ok & is_k)
+    if V_OUT:
+        v_dst = v_ptr + (token * num_kv_heads + heads - num_heads - num_kv_heads) * (2 * HALF) + d
+        row_v = ok & ~is_q & ~is_k
+        tl.store(v_dst, x1.to(dtype), mask=row_v)
+        tl.store(v_dst + HALF, x2.to(dtype), mask=row_v)
     if WRITE_CACHE:  # each token's k (rotated) and v rows into its paged-cache slot; slot -1: padding
         slot = tl.load(slot_ptr + token, mask=t_ok, other=-1)  # [BLOCK_T, 1, 1]
         live = ok & (slot >= 0)
@@ -115,18 +120,20 @@ ROTARY_TILED_FROM = 256
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-               q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
+               v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k rotated, v a view of qkv. With kv_cache = (k_cache, v_cache [pages, PAGE, Hkv, Dh], slots [>=T]
     int64) the same launch also writes each token's k and v rows to the cache (kv_write.write_kv's job).
-    q_out: a contiguous [T, Hq, Dh] tensor for q (checked by the caller, kernels.layers.rotary_qkv)."""
+    q_out / k_out / v_out: contiguous [T, H, Dh] tensors q, k and v are written into (checked by the caller,
+    kernels.layers.rotary_qkv); v_out makes v a copy instead of a view of qkv."""
     t, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1 or head_dim % 2 \
             or head_dim & (head_dim - 1) or cos.shape != (t, head_dim // 2) or cos.stride() != sin.stride():
         raise ValueError(f"rotary_qkv: qkv {tuple(qkv.shape)} must be [T, (Hq + 2 Hkv) Dh] with a power-of-two Dh "
                          f"and cos/sin [T, Dh/2] (got {tuple(cos.shape)})")
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
-    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if k_out is None else k_out
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim) if v_out is None else v_out
     write = kv_cache is not None
     if write:
         k_cache, v_cache, slots = kv_cache
@@ -139,11 +146,12 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     if t:
         block_h = 16
         block_t = ROTARY_BLOCK_T if t >= ROTARY_TILED_FROM else 1
-        heads = num_heads + (2 if write else 1) * num_kv_heads
+        heads = num_heads + (2 if write or v_out is not None else 1) * num_kv_heads
         grid = (triton.cdiv(t, block_t), triton.cdiv(heads, block_h))
-        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, k_cache, v_cache, slots, t, qkv.stride(0), cos.stride(0),
+        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, v, k_cache, v_cache, slots, t, qkv.stride(0), cos.stride(0),
                                  num_heads, num_kv_heads, k_cache.stride(0) if write else 0,
                                  k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0,
                                  HALF=head_dim // 2, BLOCK_T=block_t, BLOCK_H=block_h, WRITE_CACHE=write,
-                                 PAGE=k_cache.shape[1] if write else 1, num_warps=4, **pdl.launch(qkv))
+                                 V_OUT=v_out is not None, PAGE=k_cache.shape[1] if write else 1, num_warps=4,
+                                 **pdl.launch(qkv))
     return q, k, v

@@ -74,6 +74,29 @@ def test_rotary_qkv_writes_the_paged_cache(t, hq, hkv, dh, page, dtype, rotary_b
     assert int((k_cache != 9.0).any(-1).any(-1).sum()) == t - 1  # one padding token wrote nothing
 
 
+@pytest.mark.parametrize("with_cache", [False, True])
+@pytest.mark.parametrize("t,hq,hkv,dh", [(1, 4, 1, 16), (5, 6, 3, 8)])
+def test_rotary_qkv_into_given_rows(t, hq, hkv, dh, with_cache, rotary_block_t):
+    """q_out / k_out / v_out: q, k and v written into the caller's contiguous rows (v copied, not a view of
+    qkv), with or without the cache write, bitwise the twin's."""
+    dtype = torch.bfloat16
+    qkv = torch.randn(t, (hq + 2 * hkv) * dh).to(dtype)
+    angles = torch.rand(t, dh // 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    outs = [torch.full((t, h, dh), 7.0, dtype=dtype) for h in (hq, hkv, hkv)]
+    k_cache = torch.full((4, 4, hkv, dh), 9.0, dtype=dtype)
+    v_cache = torch.full_like(k_cache, 9.0)
+    slots = torch.randperm(16)[:t]
+    got = triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, dh, (k_cache, v_cache, slots) if with_cache else None, *outs)
+    want = ref.rotary_qkv(qkv, cos, sin, hq, hkv, dh)
+    for g, out, w in zip(got, outs, want):
+        assert g.data_ptr() == out.data_ptr() and torch.equal(out, w)
+    if with_cache:
+        want_k, want_v = torch.full_like(k_cache, 9.0), torch.full_like(v_cache, 9.0)
+        ref.write_kv(want[1], want[2], want_k, want_v, slots)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 # (T, N, K): one token over a QKV-like width, awkward N and K (partial blocks), the largest batch
 @pytest.mark.parametrize("t,n,k", [(1, 320, 200), (5, 100, 300), (16, 48, 1000), (3, 1100, 256)])  # last: one K split
 @pytest.mark.parametrize("with_bias", [True, False])

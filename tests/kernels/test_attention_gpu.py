@@ -184,6 +184,34 @@ def test_backend_prefill_matches_reference(batch_size, sliding_prefill):
     run_step(world, make_backend(sliding_prefill=sliding_prefill), seed=batch_size)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("ragged", [True, False])
+def test_full_layers_of_fresh_prompts_ragged_or_paged(ragged, kv_dtype):
+    """Prompts without cached prefixes: the full layers attend over the step's k / v rows through FlashInfer's
+    ragged kernel (ragged_full) or over the pages; v passed as the model passes it, a strided view of the QKV
+    rows. Both match the reference; a step with a cached prefix always takes the pages."""
+    world = PagedWorld([0, 0, 0], [129, 1000, 77], page=16, seed=21, kv_dtype=kv_dtype)
+    backend = make_backend()
+    backend.ragged_full = ragged
+    backend.bind_cache(world.cache)
+    batch = world.batch()
+    backend.plan(batch)
+    assert backend.step_ragged == ragged
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    k, v = world.new_kv()
+    rows = torch.empty(k.shape[0], HQ + 2 * HKV, D, device=DEV, dtype=k.dtype)  # q | k | v per token, as QKV
+    rows[:, HQ + HKV:] = v
+    v_view = rows[:, HQ + HKV:]
+    sinks = random_sinks(gen)
+    for layer, sliding in enumerate((True, False)):
+        q = torch.randn(batch.num_tokens, HQ, D, generator=gen, device=DEV).bfloat16()
+        world.check(backend.forward(layer, q, k, v_view, sinks), q, sinks, sliding)
+    continued = PagedWorld([0, 300], [129, 50], page=16, seed=23, kv_dtype=kv_dtype)
+    backend.bind_cache(continued.cache)
+    backend.plan(continued.batch())
+    assert not backend.step_ragged
+
+
 @pytest.mark.parametrize("decode,sliding_prefill", [(True, "triton"), (False, "triton"), (False, "flashinfer")])
 def test_backend_over_an_fp8_cache_matches_reference(decode, sliding_prefill):
     """kv_cache_dtype fp8_e4m3: decode reads fp8 pages in the split kernel, prefill stages them as bf16
