@@ -218,7 +218,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _ragged_eligible(self, batch: AttentionBatch, lens: list[int]) -> bool:
         """Whether this step's full layers can attend over its own k / v rows: a step over the cache (not
         mixed: every sequence has several new tokens) in which no sequence has cached tokens before them."""
-        if not (self.ragged_full and self.full_ragged_wrapper is not None and batch.has_cache and self.mixed is None):
+        if not (self.ragged_full and self.full_ragged_wrapper is not None and batch.has_cache):
             return False
         full = batch.group(False)
         return all(n > 1 for n in lens) and list(full.kv_lens_cpu) == list(lens)

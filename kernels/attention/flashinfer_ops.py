@@ -99,15 +99,9 @@ def sink_prefill_ragged_wrapper(
     ragged wrapper on the same JIT module as sink_prefill_wrapper (its `ragged_run` entry point)."""
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"prefill backend {backend!r} unknown; use one of {PREFILL_BACKENDS}")
-    sliding = window_left >= 0
-    dtype = torch.bfloat16
-    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-        workspace, kv_layout="NHD", backend=backend,
-        jit_args=[f"batch_prefill_attention_sink_bf16_swa_{sliding}_{backend}", dtype, dtype, dtype, torch.int32,
-                  head_dim, head_dim, ["sink"], ["float"], ["sm_scale"], ["double"], "AttentionSink",
-                  attention_sink_decl[backend]],
-        jit_kwargs={"use_sliding_window": sliding, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0},
-    )
+    args, kwargs = _sink_jit_args(backend, window_left >= 0, head_dim)
+    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend,
+                                                           jit_args=args, jit_kwargs=kwargs)
 
 
 def plan_sink_prefill_ragged(wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
@@ -153,19 +147,19 @@ def run_decode(wrapper, q, k_cache, v_cache, out=None) -> torch.Tensor:
     return wrapper.run(q, (k_cache, v_cache), out=out)
 
 
-def _sink_prefill_spec(backend: str, sliding: bool, head_dim: int) -> JitSpec:
-    # Mirrors the arguments BatchAttentionWithAttentionSinkWrapper.__init__ passes (same uri), so a
-    # module built here is the one the wrapper later finds in the cache.
+def _sink_jit_args(backend: str, sliding: bool, head_dim: int) -> tuple[list, dict]:
+    """The JIT arguments BatchAttentionWithAttentionSinkWrapper.__init__ builds its module from (same uri), so
+    a module built here, or a ragged wrapper given them, is the one that wrapper finds in the cache."""
     dtype = torch.bfloat16
-    return gen_customize_batch_prefill_module(
-        backend,
-        f"batch_prefill_attention_sink_bf16_swa_{sliding}_{backend}",
-        dtype, dtype, dtype, torch.int32, head_dim, head_dim,
-        ["sink"], ["float"], ["sm_scale"], ["double"],
-        "AttentionSink",
-        attention_sink_decl[backend],
-        use_sliding_window=sliding,
-    )
+    args = [f"batch_prefill_attention_sink_bf16_swa_{sliding}_{backend}", dtype, dtype, dtype, torch.int32,
+            head_dim, head_dim, ["sink"], ["float"], ["sm_scale"], ["double"], "AttentionSink",
+            attention_sink_decl[backend]]
+    return args, {"use_sliding_window": sliding, "use_fp16_qk_reduction": False, "pos_encoding_mode": 0}
+
+
+def _sink_prefill_spec(backend: str, sliding: bool, head_dim: int) -> JitSpec:
+    args, kwargs = _sink_jit_args(backend, sliding, head_dim)
+    return gen_customize_batch_prefill_module(backend, *args, **kwargs)
 
 
 def jit_specs(head_dim: int = 64, backends: tuple[str, ...] = PREFILL_BACKENDS, with_decode: bool = True) -> list[JitSpec]:

@@ -57,6 +57,11 @@ class TextStep:
     top_logprobs: list[dict[str, float]] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
+    def extend(self, other: "TextStep") -> None:
+        self.text += other.text
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self, name).extend(getattr(other, name))
+
     def logprobs_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
                 "text_offset": self.text_offset}
@@ -70,7 +75,6 @@ class TextGeneration(BackendRequest):
         super().__init__(ctx, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._matcher = StopMatcher(stop) if stop else None
-        self._stopped_by_string = False
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
         self._echo_text = echo_text
         self._chars = len(echo_text)  # characters of the returned text before the next token's
@@ -78,21 +82,19 @@ class TextGeneration(BackendRequest):
     async def steps(self) -> AsyncIterator[TextStep]:
         """Text per backend delta (the first carries the echoed prompt); the last step flushes held text and
         sets finish_reason."""
-        delta, self._first = self._first, None
-        first = TextStep(self._echo_text)
-        while delta is not None and not self._stopped_by_string:
-            step = self._consume(delta, first)
-            first = TextStep()
+        step = TextStep(self._echo_text)
+        async for delta in self._deltas():
+            self._consume(delta, step)
             if step.text or step.tokens:
                 yield step
-            delta = None if self._backend_done else await self._next_delta()
-        yield self._finish(first)
+                step = TextStep()
+        yield self._finish(step)
 
     def _token_text(self, token_id: int) -> tuple[bytes, str]:
         raw = self.ctx.encoding.decode([token_id], errors="surrogateescape").encode("utf-8", "surrogateescape")
         return raw, raw.decode("utf-8", errors="replace")
 
-    def _consume(self, delta: TokenDelta, step: TextStep) -> TextStep:
+    def _consume(self, delta: TokenDelta, step: TextStep) -> None:
         logprobs = delta.logprobs or []
         last = len(delta.token_ids) - 1
         for i, token_id in enumerate(delta.token_ids):
@@ -110,7 +112,6 @@ class TextGeneration(BackendRequest):
             self._chars += len(text)
             if self._push(text, step):
                 break
-        return step
 
     def _push(self, text: str, step: TextStep) -> bool:
         """Add text to the step through the stop strings; True once one matched."""
@@ -180,9 +181,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     async def choice(index: int, gen: TextGeneration) -> dict:
         whole = TextStep()
         async for step in gen.steps():
-            whole.text += step.text
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(whole, name).extend(getattr(step, name))
+            whole.extend(step)
         return {"index": index, "text": whole.text, "finish_reason": gen.finish_reason,
                 "logprobs": whole.logprobs_json() if with_logprobs else None}
 

@@ -172,6 +172,7 @@ class BackendRequest:
         self._first: TokenDelta | None = None
         self._backend_done = False
         self._closed = False
+        self._stopped_by_string = False  # a stop string matched: read no further deltas
 
     async def start(self) -> None:
         """Send the request and wait for its first delta (InvalidRequestError surfaces here)."""
@@ -212,6 +213,14 @@ class BackendRequest:
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         return delta
 
+    async def _deltas(self) -> AsyncIterator[TokenDelta]:
+        """The backend's deltas (the one start() read first, then on) until the request ends or a stop
+        string matched."""
+        delta, self._first = self._first, None
+        while delta is not None and not self._stopped_by_string:
+            yield delta
+            delta = None if self._backend_done else await self._next_delta()
+
     def _check_not_aborted(self) -> None:
         if self._backend_finish == FINISH_ABORT:
             raise EngineFailure("The engine aborted the request (it may be shutting down); retry.")
@@ -235,7 +244,6 @@ class Generation(BackendRequest):
         self._matcher: StopMatcher | None = None
         self._content_parts: list[str] = []
         self._content_channel: str | None = None
-        self._stopped_by_string = False
         self._saw_tool_call = False
         # (token id, logprob) of the tokens fed since the last one that went into an item: header and
         # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
@@ -247,12 +255,10 @@ class Generation(BackendRequest):
 
     async def steps(self) -> AsyncIterator[Step]:
         """Item events per backend delta; the last step closes open items and sets finish_reason."""
-        delta, self._first = self._first, None
-        while delta is not None and not self._stopped_by_string:
+        async for delta in self._deltas():
             step = self._consume(delta)
             if step.events or step.content_logprobs:
                 yield step
-            delta = None if self._backend_done else await self._next_delta()
         events = self._finish()
         yield Step(events, self._recovered_logprobs())
 
