@@ -197,8 +197,11 @@ class LLMEngine:
                                       "request_id")
         if seed is None:
             seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(64)
-        return Sequence(request.request_id, list(request.prompt_ids), request.sampling, seed,
-                        next(self._arrivals), prefill_only)
+        seq = Sequence(request.request_id, list(request.prompt_ids), request.sampling, seed,
+                       next(self._arrivals), prefill_only)
+        if request.sampling.constraint is not None:
+            seq.constraint = request.sampling.constraint.start(self.vocab_size)
+        return seq
 
     def add_request(self, request: GenerateRequest, prefill_only: bool = False) -> None:
         """Queue a request. prefill_only: stop after the first token and keep the K/V for export_kv."""
@@ -220,6 +223,8 @@ class LLMEngine:
         seq.num_cached_prefix, now = payload.num_cached_tokens, time.monotonic()
         for i, token in enumerate(payload.output_ids):
             seq.append_token(token, payload.output_logprobs[i] if payload.output_logprobs else None, now)
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
         self.metrics.record_added()
         self.metrics.record_transfer(exported=False)
         reason = seq.check_finished(self.max_model_len)
@@ -377,8 +382,8 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or any(seq.prefill_only or seq.sampling.has_penalties for seq in cur.rows):
-            return None  # (penalties: the next step's history needs this step's tokens on the host)
+        if kind is StepKind.PREFILL or any(seq.prefill_only or seq.sampling.needs_each_token for seq in cur.rows):
+            return None  # (penalties, constraints: the next step's history or mask needs this step's tokens)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
@@ -426,6 +431,8 @@ class LLMEngine:
             if seq.first_token_time is None:
                 self.metrics.record_first_token(now - seq.arrival_time)
             seq.resolve_token(step.slots[i], token_ids[i], lp, now)
+            if seq.constraint is not None:
+                seq.constraint.accept(token_ids[i])
             upto = step.slots[i] + 1
             if seq.prefill_only:
                 self.scheduler.park(seq)  # stop conditions are the decode side's business
@@ -448,18 +455,20 @@ class LLMEngine:
         the device: no rebuild, no host-to-device copies."""
         steps = [len(s.output_ids) for s in rows]
         last = self._last_sampling
-        penalized = any(s.sampling.has_penalties for s in rows)
-        if not penalized and last is not None and len(last[0]) == len(rows) \
+        host_state = any(s.sampling.needs_each_token for s in rows)
+        if not host_state and last is not None and len(last[0]) == len(rows) \
                 and all(a is b for a, b in zip(last[0], rows)) and all(n == m + 1 for n, m in zip(steps, last[1])):
             batch = last[2].next_step()
         else:
-            histories = None
-            if penalized:  # every generated id is on the host: no lookahead past a penalized row (_launch_next)
+            histories = masks = None
+            if host_state:  # every generated id is on the host: no lookahead past such a row (_launch_next)
+                if any(PLACEHOLDER in s.output_ids for s in rows if s.sampling.needs_each_token):
+                    raise RuntimeError("a penalized or constrained row has a token in flight: its history or "
+                                       "mask would miss it")
                 histories = [s.output_ids if s.sampling.has_penalties else [] for s in rows]
-                if any(PLACEHOLDER in h for h in histories):
-                    raise RuntimeError("a penalized row has a token in flight: its penalties would miss it")
+                masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
             batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.runner.device,
-                                        histories, self.vocab_size)
+                                        histories, self.vocab_size, masks)
         self._last_sampling = (rows, steps, batch)
         return batch
 

@@ -6,7 +6,10 @@ The ingress imports this module only (no torch): token ids go in, token deltas c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Harmony: <|return|> ends the final answer, <|call|> ends a tool call. <|end|> (200007) closes any
 # assistant message, including the analysis that precedes the answer, so it must not stop generation.
@@ -29,6 +32,28 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class TokenConstraint(Protocol):
+    """One request's restriction on its next token (structured output), stateful, engine-side. The engine
+    asks for the allowed set before each sample and reports every token the request gets, in order."""
+
+    def allowed_tokens(self) -> "np.ndarray | None":
+        """A packed bitmask of the allowed ids (uint32 words, bit i % 32 of word i // 32, ceil(vocab / 32)
+        words, never all zero), or None: any token."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        ...
+
+
+class ConstraintSpec(Protocol):
+    """What a request carries (picklable: it crosses processes); each engine that samples for the request
+    starts its own TokenConstraint from it."""
+
+    def start(self, vocab_size: int) -> TokenConstraint:
+        """Raises InvalidRequestError when the constraint cannot run on this vocabulary."""
+        ...
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0: greedy
@@ -46,10 +71,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the raw logits every step.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: allowed tokens per step (serve_app/harmony/constrain.py builds Harmony's). The
+    # engine reads each constrained token before it samples the next (no lookahead past such a request).
+    constraint: ConstraintSpec | None = None
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def needs_each_token(self) -> bool:
+        """The next sample depends on the token before it on the host (penalties' history, constraints)."""
+        return self.has_penalties or self.constraint is not None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """vocab_size: the engine's, to check logit_bias ids against (None: not checked)."""
@@ -77,6 +110,8 @@ class SamplingParams:
                 raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size or 'vocab'}), got {token!r}")
             if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
                 raise bad("logit_bias", f"values must be between -100 and 100, got {bias!r} for token {token}")
+        if self.constraint is not None and not callable(getattr(self.constraint, "start", None)):
+            raise bad("constraint", f"must be a ConstraintSpec (with start(vocab_size)), got {self.constraint!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
 

@@ -15,7 +15,10 @@ the rows that set them: logit -= frequency * count + presence * (count > 0), wit
 token appears among the request's generated tokens (special ids exempt), so greedy rows see them too.
 The history travels with the batch (host lists, rebuilt every step); the engine does not look ahead
 past a penalized row, so no generated token is missing from it. logit_bias (OpenAI's) is added to the
-raw logits too, every step, from (id, bias) pairs that stay with the batch.
+raw logits too, every step, from (id, bias) pairs that stay with the batch. Then structured output:
+rows with a token constraint send a packed bitmask of their allowed ids (computed on the host from the
+tokens so far, so such rows, like penalized ones, are rebuilt every step) and every other id drops to
+-inf before anything picks a token.
 
 Filters apply in this order on the tempered distribution: top-k, then top-p on what top-k kept
 (the smallest set of most likely tokens whose mass reaches top_p), then min-p (keep p >= min_p *
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.request import SamplingParams
@@ -88,6 +92,18 @@ def padded_rows(rows: list[list], fill) -> list[list]:
     return [list(r) + [fill] * (width - len(r)) for r in rows]
 
 
+def bitmask_words(vocab: int) -> int:
+    """32-bit words of a packed bitmask over `vocab` ids."""
+    return (vocab + 31) // 32
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, W] int32 packed masks (bit i % 32 of word i // 32) -> [B, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shifts; & 1 keeps the one bit
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
 def apply_penalties(logits: torch.Tensor, history: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
                     exempt_from: int | None) -> torch.Tensor:
     """logits [B, V] fp32 minus the penalties of the tokens in `history` [B, L] int64 (padded with V);
@@ -138,6 +154,9 @@ class SamplingBatch:
     # logit_bias (None: no row sets one): ids [B, L] int64 padded with V, and their biases [B, L] fp32.
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # Token constraints (None: no row has one this step): [B, ceil(V / 32)] int32 packed allowed-id masks,
+    # all ones in unconstrained rows.
+    allowed: torch.Tensor | None = None
 
     @property
     def penalized(self) -> bool:
@@ -145,16 +164,17 @@ class SamplingBatch:
 
     def next_step(self) -> "SamplingBatch":
         """The same rows one token later (every row sampled once since): only `step` moves, on the device.
-        Not for penalized batches: their history would miss the token just sampled."""
-        if self.penalized:
-            raise ValueError("a penalized batch is rebuilt every step (its history grows on the host)")
+        Not for penalized or constrained batches: their history or masks follow the token just sampled."""
+        if self.penalized or self.allowed is not None:
+            raise ValueError("a penalized or constrained batch is rebuilt every step (from host state)")
         return dataclasses.replace(self, step=self.step + 1)
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int],
               device: torch.device | str, histories: list[list[int]] | None = None,
-              vocab_size: int | None = None) -> "SamplingBatch":
-        """histories: each row's generated ids so far (needed when a row sets penalties), vocab_size pads them."""
+              vocab_size: int | None = None, masks: list[np.ndarray | None] | None = None) -> "SamplingBatch":
+        """histories: each row's generated ids so far (needed when a row sets penalties), vocab_size pads them;
+        masks: each row's packed allowed-id bitmask (TokenConstraint.allowed_tokens) or None."""
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -172,6 +192,19 @@ class SamplingBatch:
             rows = padded_rows([p.logit_bias for p in params], (vocab_size, 0.0))
             penalties.update(bias_ids=t([[i for i, _ in r] for r in rows], torch.int64),
                              bias_values=t([[b for _, b in r] for r in rows], torch.float32))
+
+        if masks is not None and any(m is not None for m in masks):
+            if vocab_size is None:
+                raise ValueError("constrained rows need the vocabulary size")
+            width = bitmask_words(vocab_size)
+            stacked = np.full((len(masks), width), -1, dtype=np.int32)  # unconstrained rows: every id
+            for i, m in enumerate(masks):
+                if m is not None:
+                    m = np.asarray(m)
+                    if m.shape != (width,) or m.dtype.itemsize != 4:
+                        raise ValueError(f"row {i}'s token mask is {m.dtype} {m.shape}, expected ({width},) 32-bit words")
+                    stacked[i] = m.view(np.int32)
+            penalties["allowed"] = torch.from_numpy(stacked).to(device, non_blocking=True)
 
         seeds = [s % 2**64 for s in seeds]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -242,6 +275,8 @@ class Sampler:
             logits = apply_penalties(logits, batch.history, batch.presence, batch.frequency, self.penalty_exempt_from)
         if batch.bias_ids is not None:
             logits = logits + per_token_sums(batch.bias_ids, batch.bias_values, logits.shape[1])
+        if batch.allowed is not None:
+            logits = logits.masked_fill(~unpack_bitmask(batch.allowed, logits.shape[1]), float("-inf"))
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
             token_ids = greedy_ids

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.request import FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenLogprob
+from engine.request import FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenConstraint, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.kv_payload import PrefilledKV
@@ -77,6 +77,7 @@ class Sequence:
     sliding_pages: deque = field(default_factory=deque)
     sliding_first: int = 0
     pending_kv: "PrefilledKV | None" = None  # imported K/V waiting for pages
+    constraint: TokenConstraint | None = None  # started from sampling.constraint; has seen every resolved output
     # Prefix caching (engine/block_manager.py): chain hashes of the prompt's whole blocks (computed once),
     # and how many of this sequence's blocks are registered in the pools.
     block_hashes: list[bytes] | None = None

@@ -44,6 +44,7 @@ FUNCTIONS_NAMESPACE = "functions"
 TOOL_CALL_CONTENT_TYPE = "<|constrain|>json"
 DEFAULT_KNOWLEDGE_CUTOFF = "2024-06"
 
+_MESSAGE_TOKEN, _END_TOKEN = 200008, 200007  # <|message|>, <|end|>
 _EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
 
 
@@ -94,6 +95,8 @@ class Prompt:
     reasoning_effort: Literal["low", "medium", "high"] = "medium"
     conversation_start_date: str | None = None  # "YYYY-MM-DD"; None: the line is left out
     knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF
+    # Structured output: the "# Response Formats" section ending the developer message (constrain.py)
+    response_format: str | None = None
 
 
 def system_message(prompt: Prompt) -> Message:
@@ -114,7 +117,8 @@ def system_message(prompt: Prompt) -> Message:
 
 def developer_message(prompt: Prompt) -> Message | None:
     if not prompt.instructions and not prompt.tools:
-        return None
+        return None if prompt.response_format is None else \
+            Message.from_role_and_content(Role.DEVELOPER, prompt.response_format)
     content = DeveloperContent.new()
     if prompt.instructions:
         content = content.with_instructions(prompt.instructions)
@@ -123,6 +127,20 @@ def developer_message(prompt: Prompt) -> Message | None:
             [ToolDescription.new(t.name, t.description, t.parameters) for t in prompt.tools]
         )
     return Message.from_role_and_content(Role.DEVELOPER, content)
+
+
+def _with_response_format(tokens: list[int], section: str) -> list[int]:
+    """Rendered prompt tokens with `section` at the end of the developer message (the second message).
+    The Harmony guide puts it there, after the tools, where openai-harmony's DeveloperContent has no field;
+    adding it to the rendered text (rather than rendering the message as plain text) keeps what the renderer
+    derives from the tools, such as the system message's line on the functions' channel."""
+    encoding = load_harmony_encoding()
+    body_start = tokens.index(_MESSAGE_TOKEN, tokens.index(_END_TOKEN)) + 1
+    body_end = tokens.index(_END_TOKEN, body_start)
+    body = encoding.decode_utf8(tokens[body_start:body_end])
+    # as the renderer does with message text: a special token's spelling stays plain text
+    new_body = encoding.encode(f"{body}\n\n{section}", allowed_special=set(), disallowed_special=())
+    return tokens[:body_start] + new_body + tokens[body_end:]
 
 
 def _kept_history(history: Sequence[HistoryItem]) -> list[HistoryItem]:
@@ -182,6 +200,9 @@ def render_prompt(prompt: Prompt) -> list[int]:
     """Token ids of the whole prompt, ending with `<|start|>assistant` so the model writes the header."""
     conversation = to_conversation(prompt)
     try:
-        return load_harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT)
+        tokens = load_harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT)
     except HarmonyError as err:  # e.g. text that contains a Harmony special token in a header field
         raise InvalidRequestError(f"the conversation cannot be rendered in Harmony: {err}", "messages") from err
+    if prompt.response_format is not None and (prompt.instructions or prompt.tools):
+        tokens = _with_response_format(tokens, prompt.response_format)
+    return tokens

@@ -47,6 +47,8 @@ from serve_app.openai_api.generation import (
     IngressContext,
     SamplingRequest,
     forced_call_ids,
+    forced_tool,
+    output_constraint,
     respond,
     sampling_params,
 )
@@ -160,7 +162,13 @@ def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    prompt_ids = render_prompt(chat_prompt(req, ctx.config))
+    offered = [] if req.tool_choice == "none" else req.tools or []
+    constraint, response_format = output_constraint(
+        req.response_format, "response_format",
+        [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
+         for i, t in enumerate(offered) if t.function.strict],
+        forced_tool(req.tool_choice, [t.function.name for t in req.tools or []]))
+    prompt_ids = render_prompt(replace(chat_prompt(req, ctx.config), response_format=response_format))
     forced = forced_call_ids(req.tool_choice, [t.function.name for t in req.tools or []], ctx.encoding)
     max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
         else (req.max_tokens, "max_tokens")
@@ -170,7 +178,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
     ), len(prompt_ids) + len(forced), ctx.config)
-    sampling = replace(sampling, ignore_eos=req.ignore_eos)
+    sampling = replace(sampling, ignore_eos=req.ignore_eos, constraint=constraint)
     n = req.n or 1
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 

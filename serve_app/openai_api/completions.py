@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, SamplingParams, TokenDelta
+from serve_app.harmony.constrain import FINAL
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
     BackendRequest,
@@ -39,6 +40,7 @@ from serve_app.openai_api.generation import (
     IngressContext,
     SamplingRequest,
     StopMatcher,
+    output_constraint,
     respond,
     sampling_params,
 )
@@ -154,6 +156,9 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     if req.echo and req.logprobs is not None:
         raise BadRequest("echo with logprobs would need the prompt's logprobs, which this server does not "
                          "compute; drop one of them", param="echo")
+    constraint, _ = output_constraint(req.response_format, "response_format", [], None)
+    if constraint is not None:
+        constraint = replace(constraint, start_in=FINAL)
     n = req.n or 1
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gens: list[TextGeneration] = []
@@ -167,7 +172,8 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
             seed=req.seed, logprobs=req.logprobs, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
         ), len(ids), ctx.config, context_param="prompt")
-        sampling = replace(sampling, stop_token_ids=RAW_STOP_TOKEN_IDS, ignore_eos=req.ignore_eos)
+        sampling = replace(sampling, stop_token_ids=RAW_STOP_TOKEN_IDS, ignore_eos=req.ignore_eos,
+                           constraint=constraint)
         for j in range(n):
             # Completion j of a seeded prompt draws from seed + j: reproducible, and the completions differ.
             params = sampling if j == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + j) % 2**64)

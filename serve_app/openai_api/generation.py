@@ -30,6 +30,8 @@ from engine.request import (
     TokenDelta,
     TokenLogprob,
 )
+from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, response_format_grammar,
+                                         response_format_text)
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure
@@ -136,22 +138,45 @@ class Step:
     content_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def forced_call_ids(tool_choice: Any, tool_names: list[str], encoding: HarmonyEncoding) -> list[int]:
-    """Prompt tokens that make the model call a tool (tool_choice 'required' or named): the header of a
-    commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
-    (not constrained: gpt-oss writes valid JSON there by habit). [] when nothing is forced."""
+def forced_tool(tool_choice: Any, tool_names: list[str]) -> str | None:
+    """The function tool_choice forces ('required' with one tool, or named), else None; 400s for choices
+    that name no tool or leave the pick to the server."""
     name = forced_name(tool_choice)
     if tool_choice == "required":
         if len(tool_names) != 1:
             raise BadRequest("tool_choice 'required' needs exactly one tool here (the server forces the call by "
                              f"its name; there are {len(tool_names)}): name the function instead", param="tool_choice")
         name = tool_names[0]
+    if name is not None and name not in tool_names:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return name
+
+
+def forced_call_ids(tool_choice: Any, tool_names: list[str], encoding: HarmonyEncoding) -> list[int]:
+    """Prompt tokens that make the model call a tool (tool_choice 'required' or named): the header of a
+    commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
+    (held to the tool's schema when the tool is strict: output_constraint). [] when nothing is forced."""
+    name = forced_tool(tool_choice, tool_names)
     if name is None:
         return []
-    if name not in tool_names:
-        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     return encoding.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
                            allowed_special="all")
+
+
+def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],
+                      forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
+    """Structured output of one request: (the constraint its engine requests carry, the developer message's
+    response-format section), both None for plain text without strict tools. strict_tools: (name,
+    parameters, param path) of the strict tools the prompt offers; `forced`: the tool whose call the prompt
+    ends in (forced_tool), which starts inside its grammar when it is strict."""
+    final, section = response_format_grammar(fmt, fmt_param)
+    tools = tuple((name, check_json_schema(params or {"type": "object", "properties": {}}, param))
+                  for name, params, param in strict_tools)
+    if final is None and not tools:
+        return None, None
+    start_in = forced if forced in dict(tools) else None
+    return (HarmonySchemaSpec(final, tools, start_in),
+            response_format_text(section) if section is not None else None)
 
 
 class BackendRequest:

@@ -69,6 +69,28 @@ def check_tool_schema(parameters: dict[str, Any] | None) -> dict[str, Any] | Non
     return parameters
 
 
+def check_response_format(value: dict[str, Any] | None, nested: bool) -> dict[str, Any] | None:
+    """The shape of a structured-output format: Chat's `response_format` (`json_schema` nested) or Responses'
+    `text.format` (its fields beside `type`). The schema itself is compiled later (harmony/constrain.py)."""
+    if value is None:
+        return None
+    kind = value.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind == "json_schema":
+        spec = value.get("json_schema") if nested else value
+        where = "json_schema." if nested else ""
+        if not isinstance(spec, dict):
+            raise ValueError("json_schema must be an object with 'name' and 'schema'")
+        if not isinstance(spec.get("name"), str) or not TOOL_NAME.match(spec["name"]):
+            raise ValueError(f"{where}name must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
+        if not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ValueError(f"{where}schema must be a JSON schema object")
+        if not isinstance(spec.get("description") or "", str):
+            raise ValueError(f"{where}description must be a string")
+    return value
+
+
 def check_tool_name(name: str) -> str:
     if not TOOL_NAME.match(name):
         raise ValueError(f"tool name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
@@ -240,9 +262,7 @@ class ChatCompletionRequest(RequestBase, TextOutputFields):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, value: dict | None) -> dict | None:
-        _reject_unless((value or {}).get("type", "text"), ("text",), "only response_format type 'text' is "
-                       "supported (others need constrained decoding); describe the format in the instructions")
-        return value
+        return check_response_format(value, nested=True)
 
     @field_validator("modalities")
     @classmethod
@@ -331,9 +351,7 @@ class TextOptions(Lenient):
     @field_validator("format")
     @classmethod
     def _format(cls, value: dict | None) -> dict | None:
-        _reject_unless((value or {}).get("type", "text"), ("text",), "only text.format type 'text' is "
-                       "supported (others need constrained decoding); describe the format in the instructions")
-        return value
+        return check_response_format(value, nested=False)
 
 
 class ResponsesRequest(RequestBase):
@@ -395,6 +413,14 @@ class CompletionRequest(SamplingBase, TextOutputFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's extension, Chat's shape: the output is held to the format from its first token (the prompt is
+    # expected to end in a final-channel header) and ends in <|return|>
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        return check_response_format(value, nested=True)
 
     @field_validator("prompt")
     @classmethod

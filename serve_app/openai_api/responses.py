@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -39,6 +40,8 @@ from serve_app.openai_api.generation import (
     IngressContext,
     SamplingRequest,
     forced_call_ids,
+    forced_tool,
+    output_constraint,
     respond,
     sampling_params,
 )
@@ -172,12 +175,19 @@ def usage_json(gen: Generation) -> dict[str, Any]:
 
 
 async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
-    prompt_ids = render_prompt(responses_prompt(req, ctx.config))
+    offered = [] if req.tool_choice == "none" else req.tools or []
+    text_format = req.text.format if req.text else None
+    constraint, response_format = output_constraint(
+        text_format, "text.format",
+        [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict],
+        forced_tool(req.tool_choice, [t.name for t in req.tools or []]))
+    prompt_ids = render_prompt(replace(responses_prompt(req, ctx.config), response_format=response_format))
     forced = forced_call_ids(req.tool_choice, [t.name for t in req.tools or []], ctx.encoding)
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
     ), len(prompt_ids) + len(forced), ctx.config)
+    sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced)
     created = time.time()
 
@@ -192,7 +202,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled", "store": False,
             "previous_response_id": None, "background": False,
         }
 

@@ -157,6 +157,9 @@ def test_the_requests_of_vllm_and_sglang_benchmark_clients(server, backend):
     ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
     ({"prompt": "x", "max_tokens": MAX_CONTEXT}, "max_tokens"),
     ({"prompt": list(range(MAX_CONTEXT))}, "prompt"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema"),
 ])
 def test_bad_requests_are_400_with_the_field_named(server, backend, body, param):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, **body}, timeout=30)

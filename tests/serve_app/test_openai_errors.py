@@ -59,8 +59,16 @@ CHAT_400 = [
     ("penalty wrong type", {**CHAT, "frequency_penalty": "high"}, "frequency_penalty"),
     ("logit_bias key", {**CHAT, "logit_bias": {"hello": 3}}, "logit_bias"),
     ("logit_bias value", {**CHAT, "logit_bias": {"42": 300}}, "logit_bias"),
-    ("json_schema format", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    ("response_format type", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("json_schema without an object", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("json_schema name", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "bad name!"}}},
      "response_format"),
+    ("json_schema unusable", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "foo"}}}}}},
+     "response_format.json_schema.schema"),
+    ("strict tool schema unusable", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "foo"}}}}}]},
+     "tools.0.function.parameters"),
     ("required without tools", {**CHAT, "tool_choice": "required"}, "tool_choice"),
     ("required among several tools", {**CHAT, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]}, "tool_choice"),
@@ -99,6 +107,11 @@ RESPONSES_400 = [
      "input.0.call_id"),
     ("effort", {**RESP, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ("background", {**RESP, "background": True}, "background"),
+    ("text.format type", {**RESP, "text": {"format": {"type": "xml"}}}, "text.format"),
+    ("text.format schema unusable", {**RESP, "text": {"format": {"type": "json_schema", "name": "x",
+                                                                 "schema": {"type": "foo"}}}}, "text.format.schema"),
+    ("strict tool schema unusable", {**RESP, "tools": [{"type": "function", "name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "foo"}}}}]}, "tools.0.parameters"),
 ]
 
 

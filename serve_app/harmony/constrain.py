@@ -1,0 +1,221 @@
+"""Structured output over Harmony: JSON-schema grammars enforced on the messages they belong to.
+
+The model writes Harmony: a header (`<|channel|>final`, `<|channel|>commentary to=functions.NAME
+<|constrain|>json`, ...), `<|message|>`, the content, an end token. A grammar must hold the content of
+one message, not the reasoning before it, so `HarmonyConstraint` follows the output token by token:
+
+- between messages and inside unconstrained ones, any token (the analysis channel, preambles, tools
+  without a schema);
+- at the `<|message|>` that closes a header, it reads the header: a final-channel message with a
+  response format, or a call to a function whose tool is strict, starts that grammar;
+- inside it, the allowed tokens are the grammar's (llguidance's matcher over the Harmony vocabulary;
+  special tokens never, except the message's end once the JSON is complete: `<|return|>` for the
+  answer, `<|call|>` for a tool call); the end token returns it to the unconstrained state.
+
+A forced tool call (the ingress writes the call's header at the end of the prompt) starts inside its
+grammar (`HarmonySchemaSpec.start_in`). Decisions: JSON is compact (no whitespace outside strings, `,`
+and `:` as separators, as gpt-oss writes tool arguments), so a model cannot pad it forever; a matcher
+that fails (an llguidance limit, a token it rejects) is logged and lets only the end token through, so
+the message closes instead of the request hanging.
+
+The spec crosses processes (ingress -> decode and prefill replicas) as grammar strings; each engine
+process builds the Harmony tokenizer for llguidance once (~1.6 s on a CPU core) and matchers per request.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.request import InvalidRequestError
+from serve_app.harmony.encoding import VOCAB_FILE, load_harmony_encoding, vocab_dir
+
+log = logging.getLogger(__name__)
+
+HARMONY_VOCAB_SIZE = 201088  # the models' unembedding rows (o200k_harmony's last reserved id is beyond them)
+RETURN, CALL, END, START, MESSAGE, CHANNEL = 200002, 200012, 200007, 200006, 200008, 200005
+# tiktoken's o200k_base split pattern (only llguidance's own tokenize_* calls use it, never the masks)
+_O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+FINAL = "final"  # start_in: inside the final answer (a raw completion whose prompt ends in its header)
+
+
+def json_grammar(schema: dict | bool) -> str:
+    """llguidance's grammar for JSON text matching `schema` (compact; see the module docstring)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+
+def check_json_schema(schema: Any, param: str) -> str:
+    """The grammar of a JSON schema from a request, or InvalidRequestError (HTTP 400) naming `param`."""
+    import llguidance
+
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+    try:
+        grammar = json_grammar(schema)
+    except ValueError as err:
+        raise InvalidRequestError(f"{param} is not a usable JSON schema: {err}", param) from err
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise InvalidRequestError(f"{param} is not a usable JSON schema: {error}", param)
+    return grammar
+
+
+@functools.lru_cache(maxsize=1)
+def harmony_tokenizer():
+    """llguidance's tokenizer over the Harmony vocabulary (o200k_base ranks + Harmony's special tokens)."""
+    import llguidance
+
+    ranks = {}
+    for line in (vocab_dir() / VOCAB_FILE).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    enc = load_harmony_encoding()
+    specials = {name: enc.encode(name, allowed_special="all")[0] for name in enc.special_tokens_set}
+    specials = {name: i for name, i in specials.items() if i < HARMONY_VOCAB_SIZE}
+    return llguidance.LLTokenizer.from_tiktoken(encoder=ranks, special_tokens=specials, pattern=_O200K_PATTERN,
+                                                eos_token=RETURN, n_vocab=HARMONY_VOCAB_SIZE)
+
+
+@dataclass(frozen=True)
+class HarmonySchemaSpec:
+    """Which messages of a request's output a grammar holds (engine.request.ConstraintSpec)."""
+
+    final: str | None = None  # grammar of the final answer (response_format)
+    tools: tuple[tuple[str, str], ...] = ()  # (function name, grammar of its arguments): strict tools
+    start_in: str | None = None  # the output starts inside a message: FINAL or a function name
+
+    def __post_init__(self):
+        names = {name for name, _ in self.tools}
+        if self.start_in is not None and self.start_in != FINAL and self.start_in not in names:
+            raise ValueError(f"start_in {self.start_in!r} is neither {FINAL!r} nor one of the tools {sorted(names)}")
+        if self.start_in == FINAL and self.final is None:
+            raise ValueError("start_in 'final' needs a final grammar")
+
+    def start(self, vocab_size: int) -> "HarmonyConstraint":
+        if vocab_size != HARMONY_VOCAB_SIZE:
+            raise InvalidRequestError(
+                f"structured output needs the Harmony vocabulary ({HARMONY_VOCAB_SIZE} tokens); this model has "
+                f"{vocab_size}", "response_format")
+        return HarmonyConstraint(self)
+
+
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+
+
+class HarmonyConstraint:
+    """engine.request.TokenConstraint for one request (module docstring)."""
+
+    def __init__(self, spec: HarmonySchemaSpec):
+        self.spec = spec
+        self._tok = harmony_tokenizer()
+        self._tools = dict(spec.tools)
+        self._header: list[int] | None = []  # tokens of the header being read; None: inside a message
+        self._matcher = None  # the grammar of the message being written, if any
+        self._end = RETURN
+        self._failed = False
+        if spec.start_in == FINAL:
+            self._enter(spec.final, RETURN)
+        elif spec.start_in is not None:
+            self._enter(self._tools[spec.start_in], CALL)
+
+    @property
+    def active(self) -> bool:
+        """Inside a message that a grammar holds."""
+        return self._matcher is not None
+
+    def allowed_tokens(self) -> np.ndarray | None:
+        if self._matcher is None:
+            return None
+        if not self._failed and self._matcher.is_error():
+            log.warning("structured output: the grammar failed (%s); closing the message",
+                        self._matcher.get_error())
+            self._failed = True
+        if self._failed:
+            words = np.zeros((HARMONY_VOCAB_SIZE + 31) // 32, dtype=np.uint32)
+        else:
+            words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32).copy()
+            words[RETURN // 32] &= ~np.uint32(1 << (RETURN % 32))  # the grammar's "done" is this message's end
+            if not words.any() and not self._matcher.is_accepting():
+                log.warning("structured output: the grammar allows no token; closing the message")
+                self._failed = True
+        if self._failed or self._matcher.is_accepting():
+            words[self._end // 32] |= np.uint32(1 << (self._end % 32))
+        return words
+
+    def accept(self, token_id: int) -> None:
+        if self._matcher is not None:
+            if token_id == self._end:
+                self._matcher, self._header = None, None  # the message (and normally the output) ends here
+            elif not self._failed and not self._matcher.consume_token(token_id):
+                log.warning("structured output: token %d rejected by the grammar (%s)", token_id,
+                            self._matcher.get_error())
+                self._failed = True
+            return
+        if token_id == START:
+            self._header = []
+        elif token_id in (END, RETURN, CALL):
+            self._header = None
+        elif self._header is not None:
+            if token_id != MESSAGE:
+                self._header.append(token_id)
+                return
+            header, self._header = self._header, None
+            self._open(self._tok.decode_str(header))
+
+    def _open(self, header: str) -> None:
+        """A header just ended in <|message|>: start the grammar its message gets, if any."""
+        recipient = _RECIPIENT.search(header)
+        if recipient is not None:
+            name = recipient.group(1).removeprefix("functions.")
+            if recipient.group(1).startswith("functions.") and name in self._tools:
+                self._enter(self._tools[name], CALL)
+            return
+        channel = _CHANNEL.search(header)
+        if channel is not None and channel.group(1) == FINAL and self.spec.final is not None:
+            self._enter(self.spec.final, RETURN)
+
+    def _enter(self, grammar: str, end: int) -> None:
+        import llguidance
+
+        self._matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        self._end, self._failed = end, False
+
+
+def response_format_grammar(fmt: dict | None, param: str) -> tuple[str | None, dict | None]:
+    """(grammar, Harmony response-format section or None) of an OpenAI response format: chat's
+    `response_format` or Responses' `text.format` (`json_schema` nested or flat). None: plain text."""
+    if not fmt or fmt.get("type", "text") == "text":
+        return None, None
+    if fmt["type"] == "json_object":
+        return check_json_schema({"type": "object"}, param), None
+    spec = fmt.get("json_schema", fmt)  # Chat nests it; Responses puts the fields beside "type"
+    schema = spec.get("schema", {})
+    grammar = check_json_schema(schema, f"{param}.schema" if spec is fmt else f"{param}.json_schema.schema")
+    section = {"name": spec.get("name") or "response", "description": spec.get("description") or "",
+               "schema": schema}
+    return grammar, section
+
+
+def response_format_text(section: dict) -> str:
+    """The developer message's `# Response Formats` section (Harmony guide, "Structured output")."""
+    lines = ["# Response Formats", "", f"## {section['name']}", ""]
+    if section["description"]:
+        lines.append(f"// {section['description']}")
+    lines.append(json.dumps(section["schema"], separators=(",", ":")))
+    return "\n".join(lines)

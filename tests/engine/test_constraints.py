@@ -1,0 +1,159 @@
+"""Token constraints (structured output) in the sampler and the engine: masked ids are never sampled, greedy
+rows take the best allowed id, the constraint sees every token in order (here, after a lookahead, and across a
+prefill -> decode hand-off), and the engine never looks ahead past a constrained row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from engine.request import InvalidRequestError, SamplingParams
+from engine.sampler import Sampler, SamplingBatch, bitmask_words, unpack_bitmask
+from tests.engine.engine_testlib import VOCAB, random_prompt, request, run_to_end
+
+
+def pack(allowed: set[int], vocab: int) -> np.ndarray:
+    bits = np.zeros(bitmask_words(vocab) * 32, dtype=np.uint8)
+    bits[sorted(allowed)] = 1
+    return np.packbits(bits, bitorder="little").view(np.uint32)
+
+
+class ResidueConstraint:
+    """Step k allows the ids congruent to (k + offset) mod `modulus`: every step a different set."""
+
+    def __init__(self, spec: "ResidueSpec", vocab: int):
+        self.spec, self.vocab, self.seen = spec, vocab, []
+
+    def allowed_set(self) -> set[int]:
+        r = (len(self.seen) + self.spec.offset) % self.spec.modulus
+        return set(range(r, self.vocab, self.spec.modulus))
+
+    def allowed_tokens(self) -> np.ndarray:
+        return pack(self.allowed_set(), self.vocab)
+
+    def accept(self, token_id: int) -> None:
+        assert token_id in self.allowed_set(), (token_id, len(self.seen))
+        self.seen.append(token_id)
+        STARTED[self.spec.tag] = self
+
+
+STARTED: dict[str, ResidueConstraint] = {}  # the last constraint each spec started (tests read what it saw)
+
+
+@dataclass(frozen=True)
+class ResidueSpec:
+    tag: str
+    modulus: int = 7
+    offset: int = 0
+    vocab: int = VOCAB
+
+    def start(self, vocab_size: int) -> ResidueConstraint:
+        if vocab_size != self.vocab:
+            raise InvalidRequestError(f"built for {self.vocab} ids, the model has {vocab_size}", "constraint")
+        return ResidueConstraint(self, vocab_size)
+
+
+def test_unpack_bitmask_is_the_packed_set():
+    g = np.random.default_rng(0)
+    for vocab in (1, 31, 32, 33, 999):
+        sets = [set(np.flatnonzero(g.random(vocab) < p).tolist()) for p in (0.0, 0.3, 1.0)]
+        words = torch.from_numpy(np.stack([pack(s, vocab) for s in sets]).view(np.int32))
+        got = unpack_bitmask(words, vocab)
+        assert got.shape == (3, vocab)
+        assert [set(torch.nonzero(r).flatten().tolist()) for r in got] == sets
+
+
+def test_sampler_never_picks_a_masked_id_and_logprobs_stay_the_models():
+    vocab, rows = 389, 6
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    allowed = [{3, 50, 388}, None, {7}, set(range(0, vocab, 5)), {100, 101}, set(range(200, 300))]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=0.7, top_p=0.5),
+              SamplingParams(temperature=1.0, min_p=0.2, logprobs=2)]
+    masks = [pack(a, vocab) if a is not None else None for a in allowed]
+    sampler = Sampler(vocab, "cpu")
+    for step in range(40):  # fresh noise each step: sampled rows wander, and must stay inside their sets
+        batch = SamplingBatch.build(params, list(range(rows)), [step] * rows, "cpu", vocab_size=vocab, masks=masks)
+        out = sampler(logits, batch)
+        ids = out.token_ids.tolist()
+        for r, (a, i) in enumerate(zip(allowed, ids)):
+            if a is not None:
+                assert i in a, (step, r, i)
+        assert ids[0] == max(allowed[0], key=lambda t: logits[0, t])  # greedy: the best allowed id
+        assert ids[1] == int(logits[1].argmax())  # an unconstrained row in the same batch is untouched
+        assert ids[2] == 7
+        assert torch.allclose(out.logprobs[5], torch.log_softmax(logits[5], -1)[ids[5]])  # the raw distribution
+    with pytest.raises(ValueError, match="32-bit words"):
+        SamplingBatch.build(params[:1], [0], [0], "cpu", vocab_size=vocab, masks=[np.zeros(3, dtype=np.uint32)])
+    with pytest.raises(ValueError, match="rebuilt every step"):
+        SamplingBatch.build(params[:1], [0], [0], "cpu", vocab_size=vocab, masks=masks[:1]).next_step()
+
+
+def test_engine_greedy_under_a_constraint_matches_a_recompute_loop(model, make_engine):
+    prompts = [random_prompt(n, 40 + n) for n in (3, 12, 26)]
+    engine = make_engine()
+    for i, p in enumerate(prompts):
+        engine.add_request(request(f"c{i}", p, SamplingParams(temperature=0.0, max_tokens=9,
+                                                               constraint=ResidueSpec(f"c{i}", offset=i))))
+    engine.add_request(request("free", prompts[0], SamplingParams(temperature=0.0, max_tokens=9)))
+    got = {rid: out["ids"] for rid, out in run_to_end(engine).items()}
+    for i, p in enumerate(prompts):
+        out: list[int] = []
+        for k in range(9):  # the rule, one token at a time, on a full recompute of the text so far
+            logits = model.full_logits(p + out)[-1].float()
+            r = (k + i) % 7
+            out.append(max(range(r, VOCAB, 7), key=lambda t: logits[t]))
+        assert got[f"c{i}"] == out == STARTED[f"c{i}"].seen, i
+    plain = model.full_logits(prompts[0])[-1].argmax().item()
+    assert got["free"][0] == plain  # the unconstrained request in the same batch
+
+
+def test_lookahead_steps_aside_for_constrained_rows(make_engine):
+    """With the lookahead on, a constrained row never has a token in flight when its mask is built (the
+    engine raises if it had) and the tokens equal the run without it; the lookahead resumes once the
+    constrained rows are done (the free row outlives them)."""
+    def run(**overrides) -> tuple[dict, int]:
+        engine = make_engine(**overrides)
+        for i, n in enumerate((4, 9, 16)):
+            constrained = i != 1
+            engine.add_request(request(f"l{i}", random_prompt(n, 600 + i), SamplingParams(
+                temperature=0.9, seed=i, max_tokens=6 if constrained else 20,
+                constraint=ResidueSpec(f"l{i}", modulus=5) if constrained else None)))
+        return {rid: out["ids"] for rid, out in run_to_end(engine).items()}, engine.metrics.lookahead_steps_total
+
+    (ahead, looked), (plain, none) = run(async_decode=True), run(async_decode=False)
+    assert ahead == plain and none == 0
+    assert 0 < looked <= 20 - 6, looked
+    for i in (0, 2):
+        assert all(t % 5 == k % 5 for k, t in enumerate(ahead[f"l{i}"]))
+
+
+def test_constraint_follows_the_prefill_to_decode_hand_off(make_engine):
+    """The prefill side samples the first token under the constraint; the decode side starts its own from the
+    spec and replays that token before sampling the next: tokens equal one engine doing both."""
+    prompt = random_prompt(21, 77)
+    sampling = SamplingParams(temperature=1.0, seed=5, max_tokens=8, constraint=ResidueSpec("h", modulus=3))
+    one = make_engine()
+    one.add_request(request("h", prompt, sampling))
+    whole = run_to_end(one)["h"]["ids"]
+    prefill, decode = make_engine(), make_engine()
+    prefill.add_request(request("h", prompt, sampling), prefill_only=True)
+    run_to_end(prefill, prefill.step_prefill)
+    payload = prefill.export_kv("h")
+    (first,) = decode.import_prefilled(request("h", prompt, sampling), payload)
+    rest = run_to_end(decode)["h"]["ids"]
+    assert first.token_ids + rest == whole
+    assert STARTED["h"].seen == whole  # the decode side's constraint saw the prefill's token first
+
+
+def test_a_constraint_for_another_vocabulary_is_refused(make_engine):
+    engine = make_engine()
+    with pytest.raises(InvalidRequestError, match="built for 50 ids"):
+        engine.add_request(request("v", [1, 2, 3], SamplingParams(constraint=ResidueSpec("v", vocab=50))))
+    with pytest.raises(InvalidRequestError, match="ConstraintSpec"):
+        engine.add_request(request("w", [1, 2, 3], SamplingParams(constraint="json")))
+    assert not engine.has_unfinished()
