@@ -40,6 +40,7 @@ from serve_app.harmony.encoding import VOCAB_FILE, load_harmony_encoding, vocab_
 log = logging.getLogger(__name__)
 
 HARMONY_VOCAB_SIZE = 201088  # the models' unembedding rows (o200k_harmony's last reserved id is beyond them)
+MASK_WORDS = (HARMONY_VOCAB_SIZE + 31) // 32  # llguidance's masks may run longer: cut to the model's ids
 RETURN, CALL, END, START, MESSAGE, CHANNEL = 200002, 200012, 200007, 200006, 200008, 200005
 # tiktoken's o200k_base split pattern (only llguidance's own tokenize_* calls use it, never the masks)
 _O200K_PATTERN = "|".join([
@@ -62,8 +63,11 @@ def check_json_schema(schema: Any, param: str) -> str:
     """The grammar of a JSON schema from a request, or InvalidRequestError (HTTP 400) naming `param`."""
     import llguidance
 
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidRequestError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+    if not isinstance(schema, (dict, bool)) or schema is False:
+        raise InvalidRequestError(f"{param} must be a JSON schema object (and not `false`, which allows nothing), "
+                                  f"got {schema!r:.80}", param)
+    if schema is True:  # any JSON value
+        schema = {}
     try:
         grammar = json_grammar(schema)
     except ValueError as err:
@@ -147,9 +151,9 @@ class HarmonyConstraint:
                         self._matcher.get_error())
             self._failed = True
         if self._failed:
-            words = np.zeros((HARMONY_VOCAB_SIZE + 31) // 32, dtype=np.uint32)
+            words = np.zeros(MASK_WORDS, dtype=np.uint32)
         else:
-            words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32).copy()
+            words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)[:MASK_WORDS].copy()
             words[RETURN // 32] &= ~np.uint32(1 << (RETURN % 32))  # the grammar's "done" is this message's end
             if not words.any() and not self._matcher.is_accepting():
                 log.warning("structured output: the grammar allows no token; closing the message")

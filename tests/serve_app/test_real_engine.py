@@ -7,6 +7,7 @@ that leaves frees the engine.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -273,3 +274,58 @@ def test_disconnect_frees_the_engine(real):
     assert aborted == 1, aborted  # ended by our abort, not by running to max_tokens
     usage = engine.engine.block_manager.usage()
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+           "required": ["city", "unit", "days"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_strict_forced_tool_call_arguments_match_the_schema(real, seed):
+    """A random model, sampled at temperature 1: held to the strict tool's schema from the forced header on,
+    its arguments are JSON that satisfies it and the call ends with <|call|> (finish_reason tool_calls), in
+    Chat and Responses; the engine is idle after."""
+    from tests.serve_app.test_harmony_constrain import valid
+
+    _, engine, server = real
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tool = {"name": "weather", "description": "Forecast.", "parameters": WEATHER, "strict": True}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=1.0, seed=seed,
+                                       tools=[{"type": "function", "function": tool}], tool_choice="required")
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
+    assert valid(json.loads(call.function.arguments), WEATHER), call.function.arguments
+    resp = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=60, temperature=1.0,
+                                   tools=[{"type": "function", **tool}],
+                                   tool_choice={"type": "function", "name": "weather"})
+    (item,) = [o for o in resp.output if o.type == "function_call"]
+    assert resp.status == "completed" and valid(json.loads(item.arguments), WEATHER), item.arguments
+    assert not engine.engine.has_unfinished()
+
+
+def test_completion_response_format_holds_the_text_from_the_first_token(real):
+    """/v1/completions with response_format (vLLM's extension): the prompt ends in the final channel's header,
+    the random model's text is JSON that satisfies the schema, and the request stops at <|return|>."""
+    from tests.serve_app.test_harmony_constrain import valid
+
+    _, engine, server = real
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>final<|message|>"
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=80, temperature=1.0, seed=4, n=2,
+                                  extra_body={"response_format": fmt})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop" and valid(json.loads(choice.text), WEATHER), choice.text
+    # json_object: any object. Left alone the random model writes one endless key; a logit_bias toward
+    # '"', '}', ':' and '0' (combined with the mask, as a client may) makes it close its objects.
+    enc = load_harmony_encoding()
+    bias = {str(enc.encode(ch, allowed_special=set())[0]): 30 for ch in ['"', "}", ":", "0"]}
+    for seed in range(3):
+        obj = client.completions.create(model=MODEL, prompt=prompt, max_tokens=80, temperature=1.0, seed=seed,
+                                        logit_bias=bias, extra_body={"response_format": {"type": "json_object"}})
+        assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].text), dict)
+    assert not engine.engine.has_unfinished()

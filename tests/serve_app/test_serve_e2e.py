@@ -192,6 +192,33 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
     assert got.choices[0].text == want.choices[0].text and got.usage.model_dump() == want.usage.model_dump()
 
 
+def test_structured_output_across_the_prefill_decode_hand_off(http_port, reference_port):
+    """A strict forced tool call and a response_format completion: the prefill replica samples the first token
+    under the constraint, the decode replica replays it into its own and goes on; the result equals the
+    single-process app's and satisfies the schema."""
+    import json
+
+    from tests.serve_app.test_harmony_constrain import valid
+    from tests.serve_app.test_real_engine import WEATHER
+
+    served, ref = client(http_port), client(reference_port)
+    before = stats(DECODE_NAME)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": WEATHER, "strict": True}}
+    kwargs = dict(**CHAT, max_tokens=60, temperature=1.0, seed=7, tools=[tool], tool_choice="required")
+    got, want = served.chat.completions.create(**kwargs), ref.chat.completions.create(**kwargs)
+    assert got.choices[0].message.tool_calls[0].function.arguments == \
+        want.choices[0].message.tool_calls[0].function.arguments
+    assert valid(json.loads(got.choices[0].message.tool_calls[0].function.arguments), WEATHER)
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    raw = dict(model="gpt-oss", prompt="<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>",
+               max_tokens=60, temperature=1.0, seed=3, extra_body={"response_format": fmt})
+    got, want = served.completions.create(**raw), ref.completions.create(**raw)
+    assert got.choices[0].text == want.choices[0].text and got.choices[0].finish_reason == "stop"
+    assert valid(json.loads(got.choices[0].text), WEATHER)
+    after = stats(DECODE_NAME)
+    assert after["transfers"] - before["transfers"] == 2 and after["fallbacks"] == before["fallbacks"]
+
+
 def test_twenty_concurrent_streams_then_pools_are_free(http_port, reference_port):
     requests = [dict(model="gpt-oss", messages=[{"role": "user", "content": f"Question {i}: " + "why? " * (i % 7)}],
                      temperature=0, max_tokens=8 + i) for i in range(20)]

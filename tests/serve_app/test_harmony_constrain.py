@@ -1,0 +1,196 @@
+"""Structured output over Harmony (serve_app/harmony/constrain.py) with the real llguidance and the Harmony
+vocabulary: the reasoning is free, the final answer and strict tool calls are held to their schemas, each
+message ends with its own end token, and random walks through the masks always produce valid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.request import InvalidRequestError
+from serve_app.harmony.constrain import (CALL, FINAL, HARMONY_VOCAB_SIZE, RETURN, HarmonySchemaSpec,
+                                         check_json_schema, harmony_tokenizer, response_format_grammar,
+                                         response_format_text)
+from serve_app.harmony.encoding import load_harmony_encoding
+from serve_app.harmony.render import FunctionTool, Prompt, UserMessage, render_prompt
+
+ENC = load_harmony_encoding()
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "alerts": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["city", "unit", "days", "alerts", "tags"],
+    "additionalProperties": False,
+}
+
+
+def ids(text: str) -> list[int]:
+    return ENC.encode(text, allowed_special="all")
+
+
+def allowed(words: np.ndarray | None) -> np.ndarray | None:
+    """The allowed ids of a packed mask (None stays None)."""
+    if words is None:
+        return None
+    assert words.dtype == np.uint32 and words.shape == ((HARMONY_VOCAB_SIZE + 31) // 32,)
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:HARMONY_VOCAB_SIZE])
+
+
+def valid(doc, schema=SCHEMA) -> bool:
+    """The subset of JSON schema used here, checked directly."""
+    if "enum" in schema:
+        return doc in schema["enum"]
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return isinstance(doc, dict) and set(schema.get("required", [])) <= set(doc) and \
+            (schema.get("additionalProperties", True) is not False or set(doc) <= set(props)) and \
+            all(valid(v, props[k]) for k, v in doc.items() if k in props)
+    if kind == "string":
+        return isinstance(doc, str) and len(doc) <= schema.get("maxLength", len(doc))
+    if kind == "integer":
+        return isinstance(doc, int) and not isinstance(doc, bool) and \
+            schema.get("minimum", doc) <= doc <= schema.get("maximum", doc)
+    if kind == "boolean":
+        return isinstance(doc, bool)
+    if kind == "array":
+        return isinstance(doc, list) and len(doc) <= schema.get("maxItems", len(doc)) and \
+            all(valid(v, schema["items"]) for v in doc)
+    return True
+
+
+def spec(**kw) -> HarmonySchemaSpec:
+    return HarmonySchemaSpec(**kw)
+
+
+def feed(constraint, tokens: list[int]) -> list[np.ndarray | None]:
+    """Accept tokens one by one (each must be allowed); the allowed set before each."""
+    seen = []
+    for t in tokens:
+        a = allowed(constraint.allowed_tokens())
+        assert a is None or t in a, (t, ENC.decode([t]))
+        seen.append(a)
+        constraint.accept(t)
+    return seen
+
+
+def test_the_tokenizer_is_harmonys():
+    tok = harmony_tokenizer()
+    for text in ("Hello world", "  spaced\n\nlines\t", "naïve café 東京 🙂", '{"a":[1,2.5e-3,true,null]}'):
+        assert tok.tokenize_str(text) == ENC.encode(text, allowed_special=set())
+    header = ids("<|channel|>commentary to=functions.get_weather <|constrain|>json")
+    assert tok.decode_str(header) == "<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    assert all(tok.is_special_token(t) for t in (RETURN, CALL, 200005, 200008))
+
+
+def test_reasoning_is_free_and_the_final_answer_is_held_to_the_schema():
+    c = spec(final=check_json_schema(SCHEMA, "s")).start(HARMONY_VOCAB_SIZE)
+    reasoning = ids("<|channel|>analysis<|message|>Need JSON. {not json} <|end|><|start|>assistant")
+    assert all(a is None for a in feed(c, reasoning))  # nothing constrains the analysis
+    assert all(a is None for a in feed(c, ids("<|channel|>final<|message|>")))
+    first = allowed(c.allowed_tokens())
+    assert first is not None and ids('{"')[0] in first and ids("Sure")[0] not in first  # keys in schema order
+    assert not set(first) & {RETURN, CALL, 200007, 200005}  # no special token before the JSON is whole
+    doc = '{"city":"Paris","unit":"celsius","days":3,"alerts":false,"tags":["a","b"]}'
+    feed(c, ids(doc))
+    assert allowed(c.allowed_tokens()).tolist() == [RETURN]  # whole: only the answer's end
+    c.accept(RETURN)
+    assert c.allowed_tokens() is None and not c.active
+
+
+def test_a_strict_tool_call_is_held_and_ends_with_call_either_header_form():
+    grammar = check_json_schema({"type": "object", "properties": {"q": {"enum": ["x"]}}, "required": ["q"],
+                                 "additionalProperties": False}, "t")
+    for header in ("<|channel|>commentary to=functions.search <|constrain|>json<|message|>",
+                   "<|start|>assistant to=functions.search<|channel|>commentary json<|message|>"):
+        c = spec(tools=(("search", grammar),)).start(HARMONY_VOCAB_SIZE)
+        feed(c, ids(header))
+        assert c.active
+        feed(c, ids('{"q":"x"}'))
+        assert allowed(c.allowed_tokens()).tolist() == [CALL]
+        c.accept(CALL)
+        assert not c.active
+    # a tool without a schema (not strict), and a final answer without a response format: free
+    c = spec(tools=(("search", grammar),)).start(HARMONY_VOCAB_SIZE)
+    assert all(a is None for a in feed(c, ids("<|channel|>commentary to=functions.other <|constrain|>json<|message|>"
+                                                "not json<|call|>")))
+    assert all(a is None for a in feed(c, ids("<|start|>assistant<|channel|>final<|message|>free text")))
+
+
+def test_a_forced_call_and_a_raw_completion_start_inside_their_grammar():
+    grammar = check_json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 9}}, "required": ["n"]}, "t")
+    c = spec(tools=(("count", grammar),), start_in="count").start(HARMONY_VOCAB_SIZE)
+    assert ids('{"')[0] in allowed(c.allowed_tokens())
+    feed(c, ids('{"n":7}'))
+    assert allowed(c.allowed_tokens()).tolist() == [CALL]
+    c = spec(final=grammar, start_in=FINAL).start(HARMONY_VOCAB_SIZE)
+    feed(c, ids('{"n":0}'))
+    assert allowed(c.allowed_tokens()).tolist() == [RETURN]
+
+
+def test_a_token_the_grammar_rejects_closes_the_message_instead_of_hanging():
+    c = spec(final=check_json_schema(SCHEMA, "s"), start_in=FINAL).start(HARMONY_VOCAB_SIZE)
+    c.accept(ids("Sure")[0])  # not allowed (a sampler never does this): the matcher fails
+    assert allowed(c.allowed_tokens()).tolist() == [RETURN]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_walks_through_the_masks_are_valid_json(seed):
+    """Pick uniformly among the allowed ids (the end token as soon as it is allowed) until the message ends:
+    the text is JSON that satisfies the schema, whatever the path."""
+    rng = np.random.default_rng(seed)
+    c = spec(final=check_json_schema(SCHEMA, "s"), start_in=FINAL).start(HARMONY_VOCAB_SIZE)
+    out: list[int] = []
+    for _ in range(400):
+        a = allowed(c.allowed_tokens())
+        t = RETURN if RETURN in a else int(rng.choice(a))
+        c.accept(t)
+        if t == RETURN:
+            break
+        out.append(t)
+    else:
+        pytest.fail("no end within 400 tokens")
+    doc = json.loads(ENC.decode(out))
+    assert valid(doc), doc
+
+
+def test_specs_and_formats_are_checked():
+    with pytest.raises(ValueError, match="start_in"):
+        spec(tools=(("a", "g"),), start_in="b")
+    with pytest.raises(ValueError, match="final grammar"):
+        spec(start_in=FINAL)
+    with pytest.raises(InvalidRequestError, match="Harmony vocabulary") as err:
+        spec(final=check_json_schema(True, "s")).start(1000)
+    assert err.value.param == "response_format"
+    with pytest.raises(InvalidRequestError, match="foo") as err:
+        check_json_schema({"type": "foo"}, "response_format.json_schema.schema")
+    assert err.value.param == "response_format.json_schema.schema"
+    assert response_format_grammar({"type": "text"}, "f") == (None, None)
+    grammar, section = response_format_grammar({"type": "json_object"}, "f")
+    assert grammar and section is None
+    nested = {"type": "json_schema", "json_schema": {"name": "w", "description": "weather", "schema": SCHEMA}}
+    flat = {"type": "json_schema", "name": "w", "description": "weather", "schema": SCHEMA}
+    assert response_format_grammar(nested, "f") == response_format_grammar(flat, "f")
+    assert response_format_text(response_format_grammar(nested, "f")[1]) == \
+        "# Response Formats\n\n## w\n\n// weather\n" + json.dumps(SCHEMA, separators=(",", ":"))
+
+
+def test_the_response_format_section_ends_the_developer_message():
+    section = response_format_text({"name": "w", "description": "", "schema": {"type": "object"}})
+    tools = [FunctionTool("f", "does f", {"type": "object", "properties": {"a": {"type": "string"}}})]
+    plain = ENC.decode(render_prompt(Prompt([UserMessage("hi")], instructions="Be brief.", tools=tools)))
+    text = ENC.decode(render_prompt(Prompt([UserMessage("hi")], instructions="Be brief.", tools=tools,
+                                           response_format=section)))
+    developer_end = plain.index("<|end|>", plain.index("<|start|>developer"))
+    assert text == plain[:developer_end] + "\n\n" + section + plain[developer_end:]
+    assert "Calls to these tools must go to the commentary channel" in text  # what the tools add stays
+    alone = ENC.decode(render_prompt(Prompt([UserMessage("hi")], response_format=section)))
+    assert f"<|start|>developer<|message|>{section}<|end|>" in alone
