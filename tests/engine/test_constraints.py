@@ -157,3 +157,26 @@ def test_a_constraint_for_another_vocabulary_is_refused(make_engine):
     with pytest.raises(InvalidRequestError, match="ConstraintSpec"):
         engine.add_request(request("w", [1, 2, 3], SamplingParams(constraint="json")))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_masked_sampling_on_the_gpu_equals_the_cpu():
+    """The same logits, masks and seeds at the Harmony vocabulary's size: the same tokens on both devices
+    (integer-hash noise), every one allowed."""
+    vocab, rows = 201088, 8
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    rng = np.random.default_rng(3)
+    allowed = [set(rng.choice(vocab, size=k, replace=False).tolist()) for k in (1, 2, 50, 5000, 100000, 7, 300, 90)]
+    allowed[3] = None
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+              [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (1.2, 0, 1.0), (0.0, 0, 1.0),
+               (0.7, 5, 0.5), (1.0, 100, 1.0)]]
+    masks = [pack(a, vocab) if a is not None else None for a in allowed]
+    picks = {}
+    for device in ("cpu", "cuda"):
+        batch = SamplingBatch.build(params, list(range(rows)), [4] * rows, device, vocab_size=vocab, masks=masks)
+        picks[device] = Sampler(vocab, device)(logits.to(device), batch).token_ids.tolist()
+    assert picks["cpu"] == picks["cuda"]
+    assert all(a is None or t in a for a, t in zip(allowed, picks["cuda"]))

@@ -1,0 +1,192 @@
+"""What structured output costs: the host's mask per token, and one request's decode through the engine.
+
+    python -m bench.structured                                   # CPU, the tiny model (smoke; minutes)
+    python -m bench.structured --device cuda --model gpt-oss-20b # one GPU, random weights of the real shapes
+
+1. Host: HarmonyConstraint.allowed_tokens() (llguidance's mask over the 201,088 Harmony ids, cut and
+   patched) and accept() along random walks through three schemas; microseconds per token.
+2. Engine: one request (1k prompt tokens, N output tokens, greedy, ignore_eos) stepped alone through the
+   same LLMEngine three ways: no constraint (the engine's lookahead as configured), a constraint still in
+   its free phase (a response format whose final answer never starts: the random model never writes the
+   final channel's header; what a reasoning model's analysis costs), and a grammar active from the first
+   token (a string of at least 1000 characters: it stays active for the whole run). Milliseconds per output
+   token and the ratio to the unconstrained run, same process.
+
+JSON and a PNG under bench/results/ (structured_<device>.{json,png}); a table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import GenerateRequest, SamplingParams
+from serve_app.harmony.constrain import (FINAL, HARMONY_VOCAB_SIZE, HarmonySchemaSpec, check_json_schema,
+                                         harmony_tokenizer)
+
+SCHEMAS = {
+    "weather (flat, enums, bounded ints)": {
+        "type": "object", "additionalProperties": False, "required": ["city", "unit", "days", "alerts"],
+        "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 14}, "alerts": {"type": "boolean"}}},
+    "nested (array of objects)": {
+        "type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+            "type": "object", "required": ["name", "qty", "tags"],
+            "properties": {"name": {"type": "string"}, "qty": {"type": "number"},
+                           "tags": {"type": "array", "items": {"type": "string"}}}}}}},
+    "json_object": {"type": "object"},
+}
+LONG_STRING = {"type": "object", "required": ["text"], "properties": {"text": {"type": "string", "minLength": 1000}}}
+
+
+def allowed_ids(words: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:HARMONY_VOCAB_SIZE])
+
+
+def host_costs(tokens: int, walks: int) -> list[dict]:
+    t0 = time.perf_counter()
+    harmony_tokenizer()
+    build_s = time.perf_counter() - t0
+    rows = []
+    for name, schema in SCHEMAS.items():
+        t0 = time.perf_counter()
+        grammar = check_json_schema(schema, "bench")
+        compile_ms = 1e3 * (time.perf_counter() - t0)
+        masks, accepts, lengths = [], [], []
+        for walk in range(walks):
+            rng = np.random.default_rng(walk)
+            c = HarmonySchemaSpec(final=grammar, start_in=FINAL).start(HARMONY_VOCAB_SIZE)
+            for n in range(tokens):
+                t = time.perf_counter()
+                words = c.allowed_tokens()
+                masks.append(time.perf_counter() - t)
+                token = int(rng.choice(allowed_ids(words)))
+                t = time.perf_counter()
+                c.accept(token)
+                accepts.append(time.perf_counter() - t)
+                if not c.active:
+                    break
+            lengths.append(n + 1)
+        rows.append({"schema": name, "walks": walks, "tokens": len(masks), "mean_walk_tokens": float(np.mean(lengths)),
+                     "compile_ms": compile_ms, "tokenizer_build_s": build_s,
+                     **{f"mask_us_{k}": float(np.percentile(masks, q) * 1e6) for k, q in (("p50", 50), ("p90", 90), ("max", 100))},
+                     "accept_us_p50": float(np.median(accepts) * 1e6)})
+        print(f"host {name}: mask p50 {rows[-1]['mask_us_p50']:.0f} us, p90 {rows[-1]['mask_us_p90']:.0f}, "
+              f"accept {rows[-1]['accept_us_p50']:.0f} us", flush=True)
+    return rows
+
+
+def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]:
+    vocab = engine.vocab_size
+    prompt = torch.randint(0, min(vocab, 199998), (prompt_len,), generator=torch.Generator().manual_seed(9)).tolist()
+    variants = {
+        "no constraint": None,
+        "constraint, free phase": HarmonySchemaSpec(final=check_json_schema(SCHEMAS["json_object"], "bench")),
+        "grammar active": HarmonySchemaSpec(final=check_json_schema(LONG_STRING, "bench"), start_in=FINAL),
+    }
+    rows = []
+    for rnd in range(2):  # round 0 warms everything (graphs, first steps); round 1 is reported
+        for name, spec in variants.items():
+            rid = f"{name}-{rnd}"
+            engine.add_request(GenerateRequest(rid, prompt, SamplingParams(
+                temperature=0.0, max_tokens=out_len, ignore_eos=True, constraint=spec)))
+            times, active = [], []
+            while engine.has_unfinished():
+                seq = engine.seqs.get(rid)
+                was_active = bool(seq is not None and getattr(seq.constraint, "active", False))
+                for d in engine.step():
+                    times += [time.perf_counter()] * len(d.token_ids)
+                    active += [was_active] * len(d.token_ids)
+            if rnd == 1:
+                tpot = (times[-1] - times[0]) / (len(times) - 1)
+                rows.append({"variant": name, "out_len": len(times), "tpot_ms": 1e3 * tpot, "tok_s": 1 / tpot,
+                             "steps_with_grammar_active": int(sum(active[1:]))})
+    base = rows[0]["tpot_ms"]
+    for r in rows:
+        r["vs_unconstrained"] = r["tpot_ms"] / base
+        print(f"engine {r['variant']}: {r['tpot_ms']:.3f} ms per token ({r['vs_unconstrained']:.2f}x)", flush=True)
+    return rows
+
+
+def build_engine(args) -> LLMEngine:
+    if args.model == "tiny":
+        from model.tiny import tiny_config
+
+        model_config = tiny_config()
+    else:
+        from model.config import GptOssConfig
+
+        model_config = GptOssConfig.preset(args.model)
+    cuda = args.device == "cuda"
+    config = EngineConfig(device=args.device, max_num_seqs=4, max_num_batched_tokens=2048,
+                          max_model_len=args.prompt_len + args.out_len + 8,
+                          kv_cache_bytes=(8 << 30) if cuda else (256 << 20), cuda_graphs=cuda)
+    return LLMEngine.with_random_weights(model_config, config)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    host = result["host"]
+    a.bar([r["schema"].split(" (")[0] for r in host], [r["mask_us_p50"] for r in host], label="p50")
+    a.bar([r["schema"].split(" (")[0] for r in host], [r["mask_us_p90"] - r["mask_us_p50"] for r in host],
+          bottom=[r["mask_us_p50"] for r in host], alpha=0.5, label="p90")
+    a.set_ylabel("host mask per token, us")
+    a.set_title(f"allowed_tokens() ({result['host_cpu']})")
+    a.legend()
+    eng = result["engine"]
+    b.bar([r["variant"] for r in eng], [r["tpot_ms"] for r in eng])
+    b.set_ylabel("ms per output token, batch 1")
+    b.set_title(f"{result['model']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="tiny", help="tiny, gpt-oss-20b or gpt-oss-120b (random weights)")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--out-len", type=int, default=128)
+    p.add_argument("--host-tokens", type=int, default=200)
+    p.add_argument("--walks", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    out = Path(args.out or f"bench/results/structured_{args.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
+              "host_cpu": platform.processor() or platform.machine(), "model": args.model, "args": vars(args),
+              "host": host_costs(args.host_tokens, args.walks)}
+    out.write_text(json.dumps(result, indent=1))
+    engine = build_engine(args)
+    result["engine_async_decode"] = engine.async_decode
+    result["engine"] = engine_costs(engine, args.prompt_len, args.out_len)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(f"\n{result['model']} on {device}, {args.prompt_len}-token prompt, {args.out_len} tokens, lookahead "
+          f"{'on' if engine.async_decode else 'off'} ({result['date']})")
+    print(f"{'schema':40s} {'mask p50 us':>12s} {'p90':>8s} {'max':>8s} {'accept us':>10s} {'walk tokens':>12s}")
+    for r in result["host"]:
+        print(f"{r['schema']:40s} {r['mask_us_p50']:12.0f} {r['mask_us_p90']:8.0f} {r['mask_us_max']:8.0f} "
+              f"{r['accept_us_p50']:10.1f} {r['mean_walk_tokens']:12.1f}")
+    print(f"{'engine, batch 1':40s} {'ms/token':>12s} {'vs none':>8s}")
+    for r in result["engine"]:
+        print(f"{r['variant']:40s} {r['tpot_ms']:12.3f} {r['vs_unconstrained']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
