@@ -6,11 +6,12 @@
 1. Host: HarmonyConstraint.allowed_tokens() (llguidance's mask over the 201,088 Harmony ids, cut and
    patched) and accept() along random walks through three schemas; microseconds per token.
 2. Engine: one request (1k prompt tokens, N output tokens, greedy, ignore_eos) stepped alone through the
-   same LLMEngine three ways: no constraint (the engine's lookahead as configured), a constraint still in
-   its free phase (a response format whose final answer never starts: the random model never writes the
-   final channel's header; what a reasoning model's analysis costs), and a grammar active from the first
-   token (a string of at least 1000 characters: it stays active for the whole run). Milliseconds per output
-   token and the ratio to the unconstrained run, same process.
+   same LLMEngine three ways: no constraint (the engine's lookahead as configured), a constraint in its free
+   phase (a response format whose constraint has seen `<|channel|>analysis<|message|>`, as after a real
+   model's first three tokens, and stays in that body: the random model never ends it; what a reasoning
+   model's analysis costs), and a grammar active from the first token (a string of at least 1000
+   characters: it stays active for the whole run). Milliseconds per output token and the ratio to the
+   unconstrained run, same process.
 
 JSON and a PNG under bench/results/ (structured_<device>.{json,png}); a table printed last.
 """
@@ -21,6 +22,7 @@ import argparse
 import json
 import platform
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.harmony.constrain import (FINAL, HARMONY_VOCAB_SIZE, HarmonySchemaSpec, check_json_schema,
                                          harmony_tokenizer)
+from serve_app.harmony.encoding import load_harmony_encoding
 
 SCHEMAS = {
     "weather (flat, enums, bounded ints)": {
@@ -85,12 +88,26 @@ def host_costs(tokens: int, walks: int) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class InAnalysis:
+    """A spec whose constraint starts as if the model had written the analysis channel's header."""
+
+    spec: HarmonySchemaSpec
+
+    def start(self, vocab_size: int):
+        constraint = self.spec.start(vocab_size)
+        for token in load_harmony_encoding().encode("<|channel|>analysis<|message|>", allowed_special="all"):
+            constraint.accept(token)
+        return constraint
+
+
 def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]:
     vocab = engine.vocab_size
     prompt = torch.randint(0, min(vocab, 199998), (prompt_len,), generator=torch.Generator().manual_seed(9)).tolist()
     variants = {
         "no constraint": None,
-        "constraint, free phase": HarmonySchemaSpec(final=check_json_schema(SCHEMAS["json_object"], "bench")),
+        "constraint, free phase": InAnalysis(HarmonySchemaSpec(final=check_json_schema(SCHEMAS["json_object"],
+                                                                                       "bench"))),
         "grammar active": HarmonySchemaSpec(final=check_json_schema(LONG_STRING, "bench"), start_in=FINAL),
     }
     rows = []
@@ -99,7 +116,7 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
             rid = f"{name}-{rnd}"
             engine.add_request(GenerateRequest(rid, prompt, SamplingParams(
                 temperature=0.0, max_tokens=out_len, ignore_eos=True, constraint=spec)))
-            times, active = [], []
+            times, active, ahead = [], [], engine.lookahead_steps
             while engine.has_unfinished():
                 seq = engine.seqs.get(rid)
                 was_active = bool(seq is not None and getattr(seq.constraint, "active", False))
@@ -109,7 +126,8 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
             if rnd == 1:
                 tpot = (times[-1] - times[0]) / (len(times) - 1)
                 rows.append({"variant": name, "out_len": len(times), "tpot_ms": 1e3 * tpot, "tok_s": 1 / tpot,
-                             "steps_with_grammar_active": int(sum(active[1:]))})
+                             "steps_with_grammar_active": int(sum(active[1:])),
+                             "lookahead_steps": engine.lookahead_steps - ahead})
     base = rows[0]["tpot_ms"]
     for r in rows:
         r["vs_unconstrained"] = r["tpot_ms"] / base

@@ -333,9 +333,9 @@ class LLMEngine:
                 seq.pending_kv = None
             t2 = time.perf_counter()
             rows = [out.scheduled[b].seq for b in inputs.sample_rows]
-            batch = self._sampling_batch(rows)
             logits = self.runner.execute(inputs)
             self.metrics.record_path(self.runner.last_path)
+            batch = self._sampling_batch(rows)  # (after the launch: token masks are built while the GPU runs)
             sampled = self.sampler(logits, batch) if rows else None  # a step of partial prefill chunks samples nothing
             host = HostTokens(sampled) if sampled is not None else None
         except Exception as exc:  # any failure of the model or sampler: the caller aborts these requests
@@ -382,7 +382,7 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or any(seq.prefill_only or seq.sampling.needs_each_token for seq in cur.rows):
+        if kind is StepKind.PREFILL or any(seq.prefill_only or not self._may_sample_ahead(seq) for seq in cur.rows):
             return None  # (penalties, constraints: the next step's history or mask needs this step's tokens)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
@@ -449,26 +449,34 @@ class LLMEngine:
         self._update_state_metrics()
         return deltas
 
+    @staticmethod
+    def _may_sample_ahead(seq: Sequence) -> bool:
+        """Whether seq's next sample may be drawn before its token in flight is read: never with penalties
+        (their history needs it), with a constraint when it says the token cannot change the next mask."""
+        return not seq.sampling.has_penalties and (seq.constraint is None or seq.constraint.can_look_ahead())
+
     def _sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
         """The step's SamplingBatch. When the same sequences sample again, each one token further (a
-        decode step of an unchanged batch), the last batch is reused with its step counters moved on
-        the device: no rebuild, no host-to-device copies."""
+        decode step of an unchanged batch) and no row needs host state (penalties, a token mask), the last
+        batch is reused with its step counters moved on the device: no rebuild, no host-to-device copies."""
         steps = [len(s.output_ids) for s in rows]
         last = self._last_sampling
-        host_state = any(s.sampling.needs_each_token for s in rows)
-        if not host_state and last is not None and len(last[0]) == len(rows) \
-                and all(a is b for a, b in zip(last[0], rows)) and all(n == m + 1 for n, m in zip(steps, last[1])):
+        masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
+        penalized = [s.sampling.has_penalties for s in rows]
+        host_state = any(penalized) or any(m is not None for m in masks)
+        if not host_state and last is not None and last[2].allowed is None and not last[2].penalized \
+                and len(last[0]) == len(rows) and all(a is b for a, b in zip(last[0], rows)) \
+                and all(n == m + 1 for n, m in zip(steps, last[1])):
             batch = last[2].next_step()
         else:
-            histories = masks = None
-            if host_state:  # every generated id is on the host: no lookahead past such a row (_launch_next)
-                if any(PLACEHOLDER in s.output_ids for s in rows if s.sampling.needs_each_token):
-                    raise RuntimeError("a penalized or constrained row has a token in flight: its history or "
-                                       "mask would miss it")
-                histories = [s.output_ids if s.sampling.has_penalties else [] for s in rows]
-                masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
+            histories = None
+            if host_state:  # every generated id is on the host: no lookahead past such a row (_may_sample_ahead)
+                if any(PLACEHOLDER in s.output_ids for s, p, m in zip(rows, penalized, masks) if p or m is not None):
+                    raise RuntimeError("a penalized or masked row has a token in flight: its history or mask "
+                                       "would miss it")
+                histories = [s.output_ids if p else [] for s, p in zip(rows, penalized)]
             batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.runner.device,
-                                        histories, self.vocab_size, masks)
+                                        histories, self.vocab_size, masks if host_state else None)
         self._last_sampling = (rows, steps, batch)
         return batch
 

@@ -44,6 +44,11 @@ class TokenConstraint(Protocol):
     def accept(self, token_id: int) -> None:
         ...
 
+    def can_look_ahead(self) -> bool:
+        """Whether the allowed set after one more token, whichever it is, is still "any token" (None): the
+        engine may then draw the token after next before it reads the next one (its lookahead)."""
+        ...
+
 
 class ConstraintSpec(Protocol):
     """What a request carries (picklable: it crosses processes); each engine that samples for the request
@@ -72,17 +77,13 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the raw logits every step.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output: allowed tokens per step (serve_app/harmony/constrain.py builds Harmony's). The
-    # engine reads each constrained token before it samples the next (no lookahead past such a request).
+    # engine reads a constrained token before it samples the next, unless the constraint says the next
+    # mask cannot depend on it (TokenConstraint.can_look_ahead).
     constraint: ConstraintSpec | None = None
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
-
-    @property
-    def needs_each_token(self) -> bool:
-        """The next sample depends on the token before it on the host (penalties' history, constraints)."""
-        return self.has_penalties or self.constraint is not None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """vocab_size: the engine's, to check logit_bias ids against (None: not checked)."""

@@ -162,6 +162,11 @@ class HarmonyConstraint:
             words[self._end // 32] |= np.uint32(1 << (self._end % 32))
         return words
 
+    def can_look_ahead(self) -> bool:
+        """In a free message's body or between messages, one more token cannot start a grammar (only the
+        <|message|> closing a header does): the engine may sample past it unread."""
+        return self._matcher is None and self._header is None
+
     def accept(self, token_id: int) -> None:
         if self._matcher is not None:
             if token_id == self._end:

@@ -39,6 +39,23 @@ class ResidueConstraint:
         self.seen.append(token_id)
         STARTED[self.spec.tag] = self
 
+    def can_look_ahead(self) -> bool:
+        return False  # every mask depends on the count of tokens seen
+
+
+class LateConstraint(ResidueConstraint):
+    """Free for the first `free` tokens, then residues: the engine may look ahead while the next mask is
+    still None whatever the token in flight."""
+
+    def allowed_tokens(self) -> np.ndarray | None:
+        return None if len(self.seen) < self.spec.free else super().allowed_tokens()
+
+    def allowed_set(self) -> set[int]:
+        return set(range(self.vocab)) if len(self.seen) < self.spec.free else super().allowed_set()
+
+    def can_look_ahead(self) -> bool:
+        return len(self.seen) + 1 < self.spec.free
+
 
 STARTED: dict[str, ResidueConstraint] = {}  # the last constraint each spec started (tests read what it saw)
 
@@ -50,10 +67,12 @@ class ResidueSpec:
     offset: int = 0
     vocab: int = VOCAB
 
+    free: int | None = None  # LateConstraint: free for this many tokens first
+
     def start(self, vocab_size: int) -> ResidueConstraint:
         if vocab_size != self.vocab:
             raise InvalidRequestError(f"built for {self.vocab} ids, the model has {vocab_size}", "constraint")
-        return ResidueConstraint(self, vocab_size)
+        return (ResidueConstraint if self.free is None else LateConstraint)(self, vocab_size)
 
 
 def test_unpack_bitmask_is_the_packed_set():
@@ -132,6 +151,21 @@ def test_lookahead_steps_aside_for_constrained_rows(make_engine):
         assert all(t % 5 == k % 5 for k, t in enumerate(ahead[f"l{i}"]))
 
 
+def test_lookahead_runs_while_the_constraint_allows_it(make_engine):
+    """A constraint free for its first 10 tokens: the engine looks ahead there (its masks are None whatever
+    the token in flight), stops before the first masked step, and the tokens equal the run without it."""
+    def run(**overrides) -> tuple[list[int], int]:
+        engine = make_engine(**overrides)
+        engine.add_request(request("late", random_prompt(7, 90), SamplingParams(
+            temperature=1.0, seed=1, max_tokens=16, constraint=ResidueSpec("late", modulus=4, free=10))))
+        return run_to_end(engine)["late"]["ids"], engine.metrics.lookahead_steps_total
+
+    (ahead, looked), (plain, none) = run(async_decode=True), run(async_decode=False)
+    assert ahead == plain and none == 0
+    assert 0 < looked < 10, looked
+    assert all(t % 4 == k % 4 for k, t in enumerate(ahead) if k >= 10)
+
+
 def test_constraint_follows_the_prefill_to_decode_hand_off(make_engine):
     """The prefill side samples the first token under the constraint; the decode side starts its own from the
     spec and replays that token before sampling the next: tokens equal one engine doing both."""
@@ -180,3 +214,20 @@ def test_masked_sampling_on_the_gpu_equals_the_cpu():
         picks[device] = Sampler(vocab, device)(logits.to(device), batch).token_ids.tolist()
     assert picks["cpu"] == picks["cuda"]
     assert all(a is None or t in a for a, t in zip(allowed, picks["cuda"]))
+
+
+def test_structured_output_benchmark_smoke(tmp_path):
+    """bench/structured on the CPU, tiny: its three engine runs exist, the grammar stays active for the whole
+    third one, and it writes its JSON and PNG."""
+    import json
+
+    from bench import structured
+
+    out = tmp_path / "structured.json"
+    structured.main(["--prompt-len", "24", "--out-len", "6", "--host-tokens", "15", "--walks", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["engine"]] == ["no constraint", "constraint, free phase", "grammar active"]
+    assert [r["steps_with_grammar_active"] for r in result["engine"]] == [0, 0, 5]
+    assert all(r["out_len"] == 6 and r["tpot_ms"] > 0 for r in result["engine"])
+    assert len(result["host"]) == 3 and all(r["mask_us_p50"] > 0 for r in result["host"])
+    assert out.with_suffix(".png").stat().st_size > 0

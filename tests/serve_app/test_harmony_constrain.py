@@ -105,6 +105,18 @@ def test_reasoning_is_free_and_the_final_answer_is_held_to_the_schema():
     assert c.allowed_tokens() is None and not c.active
 
 
+def test_look_ahead_only_where_one_more_token_cannot_start_a_grammar():
+    """The engine may sample past an unread token in a free body or between messages; not in a header (the
+    unread token may be the <|message|> that starts a grammar), nor inside a grammar."""
+    c = spec(final=check_json_schema(SCHEMA, "s")).start(HARMONY_VOCAB_SIZE)
+    states = []
+    for t in ids("<|channel|>analysis<|message|>x y<|end|><|start|>assistant<|channel|>final<|message|>{"):
+        c.accept(t)
+        states.append(c.can_look_ahead())
+    # header (2 tokens), body after <|message|>, body, body, after <|end|>, header from <|start|> on, grammar
+    assert states == [False, False, True, True, True, True, False, False, False, False, False, False], states
+
+
 def test_a_strict_tool_call_is_held_and_ends_with_call_either_header_form():
     grammar = check_json_schema({"type": "object", "properties": {"q": {"enum": ["x"]}}, "required": ["q"],
                                  "additionalProperties": False}, "t")
