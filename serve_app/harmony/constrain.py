@@ -61,7 +61,11 @@ def json_grammar(schema: dict | bool) -> str:
 
 def check_json_schema(schema: Any, param: str) -> str:
     """The grammar of a JSON schema from a request, or InvalidRequestError (HTTP 400) naming `param`."""
-    import llguidance
+    try:
+        import llguidance
+    except ImportError as err:  # a dependency of the project; a hand-made environment may lack it
+        raise InvalidRequestError("structured output is not available on this server (the llguidance package is "
+                                  "not installed)", param) from err
 
     if not isinstance(schema, (dict, bool)) or schema is False:
         raise InvalidRequestError(f"{param} must be a JSON schema object (and not `false`, which allows nothing), "
