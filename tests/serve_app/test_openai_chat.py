@@ -251,3 +251,36 @@ def test_logprobs_cover_text_recovered_from_a_broken_header(client, backend):
                 content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
             assert content == text.replace("<|return|>", "")
             assert b"".join(bytes(e.bytes) for e in entries).decode() == content, (text[:20], stream)
+
+
+def test_structured_output_reaches_the_engine_request_and_the_prompt(client, backend):
+    """response_format: the engine request carries the constraint (the final answer's grammar) and the prompt
+    ends its developer message with the schema; strict tools add their grammars (a forced strict call starts
+    inside its own); tool_choice 'none' or a plain text format leave the request unconstrained."""
+    from serve_app.harmony.constrain import HarmonySchemaSpec
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "description": "The reply.", "schema": schema}}
+    backend.push('<|channel|>final<|message|>{"answer":"hi"}<|return|>')
+    r = client.chat.completions.create(model=MODEL, messages=HI, response_format=fmt)
+    assert r.choices[0].message.content == '{"answer":"hi"}'
+    spec = backend.requests[-1].sampling.constraint
+    assert isinstance(spec, HarmonySchemaSpec) and spec.final and spec.tools == () and spec.start_in is None
+    assert ('# Response Formats\n\n## reply\n\n// The reply.\n{"type":"object","properties":{"answer":{"type":"string"}},'
+            '"required":["answer"]}<|end|><|start|>user') in prompt_text(backend)
+
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    backend.push(CALL)
+    client.chat.completions.create(model=MODEL, messages=HI, tools=strict + [
+        {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "properties": {}}}}])
+    spec = backend.requests[-1].sampling.constraint
+    assert spec.final is None and [name for name, _ in spec.tools] == ["get_weather"] and spec.start_in is None
+    backend.push('{"location":"Paris"}<|call|>')
+    client.chat.completions.create(model=MODEL, messages=HI, tools=strict, tool_choice="required")
+    assert backend.requests[-1].sampling.constraint.start_in == "get_weather"
+
+    for kwargs in (dict(tools=strict, tool_choice="none"), dict(response_format={"type": "text"})):
+        backend.push(ANSWER)
+        client.chat.completions.create(model=MODEL, messages=HI, **kwargs)
+        assert backend.requests[-1].sampling.constraint is None, kwargs
+        assert "# Response Formats" not in prompt_text(backend)

@@ -104,3 +104,17 @@ def test_raw_stream_frames_name_their_events(server, backend):
     names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
     payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
     assert names == [p["type"] for p in payloads] and names[-1] == "response.completed"
+
+
+def test_text_format_json_schema_constrains_the_final_answer(client, backend):
+    from serve_app.harmony.constrain import HarmonySchemaSpec
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    backend.push('<|channel|>final<|message|>{"n":3}<|return|>')
+    r = client.responses.create(model=MODEL, input="Count.", text={"format": {"type": "json_schema", "name": "count",
+                                                                              "schema": schema, "strict": True}})
+    assert r.output_text == '{"n":3}' and r.text.format.type == "json_schema"
+    spec = backend.requests[-1].sampling.constraint
+    assert isinstance(spec, HarmonySchemaSpec) and spec.final and not spec.tools
+    prompt = load_harmony_encoding().decode(backend.requests[-1].prompt_ids)
+    assert '<|start|>developer<|message|># Response Formats\n\n## count\n\n{"type":"object"' in prompt
