@@ -14,6 +14,7 @@ import asyncio
 import logging
 
 from serve_app.config import DeploymentSettings, ServeAppConfig, random_model_config, tiny_model_path
+from serve_app.harmony.constrain import HARMONY_VOCAB_SIZE, warm_up_in_background
 from serve_app.metrics import ServerMetrics
 from serve_app.placement import ReplicaResources, local_cuda_device, start_rank_workers
 
@@ -55,6 +56,8 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
         engine = LLMEngine.from_checkpoint(folder, engine_config)
     log.info("engine ready on %s (tp=%d, ep=%d): model %s, context %d, pages %s", device, config.tp_size,
              config.ep_size, folder or config.model, engine.max_model_len, engine.block_manager.usage())
+    if engine.vocab_size == HARMONY_VOCAB_SIZE:
+        warm_up_in_background()  # structured output's tokenizer, off the engine loop
     return AsyncEngine(engine, coalesce=config.stream_coalescing)
 
 

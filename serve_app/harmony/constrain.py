@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,9 +83,32 @@ def check_json_schema(schema: Any, param: str) -> str:
     return grammar
 
 
-@functools.lru_cache(maxsize=1)
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def harmony_tokenizer():
-    """llguidance's tokenizer over the Harmony vocabulary (o200k_base ranks + Harmony's special tokens)."""
+    """llguidance's tokenizer over the Harmony vocabulary (o200k_base ranks + Harmony's special tokens),
+    built once per process (~1.5 s); a caller arriving while another thread builds it waits for that one."""
+    with _TOKENIZER_LOCK:
+        return _build_tokenizer()
+
+
+def warm_up_in_background() -> threading.Thread:
+    """Build the tokenizer on a daemon thread (replicas call this at start, so that the first structured
+    request does not stall the engine loop for the build); without llguidance it logs and does nothing."""
+    def build():
+        try:
+            harmony_tokenizer()
+        except ImportError:
+            log.info("llguidance is not installed: structured output requests will be refused")
+
+    thread = threading.Thread(target=build, name="harmony-tokenizer-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.lru_cache(maxsize=1)
+def _build_tokenizer():
     import llguidance
 
     ranks = {}

@@ -81,6 +81,16 @@ def feed(constraint, tokens: list[int]) -> list[np.ndarray | None]:
     return seen
 
 
+def test_the_tokenizer_is_built_once_whoever_asks_first():
+    from serve_app.harmony.constrain import _build_tokenizer, warm_up_in_background
+
+    threads = [warm_up_in_background() for _ in range(3)]
+    first = harmony_tokenizer()
+    for t in threads:
+        t.join(timeout=60)
+    assert harmony_tokenizer() is first and _build_tokenizer.cache_info().misses == 1
+
+
 def test_the_tokenizer_is_harmonys():
     tok = harmony_tokenizer()
     for text in ("Hello world", "  spaced\n\nlines\t", "naïve café 東京 🙂", '{"a":[1,2.5e-3,true,null]}'):
