@@ -40,7 +40,7 @@ from engine.metrics import EngineMetrics, StepTimes
 from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
                             TokenLogprob)
 from engine.runner import ModelRunner, device_current, on_runner_device, plan_pool_sizes
-from engine.sampler import HostTokens, Sampler, SamplerOutput, SamplingBatch
+from engine.sampler import BatchBuilder, HostTokens, Sampler, SamplerOutput, may_sample_ahead
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from model.gpt_oss import GptOssForCausalLM
@@ -118,7 +118,7 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID
                                if mc.vocab_size > HARMONY_FIRST_SPECIAL_ID else None)
         self.metrics = EngineMetrics()
-        self._last_sampling: tuple[list[Sequence], list[int], SamplingBatch] | None = None
+        self.batches = BatchBuilder(self.runner.device, self.vocab_size)  # each step's SamplingBatch
         # Lookahead (module docstring): on by default on CUDA, one rank or several (rank 0 broadcasts the ids
         # it feeds on the device, engine/distributed/runner.py; tested over gloo and, with decode graphs, on
         # 2 GPUs). 120b TP2/EP2 on 2x H200: batch-1 decode 196 -> 328 tok/s, 1k/256 x 256 requests 4,548
@@ -335,7 +335,7 @@ class LLMEngine:
             rows = [out.scheduled[b].seq for b in inputs.sample_rows]
             logits = self.runner.execute(inputs)
             self.metrics.record_path(self.runner.last_path)
-            batch = self._sampling_batch(rows)  # (after the launch: token masks are built while the GPU runs)
+            batch = self.batches(rows)  # (after the launch: token masks are built while the GPU runs)
             sampled = self.sampler(logits, batch) if rows else None  # a step of partial prefill chunks samples nothing
             host = HostTokens(sampled) if sampled is not None else None
         except Exception as exc:  # any failure of the model or sampler: the caller aborts these requests
@@ -382,7 +382,7 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or any(seq.prefill_only or not self._may_sample_ahead(seq) for seq in cur.rows):
+        if kind is StepKind.PREFILL or any(seq.prefill_only or not may_sample_ahead(seq) for seq in cur.rows):
             return None  # (penalties, constraints: the next step's history or mask needs this step's tokens)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
@@ -448,37 +448,6 @@ class LLMEngine:
         self.metrics.record_step(out.num_prefill_tokens, decoded, len(out.preempted), times)
         self._update_state_metrics()
         return deltas
-
-    @staticmethod
-    def _may_sample_ahead(seq: Sequence) -> bool:
-        """Whether seq's next sample may be drawn before its token in flight is read: never with penalties
-        (their history needs it), with a constraint when it says the token cannot change the next mask."""
-        return not seq.sampling.has_penalties and (seq.constraint is None or seq.constraint.can_look_ahead())
-
-    def _sampling_batch(self, rows: list[Sequence]) -> SamplingBatch:
-        """The step's SamplingBatch. When the same sequences sample again, each one token further (a
-        decode step of an unchanged batch) and no row needs host state (penalties, a token mask), the last
-        batch is reused with its step counters moved on the device: no rebuild, no host-to-device copies."""
-        steps = [len(s.output_ids) for s in rows]
-        last = self._last_sampling
-        masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
-        penalized = [s.sampling.has_penalties for s in rows]
-        host_state = any(penalized) or any(m is not None for m in masks)
-        if not host_state and last is not None and last[2].allowed is None and not last[2].penalized \
-                and len(last[0]) == len(rows) and all(a is b for a, b in zip(last[0], rows)) \
-                and all(n == m + 1 for n, m in zip(steps, last[1])):
-            batch = last[2].next_step()
-        else:
-            histories = None
-            if host_state:  # every generated id is on the host: no lookahead past such a row (_may_sample_ahead)
-                if any(PLACEHOLDER in s.output_ids for s, p, m in zip(rows, penalized, masks) if p or m is not None):
-                    raise RuntimeError("a penalized or masked row has a token in flight: its history or mask "
-                                       "would miss it")
-                histories = [s.output_ids if p else [] for s, p in zip(rows, penalized)]
-            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.runner.device,
-                                        histories, self.vocab_size, masks if host_state else None)
-        self._last_sampling = (rows, steps, batch)
-        return batch
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.drop_placeholders()  # outputs of a step still in flight that this sequence no longer takes

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine.request import SamplingParams
+from engine.sequence import PLACEHOLDER, Sequence
 
 _MASK32 = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # odd multiplier < 2**31: products of 32-bit values stay inside int64
@@ -307,3 +308,43 @@ class Sampler:
                 out.top_logprobs, out.top_ids = logprobs.topk(batch.num_logprobs, dim=-1)
         return out
 
+
+
+def may_sample_ahead(seq: Sequence) -> bool:
+    """Whether seq's next sample may be drawn before its token in flight is read (the engine's lookahead):
+    never with penalties (their history needs it), with a constraint when it says that token cannot change
+    the next mask."""
+    return not seq.sampling.has_penalties and (seq.constraint is None or seq.constraint.can_look_ahead())
+
+
+class BatchBuilder:
+    """The SamplingBatch of each step, from the sequences that sample in it. When the same sequences sample
+    again, each one token further (a decode step of an unchanged batch), and no row needs host state
+    (penalties, a token mask), the last batch is reused with its step counters moved on the device: no
+    rebuild, no host-to-device copies."""
+
+    def __init__(self, device: torch.device | str, vocab_size: int):
+        self.device, self.vocab_size = device, vocab_size
+        self._last: tuple[list[Sequence], list[int], SamplingBatch] | None = None
+
+    def __call__(self, rows: list[Sequence]) -> SamplingBatch:
+        steps = [len(s.output_ids) for s in rows]
+        last = self._last
+        masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
+        penalized = [s.sampling.has_penalties for s in rows]
+        host_state = any(penalized) or any(m is not None for m in masks)
+        if not host_state and last is not None and last[2].allowed is None and not last[2].penalized \
+                and len(last[0]) == len(rows) and all(a is b for a, b in zip(last[0], rows)) \
+                and all(n == m + 1 for n, m in zip(steps, last[1])):
+            batch = last[2].next_step()
+        else:
+            histories = None
+            if host_state:  # every generated id is on the host: no lookahead past such a row (may_sample_ahead)
+                if any(PLACEHOLDER in s.output_ids for s, p, m in zip(rows, penalized, masks) if p or m is not None):
+                    raise RuntimeError("a penalized or masked row has a token in flight: its history or mask "
+                                       "would miss it")
+                histories = [s.output_ids if p else [] for s, p in zip(rows, penalized)]
+            batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.device,
+                                        histories, self.vocab_size, masks if host_state else None)
+        self._last = (rows, steps, batch)
+        return batch

@@ -155,8 +155,7 @@ def test_sampling_batch_reuse_gives_the_same_samples(make_engine, monkeypatch):
 
     monkeypatch.setattr(SamplingBatch, "next_step", counting_next)
     reuse, rebuild = make_engine(max_num_seqs=12, max_model_len=48), make_engine(max_num_seqs=12, max_model_len=48)
-    rebuild._last_sampling = None
-    rebuild._sampling_batch = lambda rows: SamplingBatch.build(
+    rebuild.batches = lambda rows: SamplingBatch.build(
         [s.sampling for s in rows], [s.seed for s in rows], [len(s.output_ids) for s in rows], rebuild.runner.device)
     for e in (reuse, rebuild):
         for r in reqs():
