@@ -179,7 +179,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     text_format = req.text.format if req.text else None
     constraint, response_format = output_constraint(
         text_format, "text.format",
-        [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict],
+        # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
+        [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced_tool(req.tool_choice, [t.name for t in req.tools or []]))
     prompt_ids = render_prompt(replace(responses_prompt(req, ctx.config), response_format=response_format))
     forced = forced_call_ids(req.tool_choice, [t.name for t in req.tools or []], ctx.encoding)

@@ -118,3 +118,21 @@ def test_text_format_json_schema_constrains_the_final_answer(client, backend):
     assert isinstance(spec, HarmonySchemaSpec) and spec.final and not spec.tools
     prompt = load_harmony_encoding().decode(backend.requests[-1].prompt_ids)
     assert '<|start|>developer<|message|># Response Formats\n\n## count\n\n{"type":"object"' in prompt
+
+
+def test_function_tools_are_strict_unless_they_say_otherwise(client, backend):
+    """Responses' default is strict (Chat's is not): a tool that leaves `strict` out gets its schema's grammar."""
+    params = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    for strict, constrained in ((None, True), (True, True), (False, False)):
+        tool = {"type": "function", "name": "search", "parameters": params}
+        if strict is not None:
+            tool["strict"] = strict
+        backend.push("<|channel|>final<|message|>ok<|return|>")
+        httpx.post(f"{backend_url(client)}/responses", json={"model": MODEL, "input": "Hi", "tools": [tool]},
+                   timeout=30).raise_for_status()
+        spec = backend.requests[-1].sampling.constraint
+        assert (spec is not None and [n for n, _ in spec.tools] == ["search"]) == constrained, strict
+
+
+def backend_url(client) -> str:
+    return str(client.base_url).rstrip("/")
