@@ -184,6 +184,31 @@ def test_constraint_follows_the_prefill_to_decode_hand_off(make_engine):
     assert STARTED["h"].seen == whole  # the decode side's constraint saw the prefill's token first
 
 
+def test_preempted_constrained_requests_keep_their_constraint(make_engine):
+    """A pool too small for ten constrained requests at once: sequences are preempted and recomputed, their
+    constraints keep their state (every token allowed; the engine's PLACEHOLDER check never fires), the tokens
+    equal a roomy pool's, and the pools end empty."""
+    specs = [(3, 30), (9, 25), (1, 20), (17, 12), (6, 28), (2, 33), (11, 21), (5, 26), (8, 19), (4, 31)]
+
+    def run(**pool) -> tuple[dict, int]:
+        engine = make_engine(max_num_seqs=12, max_model_len=48, async_decode=True, **pool)
+        for i, (n, m) in enumerate(specs):
+            engine.add_request(request(f"p{i}", random_prompt(n, 900 + i), SamplingParams(
+                temperature=0.8, seed=i, max_tokens=m, constraint=ResidueSpec(f"p{i}", modulus=3 + i % 4, offset=i,
+                                                                             free=None if i % 2 else 5))))
+        out = {rid: o["ids"] for rid, o in run_to_end(engine).items()}
+        usage = engine.block_manager.usage()
+        assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0
+        return out, engine.metrics.snapshot()["preemptions_total"]
+
+    (tight, preempted), (roomy, _) = run(num_full_pages=36, num_sliding_pages=36, max_num_batched_tokens=32), run()
+    assert preempted > 0 and tight == roomy, preempted
+    for i, (n, m) in enumerate(specs):
+        ids, modulus, free = tight[f"p{i}"], 3 + i % 4, 0 if i % 2 else 5
+        assert len(ids) == m
+        assert all(t % modulus == (k + i) % modulus for k, t in enumerate(ids) if k >= free), i
+
+
 def test_a_constraint_for_another_vocabulary_is_refused(make_engine):
     engine = make_engine()
     with pytest.raises(InvalidRequestError, match="built for 50 ids"):
