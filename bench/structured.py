@@ -10,8 +10,9 @@
    phase (a response format whose constraint has seen `<|channel|>analysis<|message|>`, as after a real
    model's first three tokens, and stays in that body: the random model never ends it; what a reasoning
    model's analysis costs), and a grammar active from the first token (a string of at least 1000
-   characters: it stays active for the whole run). Milliseconds per output token and the ratio to the
-   unconstrained run, same process.
+   characters: it stays active for the whole run; no token is ever forced), and the same with 60 required
+   boolean keys (the keys' tokens are forced: the engine looks ahead past them). Milliseconds per output
+   token and the ratio to the unconstrained run, same process.
 
 JSON and a PNG under bench/results/ (structured_<device>.{json,png}); a table printed last.
 """
@@ -49,6 +50,8 @@ SCHEMAS = {
     "json_object": {"type": "object"},
 }
 LONG_STRING = {"type": "object", "required": ["text"], "properties": {"text": {"type": "string", "minLength": 1000}}}
+MANY_KEYS = {"type": "object", "additionalProperties": False, "required": [f"field_{i:02d}" for i in range(60)],
+             "properties": {f"field_{i:02d}": {"type": "boolean"} for i in range(60)}}
 
 
 def allowed_ids(words: np.ndarray) -> np.ndarray:
@@ -109,6 +112,7 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
         "constraint, free phase": InAnalysis(HarmonySchemaSpec(final=check_json_schema(SCHEMAS["json_object"],
                                                                                        "bench"))),
         "grammar active": HarmonySchemaSpec(final=check_json_schema(LONG_STRING, "bench"), start_in=FINAL),
+        "grammar active, forced keys": HarmonySchemaSpec(final=check_json_schema(MANY_KEYS, "bench"), start_in=FINAL),
     }
     rows = []
     for rnd in range(2):  # round 0 warms everything (graphs, first steps); round 1 is reported

@@ -34,7 +34,8 @@ class InvalidRequestError(ValueError):
 
 class TokenConstraint(Protocol):
     """One request's restriction on its next token (structured output), stateful, engine-side. The engine
-    asks for the allowed set before each sample and reports every token the request gets, in order."""
+    asks for the allowed set once before each sample and reports every token the request gets, in order; it
+    asks for the next set before reporting the token in flight only after can_look_ahead() said it may."""
 
     def allowed_tokens(self) -> "np.ndarray | None":
         """A packed bitmask of the allowed ids (uint32 words, bit i % 32 of word i // 32, ceil(vocab / 32)
@@ -45,8 +46,8 @@ class TokenConstraint(Protocol):
         ...
 
     def can_look_ahead(self) -> bool:
-        """Whether the allowed set after one more token, whichever it is, is still "any token" (None): the
-        engine may then draw the token after next before it reads the next one (its lookahead)."""
+        """Whether the engine may draw the token after next before it reads the one in flight (its lookahead):
+        the allowed set after that token does not depend on which token it is, or the token is known."""
         ...
 
 

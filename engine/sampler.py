@@ -339,10 +339,9 @@ class BatchBuilder:
             batch = last[2].next_step()
         else:
             histories = None
-            if host_state:  # every generated id is on the host: no lookahead past such a row (may_sample_ahead)
-                if any(PLACEHOLDER in s.output_ids for s, p, m in zip(rows, penalized, masks) if p or m is not None):
-                    raise RuntimeError("a penalized or masked row has a token in flight: its history or mask "
-                                       "would miss it")
+            if host_state:  # (a masked row may have a token in flight where its constraint allowed it)
+                if any(PLACEHOLDER in s.output_ids for s, p in zip(rows, penalized) if p):
+                    raise RuntimeError("a penalized row has a token in flight: its history would miss it")
                 histories = [s.output_ids if p else [] for s, p in zip(rows, penalized)]
             batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.device,
                                         histories, self.vocab_size, masks if host_state else None)

@@ -161,6 +161,10 @@ class HarmonyConstraint:
         self._matcher = None  # the grammar of the message being written, if any
         self._end = RETURN
         self._failed = False
+        # Forced tokens: when the last mask allowed one id, the token in flight is that id (the sampler can pick
+        # nothing else), so the engine may look ahead; the next allowed_tokens() applies it ahead of accept().
+        self._single: int | None = None  # the one id the last mask allowed (its token not accepted yet)
+        self._ahead: int | None = None  # applied ahead, waiting for accept() to confirm it
         if spec.start_in == FINAL:
             self._enter(spec.final, RETURN)
         elif spec.start_in is not None:
@@ -172,6 +176,34 @@ class HarmonyConstraint:
         return self._matcher is not None
 
     def allowed_tokens(self) -> np.ndarray | None:
+        if self._single is not None:  # asked again before the last mask's token was read: it can only be that id
+            self._advance(self._single)
+            self._ahead, self._single = self._single, None
+        words = self._mask()
+        if words is not None:
+            ids = np.flatnonzero(words)
+            if len(ids) == 1 and words[ids[0]] & (words[ids[0]] - np.uint32(1)) == 0:  # one word, one bit
+                self._single = int(ids[0]) * 32 + int(words[ids[0]]).bit_length() - 1
+        return words
+
+    def can_look_ahead(self) -> bool:
+        """The engine may sample past the token in flight unread when that token is known (the last mask
+        allowed one id) or cannot start a grammar (a free message's body or between messages: only the
+        <|message|> closing a header does)."""
+        return self._single is not None or (self._matcher is None and self._header is None)
+
+    def accept(self, token_id: int) -> None:
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            if token_id != ahead:  # the sampler picked outside a one-id mask: cannot happen with finite logits
+                log.warning("structured output: token %d where only %d was allowed; closing the message",
+                            token_id, ahead)
+                self._failed = True
+            return
+        self._single = None
+        self._advance(token_id)
+
+    def _mask(self) -> np.ndarray | None:
         if self._matcher is None:
             return None
         if not self._failed and self._matcher.is_error():
@@ -190,12 +222,7 @@ class HarmonyConstraint:
             words[self._end // 32] |= np.uint32(1 << (self._end % 32))
         return words
 
-    def can_look_ahead(self) -> bool:
-        """In a free message's body or between messages, one more token cannot start a grammar (only the
-        <|message|> closing a header does): the engine may sample past it unread."""
-        return self._matcher is None and self._header is None
-
-    def accept(self, token_id: int) -> None:
+    def _advance(self, token_id: int) -> None:
         if self._matcher is not None:
             if token_id == self._end:
                 self._matcher, self._header = None, None  # the message (and normally the output) ends here

@@ -251,8 +251,9 @@ def test_structured_output_benchmark_smoke(tmp_path):
     out = tmp_path / "structured.json"
     structured.main(["--prompt-len", "24", "--out-len", "6", "--host-tokens", "15", "--walks", "1", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["engine"]] == ["no constraint", "constraint, free phase", "grammar active"]
-    assert [r["steps_with_grammar_active"] for r in result["engine"]] == [0, 0, 5]
+    assert [r["variant"] for r in result["engine"]] == ["no constraint", "constraint, free phase", "grammar active",
+                                                        "grammar active, forced keys"]
+    assert [r["steps_with_grammar_active"] for r in result["engine"]] == [0, 0, 5, 5]
     assert all(r["out_len"] == 6 and r["tpot_ms"] > 0 for r in result["engine"])
     assert len(result["host"]) == 3 and all(r["mask_us_p50"] > 0 for r in result["host"])
     assert out.with_suffix(".png").stat().st_size > 0

@@ -105,11 +105,10 @@ def test_reasoning_is_free_and_the_final_answer_is_held_to_the_schema():
     reasoning = ids("<|channel|>analysis<|message|>Need JSON. {not json} <|end|><|start|>assistant")
     assert all(a is None for a in feed(c, reasoning))  # nothing constrains the analysis
     assert all(a is None for a in feed(c, ids("<|channel|>final<|message|>")))
-    first = allowed(c.allowed_tokens())
+    doc = '{"city":"Paris","unit":"celsius","days":3,"alerts":false,"tags":["a","b"]}'
+    first = feed(c, ids(doc))[0]  # (one mask per token: a second call before accept() means "the next one")
     assert first is not None and ids('{"')[0] in first and ids("Sure")[0] not in first  # keys in schema order
     assert not set(first) & {RETURN, CALL, 200007, 200005}  # no special token before the JSON is whole
-    doc = '{"city":"Paris","unit":"celsius","days":3,"alerts":false,"tags":["a","b"]}'
-    feed(c, ids(doc))
     assert allowed(c.allowed_tokens()).tolist() == [RETURN]  # whole: only the answer's end
     c.accept(RETURN)
     assert c.allowed_tokens() is None and not c.active
@@ -125,6 +124,44 @@ def test_look_ahead_only_where_one_more_token_cannot_start_a_grammar():
         states.append(c.can_look_ahead())
     # header (2 tokens), body after <|message|>, body, body, after <|end|>, header from <|start|> on, grammar
     assert states == [False, False, True, True, True, True, False, False, False, False, False, False], states
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_looking_ahead_past_forced_tokens_gives_the_masks_of_one_at_a_time(seed):
+    """The engine's order with its lookahead (the next mask asked for before the token in flight is reported,
+    where can_look_ahead() allows it) gives every step the mask of a constraint fed one token at a time; and
+    it looks ahead inside the JSON (where a mask allowed one id) as well as in the free reasoning."""
+    rng = np.random.default_rng(seed)
+    grammar = check_json_schema(SCHEMA, "s")
+    sync, ahead = (spec(final=grammar).start(HARMONY_VOCAB_SIZE) for _ in range(2))
+    tokens = ids("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>")
+    masks = []  # the one-at-a-time constraint's masks, and the tokens it was given
+    for t in tokens:
+        masks.append(allowed(sync.allowed_tokens()))
+        sync.accept(t)
+    while len(tokens) < 300:
+        a = allowed(sync.allowed_tokens())
+        t = RETURN if RETURN in a else int(rng.choice(a))
+        masks.append(a)
+        sync.accept(t)
+        tokens.append(t)
+        if t == RETURN:
+            break
+    looked, inside = 0, 0
+    got = [allowed(ahead.allowed_tokens())]
+    for k, t in enumerate(tokens[:-1]):
+        if ahead.can_look_ahead():
+            looked += 1
+            inside += ahead.active
+            got.append(allowed(ahead.allowed_tokens()))  # mask k + 1 while token k is in flight
+            ahead.accept(t)
+        else:
+            ahead.accept(t)
+            got.append(allowed(ahead.allowed_tokens()))
+    assert len(got) == len(masks)
+    for k, (g, m) in enumerate(zip(got, masks)):
+        assert (g is None and m is None) or (g is not None and m is not None and np.array_equal(g, m)), k
+    assert looked > 3 and inside > 0, (looked, inside)
 
 
 def test_a_strict_tool_call_is_held_and_ends_with_call_either_header_form():
@@ -150,8 +187,7 @@ def test_a_forced_call_and_a_raw_completion_start_inside_their_grammar():
     grammar = check_json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                                        "maximum": 9}}, "required": ["n"]}, "t")
     c = spec(tools=(("count", grammar),), start_in="count").start(HARMONY_VOCAB_SIZE)
-    assert ids('{"')[0] in allowed(c.allowed_tokens())
-    feed(c, ids('{"n":7}'))
+    assert ids('{"')[0] in feed(c, ids('{"n":7}'))[0]
     assert allowed(c.allowed_tokens()).tolist() == [CALL]
     c = spec(final=grammar, start_in=FINAL).start(HARMONY_VOCAB_SIZE)
     feed(c, ids('{"n":0}'))

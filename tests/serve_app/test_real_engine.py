@@ -329,3 +329,34 @@ def test_completion_response_format_holds_the_text_from_the_first_token(real):
                                         logit_bias=bias, extra_body={"response_format": {"type": "json_object"}})
         assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].text), dict)
     assert not engine.engine.has_unfinished()
+
+
+def test_the_engine_looks_ahead_past_forced_tokens_with_the_same_tokens(tmp_path):
+    """A strict forced call through LLMEngine with its lookahead on (the GPU default) and off: the same tokens,
+    valid arguments, and the lookahead ran inside the grammar (where a mask allowed one id, e.g. a key)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from model.loader import load_model
+    from model.tiny import make_tiny
+    from serve_app.harmony.constrain import HarmonySchemaSpec, check_json_schema
+    from tests.serve_app.test_harmony_constrain import valid
+
+    make_tiny(tmp_path, dtype="float32", seed=3)
+    model = load_model(tmp_path, dtype="float32", progress=False)
+    enc = load_harmony_encoding()
+    prompt = enc.encode("<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>commentary "
+                        "to=functions.weather <|constrain|>json<|message|>", allowed_special="all")
+    spec = HarmonySchemaSpec(tools=(("weather", check_json_schema(WEATHER, "t")),), start_in="weather")
+    outs, ahead = {}, {}
+    for on in (True, False):
+        engine = LLMEngine(model, EngineConfig(max_model_len=MAX_CONTEXT, num_full_pages=64, num_sliding_pages=64,
+                                               max_num_seqs=4, max_num_batched_tokens=256, async_decode=on))
+        outs[on] = engine.generate([GenerateRequest(f"w{s}", prompt, SamplingParams(
+            temperature=1.0, seed=s, max_tokens=60, constraint=spec)) for s in range(3)])
+        ahead[on] = engine.lookahead_steps
+        engine.close()
+    assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
+    assert ahead[True] > 0 and ahead[False] == 0, ahead
+    for o in outs[True]:
+        assert o.finish_reason == "stop" and o.output_ids[-1] == 200012  # <|call|>
+        assert valid(json.loads(enc.decode(o.output_ids[:-1])), WEATHER)
