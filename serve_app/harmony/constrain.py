@@ -18,8 +18,13 @@ and `:` as separators, as gpt-oss writes tool arguments), so a model cannot pad 
 that fails (an llguidance limit, a token it rejects) is logged and lets only the end token through, so
 the message closes instead of the request hanging.
 
+The engine's lookahead (it samples the next token before reading the one in flight) stays on where that
+token cannot change the next mask (a free body, between messages) or is known (the last mask allowed one
+id: `can_look_ahead`); in headers and at free choices inside a grammar it reads each token first.
+
 The spec crosses processes (ingress -> decode and prefill replicas) as grammar strings; each engine
-process builds the Harmony tokenizer for llguidance once (~1.6 s on a CPU core) and matchers per request.
+process builds the Harmony tokenizer for llguidance once (~1.5 s; replicas start that on a background
+thread) and matchers per request.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ log = logging.getLogger(__name__)
 
 HARMONY_VOCAB_SIZE = 201088  # the models' unembedding rows (o200k_harmony's last reserved id is beyond them)
 MASK_WORDS = (HARMONY_VOCAB_SIZE + 31) // 32  # llguidance's masks may run longer: cut to the model's ids
-RETURN, CALL, END, START, MESSAGE, CHANNEL = 200002, 200012, 200007, 200006, 200008, 200005
+RETURN, CALL, END, START, MESSAGE = 200002, 200012, 200007, 200006, 200008
 # tiktoken's o200k_base split pattern (only llguidance's own tokenize_* calls use it, never the masks)
 _O200K_PATTERN = "|".join([
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
