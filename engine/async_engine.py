@@ -93,9 +93,17 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- public API (event-loop side) -------------------------------------------------------------
+    async def _validated(self, request: GenerateRequest) -> None:
+        """InvalidRequestError for a request the engine can never run; then the constraint's one-time work
+        (ConstraintSpec.prepare: compiling grammars) on a worker thread, not on the engine loop."""
+        self.engine.validate(request)
+        prepare = getattr(request.sampling.constraint, "prepare", None)
+        if prepare is not None:
+            await asyncio.to_thread(prepare)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas; leaving the loop early (or cancellation) aborts the request."""
-        self.engine.validate(request)
+        await self._validated(request)
         stream = _Stream(asyncio.get_running_loop())
         self._submit(lambda: self._start(request.request_id, stream, lambda: self.engine.add_request(request)))
         async for delta in self._drain(request.request_id, stream):
@@ -103,7 +111,7 @@ class AsyncEngine:
 
     async def generate_prefilled(self, request: GenerateRequest, payload: PrefilledKV) -> AsyncIterator[TokenDelta]:
         """Like generate, for a request whose prefill ran elsewhere; the first delta carries its token(s)."""
-        self.engine.validate(request)
+        await self._validated(request)
         stream = _Stream(asyncio.get_running_loop())
 
         def start() -> None:
@@ -120,7 +128,7 @@ class AsyncEngine:
         """Run only the prefill and return K/V + first token + sampler state for a decode replica; `into`
         may place the K/V (a transport's slot). Cancelled, it returns only once the engine thread has
         dropped the request, so nothing writes into `into`'s memory after that."""
-        self.engine.validate(request)
+        await self._validated(request)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, prefill=loop.create_future(), into=into)
         self._submit(lambda: self._start(request.request_id, stream,

@@ -53,7 +53,8 @@ class TokenConstraint(Protocol):
 
 class ConstraintSpec(Protocol):
     """What a request carries (picklable: it crosses processes); each engine that samples for the request
-    starts its own TokenConstraint from it."""
+    starts its own TokenConstraint from it. It may also have a `prepare()` method: slow one-time work (such
+    as compiling grammars) that AsyncEngine runs on a worker thread before the request enters the engine loop."""
 
     def start(self, vocab_size: int) -> TokenConstraint:
         """Raises InvalidRequestError when the constraint cannot run on this vocabulary."""

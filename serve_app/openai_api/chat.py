@@ -48,7 +48,7 @@ from serve_app.openai_api.generation import (
     SamplingRequest,
     forced_call_ids,
     forced_tool,
-    output_constraint,
+    output_constraint_off_loop,
     respond,
     sampling_params,
 )
@@ -163,7 +163,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     offered = [] if req.tool_choice == "none" else req.tools or []
-    constraint, response_format = output_constraint(
+    constraint, response_format = await output_constraint_off_loop(
         req.response_format, "response_format",
         [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
          for i, t in enumerate(offered) if t.function.strict],

@@ -41,7 +41,7 @@ from serve_app.openai_api.generation import (
     SamplingRequest,
     forced_call_ids,
     forced_tool,
-    output_constraint,
+    output_constraint_off_loop,
     respond,
     sampling_params,
 )
@@ -177,7 +177,7 @@ def usage_json(gen: Generation) -> dict[str, Any]:
 async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
     offered = [] if req.tool_choice == "none" else req.tools or []
     text_format = req.text.format if req.text else None
-    constraint, response_format = output_constraint(
+    constraint, response_format = await output_constraint_off_loop(
         text_format, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],

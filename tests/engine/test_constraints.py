@@ -209,6 +209,49 @@ def test_preempted_constrained_requests_keep_their_constraint(make_engine):
         assert all(t % modulus == (k + i) % modulus for k, t in enumerate(ids) if k >= free), i
 
 
+@dataclass(frozen=True)
+class PreparedSpec(ResidueSpec):
+    """A spec with one-time work: records the thread it ran on."""
+
+    def prepare(self) -> None:
+        import threading
+
+        PREPARED.append(threading.current_thread().name)
+
+
+PREPARED: list[str] = []
+
+
+def test_async_engine_prepares_constraints_on_a_worker_thread(make_engine):
+    """ConstraintSpec.prepare (compiling grammars) runs once per request before the engine loop sees it,
+    neither on the event loop's thread nor on the engine's; the tokens are the ones without it."""
+    import asyncio
+    import threading
+
+    from engine.async_engine import AsyncEngine
+
+    prompt = random_prompt(9, 3)
+    engine = AsyncEngine(make_engine())
+
+    async def run() -> list[int]:
+        ids = []
+        async for d in engine.generate(request("pp", prompt, SamplingParams(
+                temperature=0.0, max_tokens=5, constraint=PreparedSpec("pp", modulus=3)))):
+            ids += d.token_ids
+        return ids
+
+    PREPARED.clear()
+    try:
+        got = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(PREPARED) == 1 and PREPARED[0] not in (threading.current_thread().name, "gptoss-engine")
+    plain = make_engine()
+    plain.add_request(request("pp", prompt, SamplingParams(temperature=0.0, max_tokens=5,
+                                                           constraint=ResidueSpec("pp", modulus=3))))
+    assert got == run_to_end(plain)["pp"]["ids"]
+
+
 def test_a_constraint_for_another_vocabulary_is_refused(make_engine):
     engine = make_engine()
     with pytest.raises(InvalidRequestError, match="built for 50 ids"):

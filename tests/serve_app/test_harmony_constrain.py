@@ -220,6 +220,21 @@ def test_random_walks_through_the_masks_are_valid_json(seed):
     assert valid(doc), doc
 
 
+def test_grammars_compile_once_per_process_and_copies_are_independent():
+    from serve_app.harmony.constrain import _TEMPLATES, matcher_for
+
+    grammar = check_json_schema({"type": "object", "properties": {"unique_key_for_this_test": {"type": "boolean"}},
+                                 "required": ["unique_key_for_this_test"]}, "s")
+    assert grammar not in _TEMPLATES
+    spec(final=grammar).prepare()
+    template = _TEMPLATES[grammar]
+    a, b = matcher_for(grammar), matcher_for(grammar)
+    assert _TEMPLATES[grammar] is template and a is not b
+    assert a.consume_tokens(ids('{"unique_key_for_this_test":true}'))
+    assert a.is_accepting() and not b.is_accepting()  # b still at the start
+    assert b.consume_tokens(ids('{"unique_key_for_this_test":false}')) and b.is_accepting()
+
+
 def test_specs_and_formats_are_checked():
     with pytest.raises(ValueError, match="start_in"):
         spec(tools=(("a", "g"),), start_in="b")
