@@ -147,8 +147,9 @@ class HarmonySchemaSpec:
     def prepare(self) -> None:
         """Compile this spec's grammars into the process's cache (engine.async_engine runs this on a worker
         thread before the request reaches the engine loop: a large schema compiles in 10-200 ms)."""
-        for grammar in [self.final] * (self.final is not None) + [g for _, g in self.tools]:
-            matcher_for(grammar)
+        for grammar in [self.final, *(g for _, g in self.tools)]:
+            if grammar is not None:
+                matcher_for(grammar)
 
     def start(self, vocab_size: int) -> "HarmonyConstraint":
         if vocab_size != HARMONY_VOCAB_SIZE:
@@ -293,10 +294,15 @@ def matcher_for(grammar: str):
     return template.deep_copy()
 
 
+def is_plain_text(fmt: dict | None) -> bool:
+    """An OpenAI response format that asks for nothing structured (absent, or type 'text')."""
+    return not fmt or fmt.get("type", "text") == "text"
+
+
 def response_format_grammar(fmt: dict | None, param: str) -> tuple[str | None, dict | None]:
     """(grammar, Harmony response-format section or None) of an OpenAI response format: chat's
     `response_format` or Responses' `text.format` (`json_schema` nested or flat). None: plain text."""
-    if not fmt or fmt.get("type", "text") == "text":
+    if is_plain_text(fmt):
         return None, None
     if fmt["type"] == "json_object":
         return check_json_schema({"type": "object"}, param), None

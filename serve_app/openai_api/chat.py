@@ -162,14 +162,15 @@ def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    forced_name = forced_tool(req.tool_choice, [t.function.name for t in req.tools or []])
     offered = [] if req.tool_choice == "none" else req.tools or []
     constraint, response_format = await output_constraint_off_loop(
         req.response_format, "response_format",
         [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
          for i, t in enumerate(offered) if t.function.strict],
-        forced_tool(req.tool_choice, [t.function.name for t in req.tools or []]))
+        forced_name)
     prompt_ids = render_prompt(replace(chat_prompt(req, ctx.config), response_format=response_format))
-    forced = forced_call_ids(req.tool_choice, [t.function.name for t in req.tools or []], ctx.encoding)
+    forced = forced_call_ids(forced_name, ctx.encoding)
     max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
         else (req.max_tokens, "max_tokens")
     sampling = sampling_params(SamplingRequest(

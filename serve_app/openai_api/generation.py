@@ -31,8 +31,8 @@ from engine.request import (
     TokenDelta,
     TokenLogprob,
 )
-from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, response_format_grammar,
-                                         response_format_text)
+from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, is_plain_text,
+                                         response_format_grammar, response_format_text)
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure
@@ -153,11 +153,10 @@ def forced_tool(tool_choice: Any, tool_names: list[str]) -> str | None:
     return name
 
 
-def forced_call_ids(tool_choice: Any, tool_names: list[str], encoding: HarmonyEncoding) -> list[int]:
-    """Prompt tokens that make the model call a tool (tool_choice 'required' or named): the header of a
+def forced_call_ids(name: str | None, encoding: HarmonyEncoding) -> list[int]:
+    """Prompt tokens that make the model call the tool `name` (forced_tool's answer): the header of a
     commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
     (held to the tool's schema when the tool is strict: output_constraint). [] when nothing is forced."""
-    name = forced_tool(tool_choice, tool_names)
     if name is None:
         return []
     return encoding.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
@@ -185,7 +184,7 @@ async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
                                      forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
     """output_constraint, on a worker thread when there is a schema to check: a large one compiles in
     10-200 ms, which on the event loop would stall every other request of this ingress."""
-    if (not fmt or fmt.get("type", "text") == "text") and not strict_tools:
+    if is_plain_text(fmt) and not strict_tools:
         return None, None
     return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced))
 

@@ -135,6 +135,14 @@ class TextOutputFields(Strict):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output, Chat's shape (on Completions vLLM's extension: the output is held to the format from
+    # its first token, so the prompt should end in a final-channel header, and it ends in <|return|>)
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        return check_response_format(value, nested=True)
 
     @field_validator("n")
     @classmethod
@@ -256,13 +264,7 @@ class ChatCompletionRequest(RequestBase, TextOutputFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: Effort | None = None
     tools: list[ChatTool] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: dict | None) -> dict | None:
-        return check_response_format(value, nested=True)
 
     @field_validator("modalities")
     @classmethod
@@ -413,14 +415,6 @@ class CompletionRequest(SamplingBase, TextOutputFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    # vLLM's extension, Chat's shape: the output is held to the format from its first token (the prompt is
-    # expected to end in a final-channel header) and ends in <|return|>
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, value: dict | None) -> dict | None:
-        return check_response_format(value, nested=True)
 
     @field_validator("prompt")
     @classmethod

@@ -175,15 +175,16 @@ def usage_json(gen: Generation) -> dict[str, Any]:
 
 
 async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
+    forced_name = forced_tool(req.tool_choice, [t.name for t in req.tools or []])
     offered = [] if req.tool_choice == "none" else req.tools or []
     text_format = req.text.format if req.text else None
     constraint, response_format = await output_constraint_off_loop(
         text_format, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
-        forced_tool(req.tool_choice, [t.name for t in req.tools or []]))
+        forced_name)
     prompt_ids = render_prompt(replace(responses_prompt(req, ctx.config), response_format=response_format))
-    forced = forced_call_ids(req.tool_choice, [t.name for t in req.tools or []], ctx.encoding)
+    forced = forced_call_ids(forced_name, ctx.encoding)
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
