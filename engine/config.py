@@ -66,6 +66,13 @@ class EngineConfig:
     # tokens are the same as without (tests/engine/test_prefix_cache.py); on the GPU the K/V within bf16
     # noise (tests/engine/test_e2e_gpu.py); 20b, 16 requests sharing 2k tokens: TTFT 64.9 -> 30.1 ms.
     enable_prefix_caching: bool = True
+    # Speculative decoding from text the request holds (engine/speculative.py): drafts of up to
+    # `speculative_tokens` tokens (0: off) from a request's predicted output (SamplingParams.prediction) and,
+    # with `speculative_ngram`, from its own prompt and output (prompt lookup), verified in the decode step
+    # while at most `speculative_max_seqs` sequences run. The tokens are the same as without.
+    speculative_tokens: int = 4
+    speculative_ngram: bool = False
+    speculative_max_seqs: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -109,8 +116,13 @@ class EngineConfig:
             raise EngineConfigError(f"async_decode must be true, false or null (auto), got {self.async_decode!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise EngineConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("tp_size", "ep_size", "dp_size"):
+        for name in ("tp_size", "ep_size", "dp_size", "speculative_max_seqs"):
             _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool) \
+                or not 0 <= self.speculative_tokens <= 16:
+            raise EngineConfigError(f"speculative_tokens must be an integer in [0, 16], got {self.speculative_tokens!r}")
+        if self.speculative_ngram not in (True, False):
+            raise EngineConfigError(f"speculative_ngram must be true or false, got {self.speculative_ngram!r}")
         if self.tp_size not in (1, self.world_size) or self.ep_size not in (1, self.world_size):
             raise EngineConfigError(f"tp_size={self.tp_size} and ep_size={self.ep_size} must each be 1 or the "
                                     f"number of ranks {self.world_size}: TP and EP run over the same ranks")

@@ -43,6 +43,7 @@ from engine.runner import ModelRunner, device_current, on_runner_device, plan_po
 from engine.sampler import BatchBuilder, HostTokens, Sampler, SamplerOutput, may_sample_ahead
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from engine.speculative import Drafter
 from model.gpt_oss import GptOssForCausalLM
 
 
@@ -67,8 +68,10 @@ class _Launched:
     """A step whose forward and sampler are queued and whose sequences are advanced, tokens not read."""
 
     out: SchedulerOutput
-    rows: list[Sequence]  # the sequences that sample, in logits order
-    slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read)
+    rows: list[Sequence]  # the sequences that sample, in logits order (k + 1 rows in a row for a k-token draft)
+    slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read; a draft's
+    # rows share their sequence's one placeholder: its first token goes there, accepted ones after it)
+    drafts: dict[int, tuple[int, ...]]  # id(seq) -> the draft verified this step (engine/speculative.py)
     sampled: SamplerOutput | None  # on the device (None: nothing sampled)
     host: HostTokens | None
     times: StepTimes
@@ -114,7 +117,7 @@ class LLMEngine:
         with device_current(self.runner.device):  # seconds per bucket: decode graphs by batch, prefill ones by tokens
             self.runner.allocate_kv_cache(num_full, num_sliding)
             self.graph_capture_seconds, self.prefill_graph_capture_seconds = self.runner.capture_graphs(config)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID
                                if mc.vocab_size > HARMONY_FIRST_SPECIAL_ID else None)
         self.metrics = EngineMetrics()
@@ -199,8 +202,13 @@ class LLMEngine:
             seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(64)
         seq = Sequence(request.request_id, list(request.prompt_ids), request.sampling, seed,
                        next(self._arrivals), prefill_only)
-        if request.sampling.constraint is not None:
-            seq.constraint = request.sampling.constraint.start(self.vocab_size)
+        sampling = request.sampling
+        if sampling.constraint is not None:
+            seq.constraint = sampling.constraint.start(self.vocab_size)
+        elif self.config.speculative_tokens and not sampling.has_penalties and not prefill_only \
+                and (sampling.prediction or self.config.speculative_ngram):  # (engine/speculative.py says why)
+            seq.drafter = Drafter(seq.prompt_ids, sampling.prediction, self.config.speculative_ngram,
+                                  self.config.speculative_tokens)
         return seq
 
     def add_request(self, request: GenerateRequest, prefill_only: bool = False) -> None:
@@ -225,6 +233,8 @@ class LLMEngine:
             seq.append_token(token, payload.output_logprobs[i] if payload.output_logprobs else None, now)
             if seq.constraint is not None:
                 seq.constraint.accept(token)
+        if seq.drafter is not None:
+            seq.drafter.observe(list(payload.output_ids))
         self.metrics.record_added()
         self.metrics.record_transfer(exported=False)
         reason = seq.check_finished(self.max_model_len)
@@ -343,16 +353,21 @@ class LLMEngine:
                                   [s.seq.request_id for s in out.scheduled]) from exc
         t3 = time.perf_counter()
         times.prepare, times.forward = t2 - t1, t3 - t2
+        drafts = {}
         for s in out.scheduled:
-            s.seq.num_computed = s.end
+            s.seq.num_computed = s.end if not s.draft else s.start + 1  # a draft's K/V counts once accepted
             self.block_manager.register_blocks(s.seq)  # prefix caching (before sliding pages leave)
             self.block_manager.release_out_of_window(s.seq)
-        slots = []
+            if s.draft:
+                drafts[id(s.seq)] = s.draft
+        slots, last = [], None
         for seq in rows:
-            seq.output_ids.append(PLACEHOLDER)
+            if seq is not last:
+                seq.output_ids.append(PLACEHOLDER)
             slots.append(len(seq.output_ids) - 1)
+            last = seq
         times.update = time.perf_counter() - t3
-        return _Launched(out, rows, slots, sampled, host, times)
+        return _Launched(out, rows, slots, drafts, sampled, host, times)
 
     @staticmethod
     def _feed(inputs, out: SchedulerOutput, feed: _Launched):
@@ -382,8 +397,9 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or any(seq.prefill_only or not may_sample_ahead(seq) for seq in cur.rows):
-            return None  # (penalties, constraints: the next step's history or mask needs this step's tokens)
+        if kind is StepKind.PREFILL or any(seq.prefill_only or seq.drafter is not None or not may_sample_ahead(seq)
+                                           for seq in cur.rows):
+            return None  # (penalties, constraints, drafts: the next step's history, mask or draft needs its tokens)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
@@ -420,26 +436,43 @@ class LLMEngine:
         deltas = []
         decoding = {id(s.seq) for s in step.out.scheduled if not s.is_prefill}
         decoded = 0  # decode tokens delivered: rows dropped below were computed but generate nothing
-        for i, seq in enumerate(step.rows):
+        i = 0
+        while i < len(step.rows):
+            seq, first = step.rows[i], i
+            draft = step.drafts.get(id(seq), ())
+            i += 1 + len(draft)
             if seq.is_finished:  # aborted, or stopped by the step before (this one ran ahead for nothing)
                 continue
-            decoded += id(seq) in decoding
-            lp = None
-            if seq.sampling.logprobs is not None:
-                n = seq.sampling.logprobs
-                lp = TokenLogprob(token_ids[i], logprobs[i], list(zip(top[0][i][:n], top[1][i][:n])) if n else [])
+            accepted = 0  # row j's token is valid while every draft token before it equalled its row's sample
+            while accepted < len(draft) and token_ids[first + accepted] == draft[accepted]:
+                accepted += 1
             if seq.first_token_time is None:
                 self.metrics.record_first_token(now - seq.arrival_time)
-            seq.resolve_token(step.slots[i], token_ids[i], lp, now)
-            if seq.constraint is not None:
-                seq.constraint.accept(token_ids[i])
-            upto = step.slots[i] + 1
+            new, reason = [], None
+            for row in range(first, first + accepted + 1):
+                lp = None
+                if seq.sampling.logprobs is not None:
+                    n = seq.sampling.logprobs
+                    lp = TokenLogprob(token_ids[row], logprobs[row], list(zip(top[0][row][:n], top[1][row][:n])) if n else [])
+                if row == first:
+                    seq.resolve_token(step.slots[row], token_ids[row], lp, now)
+                else:
+                    seq.append_token(token_ids[row], lp, now)
+                new.append(token_ids[row])
+                if seq.constraint is not None:
+                    seq.constraint.accept(token_ids[row])
+                upto = step.slots[first] + len(new)
+                if not seq.prefill_only and (reason := seq.check_finished(self.max_model_len, upto)) is not None:
+                    break  # (a stop token among the accepted drafts ends the sequence there)
+            decoded += len(new) if id(seq) in decoding else 0
+            seq.num_computed += len(new) - 1  # the accepted drafts' K/V
+            if seq.drafter is not None:
+                seq.drafter.observe(new, len(draft), accepted)
+                self.metrics.record_drafts(len(draft), accepted)
             if seq.prefill_only:
                 self.scheduler.park(seq)  # stop conditions are the decode side's business
-            else:
-                reason = seq.check_finished(self.max_model_len, upto)
-                if reason is not None:
-                    self._finish(seq, reason, now)
+            elif reason is not None:
+                self._finish(seq, reason, now)
             deltas.append(self._delta(seq, upto))
         times = step.times  # forward: queueing it + waiting for its tokens; update: both bookkeeping halves
         times.forward += t4 - t3
@@ -464,8 +497,10 @@ class LLMEngine:
         new = seq.output_ids[seq.num_emitted: upto]
         logprobs = seq.output_logprobs[seq.num_emitted: upto] if seq.sampling.logprobs is not None else None
         seq.num_emitted = upto
+        drafter = seq.drafter
         return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, len(seq.prompt_ids), upto,
-                          seq.num_cached_prefix)
+                          seq.num_cached_prefix, drafter.num_drafted if drafter else 0,
+                          drafter.num_accepted if drafter else 0)
 
     def _update_state_metrics(self) -> None:
         prefilled = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)

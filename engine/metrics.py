@@ -67,6 +67,8 @@ class EngineMetrics:
         self.steps_total = 0
         self.preemptions_total = 0
         self.lookahead_steps_total = 0  # steps launched before the previous step's tokens were read
+        self.draft_tokens_total = 0  # speculative decoding: draft tokens verified, and accepted
+        self.draft_accepted_total = 0
         self.steps_by_path_total: dict[str, int] = {}  # forwards by how they ran (ModelRunner.last_path)
         self.requests_added_total = 0
         self.requests_finished_total: dict[str, int] = {}
@@ -100,6 +102,12 @@ class EngineMetrics:
     def record_lookahead(self) -> None:
         with self._lock:
             self.lookahead_steps_total += 1
+
+    def record_drafts(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            with self._lock:
+                self.draft_tokens_total += drafted
+                self.draft_accepted_total += accepted
 
     def record_path(self, path: str) -> None:
         with self._lock:
@@ -152,6 +160,8 @@ class EngineMetrics:
                 "steps_total": self.steps_total,
                 "preemptions_total": self.preemptions_total,
                 "lookahead_steps_total": self.lookahead_steps_total,
+                "draft_tokens_total": self.draft_tokens_total,
+                "draft_accepted_total": self.draft_accepted_total,
                 "steps_by_path_total": dict(self.steps_by_path_total),
                 "requests_added_total": self.requests_added_total,
                 "requests_finished_total": dict(self.requests_finished_total),
@@ -214,6 +224,8 @@ class PrometheusCollector:
                           snap["prefix_hit_tokens"])
         yield counter("lookahead_steps", "Steps launched before the previous step's tokens were read",
                       snap["lookahead_steps_total"])
+        yield counter("draft_tokens", "Speculative draft tokens verified", snap["draft_tokens_total"])
+        yield counter("draft_accepted_tokens", "Speculative draft tokens accepted", snap["draft_accepted_total"])
         paths = CounterMetricFamily(f"{ns}_steps_by_path", "Forwards by how they ran: decode_graph, prefill_graph "
                                     "(piecewise CUDA graphs) or eager", labels=names + ["path"])
         for path, n in sorted(snap["steps_by_path_total"].items()):

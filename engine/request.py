@@ -82,6 +82,9 @@ class SamplingParams:
     # engine reads a constrained token before it samples the next, unless the constraint says the next
     # mask cannot depend on it (TokenConstraint.can_look_ahead).
     constraint: ConstraintSpec | None = None
+    # The output the client expects (OpenAI's `prediction`, as token ids): drafts for speculative decoding
+    # (engine/speculative.py). It changes how fast the tokens come, never which tokens.
+    prediction: tuple[int, ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -115,6 +118,9 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be between -100 and 100, got {bias!r} for token {token}")
         if self.constraint is not None and not callable(getattr(self.constraint, "start", None)):
             raise bad("constraint", f"must be a ConstraintSpec (with start(vocab_size)), got {self.constraint!r}")
+        if self.prediction and (not set(map(type, self.prediction)) <= {int} or min(self.prediction) < 0
+                                or (vocab_size is not None and max(self.prediction) >= vocab_size)):
+            raise bad("prediction", f"must be token ids in [0, {vocab_size or 'vocab'})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
 
@@ -144,6 +150,9 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (here or at the prefill)
+    # Speculative decoding (engine/speculative.py), totals so far: draft tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class TokenBackend(Protocol):

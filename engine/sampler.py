@@ -328,7 +328,11 @@ class BatchBuilder:
         self._last: tuple[list[Sequence], list[int], SamplingBatch] | None = None
 
     def __call__(self, rows: list[Sequence]) -> SamplingBatch:
-        steps = [len(s.output_ids) for s in rows]
+        steps, last, j = [], None, 0  # a draft's rows (one sequence, in a row) sample its next steps in turn
+        for s in rows:
+            j = j + 1 if s is last else 0
+            steps.append(len(s.output_ids) + j)
+            last = s
         last = self._last
         masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
         penalized = [s.sampling.has_penalties for s in rows]

@@ -44,6 +44,9 @@ class ScheduledSeq:
     start: int  # first position computed this step (the sequence's num_computed when scheduled)
     num_tokens: int
     is_prefill: bool
+    # Speculative decoding: draft tokens after the sequence's last one, verified as extra decode rows
+    # (engine/speculative.py); num_tokens counts them. Only the first position is known to be right.
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -80,9 +83,10 @@ def _by_arrival(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len or config.max_model_len  # drafts never run past it
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival; each holds pages
 
@@ -130,7 +134,8 @@ class Scheduler:
     def schedule(self, kind: StepKind = StepKind.MIXED) -> SchedulerOutput:
         out = SchedulerOutput(kind)
         budget = self.config.max_num_batched_tokens
-        if self._all_decode(kind) and len(self.running) <= budget \
+        drafts, spare_rows = self._drafts(kind)
+        if not drafts and self._all_decode(kind) and len(self.running) <= budget \
                 and self.block_manager.allocate_next_tokens(self.running):
             # The common step: every running sequence decodes one token and the pages suffice, so the
             # per-sequence loop below would schedule exactly this, preempting nobody.
@@ -146,12 +151,36 @@ class Scheduler:
             n = self._make_room(seq, min(seq.num_remaining, budget), out)
             if n == 0:  # seq itself was preempted; it was the last running one
                 break
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.is_prefill))
-            self.block_manager.allocate(seq, seq.num_computed + n)
-            budget -= n
+            draft = drafts.get(id(seq), ())
+            if draft:  # as many drafts as the budgets and the free pages allow, never preempting for them
+                room = self.block_manager.max_new_tokens(seq, 1 + len(draft)) - 1
+                draft = tuple(draft[: max(0, min(room, budget - n, spare_rows))])
+                spare_rows -= len(draft)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), seq.is_prefill, draft))
+            self.block_manager.allocate(seq, seq.num_computed + n + len(draft))
+            budget -= n + len(draft)
             i += 1
         self._admit(kind, budget, out)
         return out
+
+    def _drafts(self, kind: StepKind) -> tuple[dict[int, list[int]], int]:
+        """Speculative decoding (engine/speculative.py): ({id(seq): draft tokens} for the decoding sequences
+        whose drafter proposes some, decode rows left for drafts within max_num_seqs, the largest decode
+        graph). No drafts when more sequences run than speculative_max_seqs."""
+        config = self.config
+        if not config.speculative_tokens or kind is StepKind.PREFILL or len(self.running) > config.speculative_max_seqs:
+            return {}, 0
+        drafts = {}
+        for seq in self.running:
+            if seq.drafter is None or seq.is_prefill or seq.output_ids[-1] < 0:  # (a token in flight)
+                continue
+            limit = min(config.speculative_tokens, seq.sampling.max_tokens - len(seq.output_ids) - 1)
+            if self.max_model_len is not None:
+                limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+            draft = seq.drafter.propose(limit)
+            if draft:
+                drafts[id(seq)] = draft
+        return drafts, config.max_num_seqs - len(self.running)
 
     def retire(self, seq: Sequence) -> None:
         """Off the schedule with its pages freed, before its last token is read: a sequence whose step in

@@ -14,6 +14,7 @@ from engine.request import FINISH_LENGTH, FINISH_STOP, SamplingParams, TokenCons
 
 if TYPE_CHECKING:
     from engine.kv_payload import PrefilledKV
+    from engine.speculative import Drafter
 
 
 # An output token whose step is launched but not read back yet (the engine's lookahead):
@@ -78,6 +79,7 @@ class Sequence:
     sliding_first: int = 0
     pending_kv: "PrefilledKV | None" = None  # imported K/V waiting for pages
     constraint: TokenConstraint | None = None  # started from sampling.constraint; has seen every resolved output
+    drafter: "Drafter | None" = None  # speculative decoding: proposes drafts, has seen every resolved output
     # Prefix caching (engine/block_manager.py): chain hashes of the prompt's whole blocks (computed once),
     # and how many of this sequence's blocks are registered in the pools.
     block_hashes: list[bytes] | None = None

@@ -89,20 +89,33 @@ def _chunk_slots(pages, first_page: int, start: int, end: int, bs: int) -> list[
     return (np.asarray(pages, dtype=np.int64)[pos // bs - first_page] * bs + pos % bs).tolist()
 
 
+def _entries(scheduled: list[ScheduledSeq]):
+    """(scheduled index, sequence, start, end, token ids or None: the sequence's own, whether it samples) per
+    query entry. A chunk is one entry and samples when it reaches the last known token; a decode token with
+    a draft (engine/speculative.py) is one single-token entry per position, each sampling, all over the
+    sequence's pages."""
+    for b, s in enumerate(scheduled):
+        if not s.draft:
+            yield b, s.seq, s.start, s.end, None, s.end == s.seq.num_tokens
+            continue
+        for j, token in enumerate((s.seq.token_slice(s.start, s.start + 1)[0], *s.draft)):
+            yield b, s.seq, s.start + j, s.start + j + 1, [token], True
+
+
 def build_step_arrays(scheduled: list[ScheduledSeq], block_size: int) -> StepArrays:
     """Flat batch + paging metadata for both layer kinds, on the host. Call after the scheduler
     allocated pages.
 
     Full tables hold every page; sliding tables start at the first live page, and their kv_lens
-    count from that page's first position. A kind the model lacks gets tables no layer reads."""
+    count from that page's first position. A kind the model lacks gets tables no layer reads. Rows
+    are query entries (_entries): a scheduled sequence with a draft has several."""
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
     full_rows, sliding_rows, full_slots, sliding_slots = [], [], [], []
     full_lens, sliding_lens, starts, sample_rows, logits_indices = [], [], [0], [], []
-    for b, s in enumerate(scheduled):
-        seq, start, end = s.seq, s.start, s.end
-        ids += seq.token_slice(start, end)
+    for b, seq, start, end, tokens, samples in _entries(scheduled):
+        ids += seq.token_slice(start, end) if tokens is None else tokens
         positions += range(start, end)
         full = seq.full_pages.array()
         full_rows.append(full)
@@ -117,7 +130,7 @@ def build_step_arrays(scheduled: list[ScheduledSeq], block_size: int) -> StepArr
             sliding_lens.append(0)
             sliding_slots += [0] * (end - start)
         starts.append(starts[-1] + end - start)
-        if end == seq.num_tokens:  # the chunk reaches the last known token: sample
+        if samples:
             sample_rows.append(b)
             logits_indices.append(starts[-1] - 1)
     return StepArrays(
