@@ -215,6 +215,31 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_speculative_decoding_keeps_the_greedy_tokens(kv_cache_dtype):
+    # Drafts (engine/speculative.py) verified as decode rows through the captured graphs: the same greedy
+    # tokens as decoding one at a time on the same engine, with most of an exact prediction accepted.
+    model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=9, max_batch=16,
+                        max_kv_len=2048, cuda_graph=True)
+    with torch.no_grad():
+        model.lm_head.weight[:16] *= 8
+    llm = LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
+                                        num_full_pages=512, num_sliding_pages=256, cuda_graphs=True,
+                                        kv_cache_dtype=kv_cache_dtype, speculative_max_seqs=4))
+    prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 130, 700)]
+    plain = [c.output_ids for c in llm.generate([GenerateRequest(f"p{i}", p, SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)])]
+    edited = plain[1][:20] + [1, 2, 3] + plain[1][23:]
+    before = llm.metrics.snapshot()["steps_by_path_total"].get("decode_graph", 0)
+    spec = llm.generate([GenerateRequest(f"s{i}", p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                    prediction=tuple(pred)))
+                         for i, (p, pred) in enumerate(zip(prompts, [plain[0], edited, plain[2]]))])
+    assert [c.output_ids for c in spec] == plain
+    snap = llm.metrics.snapshot()
+    assert snap["draft_accepted_total"] >= 60, snap
+    assert snap["steps_by_path_total"]["decode_graph"] - before < 30  # ~40 tokens each in far fewer steps
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_prefix_cache_hits_export_the_kv_an_uncached_engine_computes(gpu_model, kv_cache_dtype):
     """Prefix caching on the GPU kernels: a prefill-only engine serves the second prompt's shared 192
     tokens (12 pages of 16: every full page, the sliding window before the cut) from the first's pages;

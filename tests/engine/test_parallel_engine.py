@@ -149,7 +149,7 @@ def _run_every_split(executor, checkpoint, single):
 def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, single):
     """The lookahead with tp2 ep2: steps launched before their predecessor's tokens are read hold
     placeholders in the host ids every rank receives; rank 0 broadcasts its device ids, and the
-    generations (and the decode side of a hand-off) equal one process's."""
+    generations (and the decode side of a hand-off) equal one process's. Then speculative decoding."""
     executor = Executor.spawn(2)
     try:
         engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=True))
@@ -163,6 +163,18 @@ def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, si
                     assert abs(got.logprob - want.logprob) < 1e-4
             assert engine.lookahead_steps > 0
             assert import_and_decode(engine, single["payloads"]) == single["ids"]
+        finally:
+            engine.close()
+        # Speculative decoding (engine/speculative.py) over the same ranks: a draft's decode rows travel in
+        # the step arrays every rank receives; the predictions are world 1's outputs, so drafts are accepted.
+        engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, speculative_ngram=True))
+        try:
+            for r in requests():
+                r.sampling.prediction = tuple(single["ids"][r.request_id][:5]) + (1, 2, 3)
+                engine.add_request(r)
+            out = run_to_end(engine)
+            assert {rid: r["ids"] for rid, r in out.items()} == single["ids"]
+            assert engine.metrics.snapshot()["draft_accepted_total"] > 0
         finally:
             engine.close()
     finally:

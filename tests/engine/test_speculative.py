@@ -18,7 +18,7 @@ from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, Samp
 from engine.scheduler import ScheduledSeq
 from engine.speculative import Drafter, ngram_starts
 from engine.step_arrays import build_step_arrays
-from tests.engine.engine_testlib import BLOCK, assert_pool_full, engine_config, greedy, random_prompt, request, run_to_end
+from tests.engine.engine_testlib import BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end
 
 
 def sampled(max_tokens: int, seed: int, **kw) -> SamplingParams:
