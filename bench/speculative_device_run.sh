@@ -8,7 +8,7 @@ MODELS=gpt-oss-20b
 export DG_USE=${DG_USE:-1}
 source scripts/device_env.sh
 step gpu_tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/engine/test_speculative.py \
-    "tests/engine/test_e2e_gpu.py::test_speculative_decoding_keeps_the_greedy_tokens"
+    "tests/engine/test_e2e_gpu.py::test_speculative_decoding_computes_what_a_recompute_does"
 tail -3 "$OUT/gpu_tests.log"
 for m in ${MODELS//,/ }; do
     kv=auto
