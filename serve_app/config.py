@@ -191,6 +191,18 @@ class ServeAppConfig(_Settings):
         True, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
                           "prompts, earlier turns of a chat). 20b on an H200, 16 requests sharing 2k tokens: "
                           "TTFT 64.9 -> 30.1 ms mean. Tokens as without, up to bf16 rounding on GPUs.")
+    speculative_tokens: int = Field(
+        4, ge=0, le=16, description="Speculative decoding from text the request holds (engine/speculative.py): "
+                                    "draft tokens per step at most; 0 turns it off. Drafts come from a chat request's "
+                                    "`prediction` (OpenAI's Predicted Outputs) and, with speculative_ngram, from the "
+                                    "request's own prompt and output. Same tokens as without, up to bf16 rounding. "
+                                    "20b on an H200, batch 1, every draft right: 468 -> 696 tok/s at 2 drafts.")
+    speculative_ngram: bool = Field(
+        False, description="Draft from the request's own tokens too (prompt lookup): pays where answers copy "
+                           "their prompt (code edits, quoting); a step without the lookahead costs ~20% where "
+                           "nothing is found.")
+    speculative_max_seqs: int = Field(
+        8, ge=1, description="Speculate only while at most this many sequences decode on a replica.")
     prefix_routing: bool = Field(
         True, description="With prefix caching: route a prompt to the replica that ran its longest known "
                           "prefix while that replica's queue is within 4 of the shortest (serve_app/prefix_router.py; "
@@ -335,6 +347,9 @@ class ServeAppConfig(_Settings):
             prefill_graphs=None if self.prefill_graphs and device != "cpu" else False,
             async_decode=self.async_decode and device != "cpu",
             enable_prefix_caching=self.enable_prefix_caching,
+            speculative_tokens=self.speculative_tokens,
+            speculative_ngram=self.speculative_ngram,
+            speculative_max_seqs=self.speculative_max_seqs,
             tp_size=self.tp_size,
             ep_size=self.ep_size,
         )

@@ -49,6 +49,7 @@ from serve_app.openai_api.generation import (
     forced_call_ids,
     forced_tool,
     output_constraint_off_loop,
+    prediction_ids,
     respond,
     sampling_params,
 )
@@ -155,7 +156,9 @@ def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncodi
 def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
     u = gen.usage()
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "completion_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
+            "total_tokens": u["total_tokens"],
+            "completion_tokens_details": {key: u[key] for key in ("reasoning_tokens", "accepted_prediction_tokens",
+                                                                  "rejected_prediction_tokens")},
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
@@ -179,7 +182,9 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
     ), len(prompt_ids) + len(forced), ctx.config)
-    sampling = replace(sampling, ignore_eos=req.ignore_eos, constraint=constraint)
+    sampling = replace(sampling, ignore_eos=req.ignore_eos, constraint=constraint,
+                       prediction=prediction_ids(text_of(req.prediction.content) if req.prediction else None,
+                                                 ctx.encoding))
     n = req.n or 1
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 

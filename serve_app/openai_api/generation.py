@@ -163,6 +163,15 @@ def forced_call_ids(name: str | None, encoding: HarmonyEncoding) -> list[int]:
                            allowed_special="all")
 
 
+def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int, ...]:
+    """A chat request's `prediction` as engine draft tokens: the final answer's header, its text and
+    `<|return|>`, so drafts start where the model opens its answer (after any reasoning: the engine re-aligns
+    on the header) and carry on through the end of the answer. () without a prediction."""
+    if not content:
+        return ()
+    return tuple(encoding.encode(f"<|channel|>final<|message|>{content}<|return|>", allowed_special="all"))
+
+
 def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],
                       forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
     """Structured output of one request: (the constraint its engine requests carry, the developer message's
@@ -200,6 +209,7 @@ class BackendRequest:
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
+        self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding (a prediction), totals so far
         self.finish_reason: str | None = None  # the API's finish reason, once finished
         self._request = GenerateRequest(request_id, list(prompt_ids), sampling)
         self._backend_finish: str | None = None
@@ -246,6 +256,8 @@ class BackendRequest:
             self._backend_done = True
             self._backend_finish = delta.finish_reason
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        self.draft_tokens = max(self.draft_tokens, delta.num_draft_tokens)
+        self.accepted_draft_tokens = max(self.accepted_draft_tokens, delta.num_accepted_draft_tokens)
         return delta
 
     async def _deltas(self) -> AsyncIterator[TokenDelta]:
@@ -263,7 +275,9 @@ class BackendRequest:
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "reasoning_tokens": 0, "cached_tokens": self.cached_tokens}
+                "reasoning_tokens": 0, "cached_tokens": self.cached_tokens,
+                "accepted_prediction_tokens": self.accepted_draft_tokens,
+                "rejected_prediction_tokens": self.draft_tokens - self.accepted_draft_tokens}
 
 
 class Generation(BackendRequest):
@@ -405,7 +419,9 @@ class GenerationGroup:
         prompt = parts[0]["prompt_tokens"]
         completion = sum(p["completion_tokens"] for p in parts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "reasoning_tokens": sum(p["reasoning_tokens"] for p in parts), "cached_tokens": parts[0]["cached_tokens"]}
+                "cached_tokens": parts[0]["cached_tokens"],
+                **{key: sum(p[key] for p in parts)
+                   for key in ("reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}}
 
 
 async def respond(http: Request, gen: Generation | GenerationGroup, *, stream: bool,

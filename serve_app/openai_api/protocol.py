@@ -257,8 +257,17 @@ class ChatTool(Lenient):
     function: FunctionDefinition
 
 
+class Prediction(Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to contain (an edited file), for speculative
+    decoding (engine/speculative.py). It changes how fast the tokens come, never which tokens."""
+
+    type: Literal["content"]
+    content: Content
+
+
 class ChatCompletionRequest(RequestBase, TextOutputFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    prediction: Prediction | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)

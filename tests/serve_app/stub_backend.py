@@ -31,6 +31,7 @@ class Script:
     delay_s: float = 0.0  # pause before each delta
     fail_after: int | None = None  # raise after this many deltas (an engine crash)
     error: Exception | None = None  # raise before the first delta
+    drafts: tuple[int, int] = (0, 0)  # (draft tokens verified, accepted) each delta reports, as an engine's totals
 
 
 class ScriptedBackend:
@@ -88,6 +89,7 @@ class ScriptedBackend:
                 logprobs=logprobs[start:end] if logprobs is not None else None,
                 finish_reason=finish if end == len(ids) else None,
                 num_prompt_tokens=len(request.prompt_ids), num_output_tokens=end,
+                num_draft_tokens=script.drafts[0], num_accepted_draft_tokens=script.drafts[1],
             )
 
     @staticmethod

@@ -284,3 +284,22 @@ def test_structured_output_reaches_the_engine_request_and_the_prompt(client, bac
         client.chat.completions.create(model=MODEL, messages=HI, **kwargs)
         assert backend.requests[-1].sampling.constraint is None, kwargs
         assert "# Response Formats" not in prompt_text(backend)
+
+
+def test_prediction_reaches_the_engine_as_draft_tokens_and_usage_counts_them(client, backend):
+    # OpenAI's Predicted Outputs: the answer's text becomes draft tokens (engine/speculative.py) behind the final
+    # channel's header; the engine's draft totals come back as accepted / rejected prediction tokens.
+    expected = tuple(ENC.encode("<|channel|>final<|message|>Hello there! 🦄 How can I help?<|return|>",
+                                allowed_special="all"))
+    for content in ("Hello there! 🦄 How can I help?",
+                    [{"type": "text", "text": "Hello there! 🦄 "}, {"type": "text", "text": "How can I help?"}]):
+        backend.push(ANSWER, drafts=(12, 9))
+        r = client.chat.completions.create(model=MODEL, messages=HI, prediction={"type": "content", "content": content})
+        assert backend.requests[-1].sampling.prediction == expected
+        details = r.usage.completion_tokens_details
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (9, 3)
+        assert r.choices[0].message.content == "Hello there! 🦄 How can I help?"
+    backend.push(ANSWER)
+    r = client.chat.completions.create(model=MODEL, messages=HI)
+    assert backend.requests[-1].sampling.prediction == ()
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens == 0

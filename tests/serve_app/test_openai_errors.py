@@ -76,6 +76,8 @@ CHAT_400 = [
                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("tool_choice shape", {**CHAT, "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ("too many stops", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("prediction type", {**CHAT, "prediction": {"type": "diff", "content": "x"}}, "prediction.type"),
+    ("prediction content", {**CHAT, "prediction": {"type": "content", "content": 42}}, "prediction.content"),
     ("image content", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0"),
     ("tool schema not object", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
