@@ -51,14 +51,9 @@ def main(argv=None) -> None:
     p.add_argument("--out-len", type=int, default=24)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if args.model == "tiny":
-        from model.tiny import tiny_config
+    from model.tiny import shapes_by_name
 
-        model_config = tiny_config()
-    else:
-        from model.config import GptOssConfig
-
-        model_config = GptOssConfig.preset(args.model)
+    model_config = shapes_by_name(args.model)
     cuda = args.device == "cuda"
     config = EngineConfig(device=args.device, max_num_seqs=48, max_num_batched_tokens=8192,
                           max_model_len=args.prompt_len + args.out_len + 16, speculative_max_seqs=8,

@@ -147,14 +147,9 @@ def bench(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]:
 
 
 def build_engine(args) -> LLMEngine:
-    if args.model == "tiny":
-        from model.tiny import tiny_config
+    from model.tiny import shapes_by_name
 
-        model_config = tiny_config()
-    else:
-        from model.config import GptOssConfig
-
-        model_config = GptOssConfig.preset(args.model)
+    model_config = shapes_by_name(args.model)
     cuda = args.device == "cuda"
     # 48 seats: 4 requests x (1 + 8 drafts) rows fit the largest decode graph (drafts never exceed the seats)
     config = EngineConfig(device=args.device, max_num_seqs=48, max_num_batched_tokens=4096,

@@ -140,14 +140,9 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
 
 
 def build_engine(args) -> LLMEngine:
-    if args.model == "tiny":
-        from model.tiny import tiny_config
+    from model.tiny import shapes_by_name
 
-        model_config = tiny_config()
-    else:
-        from model.config import GptOssConfig
-
-        model_config = GptOssConfig.preset(args.model)
+    model_config = shapes_by_name(args.model)
     cuda = args.device == "cuda"
     config = EngineConfig(device=args.device, max_num_seqs=4, max_num_batched_tokens=2048,
                           max_model_len=args.prompt_len + args.out_len + 8,

@@ -24,6 +24,11 @@ def tiny_config(**overrides) -> GptOssConfig:
     return GptOssConfig(**{**TINY_DEFAULTS, **overrides})
 
 
+def shapes_by_name(name: str) -> GptOssConfig:
+    """"tiny" (tiny_config) or a preset's name ("gpt-oss-20b", "gpt-oss-120b"): what benchmarks build from."""
+    return tiny_config() if name == "tiny" else GptOssConfig.preset(name)
+
+
 def random_weights(config: GptOssConfig, seed: int) -> dict[str, torch.Tensor]:
     """HF-layout tensors (dense experts stored [E, in, out]) drawn from a seeded generator, in fp32."""
     g = torch.Generator().manual_seed(seed)
