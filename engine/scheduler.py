@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 class StepKind(enum.Enum):
@@ -172,7 +172,7 @@ class Scheduler:
             return {}, 0
         drafts = {}
         for seq in self.running:
-            if seq.drafter is None or seq.is_prefill or seq.output_ids[-1] < 0:  # (a token in flight)
+            if seq.drafter is None or seq.is_prefill or seq.output_ids[-1] == PLACEHOLDER:  # (a token in flight)
                 continue
             limit = min(config.speculative_tokens, seq.sampling.max_tokens - len(seq.output_ids) - 1)
             if self.max_model_len is not None:

@@ -30,16 +30,17 @@ class SequenceStatus(enum.Enum):
 
 
 class PageList:
-    """A growable int32 array of page ids: step metadata copies a row with one memcpy."""
+    """A growable integer array (int32 by default): a sequence's page ids, which step metadata copies with one
+    memcpy, or its tokens (engine/speculative.py searches them)."""
 
-    def __init__(self) -> None:
-        self._data = np.zeros(16, dtype=np.int32)
+    def __init__(self, dtype=np.int32) -> None:
+        self._data = np.zeros(16, dtype=dtype)
         self._len = 0
 
     def extend(self, pages: list[int]) -> None:
         need = self._len + len(pages)
         if need > len(self._data):
-            grown = np.zeros(max(need, 2 * len(self._data)), dtype=np.int32)
+            grown = np.zeros(max(need, 2 * len(self._data)), dtype=self._data.dtype)
             grown[: self._len] = self._data[: self._len]
             self._data = grown
         self._data[self._len: need] = pages

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.sequence import PageList
+
 NGRAM_MAX = 4  # longest tail searched for
 NGRAM_MIN = 2  # shortest: a single token matches too often to be worth a verify row
 
@@ -39,26 +41,6 @@ def ngram_starts(corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
     return starts
 
 
-class TokenBuffer:
-    """A growable int64 array of a sequence's tokens (prompt, then outputs as they resolve)."""
-
-    def __init__(self, tokens: list[int]):
-        self._data = np.asarray(tokens, dtype=np.int64).copy()
-        self._len = len(tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        need = self._len + len(tokens)
-        if need > len(self._data):
-            grown = np.zeros(max(need, 2 * len(self._data), 16), dtype=np.int64)
-            grown[: self._len] = self._data[: self._len]
-            self._data = grown
-        self._data[self._len: need] = tokens
-        self._len = need
-
-    def array(self) -> np.ndarray:
-        return self._data[: self._len]
-
-
 class Drafter:
     """Proposes one sequence's drafts and learns from what was accepted (module docstring).
 
@@ -71,7 +53,10 @@ class Drafter:
         self.reference = np.asarray(reference, dtype=np.int64) if reference else None
         self.ref_pos: int | None = 0 if reference else None  # reference index the output follows next
         self.ref_read = 0  # the furthest reference position the output has followed to
-        self.context = TokenBuffer(prompt_ids) if lookup_context else None
+        self.context = None  # the prompt and outputs so far (prompt lookup)
+        if lookup_context:
+            self.context = PageList(np.int64)
+            self.context.extend(prompt_ids)
         self.recent: list[int] = []  # the last NGRAM_MAX outputs (reference re-alignment)
         self.max_tokens = max_tokens
         self.cap = max_tokens
