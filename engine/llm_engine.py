@@ -397,9 +397,11 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or any(seq.prefill_only or seq.drafter is not None or not may_sample_ahead(seq)
-                                           for seq in cur.rows):
-            return None  # (penalties, constraints, drafts: the next step's history, mask or draft needs its tokens)
+        if kind is StepKind.PREFILL or cur.drafts or any(
+                seq.prefill_only or not may_sample_ahead(seq) or (seq.drafter is not None and seq.drafter.may_propose())
+                for seq in cur.rows):
+            return None  # (penalties, constraints, drafts: the next step's history, mask, draft or positions need
+            # its tokens; a step verifying drafts does not know how many it will accept)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()

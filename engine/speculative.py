@@ -18,6 +18,14 @@ K/V written for rejected rows lies past the sequence's length and is overwritten
 Drafts are proposed only where the engine can verify them exactly this way: not for requests with penalties
 (their history would need the drafts) or token constraints (structured output), and only while at most
 `EngineConfig.speculative_max_seqs` sequences run (at larger batches the extra rows cost throughput).
+
+A step that may draft cannot be scheduled before the step ahead of it has returned its tokens, so the engine's
+lookahead (which hides the host's work between steps) stops while a sequence of the batch may draft. A drafter
+therefore says when it will not (`Drafter.may_propose`): when its reference has no position (the output left the
+prediction and no n-gram realigns it yet) or is used up, and while it rests: after a draft none of whose tokens
+was accepted, or a prompt lookup that found nothing, it proposes nothing for 1, 2, 4, ... up to MAX_REST resolved
+steps (reset by any accepted draft token), so a prediction that stopped matching costs a few synchronous steps
+rather than the lookahead for the rest of the request.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from engine.sequence import PageList
 
 NGRAM_MAX = 4  # longest tail searched for
 NGRAM_MIN = 2  # shortest: a single token matches too often to be worth a verify row
+MAX_REST = 16  # the longest rest, in resolved steps, after drafts that keep missing (module docstring)
 
 
 def ngram_starts(corpus: np.ndarray, pattern: np.ndarray) -> np.ndarray:
@@ -46,7 +55,8 @@ class Drafter:
 
     The draft length adapts: it starts at max_tokens, doubles (up to max_tokens) after a draft accepted
     whole and drops to accepted + 1 after one cut short, so a source that keeps missing costs one extra
-    row per step rather than max_tokens."""
+    row per step rather than max_tokens; a draft rejected whole, or a lookup that finds nothing, rests the
+    drafter (module docstring)."""
 
     def __init__(self, prompt_ids: list[int], reference: tuple[int, ...] | None, lookup_context: bool,
                  max_tokens: int):
@@ -62,11 +72,21 @@ class Drafter:
         self.cap = max_tokens
         self.num_drafted = 0  # draft tokens verified so far
         self.num_accepted = 0
+        self.rest = 0  # resolved steps left before the next proposal
+        self.last_rest = 0  # the length of the latest rest (doubles while drafts keep missing)
+
+    def may_propose(self) -> bool:
+        """Whether the next step may carry a draft (False: resting, or no source until the output realigns
+        with the reference); the engine looks ahead past sequences that will not draft."""
+        if self.rest:
+            return False
+        ref = self.reference
+        return (ref is not None and self.ref_pos is not None and self.ref_pos < len(ref)) or self.context is not None
 
     def propose(self, limit: int) -> list[int]:
         """Up to min(limit, the adaptive cap) draft tokens to follow the sequence's last token ([]: none)."""
         k = min(limit, self.cap)
-        if k <= 0:
+        if k <= 0 or not self.may_propose():
             return []
         ref = self.reference
         if ref is not None and self.ref_pos is not None and self.ref_pos < len(ref):
@@ -78,15 +98,25 @@ class Drafter:
                 if len(starts):
                     begin = int(starts[-1]) + n  # the most recent occurrence
                     return tokens[begin: begin + k].tolist()
+            self._start_rest()  # nothing to look up
         return []
+
+    def _start_rest(self) -> None:
+        self.last_rest = min(MAX_REST, 2 * self.last_rest) or 1
+        self.rest = self.last_rest
 
     def observe(self, new_tokens: list[int], drafted: int = 0, accepted: int = 0) -> None:
         """The sequence's newest outputs (every resolved token, in order, whether or not a draft preceded
         them); drafted / accepted: the draft verified in the step that produced them."""
+        self.rest = max(0, self.rest - 1)
         if drafted:
             self.num_drafted += drafted
             self.num_accepted += accepted
             self.cap = min(self.max_tokens, 2 * self.cap) if accepted == drafted else max(1, accepted + 1)
+            if accepted:
+                self.last_rest = 0
+            else:
+                self._start_rest()
         if self.context is not None:
             self.context.extend(new_tokens)
         if self.reference is None:

@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.metrics import PrometheusCollector
 from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, SamplingParams
 from engine.scheduler import ScheduledSeq
-from engine.speculative import Drafter, ngram_starts
+from engine.speculative import MAX_REST, Drafter, ngram_starts
 from engine.step_arrays import build_step_arrays
 from tests.engine.engine_testlib import BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end
 
@@ -93,6 +93,41 @@ def test_reference_pointer_follows_agreement_and_realigns_forward():
     assert (d.num_drafted, d.num_accepted) == (8, 5)
 
 
+def test_drafts_rejected_whole_rest_the_drafter_longer_each_time():
+    ref = list(range(100, 140))
+    d = Drafter([1], tuple(ref), lookup_context=False, max_tokens=4)
+    rests = []
+    for _ in range(7):  # every draft is rejected whole
+        draft = d.propose(10)
+        assert draft
+        d.observe([draft[0] + 1000], drafted=len(draft), accepted=0)
+        d.ref_pos = 0  # (as if the output realigned with the prediction at once)
+        steps = 0
+        while not d.may_propose():
+            assert d.propose(10) == []
+            d.observe([])
+            steps += 1
+        rests.append(steps)
+    assert rests == [1, 2, 4, 8, 16, MAX_REST, MAX_REST]
+    d.observe([d.propose(10)[0]], drafted=1, accepted=1)  # any accepted token ends the backoff
+    assert d.last_rest == 0 and d.may_propose()
+    d.ref_pos = len(ref)  # the prediction used up: no source left
+    assert not d.may_propose() and d.propose(10) == []
+
+
+def test_a_prompt_lookup_that_finds_nothing_rests():
+    d = Drafter([1, 2, 3, 4], None, lookup_context=True, max_tokens=4)
+    assert d.may_propose() and d.propose(4) == []  # (4,) has no earlier occurrence
+    assert not d.may_propose()
+    d.observe([1])
+    assert d.may_propose()  # a rest of one step
+    assert d.propose(4) == []
+    d.observe([2])  # (1, 2) now occurs earlier, but the drafter rests for two steps
+    assert not d.may_propose()
+    d.observe([5])
+    assert d.may_propose()
+
+
 # ---- step metadata ------------------------------------------------------------------------------------------
 
 def test_a_draft_runs_as_decode_rows_over_the_sequence_pages(make_engine):
@@ -126,6 +161,25 @@ def test_predicted_outputs_give_the_same_tokens_in_fewer_steps(make_engine):
         assert snap["draft_accepted_total"] >= min_accepted, (snap, prediction)
         if min_accepted:
             assert got["a"]["deltas"] < len(ref)  # several tokens per step
+        assert_pool_full(engine)
+
+
+def test_the_engine_looks_ahead_while_the_prediction_does_not_match(make_engine):
+    # The prediction agrees on the first token only (its first draft is rejected whole), then either never
+    # again or from the output's 31st token on: the steps in between run ahead (lookahead) instead of
+    # synchronously, and the drafts resume once the pointer realigns.
+    prompt = random_prompt(13, 2)
+    lookahead = dict(async_decode=True)
+    expected = without_speculation(make_engine, [request("a", prompt, greedy(60))], **lookahead)
+    ref = expected["a"]["ids"]
+    for prediction, accepts in ((ref[:1] + random_prompt(40, 77), False), (ref[:1] + random_prompt(12, 78) + ref[30:], True)):
+        engine = make_engine(**lookahead)
+        got = outputs(engine, [request("a", prompt, predicting(greedy(60), prediction))])
+        assert_same(got, expected)
+        snap = engine.metrics.snapshot()
+        assert snap["draft_tokens_total"] > 0, snap
+        assert snap["lookahead_steps_total"] > 20, snap  # (none before drafters said when they will not draft)
+        assert (snap["draft_accepted_total"] >= 15) == accepts, snap
         assert_pool_full(engine)
 
 
