@@ -360,3 +360,37 @@ def test_the_engine_looks_ahead_past_forced_tokens_with_the_same_tokens(tmp_path
     for o in outs[True]:
         assert o.finish_reason == "stop" and o.output_ids[-1] == 200012  # <|call|>
         assert valid(json.loads(enc.decode(o.output_ids[:-1])), WEATHER)
+
+
+def test_a_prediction_is_verified_by_the_engine_and_changes_no_token(real):
+    """Chat `prediction` through HTTP into the real engine's speculative decoding: the answer the random model
+    writes is sent back as the prediction of the same request, so most drafts are accepted (the engine re-aligns
+    on its first two tokens, the prediction opening with the final-channel header the random model does not
+    write); the message equals the one without a prediction, and usage counts the accepted and rejected drafts."""
+    import openai
+
+    reference, engine, server = real
+    enc = load_harmony_encoding()
+    cfg = IngressConfig(model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date=DATE)
+    picked = None
+    for word in ("hello world", "Hi!", "Rename x to count", "Spell it", "Go on"):
+        messages = [{"role": "user", "content": word}]
+        prompt = render_prompt(chat_prompt(ChatCompletionRequest(model=MODEL, messages=messages, max_tokens=40,
+                                                                 temperature=0), cfg))
+        (direct,) = reference.generate([GenerateRequest("ref", prompt, SamplingParams(temperature=0.0, max_tokens=40))])
+        text = enc.decode(direct.output_ids)
+        if enc.encode(text, allowed_special="all") == direct.output_ids:  # the text tokenizes back to them
+            picked = messages, direct, text
+            break
+    assert picked is not None, "no candidate answer tokenizes back to its own tokens"
+    messages, direct, text = picked
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    predicted = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                               prediction={"type": "content", "content": text})
+    assert predicted.choices[0].message == plain.choices[0].message
+    assert predicted.usage.completion_tokens == plain.usage.completion_tokens == len(direct.output_ids)
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= len(direct.output_ids) // 2, details
+    assert details.rejected_prediction_tokens >= 0
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
