@@ -143,6 +143,16 @@ def cuda_graphs(args) -> bool:
     return args.cuda_graphs == "on"
 
 
+def prediction_ids(args, encoding) -> tuple[int, ...]:
+    """--prediction TEXT (Harmony special tokens allowed) or --prediction-ids: the output every prompt is
+    expected to produce, as draft tokens for speculative decoding."""
+    if args.prediction is not None and args.prediction_ids is not None:
+        raise CliError("give --prediction or --prediction-ids, not both")
+    if args.prediction_ids is not None:
+        return tuple(_parse_ids(args.prediction_ids, "--prediction-ids"))
+    return tuple(encoding.encode(args.prediction, allowed_special="all")) if args.prediction else ()
+
+
 def cmd_generate(args) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -163,13 +173,14 @@ def cmd_generate(args) -> int:
                           enable_prefix_caching=args.prefix_caching,
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
-                          prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs])
+                          prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
+                          speculative_tokens=args.speculative_tokens, speculative_ngram=args.prompt_lookup)
+    encoding = load_harmony_encoding()
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                              logprobs=args.logprobs)
+                              logprobs=args.logprobs, prediction=prediction_ids(args, encoding))
     engine = LLMEngine.from_checkpoint(folder, config)  # with --tp/--ep > 1: spawns ranks 1..N-1
     requests = [GenerateRequest(str(i), ids, sampling) for i, ids in enumerate(prompts)]
-    encoding = load_harmony_encoding()
     try:
         completions = engine.generate(requests)
     finally:
@@ -181,6 +192,9 @@ def cmd_generate(args) -> int:
                     "finish_reason": completion.finish_reason}
             if args.logprobs is not None:  # per output token: its logprob and the top N (id, logprob)
                 line["logprobs"] = [{"logprob": lp.logprob, "top": lp.top} for lp in completion.logprobs]
+            if completion.num_draft_tokens:
+                line["draft_tokens"] = completion.num_draft_tokens
+                line["accepted_draft_tokens"] = completion.num_accepted_draft_tokens
             print(json.dumps(line), flush=True)
         else:
             print(f"[{completion.request_id}] ({completion.finish_reason}, {len(completion.output_ids)} tokens) "
@@ -241,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
     gen.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages); on by default")
+    gen.add_argument("--prediction", help="expected output text (speculative decoding drafts; every prompt)")
+    gen.add_argument("--prediction-ids", help="expected output as comma-separated token ids")
+    gen.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens verified per step (0: off)")
+    gen.add_argument("--prompt-lookup", action="store_true",
+                     help="also draft from the prompt and output (n-gram lookup), without a prediction")
     gen.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
                      help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA); "
                           "auto: symm_mem where each rank sees every GPU of the group with peer access, else nccl")

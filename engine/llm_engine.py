@@ -86,6 +86,8 @@ class Completion:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    num_draft_tokens: int = 0  # speculative decoding (engine/speculative.py): drafts verified, and accepted
+    num_accepted_draft_tokens: int = 0
 
 
 class LLMEngine:
@@ -523,4 +525,5 @@ class LLMEngine:
                 c.output_ids += d.token_ids
                 c.logprobs += d.logprobs or []
                 c.finish_reason = d.finish_reason
+                c.num_draft_tokens, c.num_accepted_draft_tokens = d.num_draft_tokens, d.num_accepted_draft_tokens
         return [results[r.request_id] for r in requests]

@@ -98,6 +98,10 @@ def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--top-p", "0"), "top_p must be in (0, 1]"),
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--block-size", "0"), "block_size must be a positive"),
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--cuda-graphs", "on"), "cuda_graphs=True needs device"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--prediction-ids", "1,y"), "expected comma-separated"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--prediction", "a", "--prediction-ids", "1"), "not both"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--prediction-ids", "1,5000"), "prediction"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--speculative-tokens", "99"), "speculative_tokens"),
     ]:
         assert main(list(args)) == 2, args
         err = capsys.readouterr().err
@@ -180,3 +184,23 @@ def test_generate_with_prefix_caching_prints_the_same_tokens(tiny):
     assert plain.returncode == 0 and cached.returncode == 0, cached.stderr
     ids = [[json.loads(line)["output_ids"] for line in done.stdout.splitlines()] for done in (plain, cached)]
     assert ids[0] == ids[1] and len(ids[0]) == 2
+
+
+def test_generate_with_a_prediction_prints_the_same_tokens_and_counts_the_drafts(tiny):
+    """--prediction-ids: the greedy output fed back as the prediction is verified as drafts (accepted, so
+    fewer steps), the tokens unchanged; --prompt-lookup drafts from the prompt with the same result."""
+    args = ("generate", str(tiny / "a"), "--prompt-ids", "5,6,7,8,5,6,7,8,5,6", "--max-tokens", "24", "--json")
+    plain = gptoss(*args)
+    assert plain.returncode == 0, plain.stderr
+    expected = json.loads(plain.stdout)
+    assert "draft_tokens" not in expected
+    ids = ",".join(map(str, expected["output_ids"]))
+    for extra in (("--prediction-ids", ids), ("--prediction-ids", ids, "--speculative-tokens", "7")):
+        done = gptoss(*args, *extra)
+        assert done.returncode == 0, done.stderr
+        got = json.loads(done.stdout)
+        assert got["output_ids"] == expected["output_ids"], extra
+        assert got["accepted_draft_tokens"] >= 12 and got["draft_tokens"] >= got["accepted_draft_tokens"], got
+    lookup = gptoss(*args, "--prompt-lookup")
+    assert lookup.returncode == 0, lookup.stderr
+    assert json.loads(lookup.stdout)["output_ids"] == expected["output_ids"]
