@@ -241,7 +241,12 @@ def test_speculative_decoding_computes_what_a_recompute_does(gpu_model, kv_cache
     spec = llm.generate([GenerateRequest(f"s{i}", p, params(c.output_ids)) for i, (p, c) in enumerate(zip(prompts, plain))])
     snap = llm.metrics.snapshot()
     assert snap["draft_accepted_total"] >= 20, snap
-    assert graph_steps() - steps < plain_steps, (graph_steps() - steps, plain_steps)  # several tokens per step
+    assert sum(c.num_accepted_draft_tokens for c in spec) == snap["draft_accepted_total"]
+    # Several tokens per step: the request with the most accepted drafts took 24 - accepted steps. (The batch's
+    # step count need not drop: a request whose output leaves its prediction early decodes one token per step,
+    # H200 2026-12-01: 23 graph steps with and without speculation in the fp8 K/V case.)
+    assert max(c.num_accepted_draft_tokens for c in spec) >= 10, [c.num_accepted_draft_tokens for c in spec]
+    assert graph_steps() - steps <= plain_steps, (graph_steps() - steps, plain_steps)
     for run in (plain, spec):
         for p, out in zip(prompts, run):
             tokens = out.output_ids
