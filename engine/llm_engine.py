@@ -14,7 +14,11 @@ that step finishes by length are retired before scheduling; one that stops on a 
 had a row of the next step computed for nothing (dropped; its pages are freed after, and GPU work on
 them stays in stream order). Not after a step with prefill-only sequences (they are parked when read),
 not for PREFILL steps, and after a step that samples a prompt's first token only when the next step is
-likely a quick graph replay (TTFT). Tokens are the same as without (tests/engine/test_lookahead.py).
+likely a quick graph replay (TTFT). Not after a step that verifies drafts, nor while a sequence may draft next
+(engine/speculative.py: the draft needs the tokens). Rows whose sampling needs the token in flight (a penalty's
+history; a constraint's mask that the token could change) defer the sampling, not the step: its forward is
+launched ahead and its sampler once that token is read (`_sample_pending`), while the forward runs. Tokens are
+the same as without (tests/engine/test_lookahead.py).
 
 Disaggregated serving uses the same object on both sides: a prefill replica adds requests with
 `prefill_only=True`, runs `step_prefill()` and hands `export_kv(id)` to the decode replica, which
@@ -72,9 +76,13 @@ class _Launched:
     slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read; a draft's
     # rows share their sequence's one placeholder: its first token goes there, accepted ones after it)
     drafts: dict[int, tuple[int, ...]]  # id(seq) -> the draft verified this step (engine/speculative.py)
-    sampled: SamplerOutput | None  # on the device (None: nothing sampled)
+    sampled: SamplerOutput | None  # on the device (None: nothing sampled, or not yet: `pending`)
     host: HostTokens | None
     times: StepTimes
+    # Deferred sampling (a lookahead step whose rows need the tokens in flight to sample: a penalty's history,
+    # a constraint's mask): the logits and the rows' steps until the step before is read (`_sample_pending`).
+    pending: tuple[torch.Tensor, list[int]] | None = None
+    failure: StepFailedError | None = None  # its deferred sampler failed: raised when the step is read
 
 
 @dataclass
@@ -328,13 +336,17 @@ class LLMEngine:
         except StepFailedError as exc:
             extra = [s.seq.request_id for s in nxt.out.scheduled] if nxt is not None else []
             raise StepFailedError(str(exc), exc.request_ids + extra) from exc
+        if nxt is not None and nxt.pending is not None:
+            self._sample_pending(nxt)
         self._inflight = nxt
         return deltas
 
-    def _launch(self, out: SchedulerOutput, times: StepTimes, feed: _Launched | None) -> _Launched:
+    def _launch(self, out: SchedulerOutput, times: StepTimes, feed: _Launched | None,
+                defer_sampling: bool = False) -> _Launched:
         """Queue the step's forward and sampler (feed: the step still in flight before it, whose sampled
         ids replace the placeholders among this step's inputs, on the device), then advance its
-        sequences: cached lengths, out-of-window pages, one placeholder output per sampling row."""
+        sequences: cached lengths, out-of-window pages, one placeholder output per sampling row.
+        defer_sampling: queue the forward only; `_sample_pending` queues the sampler once `feed` is read."""
         t1 = time.perf_counter()
         try:
             inputs = self.runner.prepare(out.scheduled)
@@ -347,9 +359,13 @@ class LLMEngine:
             rows = [out.scheduled[b].seq for b in inputs.sample_rows]
             logits = self.runner.execute(inputs)
             self.metrics.record_path(self.runner.last_path)
-            batch = self.batches(rows)  # (after the launch: token masks are built while the GPU runs)
-            sampled = self.sampler(logits, batch) if rows else None  # a step of partial prefill chunks samples nothing
-            host = HostTokens(sampled) if sampled is not None else None
+            pending = sampled = host = None
+            if defer_sampling and rows:
+                pending = (logits, self.batches.steps_of(rows))
+            elif rows:  # (a step of partial prefill chunks samples nothing)
+                batch = self.batches(rows)  # (after the launch: token masks are built while the GPU runs)
+                sampled = self.sampler(logits, batch)
+                host = HostTokens(sampled)
         except Exception as exc:  # any failure of the model or sampler: the caller aborts these requests
             raise StepFailedError(f"{out.kind.value} step failed: {exc!r}",
                                   [s.seq.request_id for s in out.scheduled]) from exc
@@ -369,7 +385,22 @@ class LLMEngine:
             slots.append(len(seq.output_ids) - 1)
             last = seq
         times.update = time.perf_counter() - t3
-        return _Launched(out, rows, slots, drafts, sampled, host, times)
+        return _Launched(out, rows, slots, drafts, sampled, host, times, pending)
+
+    def _sample_pending(self, step: _Launched) -> None:
+        """Queue a lookahead step's deferred sampler, now that the step before it was read: penalties see
+        that step's tokens and constraints give the masks after them. A failure is kept for `_resolve`
+        (the step before has its deltas already)."""
+        logits, steps = step.pending
+        step.pending = None
+        t0 = time.perf_counter()
+        try:
+            step.sampled = self.sampler(logits, self.batches(step.rows, steps))
+            step.host = HostTokens(step.sampled)
+        except Exception as exc:
+            step.failure = StepFailedError(f"{step.out.kind.value} step failed: {exc!r}",
+                                           [s.seq.request_id for s in step.out.scheduled])
+        step.times.forward += time.perf_counter() - t0
 
     @staticmethod
     def _feed(inputs, out: SchedulerOutput, feed: _Launched):
@@ -399,11 +430,13 @@ class LLMEngine:
     def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
-        if kind is StepKind.PREFILL or cur.drafts or any(
-                seq.prefill_only or not may_sample_ahead(seq) or (seq.drafter is not None and seq.drafter.may_propose())
-                for seq in cur.rows):
-            return None  # (penalties, constraints, drafts: the next step's history, mask, draft or positions need
-            # its tokens; a step verifying drafts does not know how many it will accept)
+        if kind is StepKind.PREFILL or cur.drafts or cur.failure is not None or any(
+                seq.prefill_only or (seq.drafter is not None and seq.drafter.may_propose()) for seq in cur.rows):
+            return None  # (drafts: the next step's draft and positions need its tokens; a step verifying drafts
+            # does not know how many it will accept)
+        # Penalties and constraints need its tokens to sample, not to run the forward: that step's sampler
+        # waits until they are read (deferred sampling).
+        defer = any(not may_sample_ahead(seq) for seq in cur.rows)
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
@@ -415,7 +448,7 @@ class LLMEngine:
             return None
         times = StepTimes(schedule=time.perf_counter() - t0)
         self.metrics.record_lookahead()
-        return self._launch(out, times, cur)
+        return self._launch(out, times, cur, defer)
 
     def _next_step_replays(self) -> bool:
         """Whether the next step will likely be a captured decode graph (quick to launch): everybody
@@ -428,6 +461,8 @@ class LLMEngine:
     def _resolve(self, step: _Launched) -> list[TokenDelta]:
         """Read the step's tokens (waits for its sampler), fill its placeholders, finish sequences, deltas."""
         t3 = time.perf_counter()
+        if step.failure is not None:
+            raise step.failure
         token_ids, logprobs, top = [], None, None
         if step.host is not None:
             try:

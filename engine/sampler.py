@@ -327,14 +327,24 @@ class BatchBuilder:
         self.device, self.vocab_size = device, vocab_size
         self._last: tuple[list[Sequence], list[int], SamplingBatch] | None = None
 
-    def __call__(self, rows: list[Sequence]) -> SamplingBatch:
+    @staticmethod
+    def steps_of(rows: list[Sequence]) -> list[int]:
+        """The step (output index) each row samples, before the step's placeholders are appended."""
         steps, last, j = [], None, 0  # a draft's rows (one sequence, in a row) sample its next steps in turn
         for s in rows:
             j = j + 1 if s is last else 0
             steps.append(len(s.output_ids) + j)
             last = s
+        return steps
+
+    def __call__(self, rows: list[Sequence], steps: list[int] | None = None) -> SamplingBatch:
+        """steps: from `steps_of` when the batch is built after the step was launched (deferred sampling:
+        the rows' own placeholders are then in their outputs); finished rows then sample unmasked (their
+        tokens are dropped)."""
+        steps = self.steps_of(rows) if steps is None else steps
         last = self._last
-        masks = [s.constraint.allowed_tokens() if s.constraint is not None else None for s in rows]
+        masks = [s.constraint.allowed_tokens() if s.constraint is not None and not s.is_finished else None
+                 for s in rows]
         penalized = [s.sampling.has_penalties for s in rows]
         host_state = any(penalized) or any(m is not None for m in masks)
         if not host_state and last is not None and last[2].allowed is None and not last[2].penalized \
@@ -344,9 +354,9 @@ class BatchBuilder:
         else:
             histories = None
             if host_state:  # (a masked row may have a token in flight where its constraint allowed it)
-                if any(PLACEHOLDER in s.output_ids for s, p in zip(rows, penalized) if p):
+                histories = [s.output_ids[:step] if p else [] for s, p, step in zip(rows, penalized, steps)]
+                if any(PLACEHOLDER in h for h in histories):
                     raise RuntimeError("a penalized row has a token in flight: its history would miss it")
-                histories = [s.output_ids if p else [] for s, p in zip(rows, penalized)]
             batch = SamplingBatch.build([s.sampling for s in rows], [s.seed for s in rows], steps, self.device,
                                         histories, self.vocab_size, masks if host_state else None)
         self._last = (rows, steps, batch)

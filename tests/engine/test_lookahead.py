@@ -187,3 +187,70 @@ def test_abort_of_a_request_whose_last_token_is_in_flight(make_engine, make_look
     assert got["long"] == expected["long"]["ids"]
     assert got["short"] + delta.token_ids == expected["short"]["ids"][:3]
     assert_pool_full(engine)
+
+
+def test_a_failing_deferred_sampler_fails_its_step_when_read(make_lookahead, monkeypatch):
+    """A penalized row defers the sampling of the step launched ahead until the step before is read. If that
+    sampler raises, the step before still delivers its tokens, and reading the failed step raises
+    StepFailedError for its requests (which the caller aborts)."""
+    engine = _with(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12, presence_penalty=0.5)),
+                                      request("b", random_prompt(6, 4), greedy(12))])
+    real = engine.sampler
+    calls = []
+
+    def sampler(logits, batch):
+        calls.append(1)
+        if len(calls) == 3:  # prefill, first decode, then the deferred one of the decode launched ahead
+            raise RuntimeError("sampler failed")
+        return real(logits, batch)
+
+    monkeypatch.setattr(engine, "sampler", sampler)
+    engine.step()  # the prefill: first tokens are read before anything is launched ahead
+    deltas = engine.step()  # the first decode: read; the step after it launched ahead, its sampler failed
+    assert sorted(d.request_id for d in deltas) == ["a", "b"] and all(len(d.token_ids) == 1 for d in deltas)
+    assert engine._inflight is not None and engine._inflight.failure is not None
+    with pytest.raises(StepFailedError) as err:
+        engine.step()
+    assert sorted(set(err.value.request_ids)) == ["a", "b"]
+    for rid in set(err.value.request_ids):
+        assert PLACEHOLDER not in engine.abort(rid).token_ids
+    assert not engine.has_unfinished() and engine._inflight is None
+    assert_pool_full(engine)
+
+
+class _StopAware:
+    """A test constraint (every id allowed) that refuses to give a mask once it has seen its stop token: the
+    row a lookahead step computed for a sequence that stopped must sample without asking it."""
+
+    def __init__(self, stop: int):
+        self.stop, self.seen = stop, []
+
+    def allowed_tokens(self):
+        assert self.stop not in self.seen, "asked for a mask after the output ended"
+        return None
+
+    def accept(self, token_id: int) -> None:
+        self.seen.append(token_id)
+
+    def can_look_ahead(self) -> bool:
+        return False
+
+
+class _StopAwareSpec:
+    def __init__(self, stop: int):
+        self.stop = stop
+
+    def start(self, vocab_size: int) -> _StopAware:
+        return _StopAware(self.stop)
+
+
+def test_a_constrained_row_that_stopped_is_not_masked_in_the_step_launched_ahead(make_engine, make_lookahead):
+    prompt = random_prompt(5, 8)
+    probe = run_to_end(_with(make_engine(), [request("c", prompt, greedy(12))]))["c"]["ids"]
+    stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
+    reqs = [request("c", prompt, greedy(12, stop_token_ids=(stop,), constraint=_StopAwareSpec(stop))),
+            request("free", random_prompt(7, 9), greedy(16))]
+    sync, ahead, engine = run_both(make_engine, make_lookahead, reqs)
+    assert ahead == sync and ahead["c"]["finish"] == FINISH_STOP and ahead["c"]["ids"][-1] == stop
+    assert engine.lookahead_steps > 0
+    assert_pool_full(engine)
