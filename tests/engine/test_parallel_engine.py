@@ -149,7 +149,8 @@ def _run_every_split(executor, checkpoint, single):
 def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, single):
     """The lookahead with tp2 ep2: steps launched before their predecessor's tokens are read hold
     placeholders in the host ids every rank receives; rank 0 broadcasts its device ids, and the
-    generations (and the decode side of a hand-off) equal one process's. Then speculative decoding."""
+    generations (and the decode side of a hand-off) equal one process's. Then speculative decoding, and
+    penalized rows (deferred sampling)."""
     executor = Executor.spawn(2)
     try:
         engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=True))
@@ -175,6 +176,24 @@ def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, si
             out = run_to_end(engine)
             assert {rid: r["ids"] for rid, r in out.items()} == single["ids"]
             assert engine.metrics.snapshot()["draft_accepted_total"] > 0
+        finally:
+            engine.close()
+        # Deferred sampling over the same ranks: penalized rows let the step after theirs launch ahead and
+        # sample once their token in flight is read; the tokens equal one process's.
+        penalized = requests()
+        for r in penalized:
+            r.sampling.presence_penalty, r.sampling.frequency_penalty = 0.7, 0.4
+        one = LLMEngine(load_model(checkpoint, dtype="float32", progress=False), config())
+        for r in penalized:
+            one.add_request(r)
+        want = {rid: r["ids"] for rid, r in run_to_end(one).items()}
+        assert want != single["ids"]  # the penalties bite
+        engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=True))
+        try:
+            for r in penalized:
+                engine.add_request(r)
+            assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want
+            assert engine.lookahead_steps > 0
         finally:
             engine.close()
     finally:
