@@ -11,8 +11,9 @@
    model's first three tokens, and stays in that body: the random model never ends it; what a reasoning
    model's analysis costs), and a grammar active from the first token (a string of at least 1000
    characters: it stays active for the whole run; no token is ever forced), and the same with 60 required
-   boolean keys (the keys' tokens are forced: the engine looks ahead past them). Milliseconds per output
-   token and the ratio to the unconstrained run, same process.
+   boolean keys (the keys' tokens are forced: the engine looks ahead past them); and a request with
+   presence/frequency penalties (no constraint: the sampler needs each token's history). Milliseconds per
+   output token and the ratio to the unconstrained run, same process.
 
 JSON and a PNG under bench/results/ (structured_<device>.{json,png}); a table printed last.
 """
@@ -113,13 +114,15 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
                                                                                        "bench"))),
         "grammar active": HarmonySchemaSpec(final=check_json_schema(LONG_STRING, "bench"), start_in=FINAL),
         "grammar active, forced keys": HarmonySchemaSpec(final=check_json_schema(MANY_KEYS, "bench"), start_in=FINAL),
+        "penalties, no constraint": "penalties",  # presence/frequency penalties: the sampler needs the history
     }
     rows = []
     for rnd in range(2):  # round 0 warms everything (graphs, first steps); round 1 is reported
         for name, spec in variants.items():
             rid = f"{name}-{rnd}"
+            extra = dict(presence_penalty=0.5, frequency_penalty=0.3) if spec == "penalties" else dict(constraint=spec)
             engine.add_request(GenerateRequest(rid, prompt, SamplingParams(
-                temperature=0.0, max_tokens=out_len, ignore_eos=True, constraint=spec)))
+                temperature=0.0, max_tokens=out_len, ignore_eos=True, **extra)))
             times, active, ahead = [], [], engine.lookahead_steps
             while engine.has_unfinished():
                 seq = engine.seqs.get(rid)
