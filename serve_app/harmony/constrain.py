@@ -20,7 +20,9 @@ the message closes instead of the request hanging.
 
 The engine's lookahead (it samples the next token before reading the one in flight) stays on where that
 token cannot change the next mask (a free body, between messages) or is known (the last mask allowed one
-id: `can_look_ahead`); in headers and at free choices inside a grammar it reads each token first.
+id: `can_look_ahead`); in headers and at free choices inside a grammar it reads each token first. A run of
+forced tokens (each mask one id: JSON punctuation, the keys a schema fixes) is what `forced_tokens` gives the
+engine as a draft, verified in one step (jump-forward decoding; engine/speculative.py).
 
 The spec crosses processes (ingress -> decode and prefill replicas) as grammar strings; each engine
 process builds the Harmony tokenizer for llguidance once (~1.5 s; replicas start that on a background
@@ -35,7 +37,7 @@ import json
 import logging
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,10 +176,14 @@ class HarmonyConstraint:
         self._matcher = None  # the grammar of the message being written, if any
         self._end = RETURN
         self._failed = False
-        # Forced tokens: when the last mask allowed one id, the token in flight is that id (the sampler can pick
-        # nothing else), so the engine may look ahead; the next allowed_tokens() applies it ahead of accept().
-        self._single: int | None = None  # the one id the last mask allowed (its token not accepted yet)
-        self._ahead: int | None = None  # applied ahead, waiting for accept() to confirm it
+        # Forced tokens (a mask that allows one id: the sampler can pick nothing else) are applied to the state
+        # as soon as that mask is built, ahead of accept(): `_ahead` holds them in output order, and masks of
+        # their positions are known without computing (one id each). So the engine may look ahead past them
+        # (can_look_ahead), and `forced_tokens` gives a run of them as a draft (jump-forward).
+        self._ahead: deque[int] = deque()  # applied to the state, not yet accepted
+        self._handed = 0  # masks built for positions past the accepted tokens (their tokens in flight)
+        self._version = 0  # counts _advance calls: the cached mask below is the state's while it matches
+        self._cached: tuple[int, np.ndarray | None] | None = None
         if spec.start_in == FINAL:
             self._enter(spec.final, RETURN)
         elif spec.start_in is not None:
@@ -189,32 +195,55 @@ class HarmonyConstraint:
         return self._matcher is not None
 
     def allowed_tokens(self) -> np.ndarray | None:
-        if self._single is not None:  # asked again before the last mask's token was read: it can only be that id
-            self._advance(self._single)
-            self._ahead, self._single = self._single, None
-        words = self._mask()
-        if words is not None:
-            ids = np.flatnonzero(words)
-            if len(ids) == 1 and words[ids[0]] & (words[ids[0]] - np.uint32(1)) == 0:  # one word, one bit
-                self._single = int(ids[0]) * 32 + int(words[ids[0]]).bit_length() - 1
-        return words
+        """The mask of the next position without one (after the accepted tokens and those in flight)."""
+        i = self._handed
+        self._handed += 1
+        if i < len(self._ahead):  # a forced token's position: its mask is that one id
+            return _one_id(self._ahead[i])
+        return self._walk_mask()
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the constraint forces after the positions whose masks it gave (jump-forward
+        drafts: each one's mask allows only it); [] where a token in flight is not known."""
+        if limit <= 0 or self._handed > len(self._ahead):
+            return []
+        while len(self._ahead) < self._handed + limit and self._walk_mask(forced_only=True) is not None:
+            pass
+        return list(self._ahead)[self._handed: self._handed + limit]
 
     def can_look_ahead(self) -> bool:
-        """The engine may sample past the token in flight unread when that token is known (the last mask
-        allowed one id) or cannot start a grammar (a free message's body or between messages: only the
-        <|message|> closing a header does)."""
-        return self._single is not None or (self._matcher is None and self._header is None)
+        """The engine may sample past the token in flight unread when that token is known (its mask allowed
+        one id) or cannot start a grammar (a free message's body or between messages: only the <|message|>
+        closing a header does)."""
+        return len(self._ahead) >= self._handed > 0 or (self._matcher is None and self._header is None)
 
     def accept(self, token_id: int) -> None:
-        if self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
+        self._handed = max(0, self._handed - 1)
+        if self._ahead:
+            ahead = self._ahead.popleft()
             if token_id != ahead:  # the sampler picked outside a one-id mask: cannot happen with finite logits
                 log.warning("structured output: token %d where only %d was allowed; closing the message",
                             token_id, ahead)
                 self._failed = True
             return
-        self._single = None
         self._advance(token_id)
+
+    def _walk_mask(self, forced_only: bool = False):
+        """The mask at the end of the applied state; a one-id mask applies its token (`_ahead`). forced_only:
+        the forced id, or None (the mask stays cached for the allowed_tokens() call that will want it)."""
+        if self._cached is not None and self._cached[0] == self._version:
+            words = self._cached[1]
+        else:
+            words = self._mask()
+            self._cached = (self._version, words)
+        forced = None
+        if words is not None:
+            ids = np.flatnonzero(words)
+            if len(ids) == 1 and words[ids[0]] & (words[ids[0]] - np.uint32(1)) == 0:  # one word, one bit
+                forced = int(ids[0]) * 32 + int(words[ids[0]]).bit_length() - 1
+                self._advance(forced)
+                self._ahead.append(forced)
+        return forced if forced_only else words
 
     def _mask(self) -> np.ndarray | None:
         if self._matcher is None:
@@ -236,6 +265,7 @@ class HarmonyConstraint:
         return words
 
     def _advance(self, token_id: int) -> None:
+        self._version += 1
         if self._matcher is not None:
             if token_id == self._end:
                 self._matcher, self._header = None, None  # the message (and normally the output) ends here
@@ -270,6 +300,12 @@ class HarmonyConstraint:
     def _enter(self, grammar: str, end: int) -> None:
         self._matcher = matcher_for(grammar)
         self._end, self._failed = end, False
+
+
+def _one_id(token_id: int) -> np.ndarray:
+    words = np.zeros(MASK_WORDS, dtype=np.uint32)
+    words[token_id // 32] = np.uint32(1 << (token_id % 32))
+    return words
 
 
 _TEMPLATES: "OrderedDict[str, Any]" = OrderedDict()  # grammar -> a compiled matcher never fed a token

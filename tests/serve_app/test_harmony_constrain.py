@@ -164,6 +164,58 @@ def test_looking_ahead_past_forced_tokens_gives_the_masks_of_one_at_a_time(seed)
     assert looked > 3 and inside > 0, (looked, inside)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_forced_token_drafts_give_the_masks_of_one_at_a_time(seed):
+    """Jump-forward: the engine's order with forced-token drafts (forced_tokens(k), then the masks of the draft's
+    k + 1 rows, then the k + 1 tokens reported), with one token in flight (where can_look_ahead() allows) or
+    none, gives every position the mask of a constraint fed one token at a time, and the drafts are the
+    tokens those masks force."""
+    rng = np.random.default_rng(seed)
+    grammar = check_json_schema(SCHEMA, "s")
+    sync, jump = (spec(final=grammar).start(HARMONY_VOCAB_SIZE) for _ in range(2))
+    tokens = ids("<|channel|>final<|message|>")
+    masks = []
+    for t in tokens:
+        masks.append(allowed(sync.allowed_tokens()))
+        sync.accept(t)
+    while len(tokens) < 300:
+        a = allowed(sync.allowed_tokens())
+        t = RETURN if RETURN in a else int(rng.choice(a))
+        masks.append(a)
+        sync.accept(t)
+        tokens.append(t)
+        if t == RETURN:
+            break
+    pos, drafted, in_flight = 0, 0, False
+    while pos < len(tokens):
+        limit = int(rng.integers(1, 9))
+        if in_flight and not jump.can_look_ahead():  # the engine reads such a token before the next masks
+            jump.accept(tokens[pos])
+            pos, in_flight = pos + 1, False
+        if in_flight:  # the mask of `pos` was given last time; its token not reported yet
+            draft = jump.forced_tokens(limit)
+            if draft:  # the token in flight was forced: the draft follows it
+                assert draft == tokens[pos + 1: pos + 1 + len(draft)]
+            rows = [allowed(jump.allowed_tokens()) for _ in range(len(draft) + 1)]
+            expected = masks[pos + 1: pos + 2 + len(draft)]
+            jump.accept(tokens[pos])
+            pos += 1
+        else:
+            draft = jump.forced_tokens(limit)
+            assert draft == tokens[pos: pos + len(draft)]
+            rows = [allowed(jump.allowed_tokens()) for _ in range(len(draft) + 1)]
+            expected = masks[pos: pos + 1 + len(draft)]
+        assert len(expected) == min(len(rows), len(tokens) - pos)  # (rows past the output's end: nothing to check)
+        for k, (g, m) in enumerate(zip(rows, expected)):
+            assert (g is None and m is None) or (g is not None and m is not None and np.array_equal(g, m)), (pos, k)
+        drafted += len(draft)
+        for t in tokens[pos: pos + len(draft)]:  # the draft's tokens reported; the last row's stays in flight
+            jump.accept(t)
+        pos += len(draft)
+        in_flight = pos < len(tokens)
+    assert drafted > 10, drafted  # the keys and punctuation of five required keys are forced
+
+
 def test_a_strict_tool_call_is_held_and_ends_with_call_either_header_form():
     grammar = check_json_schema({"type": "object", "properties": {"q": {"enum": ["x"]}}, "required": ["q"],
                                  "additionalProperties": False}, "t")
