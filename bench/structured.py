@@ -11,7 +11,8 @@
    model's first three tokens, and stays in that body: the random model never ends it; what a reasoning
    model's analysis costs), and a grammar active from the first token (a string of at least 1000
    characters: it stays active for the whole run; no token is ever forced), and the same with 60 required
-   boolean keys (the keys' tokens are forced: the engine looks ahead past them); and a request with
+   boolean keys (the keys' tokens are forced: the engine runs them as drafts, jump-forward, and the same
+   without jump-forward, one forced token per step); and a request with
    presence/frequency penalties (no constraint: the sampler needs each token's history). Milliseconds per
    output token and the ratio to the unconstrained run, same process.
 
@@ -114,16 +115,20 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
                                                                                        "bench"))),
         "grammar active": HarmonySchemaSpec(final=check_json_schema(LONG_STRING, "bench"), start_in=FINAL),
         "grammar active, forced keys": HarmonySchemaSpec(final=check_json_schema(MANY_KEYS, "bench"), start_in=FINAL),
+        "forced keys, no jump-forward": HarmonySchemaSpec(final=check_json_schema(MANY_KEYS, "bench"), start_in=FINAL),
         "penalties, no constraint": "penalties",  # presence/frequency penalties: the sampler needs the history
     }
     rows = []
+    jump = engine.config.jump_forward_tokens
     for rnd in range(2):  # round 0 warms everything (graphs, first steps); round 1 is reported
         for name, spec in variants.items():
+            engine.config.jump_forward_tokens = 0 if "no jump-forward" in name else jump  # (read per step)
             rid = f"{name}-{rnd}"
             extra = dict(presence_penalty=0.5, frequency_penalty=0.3) if spec == "penalties" else dict(constraint=spec)
             engine.add_request(GenerateRequest(rid, prompt, SamplingParams(
                 temperature=0.0, max_tokens=out_len, ignore_eos=True, **extra)))
             times, active, ahead = [], [], engine.lookahead_steps
+            jumped = engine.metrics.snapshot()["jump_forward_tokens_total"]
             while engine.has_unfinished():
                 seq = engine.seqs.get(rid)
                 was_active = bool(seq is not None and getattr(seq.constraint, "active", False))
@@ -133,8 +138,11 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
             if rnd == 1:
                 tpot = (times[-1] - times[0]) / (len(times) - 1)
                 rows.append({"variant": name, "out_len": len(times), "tpot_ms": 1e3 * tpot, "tok_s": 1 / tpot,
-                             "steps_with_grammar_active": int(sum(active[1:])),
+                             "tokens_with_grammar_active": int(sum(active[1:])),
+                             "decode_steps": len(set(times)) - 1,
+                             "jump_forward_tokens": engine.metrics.snapshot()["jump_forward_tokens_total"] - jumped,
                              "lookahead_steps": engine.lookahead_steps - ahead})
+    engine.config.jump_forward_tokens = jump
     base = rows[0]["tpot_ms"]
     for r in rows:
         r["vs_unconstrained"] = r["tpot_ms"] / base

@@ -73,6 +73,10 @@ class EngineConfig:
     speculative_tokens: int = 4
     speculative_ngram: bool = False
     speculative_max_seqs: int = 8
+    # Jump-forward decoding for structured output: where a request's constraint forces its next tokens (each
+    # mask allows one id: JSON punctuation, the keys a schema fixes), up to this many of them run as a draft
+    # of the decode step, all accepted (0: off; any batch size). The tokens are the same as without.
+    jump_forward_tokens: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -121,6 +125,9 @@ class EngineConfig:
         if not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool) \
                 or not 0 <= self.speculative_tokens <= 16:
             raise EngineConfigError(f"speculative_tokens must be an integer in [0, 16], got {self.speculative_tokens!r}")
+        if not isinstance(self.jump_forward_tokens, int) or isinstance(self.jump_forward_tokens, bool) \
+                or not 0 <= self.jump_forward_tokens <= 16:
+            raise EngineConfigError(f"jump_forward_tokens must be an integer in [0, 16], got {self.jump_forward_tokens!r}")
         if self.speculative_ngram not in (True, False):
             raise EngineConfigError(f"speculative_ngram must be true or false, got {self.speculative_ngram!r}")
         if self.tp_size not in (1, self.world_size) or self.ep_size not in (1, self.world_size):

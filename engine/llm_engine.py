@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from engine.speculative import Drafter
 from model.gpt_oss import GptOssForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class StepFailedError(RuntimeError):
@@ -76,6 +79,8 @@ class _Launched:
     slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read; a draft's
     # rows share their sequence's one placeholder: its first token goes there, accepted ones after it)
     drafts: dict[int, tuple[int, ...]]  # id(seq) -> the draft verified this step (engine/speculative.py)
+    forced: dict[int, tuple[int, ...]]  # id(seq) -> forced tokens run this step (jump-forward): certain, so each
+    # row has its own placeholder and the step after may be launched ahead
     sampled: SamplerOutput | None  # on the device (None: nothing sampled, or not yet: `pending`)
     host: HostTokens | None
     times: StepTimes
@@ -371,21 +376,22 @@ class LLMEngine:
                                   [s.seq.request_id for s in out.scheduled]) from exc
         t3 = time.perf_counter()
         times.prepare, times.forward = t2 - t1, t3 - t2
-        drafts = {}
+        drafts, forced = {}, {}
         for s in out.scheduled:
-            s.seq.num_computed = s.end if not s.draft else s.start + 1  # a draft's K/V counts once accepted
+            # a draft's K/V counts once accepted; forced tokens are accepted
+            s.seq.num_computed = s.start + 1 if s.draft and not s.forced else s.end
             self.block_manager.register_blocks(s.seq)  # prefix caching (before sliding pages leave)
             self.block_manager.release_out_of_window(s.seq)
             if s.draft:
-                drafts[id(s.seq)] = s.draft
+                (forced if s.forced else drafts)[id(s.seq)] = s.draft
         slots, last = [], None
         for seq in rows:
-            if seq is not last:
+            if seq is not last or id(seq) in forced:
                 seq.output_ids.append(PLACEHOLDER)
             slots.append(len(seq.output_ids) - 1)
             last = seq
         times.update = time.perf_counter() - t3
-        return _Launched(out, rows, slots, drafts, sampled, host, times, pending)
+        return _Launched(out, rows, slots, drafts, forced, sampled, host, times, pending)
 
     def _sample_pending(self, step: _Launched) -> None:
         """Queue a lookahead step's deferred sampler, now that the step before it was read: penalties see
@@ -410,12 +416,13 @@ class LLMEngine:
                 s.seq is seq and s.num_tokens == 1 and s.start == len(seq.prompt_ids) + slot
                 for s, seq, slot in zip(out.scheduled, feed.rows, feed.slots)):
             return dataclasses.replace(inputs, input_ids=ids)  # the same decode batch, one token further
-        row_of = {id(seq): i for i, seq in enumerate(feed.rows)}
+        rows_of: dict[int, dict[int, int]] = {}  # id(seq) -> {slot: the row whose sample fills it}
+        for i, (seq, slot) in enumerate(zip(feed.rows, feed.slots)):
+            rows_of.setdefault(id(seq), {}).setdefault(slot, i)  # (forced rows: a slot each)
         flat, src, offset = [], [], 0
         for s in out.scheduled:
-            i = row_of.get(id(s.seq))
-            if i is not None:
-                position = len(s.seq.prompt_ids) + feed.slots[i]  # of the token not read yet
+            for slot, i in rows_of.get(id(s.seq), {}).items():
+                position = len(s.seq.prompt_ids) + slot  # of a token not read yet
                 if s.start <= position < s.end:
                     flat.append(offset + position - s.start)
                     src.append(i)
@@ -440,7 +447,7 @@ class LLMEngine:
         if any(len(seq.output_ids) == 1 for seq in cur.rows) and not self._next_step_replays():
             return None  # a prompt's first token: deliver it before host-launching a whole eager step (TTFT)
         t0 = time.perf_counter()
-        for seq in cur.rows:
+        for seq in dict.fromkeys(cur.rows):  # (a sequence's forced rows: once)
             if not seq.is_finished and seq.finishes_by_length(self.max_model_len):
                 self.scheduler.retire(seq)  # finished (and its delta sent) when `cur` is read
         out = self.scheduler.schedule(kind)
@@ -478,13 +485,19 @@ class LLMEngine:
         i = 0
         while i < len(step.rows):
             seq, first = step.rows[i], i
-            draft = step.drafts.get(id(seq), ())
+            forced = step.forced.get(id(seq), ())
+            draft = forced or step.drafts.get(id(seq), ())
             i += 1 + len(draft)
             if seq.is_finished:  # aborted, or stopped by the step before (this one ran ahead for nothing)
                 continue
             accepted = 0  # row j's token is valid while every draft token before it equalled its row's sample
             while accepted < len(draft) and token_ids[first + accepted] == draft[accepted]:
                 accepted += 1
+            if accepted < len(forced):  # a row sampled outside its one-id mask: only non-finite logits do that
+                log.warning("jump-forward: %s sampled %d where only %d was allowed; keeping the forced tokens (the "
+                            "rows after them read those)", seq.request_id, token_ids[first + accepted], forced[accepted])
+                token_ids[first: first + len(forced)] = forced
+                accepted = len(forced)
             if seq.first_token_time is None:
                 self.metrics.record_first_token(now - seq.arrival_time)
             new, reason = [], None
@@ -493,7 +506,7 @@ class LLMEngine:
                 if seq.sampling.logprobs is not None:
                     n = seq.sampling.logprobs
                     lp = TokenLogprob(token_ids[row], logprobs[row], list(zip(top[0][row][:n], top[1][row][:n])) if n else [])
-                if row == first:
+                if row == first or forced:
                     seq.resolve_token(step.slots[row], token_ids[row], lp, now)
                 else:
                     seq.append_token(token_ids[row], lp, now)
@@ -504,10 +517,13 @@ class LLMEngine:
                 if not seq.prefill_only and (reason := seq.check_finished(self.max_model_len, upto)) is not None:
                     break  # (a stop token among the accepted drafts ends the sequence there)
             decoded += len(new) if id(seq) in decoding else 0
-            seq.num_computed += len(new) - 1  # the accepted drafts' K/V
+            if not forced:
+                seq.num_computed += len(new) - 1  # the accepted drafts' K/V
             if seq.drafter is not None:
                 seq.drafter.observe(new, len(draft), accepted)
                 self.metrics.record_drafts(len(draft), accepted)
+            elif forced:  # a constraint's forced tokens (jump-forward): each row's mask allowed only its token
+                self.metrics.record_jump_forward(len(new) - 1)
             if seq.prefill_only:
                 self.scheduler.park(seq)  # stop conditions are the decode side's business
             elif reason is not None:

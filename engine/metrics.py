@@ -69,6 +69,7 @@ class EngineMetrics:
         self.lookahead_steps_total = 0  # steps launched before the previous step's tokens were read
         self.draft_tokens_total = 0  # speculative decoding: draft tokens verified, and accepted
         self.draft_accepted_total = 0
+        self.jump_forward_tokens_total = 0  # structured output: forced tokens run as drafts
         self.steps_by_path_total: dict[str, int] = {}  # forwards by how they ran (ModelRunner.last_path)
         self.requests_added_total = 0
         self.requests_finished_total: dict[str, int] = {}
@@ -102,6 +103,11 @@ class EngineMetrics:
     def record_lookahead(self) -> None:
         with self._lock:
             self.lookahead_steps_total += 1
+
+    def record_jump_forward(self, tokens: int) -> None:
+        if tokens:
+            with self._lock:
+                self.jump_forward_tokens_total += tokens
 
     def record_drafts(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -162,6 +168,7 @@ class EngineMetrics:
                 "lookahead_steps_total": self.lookahead_steps_total,
                 "draft_tokens_total": self.draft_tokens_total,
                 "draft_accepted_total": self.draft_accepted_total,
+                "jump_forward_tokens_total": self.jump_forward_tokens_total,
                 "steps_by_path_total": dict(self.steps_by_path_total),
                 "requests_added_total": self.requests_added_total,
                 "requests_finished_total": dict(self.requests_finished_total),
@@ -226,6 +233,8 @@ class PrometheusCollector:
                       snap["lookahead_steps_total"])
         yield counter("draft_tokens", "Speculative draft tokens verified", snap["draft_tokens_total"])
         yield counter("draft_accepted_tokens", "Speculative draft tokens accepted", snap["draft_accepted_total"])
+        yield counter("jump_forward_tokens", "Forced tokens of structured output run as drafts (jump-forward)",
+                      snap["jump_forward_tokens_total"])
         paths = CounterMetricFamily(f"{ns}_steps_by_path", "Forwards by how they ran: decode_graph, prefill_graph "
                                     "(piecewise CUDA graphs) or eager", labels=names + ["path"])
         for path, n in sorted(snap["steps_by_path_total"].items()):

@@ -50,6 +50,12 @@ class TokenConstraint(Protocol):
         the allowed set after that token does not depend on which token it is, or the token is known."""
         ...
 
+    # Optional (jump-forward decoding, EngineConfig.jump_forward_tokens):
+    #   def forced_tokens(self, limit: int) -> list[int]
+    # up to `limit` tokens that come next after the positions whose sets were asked for, each the only id its
+    # set allows ([] where not known). The engine then asks for the sets of those positions and of the one
+    # after them before it reports any of their tokens.
+
 
 class ConstraintSpec(Protocol):
     """What a request carries (picklable: it crosses processes); each engine that samples for the request

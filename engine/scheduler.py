@@ -45,8 +45,10 @@ class ScheduledSeq:
     num_tokens: int
     is_prefill: bool
     # Speculative decoding: draft tokens after the sequence's last one, verified as extra decode rows
-    # (engine/speculative.py); num_tokens counts them. Only the first position is known to be right.
+    # (engine/speculative.py); num_tokens counts them. Only the first position is known to be right, unless
+    # `forced`: a constraint's forced tokens (jump-forward), each row's mask allowing only its token.
     draft: tuple[int, ...] = ()
+    forced: bool = False
 
     @property
     def end(self) -> int:
@@ -134,7 +136,7 @@ class Scheduler:
     def schedule(self, kind: StepKind = StepKind.MIXED) -> SchedulerOutput:
         out = SchedulerOutput(kind)
         budget = self.config.max_num_batched_tokens
-        drafts, spare_rows = self._drafts(kind)
+        drafts, forced, spare_rows = self._drafts(kind)
         if not drafts and self._all_decode(kind) and len(self.running) <= budget \
                 and self.block_manager.allocate_next_tokens(self.running):
             # The common step: every running sequence decodes one token and the pages suffice, so the
@@ -156,31 +158,41 @@ class Scheduler:
                 room = self.block_manager.max_new_tokens(seq, 1 + len(draft)) - 1
                 draft = tuple(draft[: max(0, min(room, budget - n, spare_rows))])
                 spare_rows -= len(draft)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), seq.is_prefill, draft))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n + len(draft), seq.is_prefill, draft,
+                                              bool(draft) and id(seq) in forced))
             self.block_manager.allocate(seq, seq.num_computed + n + len(draft))
             budget -= n + len(draft)
             i += 1
         self._admit(kind, budget, out)
         return out
 
-    def _drafts(self, kind: StepKind) -> tuple[dict[int, list[int]], int]:
+    def _drafts(self, kind: StepKind) -> tuple[dict[int, list[int]], set[int], int]:
         """Speculative decoding (engine/speculative.py): ({id(seq): draft tokens} for the decoding sequences
-        whose drafter proposes some, decode rows left for drafts within max_num_seqs, the largest decode
-        graph). No drafts when more sequences run than speculative_max_seqs."""
+        whose drafter proposes some, the ids of those whose draft is a constraint's forced tokens, decode rows
+        left for drafts within max_num_seqs, the largest decode graph). No drafter's drafts when more
+        sequences run than speculative_max_seqs; jump-forward drafts (forced tokens) at any batch size."""
         config = self.config
-        if not config.speculative_tokens or kind is StepKind.PREFILL or len(self.running) > config.speculative_max_seqs:
-            return {}, 0
-        drafts = {}
+        if kind is StepKind.PREFILL:
+            return {}, set(), 0
+        speculate = config.speculative_tokens and len(self.running) <= config.speculative_max_seqs
+        drafts, forced_ids = {}, set()
         for seq in self.running:
-            if seq.drafter is None or seq.is_prefill or seq.output_ids[-1] == PLACEHOLDER:  # (a token in flight)
+            if seq.is_prefill:
                 continue
-            limit = min(config.speculative_tokens, seq.sampling.max_tokens - len(seq.output_ids) - 1)
+            forced = seq.constraint is not None and config.jump_forward_tokens and not seq.sampling.has_penalties \
+                and hasattr(seq.constraint, "forced_tokens")  # (penalties: the history would need the drafts)
+            if not forced and (not speculate or seq.drafter is None or seq.output_ids[-1] == PLACEHOLDER):
+                continue  # (a drafter needs the token in flight; a constraint knows it when it was forced)
+            limit = min(config.jump_forward_tokens if forced else config.speculative_tokens,
+                        seq.sampling.max_tokens - len(seq.output_ids) - 1)
             if self.max_model_len is not None:
                 limit = min(limit, self.max_model_len - seq.num_tokens - 1)
-            draft = seq.drafter.propose(limit)
+            draft = seq.constraint.forced_tokens(limit) if forced else seq.drafter.propose(limit)
             if draft:
                 drafts[id(seq)] = draft
-        return drafts, config.max_num_seqs - len(self.running)
+                if forced:
+                    forced_ids.add(id(seq))
+        return drafts, forced_ids, config.max_num_seqs - len(self.running)
 
     def retire(self, seq: Sequence) -> None:
         """Off the schedule with its pages freed, before its last token is read: a sequence whose step in

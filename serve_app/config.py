@@ -203,6 +203,10 @@ class ServeAppConfig(_Settings):
                            "nothing is found.")
     speculative_max_seqs: int = Field(
         8, ge=1, description="Speculate only while at most this many sequences decode on a replica.")
+    jump_forward_tokens: int = Field(
+        8, ge=0, le=16, description="Structured output: tokens the grammar forces (JSON punctuation, a schema's "
+                                    "fixed keys) run as drafts of the decode step, up to this many; 0 turns it off. "
+                                    "Same tokens as without.")
     prefix_routing: bool = Field(
         True, description="With prefix caching: route a prompt to the replica that ran its longest known "
                           "prefix while that replica's queue is within 4 of the shortest (serve_app/prefix_router.py; "
@@ -350,6 +354,7 @@ class ServeAppConfig(_Settings):
             speculative_tokens=self.speculative_tokens,
             speculative_ngram=self.speculative_ngram,
             speculative_max_seqs=self.speculative_max_seqs,
+            jump_forward_tokens=self.jump_forward_tokens,
             tp_size=self.tp_size,
             ep_size=self.ep_size,
         )

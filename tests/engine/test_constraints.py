@@ -1,6 +1,7 @@
 """Token constraints (structured output) in the sampler and the engine: masked ids are never sampled, greedy
 rows take the best allowed id, the constraint sees every token in order (here, after a lookahead, and across a
-prefill -> decode hand-off), and the engine never looks ahead past a constrained row."""
+prefill -> decode hand-off), and the engine builds a constrained row's mask only after the token in flight is
+read or known (deferred sampling). Jump-forward drafts: test_jump_forward.py."""
 
 from __future__ import annotations
 
@@ -287,8 +288,8 @@ def test_masked_sampling_on_the_gpu_equals_the_cpu():
 
 
 def test_structured_output_benchmark_smoke(tmp_path):
-    """bench/structured on the CPU, tiny: its three engine runs exist, the grammar stays active for the whole
-    third one, and it writes its JSON and PNG."""
+    """bench/structured on the CPU, tiny: its engine runs exist, the grammar stays active for the whole of the
+    constrained ones, jump-forward takes steps off the forced keys, and it writes its JSON and PNG."""
     import json
 
     from bench import structured
@@ -297,8 +298,12 @@ def test_structured_output_benchmark_smoke(tmp_path):
     structured.main(["--prompt-len", "24", "--out-len", "6", "--host-tokens", "15", "--walks", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     assert [r["variant"] for r in result["engine"]] == ["no constraint", "constraint, free phase", "grammar active",
-                                                        "grammar active, forced keys"]
-    assert [r["steps_with_grammar_active"] for r in result["engine"]] == [0, 0, 5, 5]
+                                                        "grammar active, forced keys", "forced keys, no jump-forward",
+                                                        "penalties, no constraint"]
+    assert [r["tokens_with_grammar_active"] for r in result["engine"]] == [0, 0, 5, 5, 5, 0]
+    forced, one_by_one = result["engine"][3], result["engine"][4]
+    assert forced["jump_forward_tokens"] > 0 and one_by_one["jump_forward_tokens"] == 0
+    assert forced["decode_steps"] < one_by_one["decode_steps"] == 5
     assert all(r["out_len"] == 6 and r["tpot_ms"] > 0 for r in result["engine"])
     assert len(result["host"]) == 3 and all(r["mask_us_p50"] > 0 for r in result["host"])
     assert out.with_suffix(".png").stat().st_size > 0

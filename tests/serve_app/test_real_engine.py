@@ -332,8 +332,9 @@ def test_completion_response_format_holds_the_text_from_the_first_token(real):
 
 
 def test_the_engine_looks_ahead_past_forced_tokens_with_the_same_tokens(tmp_path):
-    """A strict forced call through LLMEngine with its lookahead on (the GPU default) and off: the same tokens,
-    valid arguments, and the lookahead ran inside the grammar (where a mask allowed one id, e.g. a key)."""
+    """A strict forced call through LLMEngine with its lookahead on (the GPU default) and off, and with
+    jump-forward (forced tokens as drafts, the default) and without: the same tokens, valid arguments; the
+    lookahead ran inside the grammar, and forced runs (the keys, punctuation) took fewer steps."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from model.loader import load_model
@@ -347,17 +348,23 @@ def test_the_engine_looks_ahead_past_forced_tokens_with_the_same_tokens(tmp_path
     prompt = enc.encode("<|start|>user<|message|>Weather?<|end|><|start|>assistant<|channel|>commentary "
                         "to=functions.weather <|constrain|>json<|message|>", allowed_special="all")
     spec = HarmonySchemaSpec(tools=(("weather", check_json_schema(WEATHER, "t")),), start_in="weather")
-    outs, ahead = {}, {}
-    for on in (True, False):
+    outs, ahead, jumped, steps = {}, {}, {}, {}
+    for on, jump in ((True, 8), (False, 8), (True, 0)):
         engine = LLMEngine(model, EngineConfig(max_model_len=MAX_CONTEXT, num_full_pages=64, num_sliding_pages=64,
-                                               max_num_seqs=4, max_num_batched_tokens=256, async_decode=on))
-        outs[on] = engine.generate([GenerateRequest(f"w{s}", prompt, SamplingParams(
+                                               max_num_seqs=4, max_num_batched_tokens=256, async_decode=on,
+                                               jump_forward_tokens=jump))
+        outs[on, jump] = engine.generate([GenerateRequest(f"w{s}", prompt, SamplingParams(
             temperature=1.0, seed=s, max_tokens=60, constraint=spec)) for s in range(3)])
-        ahead[on] = engine.lookahead_steps
+        ahead[on, jump] = engine.lookahead_steps
+        snap = engine.metrics.snapshot()
+        jumped[on, jump], steps[on, jump] = snap["jump_forward_tokens_total"], snap["steps_total"]
         engine.close()
-    assert [o.output_ids for o in outs[True]] == [o.output_ids for o in outs[False]]
-    assert ahead[True] > 0 and ahead[False] == 0, ahead
-    for o in outs[True]:
+    ids = {key: [o.output_ids for o in out] for key, out in outs.items()}
+    assert ids[True, 8] == ids[False, 8] == ids[True, 0]
+    assert ahead[True, 8] > 0 and ahead[False, 8] == 0, ahead
+    assert jumped[True, 8] > 5 and jumped[True, 0] == 0, jumped
+    assert steps[True, 8] < steps[True, 0], steps
+    for o in outs[True, 8]:
         assert o.finish_reason == "stop" and o.output_ids[-1] == 200012  # <|call|>
         assert valid(json.loads(enc.decode(o.output_ids[:-1])), WEATHER)
 
