@@ -77,7 +77,8 @@ class _Launched:
     out: SchedulerOutput
     rows: list[Sequence]  # the sequences that sample, in logits order (k + 1 rows in a row for a k-token draft)
     slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read; a draft's
-    # rows share their sequence's one placeholder: its first token goes there, accepted ones after it)
+    # rows share their sequence's one placeholder: its first token goes there, accepted ones after it; forced
+    # rows have one each)
     drafts: dict[int, tuple[int, ...]]  # id(seq) -> the draft verified this step (engine/speculative.py)
     forced: dict[int, tuple[int, ...]]  # id(seq) -> forced tokens run this step (jump-forward): certain, so each
     # row has its own placeholder and the step after may be launched ahead

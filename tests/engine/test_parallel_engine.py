@@ -149,8 +149,8 @@ def _run_every_split(executor, checkpoint, single):
 def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, single):
     """The lookahead with tp2 ep2: steps launched before their predecessor's tokens are read hold
     placeholders in the host ids every rank receives; rank 0 broadcasts its device ids, and the
-    generations (and the decode side of a hand-off) equal one process's. Then speculative decoding, and
-    penalized rows (deferred sampling)."""
+    generations (and the decode side of a hand-off) equal one process's. Then speculative decoding,
+    penalized rows (deferred sampling) and forced tokens (jump-forward)."""
     executor = Executor.spawn(2)
     try:
         engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=True))
@@ -194,6 +194,23 @@ def test_lookahead_over_two_ranks_generates_what_one_process_does(checkpoint, si
                 engine.add_request(r)
             assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want
             assert engine.lookahead_steps > 0
+        finally:
+            engine.close()
+        # Jump-forward: a constraint's forced tokens run as rows of one step over the same ranks.
+        from tests.engine.test_jump_forward import ForcingSpec
+        constrained = requests()
+        for i, r in enumerate(constrained):
+            r.sampling.constraint, r.sampling.logprobs = ForcingSpec(period=3 + i % 2, offset=i), None
+        one = LLMEngine(load_model(checkpoint, dtype="float32", progress=False), config(jump_forward_tokens=0))
+        for r in constrained:
+            one.add_request(r)
+        want = {rid: r["ids"] for rid, r in run_to_end(one).items()}
+        engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=True))
+        try:
+            for r in constrained:
+                engine.add_request(r)
+            assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want
+            assert engine.metrics.snapshot()["jump_forward_tokens_total"] > 0 and engine.lookahead_steps > 0
         finally:
             engine.close()
     finally:

@@ -126,16 +126,11 @@ def test_look_ahead_only_where_one_more_token_cannot_start_a_grammar():
     assert states == [False, False, True, True, True, True, False, False, False, False, False, False], states
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_looking_ahead_past_forced_tokens_gives_the_masks_of_one_at_a_time(seed):
-    """The engine's order with its lookahead (the next mask asked for before the token in flight is reported,
-    where can_look_ahead() allows it) gives every step the mask of a constraint fed one token at a time; and
-    it looks ahead inside the JSON (where a mask allowed one id) as well as in the free reasoning."""
-    rng = np.random.default_rng(seed)
-    grammar = check_json_schema(SCHEMA, "s")
-    sync, ahead = (spec(final=grammar).start(HARMONY_VOCAB_SIZE) for _ in range(2))
-    tokens = ids("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>")
-    masks = []  # the one-at-a-time constraint's masks, and the tokens it was given
+def one_at_a_time(grammar: str, start: str, rng) -> tuple[list[int], list]:
+    """A random walk of a constraint fed one token at a time: the text `start`, then random allowed ids until
+    the answer's end (at most 300 tokens); (tokens, the mask before each)."""
+    sync = spec(final=grammar).start(HARMONY_VOCAB_SIZE)
+    tokens, masks = ids(start), []
     for t in tokens:
         masks.append(allowed(sync.allowed_tokens()))
         sync.accept(t)
@@ -147,6 +142,18 @@ def test_looking_ahead_past_forced_tokens_gives_the_masks_of_one_at_a_time(seed)
         tokens.append(t)
         if t == RETURN:
             break
+    return tokens, masks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_looking_ahead_past_forced_tokens_gives_the_masks_of_one_at_a_time(seed):
+    """The engine's order with its lookahead (the next mask asked for before the token in flight is reported,
+    where can_look_ahead() allows it) gives every step the mask of a constraint fed one token at a time; and
+    it looks ahead inside the JSON (where a mask allowed one id) as well as in the free reasoning."""
+    grammar = check_json_schema(SCHEMA, "s")
+    ahead = spec(final=grammar).start(HARMONY_VOCAB_SIZE)
+    tokens, masks = one_at_a_time(grammar, "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant"
+                                           "<|channel|>final<|message|>", np.random.default_rng(seed))
     looked, inside = 0, 0
     got = [allowed(ahead.allowed_tokens())]
     for k, t in enumerate(tokens[:-1]):
@@ -172,20 +179,8 @@ def test_forced_token_drafts_give_the_masks_of_one_at_a_time(seed):
     tokens those masks force."""
     rng = np.random.default_rng(seed)
     grammar = check_json_schema(SCHEMA, "s")
-    sync, jump = (spec(final=grammar).start(HARMONY_VOCAB_SIZE) for _ in range(2))
-    tokens = ids("<|channel|>final<|message|>")
-    masks = []
-    for t in tokens:
-        masks.append(allowed(sync.allowed_tokens()))
-        sync.accept(t)
-    while len(tokens) < 300:
-        a = allowed(sync.allowed_tokens())
-        t = RETURN if RETURN in a else int(rng.choice(a))
-        masks.append(a)
-        sync.accept(t)
-        tokens.append(t)
-        if t == RETURN:
-            break
+    jump = spec(final=grammar).start(HARMONY_VOCAB_SIZE)
+    tokens, masks = one_at_a_time(grammar, "<|channel|>final<|message|>", rng)
     pos, drafted, in_flight = 0, 0, False
     while pos < len(tokens):
         limit = int(rng.integers(1, 9))
