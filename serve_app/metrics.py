@@ -70,14 +70,19 @@ class ServerMetrics:
         self.prefix_tokens = metrics.Counter(
             "gptoss_prefix_cache_tokens", "Prompt tokens of admitted requests (kind=query) and those whose K/V "
             "came from cached prefixes (kind=hit); hit / query is the prefix cache's hit rate", tag_keys=keys + ("kind",))
+        self.drafts = metrics.Counter(
+            "gptoss_draft_tokens", "Draft tokens the engine ran as extra decode rows, by kind: verified (speculative "
+            "drafts from a prediction or prompt lookup), accepted (of those), forced (structured output's forced "
+            "tokens: jump-forward, all accepted)", tag_keys=keys + ("kind",))
         for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
                   self.transfer_seconds, self.transfer_bytes, self.steps, self.forwards, self.fallbacks,
-                  self.prefix_tokens):
+                  self.prefix_tokens, self.drafts):
             m.set_default_tags(self.tags)
         self._last_tokens = {"prefill": 0, "decode": 0}
         self._last_steps = {"lookahead": 0, "sync": 0}
         self._last_prefix = {"query": 0, "hit": 0}
         self._last_paths = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
+        self._last_drafts = {"verified": 0, "accepted": 0, "forced": 0}
 
     def observe_engine(self, snapshot: dict) -> None:
         self.queue_depth.set(snapshot.get("num_waiting", 0))
@@ -96,6 +101,9 @@ class ServerMetrics:
         paths = snapshot.get("steps_by_path_total", {})
         for path in self._last_paths:
             self._advance(self.forwards, self._last_paths, "path", path, paths.get(path, 0))
+        for kind, key in (("verified", "draft_tokens_total"), ("accepted", "draft_accepted_total"),
+                          ("forced", "jump_forward_tokens_total")):
+            self._advance(self.drafts, self._last_drafts, "kind", kind, snapshot.get(key, 0))
 
     @staticmethod
     def _advance(counter, last: dict, tag: str, value: str, now: int) -> None:

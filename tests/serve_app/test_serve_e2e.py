@@ -7,6 +7,7 @@ One Ray instance and one app for the module; the test that kills a replica runs 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 import urllib.request
@@ -297,15 +298,25 @@ def test_failed_prefill_or_transfer_falls_back_to_local_prefill(http_port, refer
     serve.delete("faulty")
 
 
-def test_engine_metrics_reach_prometheus(http_port):
+def test_engine_metrics_reach_prometheus(http_port, reference):
+    # A request whose prediction is its own output: the decode replica verifies (and accepts) drafts.
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = random_prompt(20, 5)
+    want = [t for d in run_async(collect(reference.generate(GenerateRequest("ref-m", prompt, sampling))))
+            for t in d.token_ids]
+    decode = serve.get_deployment_handle(DECODE_NAME, APP).options(stream=True)
+    predicted = dataclasses.replace(sampling, prediction=tuple(want))
+    assert [t for d in decode.generate.remote(GenerateRequest("m-1", prompt, predicted)) for t in d.token_ids] == want
     wanted = ["ray_gptoss_ttft_seconds_bucket", "ray_gptoss_tpot_seconds_bucket", "ray_gptoss_kv_transfer_bytes_bucket",
               "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
               "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
-              "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing"]
+              "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing", "ray_gptoss_draft_tokens"]
+
+    accepted = re.compile(r'ray_gptoss_draft_tokens(_total)?\{[^}]*kind="accepted"')  # (m-1's, once exported)
 
     def scrape() -> str | None:
         text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
-        return text if all(name in text for name in wanted) else None
+        return text if all(name in text for name in wanted) and accepted.search(text) else None
 
     text = wait_until(scrape, 30, "engine metrics in Ray's Prometheus export", interval_s=1)
     assert re.search(r'ray_gptoss_kv_transfer_bytes_count\{[^}]*deployment="decode"[^}]*transport="object_store"', text)
