@@ -176,13 +176,18 @@ class Scheduler:
             return {}, set(), 0
         speculate = config.speculative_tokens and len(self.running) <= config.speculative_max_seqs
         drafts, forced_ids = {}, set()
-        for seq in self.running:
-            if seq.is_prefill:
-                continue
-            forced = seq.constraint is not None and config.jump_forward_tokens and not seq.sampling.has_penalties \
-                and hasattr(seq.constraint, "forced_tokens")  # (penalties: the history would need the drafts)
-            if not forced and (not speculate or seq.drafter is None or seq.output_ids[-1] == PLACEHOLDER):
-                continue  # (a drafter needs the token in flight; a constraint knows it when it was forced)
+        if not speculate and not config.jump_forward_tokens:
+            return drafts, forced_ids, 0
+        for seq in self.running:  # (the cheap tests first: this runs every step, at any batch size)
+            if seq.constraint is None:  # (a constrained sequence has no drafter)
+                if not speculate or seq.drafter is None or seq.is_prefill or seq.output_ids[-1] == PLACEHOLDER:
+                    continue  # (a drafter needs the token in flight)
+                forced = False
+            else:  # a constraint knows a token in flight that it forced (penalties: the history would need drafts)
+                forced = config.jump_forward_tokens and not seq.sampling.has_penalties \
+                    and hasattr(seq.constraint, "forced_tokens")
+                if not forced or seq.is_prefill:
+                    continue
             limit = min(config.jump_forward_tokens if forced else config.speculative_tokens,
                         seq.sampling.max_tokens - len(seq.output_ids) - 1)
             if self.max_model_len is not None:
