@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 from engine.config import EngineConfigError
 from engine.metrics import PrometheusCollector
 from engine.request import FINISH_LENGTH, FINISH_STOP, SamplingParams
-from tests.engine.engine_testlib import VOCAB, assert_pool_full, random_prompt, request, run_to_end
+from engine.sequence import PLACEHOLDER
+from tests.engine.engine_testlib import assert_pool_full, random_prompt, request, run_to_end
 from tests.engine.test_constraints import pack
 from tests.engine.test_speculative import assert_same
 
@@ -73,6 +74,12 @@ class ForcingSpec:
 def forcing(max_tokens: int, period: int = 4, offset: int = 0, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.9, seed=offset, max_tokens=max_tokens, logprobs=2,
                           constraint=ForcingSpec(period, offset), **kw)
+
+
+def _with(engine, reqs):
+    for r in reqs:
+        engine.add_request(r)
+    return engine
 
 
 def both(make_engine, reqs, **overrides) -> tuple[dict, dict, object]:
@@ -138,10 +145,38 @@ def test_typed_errors():
             EngineConfig(jump_forward_tokens=bad)
 
 
-def _with(engine, reqs):
-    for r in reqs:
-        engine.add_request(r)
-    return engine
+def test_abort_while_forced_rows_are_in_flight_returns_only_read_tokens(make_engine):
+    engine = make_engine(async_decode=True)
+    engine.add_request(request("a", random_prompt(6, 11), forcing(40, period=6)))
+    got = []
+    for _ in range(50):
+        got += [t for d in engine.step() for t in d.token_ids]
+        inflight = engine._inflight
+        if inflight is not None and inflight.forced:
+            break
+    else:
+        raise AssertionError("no forced rows were ever in flight")
+    delta = engine.abort("a")
+    assert PLACEHOLDER not in delta.token_ids
+    tokens = got + delta.token_ids
+    expected = run_to_end(_with(make_engine(jump_forward_tokens=0), [request("a", random_prompt(6, 11),
+                                                                             forcing(40, period=6))]))["a"]["ids"]
+    assert tokens == expected[: len(tokens)]
+    assert not engine.has_unfinished()
+    assert_pool_full(engine)
+    assert engine.step() == [] and engine._inflight is None  # the step in flight is read and dropped
 
 
-assert VOCAB > 100  # (the forced ids spread over the tiny vocabulary)
+def test_forced_drafts_on_the_decode_side_of_a_hand_off(make_engine):
+    """Prefill on one engine, decode on another (disaggregated serving): the decode side's constraint replays
+    the first token, then runs forced tokens as drafts; the tokens equal one engine without jump-forward."""
+    prompt, sampling = random_prompt(19, 12), forcing(24, period=5, offset=4)
+    whole = run_to_end(_with(make_engine(jump_forward_tokens=0), [request("h", prompt, sampling)]))["h"]["ids"]
+    prefill, decode = make_engine(), make_engine(async_decode=True)
+    prefill.add_request(request("h", prompt, sampling), prefill_only=True)
+    run_to_end(prefill, prefill.step_prefill)
+    (first,) = decode.import_prefilled(request("h", prompt, sampling), prefill.export_kv("h"))
+    rest = run_to_end(decode)["h"]["ids"]
+    assert first.token_ids + rest == whole
+    assert decode.metrics.snapshot()["jump_forward_tokens_total"] > 0
+    assert_pool_full(decode)
