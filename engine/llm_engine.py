@@ -28,15 +28,12 @@ from one thread.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import logging
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig, EngineConfigError
@@ -45,22 +42,12 @@ from engine.metrics import EngineMetrics, StepTimes
 from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
                             TokenLogprob)
 from engine.runner import ModelRunner, device_current, on_runner_device, plan_pool_sizes
-from engine.sampler import BatchBuilder, HostTokens, Sampler, SamplerOutput, may_sample_ahead
+from engine.sampler import BatchBuilder, HostTokens, Sampler, may_sample_ahead
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from engine.speculative import Drafter
+from engine.step_flight import LaunchedStep, StepFailedError, accepted_drafts, feed_inputs
 from model.gpt_oss import GptOssForCausalLM
-
-log = logging.getLogger(__name__)
-
-
-class StepFailedError(RuntimeError):
-    """The forward or the sampler raised; `request_ids` were in that step (the caller aborts them)."""
-
-    def __init__(self, message: str, request_ids: list[str]):
-        super().__init__(message)
-        self.request_ids = request_ids
-
 
 class UnknownRequestError(KeyError):
     """No unfinished request has this id."""
@@ -68,27 +55,6 @@ class UnknownRequestError(KeyError):
 
 class RequestStateError(RuntimeError):
     """The request exists but is not in a state that allows the call (e.g. export before prefill ends)."""
-
-
-@dataclass
-class _Launched:
-    """A step whose forward and sampler are queued and whose sequences are advanced, tokens not read."""
-
-    out: SchedulerOutput
-    rows: list[Sequence]  # the sequences that sample, in logits order (k + 1 rows in a row for a k-token draft)
-    slots: list[int]  # where each row's token goes in its output_ids (a placeholder until read; a draft's
-    # rows share their sequence's one placeholder: its first token goes there, accepted ones after it; forced
-    # rows have one each)
-    drafts: dict[int, tuple[int, ...]]  # id(seq) -> the draft verified this step (engine/speculative.py)
-    forced: dict[int, tuple[int, ...]]  # id(seq) -> forced tokens run this step (jump-forward): certain, so each
-    # row has its own placeholder and the step after may be launched ahead
-    sampled: SamplerOutput | None  # on the device (None: nothing sampled, or not yet: `pending`)
-    host: HostTokens | None
-    times: StepTimes
-    # Deferred sampling (a lookahead step whose rows need the tokens in flight to sample: a penalty's history,
-    # a constraint's mask): the logits and the rows' steps until the step before is read (`_sample_pending`).
-    pending: tuple[torch.Tensor, list[int]] | None = None
-    failure: StepFailedError | None = None  # its deferred sampler failed: raised when the step is read
 
 
 @dataclass
@@ -143,7 +109,7 @@ class LLMEngine:
         # 2 GPUs). 120b TP2/EP2 on 2x H200: batch-1 decode 196 -> 328 tok/s, 1k/256 x 256 requests 4,548
         # -> 6,629 tok/s, the same tokens (bench/results/parallel_h200x2_120b_lookahead_{off,on}.json).
         self.async_decode = config.async_decode if config.async_decode is not None else model.device.type == "cuda"
-        self._inflight: _Launched | None = None
+        self._inflight: LaunchedStep | None = None
         self.seqs: dict[str, Sequence] = {}  # every unfinished request: waiting, running or prefilled
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -347,8 +313,8 @@ class LLMEngine:
         self._inflight = nxt
         return deltas
 
-    def _launch(self, out: SchedulerOutput, times: StepTimes, feed: _Launched | None,
-                defer_sampling: bool = False) -> _Launched:
+    def _launch(self, out: SchedulerOutput, times: StepTimes, feed: LaunchedStep | None,
+                defer_sampling: bool = False) -> LaunchedStep:
         """Queue the step's forward and sampler (feed: the step still in flight before it, whose sampled
         ids replace the placeholders among this step's inputs, on the device), then advance its
         sequences: cached lengths, out-of-window pages, one placeholder output per sampling row.
@@ -392,9 +358,9 @@ class LLMEngine:
             slots.append(len(seq.output_ids) - 1)
             last = seq
         times.update = time.perf_counter() - t3
-        return _Launched(out, rows, slots, drafts, forced, sampled, host, times, pending)
+        return LaunchedStep(out, rows, slots, drafts, forced, sampled, host, times, pending)
 
-    def _sample_pending(self, step: _Launched) -> None:
+    def _sample_pending(self, step: LaunchedStep) -> None:
         """Queue a lookahead step's deferred sampler, now that the step before it was read: penalties see
         that step's tokens and constraints give the masks after them. A failure is kept for `_resolve`
         (the step before has its deltas already)."""
@@ -409,33 +375,9 @@ class LLMEngine:
                                            [s.seq.request_id for s in step.out.scheduled])
         step.times.forward += time.perf_counter() - t0
 
-    @staticmethod
-    def _feed(inputs, out: SchedulerOutput, feed: _Launched):
-        """Inputs with `feed`'s sampled ids (device) where the host arrays hold its placeholders."""
-        ids = feed.sampled.token_ids
-        if len(out.scheduled) == len(feed.rows) and all(
-                s.seq is seq and s.num_tokens == 1 and s.start == len(seq.prompt_ids) + slot
-                for s, seq, slot in zip(out.scheduled, feed.rows, feed.slots)):
-            return dataclasses.replace(inputs, input_ids=ids)  # the same decode batch, one token further
-        rows_of: dict[int, dict[int, int]] = {}  # id(seq) -> {slot: the row whose sample fills it}
-        for i, (seq, slot) in enumerate(zip(feed.rows, feed.slots)):
-            rows_of.setdefault(id(seq), {}).setdefault(slot, i)  # (forced rows: a slot each)
-        flat, src, offset = [], [], 0
-        for s in out.scheduled:
-            for slot, i in rows_of.get(id(s.seq), {}).items():
-                position = len(s.seq.prompt_ids) + slot  # of a token not read yet
-                if s.start <= position < s.end:
-                    flat.append(offset + position - s.start)
-                    src.append(i)
-            offset += s.num_tokens
-        if not flat:
-            return inputs
-        device = inputs.input_ids.device
-        patched = inputs.input_ids.clone()
-        patched[torch.tensor(flat).to(device, non_blocking=True)] = ids[torch.tensor(src).to(device, non_blocking=True)]
-        return dataclasses.replace(inputs, input_ids=patched)
+    _feed = staticmethod(feed_inputs)  # (engine/step_flight.py; an attribute, so tests can watch it)
 
-    def _launch_next(self, cur: _Launched, kind: StepKind) -> _Launched | None:
+    def _launch_next(self, cur: LaunchedStep, kind: StepKind) -> LaunchedStep | None:
         """The lookahead: schedule and launch the step after `cur` now (module docstring); None (nothing
         changed) when it must wait for `cur`'s tokens."""
         if kind is StepKind.PREFILL or cur.drafts or cur.failure is not None or any(
@@ -466,7 +408,7 @@ class LLMEngine:
         return graphs is not None and not self.scheduler.waiting and self.scheduler.all_decoding() \
             and graphs.bucket_for(len(self.scheduler.running)) is not None
 
-    def _resolve(self, step: _Launched) -> list[TokenDelta]:
+    def _resolve(self, step: LaunchedStep) -> list[TokenDelta]:
         """Read the step's tokens (waits for its sampler), fill its placeholders, finish sequences, deltas."""
         t3 = time.perf_counter()
         if step.failure is not None:
@@ -491,14 +433,7 @@ class LLMEngine:
             i += 1 + len(draft)
             if seq.is_finished:  # aborted, or stopped by the step before (this one ran ahead for nothing)
                 continue
-            accepted = 0  # row j's token is valid while every draft token before it equalled its row's sample
-            while accepted < len(draft) and token_ids[first + accepted] == draft[accepted]:
-                accepted += 1
-            if accepted < len(forced):  # a row sampled outside its one-id mask: only non-finite logits do that
-                log.warning("jump-forward: %s sampled %d where only %d was allowed; keeping the forced tokens (the "
-                            "rows after them read those)", seq.request_id, token_ids[first + accepted], forced[accepted])
-                token_ids[first: first + len(forced)] = forced
-                accepted = len(forced)
+            accepted = accepted_drafts(seq, first, draft, bool(forced), token_ids)
             if seq.first_token_time is None:
                 self.metrics.record_first_token(now - seq.arrival_time)
             new, reason = [], None
