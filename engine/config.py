@@ -75,7 +75,8 @@ class EngineConfig:
     speculative_max_seqs: int = 8
     # Jump-forward decoding for structured output: where a request's constraint forces its next tokens (each
     # mask allows one id: JSON punctuation, the keys a schema fixes), up to this many of them run as a draft
-    # of the decode step, all accepted (0: off; any batch size). The tokens are the same as without.
+    # of the decode step, all accepted (0: off; any batch size). The tokens are the same as without (in fp32; in
+    # bf16 up to the rounding of another batch shape, as for speculative decoding).
     jump_forward_tokens: int = 8
 
     def __post_init__(self) -> None:

@@ -206,7 +206,7 @@ class ServeAppConfig(_Settings):
     jump_forward_tokens: int = Field(
         8, ge=0, le=16, description="Structured output: tokens the grammar forces (JSON punctuation, a schema's "
                                     "fixed keys) run as drafts of the decode step, up to this many; 0 turns it off. "
-                                    "Same tokens as without.")
+                                    "Same tokens as without, up to bf16 rounding.")
     prefix_routing: bool = Field(
         True, description="With prefix caching: route a prompt to the replica that ran its longest known "
                           "prefix while that replica's queue is within 4 of the shortest (serve_app/prefix_router.py; "
