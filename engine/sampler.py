@@ -309,7 +309,6 @@ class Sampler:
         return out
 
 
-
 def may_sample_ahead(seq: Sequence) -> bool:
     """Whether seq's next sample may be drawn before its token in flight is read (the engine's lookahead):
     never with penalties (their history needs it), with a constraint when it says that token cannot change

@@ -33,6 +33,13 @@ def request(rid: str, prompt: list[int], sampling: SamplingParams) -> GenerateRe
     return GenerateRequest(rid, list(prompt), sampling)
 
 
+def with_requests(engine: LLMEngine, reqs) -> LLMEngine:
+    """The engine with `reqs` added (in order)."""
+    for r in reqs:
+        engine.add_request(r)
+    return engine
+
+
 def run_to_end(engine: LLMEngine, step=None, limit: int = 10_000) -> dict[str, dict]:
     """Step until idle; per request: tokens, logprobs, finish reason, number of deltas."""
     step = step or engine.step

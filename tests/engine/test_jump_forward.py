@@ -15,7 +15,7 @@ from engine.config import EngineConfigError
 from engine.metrics import PrometheusCollector
 from engine.request import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from engine.sequence import PLACEHOLDER
-from tests.engine.engine_testlib import assert_pool_full, random_prompt, request, run_to_end
+from tests.engine.engine_testlib import assert_pool_full, random_prompt, request, run_to_end, with_requests
 from tests.engine.test_constraints import pack
 from tests.engine.test_speculative import assert_same
 
@@ -76,12 +76,6 @@ def forcing(max_tokens: int, period: int = 4, offset: int = 0, **kw) -> Sampling
                           constraint=ForcingSpec(period, offset), **kw)
 
 
-def _with(engine, reqs):
-    for r in reqs:
-        engine.add_request(r)
-    return engine
-
-
 def both(make_engine, reqs, **overrides) -> tuple[dict, dict, object]:
     """(without jump-forward, with it, the engine with it)."""
     outs, engine = [], None
@@ -114,7 +108,7 @@ def test_forced_tokens_run_as_drafts_with_the_same_tokens(make_engine, lookahead
 
 
 def test_a_stop_token_among_forced_tokens_and_the_length_limit(make_engine):
-    probe = run_to_end(_with(make_engine(jump_forward_tokens=0), [request("s", random_prompt(6, 4), forcing(30))]))
+    probe = run_to_end(with_requests(make_engine(jump_forward_tokens=0), [request("s", random_prompt(6, 4), forcing(30))]))
     ids = probe["s"]["ids"]
     stop = next(t for k, t in enumerate(ids) if k >= 5 and k % 4 != 3 and t not in ids[:k])  # a forced one
     reqs = [request("s", random_prompt(6, 4), forcing(30, stop_token_ids=(stop,))),
@@ -159,7 +153,7 @@ def test_abort_while_forced_rows_are_in_flight_returns_only_read_tokens(make_eng
     delta = engine.abort("a")
     assert PLACEHOLDER not in delta.token_ids
     tokens = got + delta.token_ids
-    expected = run_to_end(_with(make_engine(jump_forward_tokens=0), [request("a", random_prompt(6, 11),
+    expected = run_to_end(with_requests(make_engine(jump_forward_tokens=0), [request("a", random_prompt(6, 11),
                                                                              forcing(40, period=6))]))["a"]["ids"]
     assert tokens == expected[: len(tokens)]
     assert not engine.has_unfinished()
@@ -171,7 +165,7 @@ def test_forced_drafts_on_the_decode_side_of_a_hand_off(make_engine):
     """Prefill on one engine, decode on another (disaggregated serving): the decode side's constraint replays
     the first token, then runs forced tokens as drafts; the tokens equal one engine without jump-forward."""
     prompt, sampling = random_prompt(19, 12), forcing(24, period=5, offset=4)
-    whole = run_to_end(_with(make_engine(jump_forward_tokens=0), [request("h", prompt, sampling)]))["h"]["ids"]
+    whole = run_to_end(with_requests(make_engine(jump_forward_tokens=0), [request("h", prompt, sampling)]))["h"]["ids"]
     prefill, decode = make_engine(), make_engine(async_decode=True)
     prefill.add_request(request("h", prompt, sampling), prefill_only=True)
     run_to_end(prefill, prefill.step_prefill)

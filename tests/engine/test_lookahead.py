@@ -14,7 +14,8 @@ from engine.request import FINISH_ABORT, FINISH_STOP
 from engine.scheduler import StepKind
 from engine.sequence import PLACEHOLDER
 from tests.engine import test_llm_engine as scenarios
-from tests.engine.engine_testlib import assert_pool_full, engine_config, greedy, random_prompt, request, run_to_end
+from tests.engine.engine_testlib import (assert_pool_full, engine_config, greedy, random_prompt, request, run_to_end,
+                                         with_requests)
 
 ENGINES: list[LLMEngine] = []
 
@@ -47,7 +48,7 @@ def test_off_by_default_on_cpu_and_typed_errors(model):
 
 def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
     reqs = scenarios.mixed_requests()
-    probe = run_to_end(_with(make_engine(), [reqs[0]]))["g0"]["ids"]
+    probe = run_to_end(with_requests(make_engine(), [reqs[0]]))["g0"]["ids"]
     stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
     reqs.append(request("stop", list(reqs[0].prompt_ids), greedy(12, stop_token_ids=(stop,))))
     sync, ahead, engine = run_both(make_engine, make_lookahead, reqs)
@@ -87,12 +88,6 @@ def test_placeholders_inside_mixed_steps_are_fed_on_the_device(make_engine, make
     assert_pool_full(engine)
 
 
-def _with(engine: LLMEngine, reqs) -> LLMEngine:
-    for r in reqs:
-        engine.add_request(r)
-    return engine
-
-
 @pytest.mark.parametrize("scenario", [
     "test_concurrent_requests_equal_each_alone_and_the_reference",
     "test_preemption_under_a_tiny_pool_gives_identical_outputs",
@@ -116,8 +111,8 @@ def test_prefill_export_then_import_with_lookahead(make_lookahead, model, decode
 
 def test_abort_while_a_step_is_in_flight(make_engine, make_lookahead):
     reqs = [request("a", random_prompt(5, 1), greedy(10)), request("b", random_prompt(7, 2), greedy(10))]
-    expected = run_to_end(_with(make_engine(), reqs))
-    engine = _with(make_lookahead(), reqs)
+    expected = run_to_end(with_requests(make_engine(), reqs))
+    engine = with_requests(make_lookahead(), reqs)
     got = {"a": [], "b": []}
     while engine._inflight is None:
         for d in engine.step():
@@ -132,7 +127,7 @@ def test_abort_while_a_step_is_in_flight(make_engine, make_lookahead):
 
 
 def test_a_failing_lookahead_step_fails_both_steps_requests(make_lookahead, monkeypatch):
-    engine = _with(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12)),
+    engine = with_requests(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12)),
                                       request("b", random_prompt(6, 4), greedy(12))])
     real = engine.runner.execute
     calls = []
@@ -158,7 +153,7 @@ def test_a_failing_lookahead_step_fails_both_steps_requests(make_lookahead, monk
 def test_a_first_token_is_read_before_an_eager_step_is_launched(make_lookahead, monkeypatch):
     """TTFT: after a step that samples a prompt's first token, the engine does not launch the next step
     ahead unless it will be a quick graph replay (never on CPU); later decode steps do run ahead."""
-    engine = _with(make_lookahead(), [request("a", random_prompt(9, 5), greedy(6))])
+    engine = with_requests(make_lookahead(), [request("a", random_prompt(9, 5), greedy(6))])
     ahead_after_first = []
     while engine.has_unfinished():
         deltas = engine.step()
@@ -172,8 +167,8 @@ def test_abort_of_a_request_whose_last_token_is_in_flight(make_engine, make_look
     """Aborted between two steps while the step in flight gives it its last token: its delta holds only
     read tokens, the step's row for it is dropped, and the other request goes on as without the abort."""
     reqs = [request("short", random_prompt(5, 6), greedy(4)), request("long", random_prompt(6, 7), greedy(9))]
-    expected = run_to_end(_with(make_engine(), reqs))
-    engine = _with(make_lookahead(), reqs)
+    expected = run_to_end(with_requests(make_engine(), reqs))
+    engine = with_requests(make_lookahead(), reqs)
     got = {"short": [], "long": []}
     short = engine.seqs["short"]
     while not (engine._inflight is not None and short in engine._inflight.rows
@@ -193,7 +188,7 @@ def test_a_failing_deferred_sampler_fails_its_step_when_read(make_lookahead, mon
     """A penalized row defers the sampling of the step launched ahead until the step before is read. If that
     sampler raises, the step before still delivers its tokens, and reading the failed step raises
     StepFailedError for its requests (which the caller aborts)."""
-    engine = _with(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12, presence_penalty=0.5)),
+    engine = with_requests(make_lookahead(), [request("a", random_prompt(4, 3), greedy(12, presence_penalty=0.5)),
                                       request("b", random_prompt(6, 4), greedy(12))])
     real = engine.sampler
     calls = []
@@ -246,7 +241,7 @@ class _StopAwareSpec:
 
 def test_a_constrained_row_that_stopped_is_not_masked_in_the_step_launched_ahead(make_engine, make_lookahead):
     prompt = random_prompt(5, 8)
-    probe = run_to_end(_with(make_engine(), [request("c", prompt, greedy(12))]))["c"]["ids"]
+    probe = run_to_end(with_requests(make_engine(), [request("c", prompt, greedy(12))]))["c"]["ids"]
     stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
     reqs = [request("c", prompt, greedy(12, stop_token_ids=(stop,), constraint=_StopAwareSpec(stop))),
             request("free", random_prompt(7, 9), greedy(16))]

@@ -18,7 +18,8 @@ from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, Samp
 from engine.scheduler import ScheduledSeq
 from engine.speculative import MAX_REST, Drafter, ngram_starts
 from engine.step_arrays import build_step_arrays
-from tests.engine.engine_testlib import BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end
+from tests.engine.engine_testlib import (BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end,
+                                         with_requests)
 
 
 def sampled(max_tokens: int, seed: int, **kw) -> SamplingParams:
@@ -30,9 +31,7 @@ def predicting(params: SamplingParams, prediction) -> SamplingParams:
 
 
 def outputs(engine: LLMEngine, reqs) -> dict[str, dict]:
-    for r in reqs:
-        engine.add_request(r)
-    return run_to_end(engine)
+    return run_to_end(with_requests(engine, reqs))
 
 
 def without_speculation(make_engine, reqs, **overrides) -> dict[str, dict]:
