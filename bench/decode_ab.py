@@ -11,7 +11,9 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
-- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md).
+- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
+- "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
+  (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant.
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -38,9 +40,9 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-VARIANTS = {"unfused": (False, False, False, False, ""), "fused": (True, True, True, False, ""),
-            "fused+pdl": (True, True, True, True, ""), "fp8-lm-head": (True, True, True, True, "lm_head"),
-            "fp8-dense": (True, True, True, True, "all")}
+VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
+            "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
+            "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16)}
 
 
 class DenseWeights:
@@ -67,10 +69,12 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
+        if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
+            layer.mlp.experts.mxfp4_max_tokens = mxfp4
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
@@ -93,7 +97,10 @@ def all_kernels(fn) -> list[dict]:
 def run(name: str, args) -> dict:
     config = GptOssConfig.preset(name)
     device = torch.device("cuda")
-    h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb)
+    # any MXFP4 variant: random experts drawn as MXFP4 and converted to FP8, so every variant computes one model
+    mxfp4 = max(VARIANTS[v][5] for v in args.variants)
+    h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb,
+                mxfp4_decode_max_tokens=mxfp4)
     out = {"variants": {}}
     for variant in args.variants:
         flags = VARIANTS[variant]

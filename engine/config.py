@@ -38,6 +38,13 @@ class EngineConfig:
     # rounds them at load to 128x128-block FP8, weight-only (kernels/layers/fp8_linear.py): half the bytes
     # of the largest single read of a decode step, faster at <= 32 sequences, slower above 64.
     lm_head_dtype: str = "auto"
+    # Decode steps of at most this many tokens compute the experts from the checkpoint's MXFP4 weights (the
+    # CUDA MXFP4 decode GEMM, kernels/moe/mxfp4_decode_layer.py) instead of their FP8 conversion; 0: never.
+    # Costs a second copy of the experts (~10 GB for 20b; 120b does not fit one GPU with both) and needs
+    # MXFP4 experts (an original checkpoint, or random weights), the FP8 MoE and CUDA. 20b steps on the H200:
+    # 1.02-1.07x at batch 1-8, 0.73x at 16 (kernels/moe/NOTES.md): 8 is the useful value. Activations stay bf16
+    # there instead of FP8 (the MoE output 50x closer to the bf16 reference's).
+    mxfp4_decode_max_tokens: int = 0
     seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
     # Kernels (engine/model_factory.py): auto = GPU kernels on CUDA, the pure-torch twins on CPU.
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
@@ -105,6 +112,14 @@ class EngineConfig:
         if self.lm_head_dtype not in LM_HEAD_DTYPES:
             raise EngineConfigError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, "
                                     f"got {self.lm_head_dtype!r}")
+        if not isinstance(self.mxfp4_decode_max_tokens, int) or isinstance(self.mxfp4_decode_max_tokens, bool) \
+                or not 0 <= self.mxfp4_decode_max_tokens <= 16:
+            raise EngineConfigError(f"mxfp4_decode_max_tokens must be an integer in [0, 16], "
+                                    f"got {self.mxfp4_decode_max_tokens!r}")
+        if self.mxfp4_decode_max_tokens and (not self.device.startswith("cuda") or self.moe_backend == "torch"):
+            raise EngineConfigError("mxfp4_decode_max_tokens > 0 needs device 'cuda' or 'cuda:N' and the FP8 MoE "
+                                    f"(moe_backend 'auto' or 'fp8'); got device {self.device!r}, moe_backend "
+                                    f"{self.moe_backend!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name, allowed in (("attention_backend", ("auto", "torch", "flashinfer")),

@@ -87,6 +87,31 @@ def random_fp8_experts(config: GptOssConfig, parallel: Parallel, device: torch.d
 
 
 @torch.no_grad()
+def random_mxfp4_experts(config: GptOssConfig, parallel: Parallel, device: torch.device, generator: torch.Generator,
+                         mxfp4_decode_max_tokens: int):
+    """One layer's experts drawn as MXFP4 (uniform random E2M1 codes, group scales 2^-8..2^-6, so a layer keeps
+    activations O(1)), converted to FP8 as a checkpoint's are (exactly: kernels/moe/fp8_quant.py), and the
+    MXFP4 copy attached for decode steps of up to `mxfp4_decode_max_tokens` tokens."""
+    from kernels.moe.fp8_experts import Fp8Experts
+
+    num_local = config.num_local_experts // parallel.ep_size
+    d, i = config.hidden_size, config.intermediate_size
+
+    def draw(n: int, k: int):
+        blocks = torch.randint(0, 256, (num_local, n, k // 32, 16), dtype=torch.uint8, device=device, generator=generator)
+        scales = torch.randint(119, 122, (num_local, n, k // 32), dtype=torch.uint8, device=device, generator=generator)
+        return blocks, scales
+
+    (gb, gs), (db, ds) = draw(2 * i, d), draw(d, i)
+    b13 = torch.empty(num_local, 2 * i, device=device).normal_(0.0, 0.02, generator=generator)
+    b2 = torch.empty(num_local, d, device=device).normal_(0.0, 0.02, generator=generator)
+    module = Fp8Experts.from_mxfp4(gb, gs, b13, db, ds, b2, parallel.ep_rank * num_local, config.swiglu_alpha,
+                                   config.swiglu_limit, device, backend=FP8_KERNELS)
+    module.attach_mxfp4(gb, gs, db, ds, mxfp4_decode_max_tokens)
+    return module
+
+
+@torch.no_grad()
 def randomize_dense(model: GptOssForCausalLM, generator: torch.Generator) -> None:
     """Random dense weights (everything but FP8 experts, which random_fp8_experts fills): N(0, 1/fan_in)
     for matrices, small biases, unit norms, N(0, 1) sinks."""
@@ -103,15 +128,23 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
                 attention_backend: str = "auto", moe_backend: str = "auto", checkpoint: str | Path | None = None,
                 random_weights: bool = False, seed: int = 0, parallel: Parallel = SINGLE,
                 max_batch: int = 256, max_kv_len: int | None = None, cuda_graph: bool = False,
-                progress: bool = False, lm_head_dtype: str = "auto") -> GptOssForCausalLM:
+                progress: bool = False, lm_head_dtype: str = "auto",
+                mxfp4_decode_max_tokens: int = 0) -> GptOssForCausalLM:
     """The model on `device` with resolved backends, from `checkpoint` or (random_weights=True) random;
-    lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8)."""
+    lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8);
+    mxfp4_decode_max_tokens > 0 keeps the MXFP4 experts too, for decode steps of up to that many tokens
+    (EngineConfig.mxfp4_decode_max_tokens)."""
     if (checkpoint is None) == (not random_weights):
         raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
     if lm_head_dtype not in LM_HEAD_DTYPES:
         raise ModelFactoryError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
+    if mxfp4_decode_max_tokens:
+        _, moe = resolve_backends(attention_backend, moe_backend, torch.device(device))
+        if torch.device(device).type != "cuda" or moe != "fp8":
+            raise ModelFactoryError(f"mxfp4_decode_max_tokens={mxfp4_decode_max_tokens} runs a CUDA kernel on the FP8 "
+                                    f"MoE's experts: it needs a CUDA device and moe_backend 'fp8' (got {device}, {moe})")
     model = _build(config, device, dtype, attention_backend, moe_backend, checkpoint, seed, parallel, max_batch,
-                   max_kv_len, cuda_graph, progress)
+                   max_kv_len, cuda_graph, progress, mxfp4_decode_max_tokens)
     if lm_head_dtype == "fp8_e4m3":
         quantize_lm_head_fp8(model)
     return model
@@ -132,7 +165,7 @@ def quantize_lm_head_fp8(model: GptOssForCausalLM) -> None:
 
 def _build(config: GptOssConfig, device, dtype: torch.dtype, attention_backend: str, moe_backend: str,
            checkpoint, seed: int, parallel: Parallel, max_batch: int, max_kv_len: int | None, cuda_graph: bool,
-           progress: bool) -> GptOssForCausalLM:
+           progress: bool, mxfp4_decode_max_tokens: int = 0) -> GptOssForCausalLM:
     device = torch.device(device)
     if device.type == "cuda" and device.index is not None:
         # Triton launches on the current device: a model on cuda:1 in a process still on cuda:0 fails its
@@ -152,13 +185,16 @@ def _build(config: GptOssConfig, device, dtype: torch.dtype, attention_backend: 
         if moe == "fp8":
             from model.convert import load_fp8_experts
 
-            factory = iter(load_fp8_experts(checkpoint, parallel, device, backend=FP8_KERNELS
-                                            if device.type == "cuda" else "torch")).__next__
+            factory = iter(load_fp8_experts(checkpoint, parallel, device, mxfp4_decode_max_tokens,
+                                            backend=FP8_KERNELS if device.type == "cuda" else "torch")).__next__
         return load_model(checkpoint, dtype=dtype, device=device, parallel=parallel, progress=progress,
                           backend=backend, experts_factory=factory)
     generator = torch.Generator(device).manual_seed(seed)
     factory = None
-    if moe == "fp8":
+    if moe == "fp8" and mxfp4_decode_max_tokens:
+        def factory():
+            return random_mxfp4_experts(config, parallel, device, generator, mxfp4_decode_max_tokens)
+    elif moe == "fp8":
         def factory():
             return random_fp8_experts(config, parallel, device, generator)
     model = GptOssForCausalLM(config, parallel, dtype, device, backend=backend, experts_factory=factory)
@@ -188,7 +224,7 @@ def random_for_engine(model_config: GptOssConfig, config, parallel: Parallel = S
     return build_model(model_config, config.device, resolve_dtype(config.dtype, model_config), config.attention_backend,
                        config.moe_backend, random_weights=True, seed=seed, parallel=parallel,
                        max_batch=config.max_num_seqs, max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs,
-                       lm_head_dtype=config.lm_head_dtype)
+                       lm_head_dtype=config.lm_head_dtype, mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens)
 
 
 def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
@@ -200,4 +236,4 @@ def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, pro
     return build_model(mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend,
                        config.moe_backend, checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs,
                        max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, progress=progress,
-                       lm_head_dtype=config.lm_head_dtype)
+                       lm_head_dtype=config.lm_head_dtype, mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens)

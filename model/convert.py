@@ -102,9 +102,10 @@ def convert_checkpoint(src: str | Path, dst: str | Path, device: str | torch.dev
 
 
 def load_layer_experts(ck: Checkpoint, config: GptOssConfig, layer: int, parallel: Parallel = SINGLE,
-                       device: str | torch.device = "cuda", **kwargs) -> Fp8Experts:
+                       device: str | torch.device = "cuda", mxfp4_decode_max_tokens: int = 0, **kwargs) -> Fp8Experts:
     """This rank's experts of one layer as `Fp8Experts`, from a converted checkpoint (read as is) or
-    from MXFP4 / bf16 experts (converted on `device`)."""
+    from MXFP4 / bf16 experts (converted on `device`); mxfp4_decode_max_tokens > 0 also keeps the MXFP4
+    experts for small decode steps (Fp8Experts.attach_mxfp4), which only an MXFP4 checkpoint has."""
     device = torch.device(device)
     num_local = config.num_local_experts // parallel.ep_size
     first = parallel.ep_rank * num_local
@@ -114,7 +115,17 @@ def load_layer_experts(ck: Checkpoint, config: GptOssConfig, layer: int, paralle
             config.swiglu_alpha, config.swiglu_limit, device)
     module = Fp8Experts(*args, **kwargs)
     biases = [ck.read(prefix + n, rows=experts) for n in ("gate_up_proj_bias", "down_proj_bias")]
-    if prefix + "gate_up_proj_fp8" in ck:
+    if mxfp4_decode_max_tokens:
+        names = [prefix + n + s for n in ("gate_up_proj", "down_proj") for s in ("_blocks", "_scales")]
+        if any(n not in ck for n in names):
+            raise CheckpointError(f"mxfp4_decode_max_tokens={mxfp4_decode_max_tokens} needs the MXFP4 experts "
+                                  f"({names[0]} ...), which {ck.folder} does not hold (FP8-converted or bf16 experts): "
+                                  f"load the original checkpoint or set mxfp4_decode_max_tokens to 0")
+        gb, gs, db, ds = (ck.read(n, rows=experts).to(device) for n in names)
+        module.load_quantized(*mxfp4_to_fp8_blocks(gb, gs, module.w13.shape[2]), biases[0],
+                              *mxfp4_to_fp8_blocks(db, ds, module.w2.shape[2]), biases[1])
+        module.attach_mxfp4(gb, gs, db, ds, mxfp4_decode_max_tokens)
+    elif prefix + "gate_up_proj_fp8" in ck:
         w = [ck.read(prefix + n, rows=experts).to(device) for n in FP8_SUFFIXES]
         module.load_quantized(w[0], w[1], biases[0], w[2], w[3], biases[1])
     else:
@@ -125,11 +136,11 @@ def load_layer_experts(ck: Checkpoint, config: GptOssConfig, layer: int, paralle
 
 
 def load_fp8_experts(folder: str | Path, parallel: Parallel = SINGLE, device: str | torch.device = "cuda",
-                     **kwargs) -> list[Fp8Experts]:
+                     mxfp4_decode_max_tokens: int = 0, **kwargs) -> list[Fp8Experts]:
     """Every layer's `Fp8Experts` (for `GptOssForCausalLM(experts_factory=iter(result).__next__)`)."""
     config = read_config(folder)
     ck = Checkpoint(folder)
-    return [load_layer_experts(ck, config, layer, parallel, device, **kwargs)
+    return [load_layer_experts(ck, config, layer, parallel, device, mxfp4_decode_max_tokens, **kwargs)
             for layer in range(config.num_hidden_layers)]
 
 

@@ -156,6 +156,11 @@ class ServeAppConfig(_Settings):
         "auto", description="Unembedding weights; auto: the checkpoint's (the model matches the reference). "
                             "fp8_e4m3 rounds them at load to 128x128-block FP8 (weight-only): 1.03-1.05x faster decode "
                             "steps at batch 1-4, even at 32, slower above 64; logits within the FP8 rounding.")
+    mxfp4_decode_max_tokens: int = Field(
+        0, ge=0, le=16, description="Decode steps of at most this many tokens compute the experts from the "
+                                    "checkpoint's MXFP4 weights (CUDA MXFP4 GEMM) instead of their FP8 conversion; "
+                                    "0: never. Keeps both copies of the experts (~10 GB more for 20b; 120b does not "
+                                    "fit one GPU so); needs an original MXFP4 checkpoint. Ignored on CPU replicas.")
     all_reduce: Literal["auto", "nccl", "symm_mem"] = Field(
         "auto", description="The ranks' sums in a TP/EP replica; symm_mem: a one-shot all-reduce over symmetric "
                             "memory for decode-sized tensors (<= 256 KiB), NCCL above; auto: symm_mem where every "
@@ -344,6 +349,7 @@ class ServeAppConfig(_Settings):
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
             lm_head_dtype=self.lm_head_dtype,
+            mxfp4_decode_max_tokens=self.mxfp4_decode_max_tokens if device != "cpu" else 0,
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",

@@ -18,7 +18,7 @@ T <= 4, 1.6-1.9 at T = 16 (Triton MXFP4: 1.1-1.8).
 `pack_mma_words` (pure torch, CPU or GPU) re-packs checkpoint blocks/scales once at load time;
 `grouped_gemm_decode_mxfp4_mma` launches the kernel (built on first use with torch's cpp_extension, CUDA
 only; importing this module builds nothing). Twin: `mxfp4_decode_gemm.reference_decode_mxfp4`.
-Not wired into the model.
+The model uses it through `mxfp4_decode_layer.py` when `EngineConfig.mxfp4_decode_max_tokens` is set (opt-in).
 """
 
 from __future__ import annotations

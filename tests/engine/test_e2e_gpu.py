@@ -175,23 +175,31 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("kv_cache_dtype,fp8_dense", [("auto", False), ("fp8_e4m3", False), ("auto", True)])
-def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8_dense):
+@pytest.mark.parametrize("kv_cache_dtype,fp8_dense,mxfp4", [("auto", False, 0), ("fp8_e4m3", False, 0), ("auto", True, 0),
+                                                          ("auto", False, 4)])
+def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8_dense, mxfp4, monkeypatch):
     # The engine's own graph paths (ModelRunner.execute -> DecodeGraphs, and PrefillGraphs for the prompts)
     # against the same engine without graphs, same random weights: identical greedy tokens for a mixed
     # batch. Both backends are built for graphs (split counts fixed by batch size): a backend planned per
     # step picks other split counts, which changes the summation order and, on this tiny model, flipped a
-    # near-tie on the H200.
+    # near-tie on the H200. mxfp4: experts drawn as MXFP4, decode steps of <= 4 tokens on the CUDA MXFP4 GEMM.
+    from kernels.moe import mxfp4_decode_layer
+
+    mxfp4_calls = []
+    run_mxfp4 = mxfp4_decode_layer.decode_experts
+    monkeypatch.setattr(mxfp4_decode_layer, "decode_experts", lambda *a: mxfp4_calls.append(a[0].shape[0]) or run_mxfp4(*a))
+
     def engine(graphs: bool, prefill_graphs: bool) -> LLMEngine:
         model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=8,
-                            max_kv_len=2048, cuda_graph=True)
+                            max_kv_len=2048, cuda_graph=True, mxfp4_decode_max_tokens=mxfp4)
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
         if fp8_dense:  # lm_head_dtype="fp8_e4m3": the FP8 GEMV in the graphs and for the prompts' last tokens
             quantize_lm_head_fp8(model)
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                                              num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs,
-                                             prefill_graphs=prefill_graphs, kv_cache_dtype=kv_cache_dtype))
+                                             prefill_graphs=prefill_graphs, kv_cache_dtype=kv_cache_dtype,
+                                             mxfp4_decode_max_tokens=mxfp4))
 
     prompts = [torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 130, 700)]
     outputs = []
@@ -210,6 +218,8 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
             assert paths.get("decode_graph", 0) > 0, paths
         if graphs and prefill_graphs:
             assert "eager" not in paths, paths  # every step replayed one kind of graph
+    # eager decode steps of 3 sequences (and the graphs' capture at buckets 1-4) went through the MXFP4 layer
+    assert (3 in mxfp4_calls and max(mxfp4_calls) <= 4) if mxfp4 else not mxfp4_calls, mxfp4_calls
     assert outputs[0] == outputs[1], "decode graphs changed the greedy tokens"
     assert outputs[1] == outputs[2], "prefill graphs changed the greedy tokens"
 

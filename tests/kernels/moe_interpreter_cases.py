@@ -423,3 +423,28 @@ def test_prescaled_pack_counts_groups_it_cannot_hold_exactly():
     assert packed["inexact_groups"] == 1  # 100 - 127 = -27 < -23; row 1 is uniform
     assert packed["rowexp"].tolist() == [[127, 90]]
     assert packed["fexp"][0, :, 0].tolist() == [29, 2, 6, 29]
+
+
+@pytest.mark.parametrize("inter", [136, 300])
+def test_swiglu_bf16(inter):
+    """The MXFP4 decode path's SwiGLU (bf16 out, no quantization) against its twin; rows of pairs that are not
+    this rank's (row -1) and rows of no pair are left alone."""
+    from kernels.moe import mxfp4_decode_layer as mdl
+
+    rows, e_local, first, pairs = 20, 3, 5, 16
+    h = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    bias = torch.randn(e_local, 2 * inter)
+    ids = torch.randint(first, first + e_local, (pairs,)).int()
+    row_of_pair = torch.randperm(rows)[:pairs].int()
+    row_of_pair[3] = -1
+    out = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
+    mdl.swiglu_bf16(h, row_of_pair, ids, bias, first, 1.702, 7.0, out)
+    mine = row_of_pair[row_of_pair >= 0].long()
+    want = mdl.swiglu_bf16_reference(h[mine], bias[ids[row_of_pair >= 0].long() - first], 1.702, 7.0)
+    got = out[mine]
+    # exp / division ulps before the bf16 rounding: equal, or a few values one bf16 step apart
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[mine] = False
+    assert out[untouched].isnan().all()
