@@ -14,9 +14,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
-  ("mxfp4-decode-8": steps of <= 8 tokens);
-- "preload-gemv": fused+pdl with QKV and O at <= 8 tokens on kernels/layers/gemv_cuda.py (weights loaded before
-  the PDL wait); "preload-gemv+mxfp4": both.
+  ("mxfp4-decode-8": steps of <= 8 tokens).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -46,8 +44,7 @@ from model.config import GptOssConfig
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
             "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16),
-            "mxfp4-decode-8": (True, True, True, True, "", 8), "preload-gemv": (True, True, "cuda", True, "", 0),
-            "preload-gemv+mxfp4": (True, True, "cuda", True, "", 8)}
+            "mxfp4-decode-8": (True, True, True, True, "", 8)}
 
 
 class DenseWeights:
@@ -77,8 +74,7 @@ class DenseWeights:
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        layer.self_attn.decode_gemv = bool(gemv)
-        layer.self_attn.gemv_kernel = "cuda" if gemv == "cuda" else "triton"
+        layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4
     h.model.backend.fuse_kv_write = kv

@@ -87,8 +87,6 @@ class AttentionBlock(nn.Module):
         # 9.6 us at T=1 on the H200; QKV stays on cuBLAS (7.7 vs 9.3 us), bench/results/gemv_h200.json.
         # These are the GEMV's per-block tickets; decode_gemv=False: always F.linear (to compare).
         self.decode_gemv = True
-        # "cuda": decode-sized QKV and O on kernels/layers/gemv_cuda.py (weights loaded before the PDL wait)
-        self.gemv_kernel = "triton"
         self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor | None = None,
@@ -98,9 +96,7 @@ class AttentionBlock(nn.Module):
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
         where q, k, v go (the prefill graphs' static buffers)."""
-        qkv = self._preload_gemv(x, self.qkv_proj, self.qkv_proj.bias)
-        if qkv is None:
-            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
         dest = self.backend.kv_destination(self.layer)
         q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out,
                                     k_out, v_out)
@@ -119,18 +115,8 @@ class AttentionBlock(nn.Module):
         if not isinstance(self.o_proj, nn.Linear):  # an Fp8Linear (bench/decode_ab's fp8-dense variant)
             return self.parallel.all_reduce_tp(self.o_proj(o.reshape(t, -1), with_bias=first))
         bias = self.o_proj.bias if first else None
-        y = self._preload_gemv(o.reshape(t, -1), self.o_proj, bias)
-        if y is not None:
-            return self.parallel.all_reduce_tp(y)
         tickets = self.o_gemv_tickets if self.decode_gemv else None
         return self.parallel.all_reduce_tp(layers.linear(o.reshape(t, -1), self.o_proj.weight, bias, tickets))
-
-    def _preload_gemv(self, x: torch.Tensor, linear: nn.Module, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if self.gemv_kernel != "cuda" or not isinstance(linear, nn.Linear):
-            return None
-        from kernels.layers import gemv_cuda
-
-        return gemv_cuda.preload_gemv(x, linear.weight, bias) if gemv_cuda.runs(x, linear.weight) else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.project_out(self.attend(*self.qkv(x, cos, sin)))
