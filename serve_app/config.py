@@ -160,7 +160,8 @@ class ServeAppConfig(_Settings):
         0, ge=0, le=16, description="Decode steps of at most this many tokens compute the experts from the "
                                     "checkpoint's MXFP4 weights (CUDA MXFP4 GEMM) instead of their FP8 conversion; "
                                     "0: never. Keeps both copies of the experts (~10 GB more for 20b; 120b does not "
-                                    "fit one GPU so); needs an original MXFP4 checkpoint. Ignored on CPU replicas.")
+                                    "fit one GPU so); needs an original MXFP4 checkpoint. Decode replicas only (and replicas running "
+                                    "both phases); ignored on CPU replicas.")
     all_reduce: Literal["auto", "nccl", "symm_mem"] = Field(
         "auto", description="The ranks' sums in a TP/EP replica; symm_mem: a one-shot all-reduce over symmetric "
                             "memory for decode-sized tensors (<= 256 KiB), NCCL above; auto: symm_mem where every "
@@ -334,9 +335,16 @@ class ServeAppConfig(_Settings):
             return self.kv_transport
         return "cuda_ipc" if device == "cuda" else "object_store"
 
-    def engine_config(self, device: str):
-        """The engine's EngineConfig for one replica on `device` ("cpu" or "cuda[:N]")."""
+    def engine_config(self, device: str, role: str = "decode"):
+        """The engine's EngineConfig for one replica of `role` ("prefill" or "decode") on `device` ("cpu" or
+        "cuda[:N]")."""
         from engine.config import EngineConfig
+
+        mxfp4 = self.mxfp4_decode_max_tokens if device != "cpu" else 0
+        if role == "prefill" and self.random_model is None:
+            # The prefill deployment runs prompts: the MXFP4 copy of the experts (~10 GB for 20b) would sit unused.
+            # Random weights keep it: they are drawn as MXFP4 then, and both deployments must draw one model.
+            mxfp4 = 0
 
         return EngineConfig(
             block_size=self.block_size,
@@ -349,7 +357,7 @@ class ServeAppConfig(_Settings):
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
             lm_head_dtype=self.lm_head_dtype,
-            mxfp4_decode_max_tokens=self.mxfp4_decode_max_tokens if device != "cpu" else 0,
+            mxfp4_decode_max_tokens=mxfp4,
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",

@@ -116,9 +116,12 @@ def test_settings_refuse_what_cannot_run():
                        num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     with pytest.raises(ModelFactoryError, match="CUDA device"):
         build_model(cfg, "cpu", random_weights=True, mxfp4_decode_max_tokens=4)
-    app = ServeAppConfig(mxfp4_decode_max_tokens=4)
+    app = ServeAppConfig(model="/models/gpt-oss-20b", mxfp4_decode_max_tokens=4)
     assert app.engine_config("cuda").mxfp4_decode_max_tokens == 4
     assert app.engine_config("cpu").mxfp4_decode_max_tokens == 0  # CPU replicas run the torch twins
+    assert app.engine_config("cuda", "prefill").mxfp4_decode_max_tokens == 0  # prompts only: no copy held
+    random = ServeAppConfig(model="random:gpt-oss-20b", device="cuda", mxfp4_decode_max_tokens=4)
+    assert random.engine_config("cuda", "prefill").mxfp4_decode_max_tokens == 4  # the same random draw as decode
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
