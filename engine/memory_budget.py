@@ -51,3 +51,20 @@ def activation_bytes(c: GptOssConfig, max_num_batched_tokens: int, max_num_seqs:
 def kv_budget_bytes(free_bytes: int, fraction: float, activations: int) -> int:
     """The K/V pools' bytes: `fraction` of what is free, but never eating into the activations' estimate."""
     return max(0, min(int(free_bytes * fraction), free_bytes - activations))
+
+
+def weight_bytes_estimate(c: GptOssConfig, tp_size: int = 1, ep_size: int = 1, mxfp4_copy: bool = False,
+                          act_bytes: int = 2) -> dict[str, int]:
+    """One rank's weights before loading them: FP8 experts (K padded to 128-blocks, one fp32 scale per 128x128
+    block, fp32 biases), the packed MXFP4 copy `mxfp4_decode_max_tokens` keeps (rows to 16, K to 64; half a byte
+    per weight and 4 bytes of scales per 16 x 64 tile: kernels/moe/mxfp4_cuda.pack_mma_words), the dense rest."""
+    d, i, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    experts = c.num_local_experts // ep_size
+    shapes = ((2 * i, d), (d, i))  # gate_up [2I, D], down [D, I]: (out, in)
+    fp8 = sum(n * padded(k) + 4 * (-(-n // 128)) * (padded(k) // 128) + 4 * n for n, k in shapes)
+    mx = sum((-(-n // 16) * 16) * (-(-k // 64) * 64) // 2 + (-(-n // 16)) * (-(-k // 64)) * 32 for n, k in shapes)
+    heads = (c.num_attention_heads + 2 * c.num_key_value_heads) // tp_size * c.head_dim
+    attention = (d * heads + heads + c.num_attention_heads // tp_size * c.head_dim * d + d) * act_bytes
+    dense = layers * (attention + c.num_local_experts * (d + 1) * act_bytes) + 2 * c.vocab_size // tp_size * d * act_bytes
+    return {"fp8_experts": layers * experts * fp8, "mxfp4_copy": layers * experts * mx if mxfp4_copy else 0,
+            "dense": dense}

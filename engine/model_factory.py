@@ -143,11 +143,27 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
         if torch.device(device).type != "cuda" or moe != "fp8":
             raise ModelFactoryError(f"mxfp4_decode_max_tokens={mxfp4_decode_max_tokens} runs a CUDA kernel on the FP8 "
                                     f"MoE's experts: it needs a CUDA device and moe_backend 'fp8' (got {device}, {moe})")
+        check_mxfp4_copy_fits(config, parallel, torch.cuda.mem_get_info(torch.device(device))[0])
     model = _build(config, device, dtype, attention_backend, moe_backend, checkpoint, seed, parallel, max_batch,
                    max_kv_len, cuda_graph, progress, mxfp4_decode_max_tokens)
     if lm_head_dtype == "fp8_e4m3":
         quantize_lm_head_fp8(model)
     return model
+
+
+def check_mxfp4_copy_fits(config: GptOssConfig, parallel: Parallel, free_bytes: int) -> None:
+    """Refuse, before loading, weights that with the MXFP4 copy of the experts would not fit the device (120b on
+    one H200: 117 GB of FP8 experts and 62 GB of MXFP4), rather than run out of memory halfway through."""
+    from engine.memory_budget import FIXED_BYTES, weight_bytes_estimate
+
+    need = weight_bytes_estimate(config, parallel.tp_size, parallel.ep_size, mxfp4_copy=True)
+    total = sum(need.values()) + FIXED_BYTES
+    if total > free_bytes:
+        gb = {k: round(v / 1e9, 1) for k, v in need.items()}
+        raise ModelFactoryError(f"mxfp4_decode_max_tokens keeps the experts twice: FP8 {gb['fp8_experts']} GB and MXFP4 "
+                                f"{gb['mxfp4_copy']} GB, with {gb['dense']} GB of dense weights {total / 1e9:.1f} GB, more "
+                                f"than the {free_bytes / 1e9:.1f} GB free on this device: set mxfp4_decode_max_tokens=0, "
+                                f"or split the experts over more GPUs (ep_size)")
 
 
 def quantize_lm_head_fp8(model: GptOssForCausalLM) -> None:

@@ -183,3 +183,23 @@ def test_cuda_graph_replays_the_layer_on_fresh_tokens(layer20):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, m.routed_forward(x, router_w, router_b, TOP_K))
+
+
+def test_the_mxfp4_copy_is_refused_where_it_does_not_fit():
+    """Before any weight is read: 120b on one H200 would need both expert copies (~179 GB); 20b fits. The
+    estimate matches what the H200 runs recorded (20b experts 19.57 GB FP8, 29.72 GB with the copy:
+    bench/results/e2e_h200_20b_mxfp4_{0,4}.json)."""
+    from engine.memory_budget import weight_bytes_estimate
+    from engine.model_factory import ModelFactoryError, check_mxfp4_copy_fits
+    from model.config import GptOssConfig
+    from model.parallel import SINGLE, Parallel
+
+    h200 = 139_800_000_000
+    small = weight_bytes_estimate(GptOssConfig.preset("gpt-oss-20b"), mxfp4_copy=True)
+    assert abs(small["fp8_experts"] - 19_566_317_664) < 0.01 * 19_566_317_664
+    assert abs(small["fp8_experts"] + small["mxfp4_copy"] - 29_718_663_264) < 0.01 * 29_718_663_264
+    check_mxfp4_copy_fits(GptOssConfig.preset("gpt-oss-20b"), SINGLE, h200)
+    with pytest.raises(ModelFactoryError, match="keeps the experts twice.*ep_size"):
+        check_mxfp4_copy_fits(GptOssConfig.preset("gpt-oss-120b"), SINGLE, h200)
+    # EP4 holds a quarter of the experts per GPU: both copies fit
+    check_mxfp4_copy_fits(GptOssConfig.preset("gpt-oss-120b"), Parallel(tp_size=4, ep_size=4, rank=0), h200)
