@@ -493,6 +493,12 @@ class LLMEngine:
                           seq.num_cached_prefix, drafter.num_drafted if drafter else 0,
                           drafter.num_accepted if drafter else 0)
 
+    def reset_metrics(self) -> None:
+        """Counters back to zero, the state gauges re-read (engine/warm_up.py: its requests are not traffic)."""
+        self.metrics.reset()
+        self.block_manager.prefix_query_tokens = self.block_manager.prefix_hit_tokens = 0
+        self._update_state_metrics()
+
     def _update_state_metrics(self) -> None:
         prefilled = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)
         self.metrics.set_state(len(self.scheduler.waiting), len(self.scheduler.running), prefilled,

@@ -60,8 +60,16 @@ class EngineMetrics:
     def __init__(self, window_s: float = 10.0, clock=time.monotonic):
         self.clock = clock
         self.window_s = window_s
-        self.start = clock()
         self._lock = threading.Lock()
+        self._zero()
+
+    def reset(self) -> None:
+        """Every counter, gauge and histogram back to where a new engine starts (after its warm-up)."""
+        with self._lock:
+            self._zero()
+
+    def _zero(self) -> None:
+        self.start = self.clock()
         self.prefill_tokens_total = 0
         self.decode_tokens_total = 0
         self.steps_total = 0

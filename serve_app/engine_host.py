@@ -54,6 +54,12 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
         engine = LLMEngine.with_random_weights(random_shapes, engine_config, seed=config.seed)
     else:  # one rank, or CPU ranks as spawned processes
         engine = LLMEngine.from_checkpoint(folder, engine_config)
+    if config.warm_up:
+        from engine.warm_up import warm_up
+
+        report = warm_up(engine)
+        log.info("engine warmed up in %.2f s: %d steps, paths %s", report["seconds"], report["steps"],
+                 report["steps_by_path"])
     log.info("engine ready on %s (tp=%d, ep=%d): model %s, context %d, pages %s", device, config.tp_size,
              config.ep_size, folder or config.model, engine.max_model_len, engine.block_manager.usage())
     if engine.vocab_size == HARMONY_VOCAB_SIZE:
