@@ -11,7 +11,8 @@ wall time from the first prefill to the last token.
 time per output token through the engine's whole step (schedule, metadata, graph replay, sampler, one
 device-to-host read, bookkeeping), next to the graph-replay-only decode points of the tables; with the
 engine's decode lookahead as configured (on with one CUDA device). "b1sync" runs it again with the
-lookahead off (engine/llm_engine.py), in the same engine.
+lookahead off (engine/llm_engine.py), in the same engine. The engine is warmed up first (engine/warm_up.py), as a
+Serve replica is (since 2026-12-01; earlier b1 TTFTs of a fresh engine included compiling kernels).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
+from engine.warm_up import warm_up
 
 DEFAULT_CPU_BUDGET = 256 * 2**20
 B1_IN, B1_OUT = 1024, 256
@@ -56,6 +58,8 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     setup = {"engine_build_s": time.perf_counter() - t0, "graph_capture_s": sum(engine.graph_capture_seconds.values()),
              "prefill_graph_capture_s": sum(engine.prefill_graph_capture_seconds.values()),
              "full_pages": engine.block_manager.usage()["full_pages_total"]}
+    # as a Serve replica does before its first request (engine/warm_up.py): the b1 TTFT is then no compile's
+    setup["engine_warm_up_s"] = warm_up(engine)["seconds"]
     auto = engine.async_decode
     for name in single:
         engine.async_decode = auto and name == "b1"
