@@ -87,8 +87,6 @@ def _say(msg: str) -> None:
 def child(args) -> None:
     """One fresh engine: build (graph capture included), optionally warm up, then the traffic twice; the record
     is rewritten into --child-out after every phase, so a timeout keeps what was measured."""
-    import torch
-
     from bench.e2e import tiny_config
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -142,8 +140,6 @@ def child(args) -> None:
         _say(f"{args.variant}: round {round_} " + ", ".join(f"{n} {v['ttft_ms']:.1f} ms"
                                                            for n, v in record["rounds"][-1].items()))
     engine.close()
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def _child_run(variant: str, cache: str, args, timeout: float) -> dict:
@@ -198,9 +194,9 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(record, indent=1))
         if args.cache_out:
             subprocess.run(["tar", "cJf", args.cache_out, "-C", base, "triton"], check=False)
-        for variant in args.variants.split(","):
-            shutil.copytree(base, f"{tmp}/{variant}")  # each variant starts from what the capture compiled
-            record["records"].append(_child_run(variant, f"{tmp}/{variant}", args, args.variant_timeout_s))
+        for i, variant in enumerate(args.variants.split(",")):  # a variant may repeat (cold,warm-up,cold,warm-up)
+            shutil.copytree(base, f"{tmp}/{i}")  # each variant starts from what the capture compiled
+            record["records"].append(_child_run(variant, f"{tmp}/{i}", args, args.variant_timeout_s))
             out.write_text(json.dumps(record, indent=1))
     print_table(record)
     for r in record["records"]:

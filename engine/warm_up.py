@@ -5,7 +5,9 @@ Capturing the decode and prefill graphs compiles what runs inside them, but not 
 attention of prompt chunks and mixed steps (eager between the prefill graphs' pieces) and the sampler's paths.
 On the H200 (20b, random weights, `python -m bench.warm_up_probe`, 2026-12-01) a new engine's first 1k-token
 prompt waited 1,189 ms against 23 ms once warm (Triton compiled the sliding-window prefill kernel inside it)
-and its first top-p sampled request 261 against 23 ms (the sampler's sort path loading); the warm-up took 2.3 s.
+and its first top-p sampled request 261 against 23 ms (no Triton compile: first calls of the sampler's passes).
+A first version of this warm-up (A and B below, B with top-k too) took 2.3 s and brought those to 23 and 35 ms;
+C, D and B's top-p-only sampling were added after, checked on the CPU (tests/engine/test_warm_up.py).
 
 What runs:
 - A: a prompt of whole pages, greedy;
