@@ -175,6 +175,7 @@ def cmd_generate(args) -> int:
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
                           prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
+                          triton_precompile=args.triton_precompile == "on",
                           speculative_tokens=args.speculative_tokens, speculative_ngram=args.prompt_lookup)
     encoding = load_harmony_encoding()
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -253,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),
                      help="prefill / mixed steps as piecewise CUDA graphs at token buckets, attention eager "
                           "(auto: with --cuda-graphs, every rank)")
+    gen.add_argument("--triton-precompile", default="on", choices=("on", "off"),
+                     help="compile the Triton kernels of a shipped manifest for this model in worker processes while "
+                          "the weights load (engine/triton_precompile.py; CUDA only)")
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
     gen.add_argument("--ep", type=int, default=1,
                      help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")

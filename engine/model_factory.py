@@ -237,10 +237,11 @@ def random_for_engine(model_config: GptOssConfig, config, parallel: Parallel = S
     model: fine for timing, not for comparing logits across TP sizes)."""
     from model.loader import resolve_dtype
 
-    return build_model(model_config, config.device, resolve_dtype(config.dtype, model_config), config.attention_backend,
-                       config.moe_backend, random_weights=True, seed=seed, parallel=parallel,
-                       max_batch=config.max_num_seqs, max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs,
-                       lm_head_dtype=config.lm_head_dtype, mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens)
+    return _with_precompile(model_config, config, parallel, lambda: build_model(
+        model_config, config.device, resolve_dtype(config.dtype, model_config), config.attention_backend,
+        config.moe_backend, random_weights=True, seed=seed, parallel=parallel, max_batch=config.max_num_seqs,
+        max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, lm_head_dtype=config.lm_head_dtype,
+        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens))
 
 
 def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
@@ -249,7 +250,23 @@ def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, pro
     from model.loader import read_config, resolve_dtype
 
     mc = read_config(folder)
-    return build_model(mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend,
-                       config.moe_backend, checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs,
-                       max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, progress=progress,
-                       lm_head_dtype=config.lm_head_dtype, mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens)
+    return _with_precompile(mc, config, parallel, lambda: build_model(
+        mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend, config.moe_backend,
+        checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs, max_kv_len=config.max_model_len,
+        cuda_graph=config.cuda_graphs, progress=progress, lm_head_dtype=config.lm_head_dtype,
+        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens))
+
+
+def _with_precompile(model_config: GptOssConfig, config, parallel: Parallel, build):
+    """build(), with the Triton kernels of a matching manifest compiling in other processes meanwhile
+    (engine/triton_precompile.py); the handle goes with the model to its first graph capture."""
+    from engine import triton_precompile
+
+    precompile = triton_precompile.start_for(model_config, config, parallel)
+    try:
+        model = build()
+    except BaseException:
+        if precompile is not None:
+            precompile.cancel()
+        raise
+    return triton_precompile.attach(model, precompile)

@@ -78,6 +78,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache: PagedKVCache | None = None
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
+        self.triton_precompile_report: dict | None = None  # engine/triton_precompile.py, where a manifest applied
         self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs: other steps, piecewise
         self.last_path = "eager"  # how execute ran the last step: "decode_graph", "prefill_graph" or "eager"
         self.step_arrays = StepArrayBuilder(block_size)
@@ -124,6 +125,7 @@ class ModelRunner:
         from engine.cuda_graphs import default_buckets
         from engine.prefill_graphs import default_token_buckets
 
+        self._await_precompile()
         decode = self.capture_decode_graphs(default_buckets(config.max_num_seqs)) if config.cuda_graphs else {}
         prefill = {}
         if config.uses_prefill_graphs:
@@ -135,6 +137,7 @@ class ModelRunner:
         per bucket."""
         from engine.cuda_graphs import DecodeGraphs
 
+        self._await_precompile()
         self.model.backend.bind_cache(self.kv_cache)
         self.decode_graphs = DecodeGraphs(self.model, buckets, logits=logits)
         return self.decode_graphs.capture()
@@ -144,9 +147,19 @@ class ModelRunner:
         allocate_kv_cache); seconds per bucket."""
         from engine.prefill_graphs import PrefillGraphs
 
+        self._await_precompile()
         self.model.backend.bind_cache(self.kv_cache)
         self.prefill_graphs = PrefillGraphs(self.model, buckets)
         return self.prefill_graphs.capture()
+
+    def _await_precompile(self) -> None:
+        """Before the first capture: wait for the Triton kernels compiling in other processes since the model's
+        build (engine/triton_precompile.py), so the capture loads them from the cache."""
+        from engine import triton_precompile
+
+        report = triton_precompile.wait_for(self.model)
+        if report is not None:
+            self.triton_precompile_report = report
 
     # ---- the step ---------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:

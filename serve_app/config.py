@@ -193,6 +193,10 @@ class ServeAppConfig(_Settings):
                           "max_num_batched_tokens, attention eager between them (engine/prefill_graphs.py), with "
                           "cuda_graphs on GPU replicas (every rank of a TP/EP replica). 20b on an H200: 1k-token "
                           "TTFT 39.8 -> 16.2 ms through the engine; TP2/EP2 on 2 H200s: 4k prefill 53.1 -> 45.9 ms.")
+    triton_precompile: bool = Field(
+        True, description="GPU replicas: compile the Triton kernels a shipped manifest lists for this model and "
+                          "split in worker processes while the weights load, so graph capture loads them from "
+                          "Triton's cache (engine/triton_precompile.py). Matters on a node whose cache is empty.")
     enable_prefix_caching: bool = Field(
         True, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
                           "prompts, earlier turns of a chat). 20b on an H200, 16 requests sharing 2k tokens: "
@@ -368,6 +372,7 @@ class ServeAppConfig(_Settings):
             cuda_graphs=self.cuda_graphs and device != "cpu",
             # auto (None) turns them on with cuda_graphs; False keeps them off
             prefill_graphs=None if self.prefill_graphs and device != "cpu" else False,
+            triton_precompile=self.triton_precompile,
             async_decode=self.async_decode and device != "cpu",
             enable_prefix_caching=self.enable_prefix_caching,
             speculative_tokens=self.speculative_tokens,

@@ -264,3 +264,10 @@ def test_prefill_graphs_follow_decode_graphs():
     assert not engine({"prefill_graphs": "false"}).uses_prefill_graphs
     assert not engine({"cuda_graphs": "false"}).uses_prefill_graphs
     assert engine({"tp_size": 2, "ep_size": 2}).uses_prefill_graphs  # every rank captures them
+
+
+def test_triton_precompile_key_reaches_the_engine():
+    assert ServeAppConfig.from_args({"device": "cuda"}).engine_config("cuda:0").triton_precompile is True
+    config = ServeAppConfig.from_args({"device": "cuda", "triton_precompile": "false"})
+    assert config.engine_config("cuda:0").triton_precompile is False
+    assert config.engine_config("cuda:0", "prefill").triton_precompile is False
