@@ -1,8 +1,8 @@
 """Compile a replica's Triton kernels in parallel, while it loads its weights, before graph capture needs them.
 
 A new engine's CUDA-graph capture and warm-up compile every Triton specialization they launch: for 20b at
-the Serve defaults ~85 kernels, 43 s on the H200 over an empty cache, one after another on one core
-(bench/results/warm_up_probe_20b_h200.json). Nothing in a compile needs the GPU: Triton compiles for a
+the Serve defaults 108, most of a 54.6 s engine build on the H200 over an empty cache, one after another on one
+core (bench/results/triton_precompile_probe_20b_h200.json; 15.7 s with them precompiled on 16 cores). Nothing in a compile needs the GPU: Triton compiles for a
 `GPUTarget` and keeps the result in its on-disk cache, keyed by the kernel's source, its specialization
 (argument types, divisibility, constexprs), the compile options and the compiler itself.
 
@@ -18,8 +18,7 @@ the Serve defaults ~85 kernels, 43 s on the H200 over an empty cache, one after 
   manifest lacks (another config, changed kernel arguments) is compiled at capture as before; one that no
   longer applies costs a worker a compile and nothing else: the manifest only warms a cache.
 
-Where kernels change, the manifest's entries still compile their new source (the cache key hashes the
-source
+Where kernels change, the manifest's entries still compile their new source (the cache key hashes the source
 at compile time); entries whose kernel lost or renamed arguments are skipped and counted as failed
 (tests/engine/test_triton_precompile.py checks the shipped manifests against the kernels).
 """
@@ -103,7 +102,11 @@ def find_manifest(model_config, tp_size: int, ep_size: int, arch: int,
     """The first manifest recorded for these shapes, split and arch ($GPTOSS_TRITON_MANIFESTS first)."""
     for folder in folders if folders is not None else manifest_dirs():
         for path in sorted(Path(folder).glob("*.json")):
-            manifest = Manifest.load(path)
+            try:
+                manifest = Manifest.load(path)
+            except (OSError, ValueError, KeyError, TypeError) as err:  # a broken file is skipped, not fatal
+                log.warning("Triton manifest %s unreadable (%s: %s): skipped", path, type(err).__name__, err)
+                continue
             if manifest.matches(model_config, tp_size, ep_size, arch):
                 return manifest
     return None
@@ -279,9 +282,18 @@ class Precompile:
 
 def start_for(model_config, engine_config, parallel=None) -> Precompile | None:
     """Start compiling the kernels a manifest lists for this model, split and GPU; None where none applies
-    (CPU, triton_precompile off, no matching manifest)."""
+    (CPU, triton_precompile off, no matching manifest) or where it could not start (logged: the capture then
+    compiles, as without it)."""
     if not getattr(engine_config, "triton_precompile", False) or not str(engine_config.device).startswith("cuda"):
         return None
+    try:
+        return _start_for(model_config, engine_config, parallel)
+    except Exception as err:  # noqa: BLE001 - a cache warmer must never stop a replica from starting
+        log.warning("Triton precompile not started (%s: %s): kernels compile at capture", type(err).__name__, err)
+        return None
+
+
+def _start_for(model_config, engine_config, parallel) -> Precompile | None:
     import torch
 
     major, minor = torch.cuda.get_device_capability(torch.device(engine_config.device))

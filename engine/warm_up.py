@@ -7,7 +7,10 @@ On the H200 (20b, random weights, `python -m bench.warm_up_probe`, 2026-12-01) a
 prompt waited 1,189 ms against 23 ms once warm (Triton compiled the sliding-window prefill kernel inside it)
 and its first top-p sampled request 261 against 23 ms (no Triton compile: first calls of the sampler's passes).
 A first version of this warm-up (A and B below, B with top-k too) took 2.3 s and brought those to 23 and 35 ms;
-C, D and B's top-p-only sampling were added after, checked on the CPU (tests/engine/test_warm_up.py).
+this one (C, D and B's top-p-only sampling added) brings every request type's first time to its second (first
+1k prompt 22.7 ms, first top-p request 23.1; bench/results/warm_up_probe_20b_h200_four_requests.json). With the
+kernels precompiled (engine/triton_precompile.py) nothing compiles any more, yet the first requests of an engine
+without a warm-up still waited 398 and 170 ms: first launches load each kernel's module (CUDA's lazy loading).
 
 What runs:
 - A: a prompt of whole pages, greedy;

@@ -137,3 +137,19 @@ def test_shipped_entries_compile_here(tmp_path, monkeypatch):
         name, _, error = tp.compile_one(spec, m.arch)
         assert error is None, error
     assert len(cache_entries(tmp_path / "cache")) == 2
+
+
+def test_a_broken_manifest_is_skipped(tmp_path):
+    (tmp_path / "a_broken.json").write_text("{not json")
+    (tmp_path / "b_no_fields.json").write_text("{}")
+    manifest([norm_spec()]).save(tmp_path / "c_good.json")
+    found = tp.find_manifest(GptOssConfig.preset("gpt-oss-20b"), 1, 1, 90, [tmp_path])
+    assert found is not None and found.path.name == "c_good.json"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU failure path")
+def test_start_for_failing_to_start_is_logged_not_raised(caplog):
+    """device=cuda on a machine without one: the capability query fails; the engine build must not."""
+    with caplog.at_level("WARNING", logger="engine.triton_precompile"):
+        assert tp.start_for(GptOssConfig.preset("gpt-oss-20b"), EngineConfig(device="cuda")) is None
+    assert "Triton precompile not started" in caplog.text
