@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.child_run import run_child
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 200, 24
 
@@ -131,16 +132,8 @@ def _child_run(phase: str, args, timeout: float, env_extra: dict) -> dict:
         cmd = [sys.executable, "-m", "bench.triton_precompile_probe", "--phase", phase, "--child-out", out,
                "--model", args.model, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
                "--manifest-out", args.manifest_out]
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = "timeout"
-        record = json.loads(Path(out).read_text()) if Path(out).exists() else {"phase": phase}
+        record = run_child(cmd, env, out, timeout, {"phase": phase})
         Path(out).unlink(missing_ok=True)
-    record["exit"] = rc
     return record
 
 

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.child_run import run_child
+
 TRAFFIC = (("greedy-1024", (1024,), "greedy"), ("sampled-1000", (1000,), "sampled"),
            ("prefix-hit-1124", (1024, 100), "greedy"), ("burst-4", (300, 517, 64, 777), "greedy"),
            ("top-k-penalized-600", (600,), "top-k"))
@@ -150,16 +152,7 @@ def _child_run(variant: str, cache: str, args, timeout: float) -> dict:
            "--model", args.model, "--device", args.device, "--max-tokens", str(args.max_tokens),
            "--kv-cache-mb", str(args.kv_cache_mb), "--dump-after-s", str(max(1.0, timeout - 10))] + \
         (["--tiny"] if args.tiny else [])
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        rc = "timeout"
-    record = json.loads(Path(out).read_text()) if Path(out).exists() else {"variant": variant}
-    record["exit"] = rc
-    return record
+    return run_child(cmd, env, out, timeout, {"variant": variant})
 
 
 def main(argv=None) -> int:
