@@ -9,6 +9,7 @@ Each phase runs in a fresh process over its own empty Triton cache (as a replica
               report, and how many kernels the engine process still compiled itself (Triton's compilation
               listener: cache misses), in the build and in the warm-up.
 Both then decode one greedy prompt; the tokens must be the same (printed, and `same_tokens` in the JSON).
+`--shipped`: the precompile phase alone, over the manifests in engine/triton_manifests (what a replica finds).
 
     python -m bench.triton_precompile_probe --model gpt-oss-20b --manifest-out engine/triton_manifests/gpt-oss-20b.json
     python -m bench.triton_precompile_probe --tiny --device cpu      (smoke run: CPU engines compile no Triton)
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", type=float, default=16.0)
     p.add_argument("--manifest-out", help="where the recorded manifest goes (default: beside --out)")
     p.add_argument("--timeout-s", type=float, default=240, help="per phase")
+    p.add_argument("--shipped", action="store_true",
+                   help="no recording: only the precompile phase, over the shipped manifests")
     p.add_argument("--out", default="bench/results/triton_precompile_probe.json")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # set in the child processes
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -159,14 +162,19 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": args.model, "device": args.device,
               "phases": []}
-    result["phases"].append(_child_run("record", args, args.timeout_s, {}))
-    out.write_text(json.dumps(result, indent=1))
-    manifest_dir = tempfile.mkdtemp()  # only the new manifest, ahead of the shipped ones
-    if Path(args.manifest_out).exists():
-        Path(manifest_dir, "probe.json").write_text(Path(args.manifest_out).read_text())
-    result["phases"].append(_child_run("precompile", args, args.timeout_s, {"GPTOSS_TRITON_MANIFESTS": manifest_dir}))
+    env = {}
+    if args.shipped:  # the manifests in engine/triton_manifests, as a replica finds them
+        result["manifests"] = "shipped"
+    else:
+        result["phases"].append(_child_run("record", args, args.timeout_s, {}))
+        out.write_text(json.dumps(result, indent=1))
+        manifest_dir = tempfile.mkdtemp()  # only the new manifest, ahead of the shipped ones
+        if Path(args.manifest_out).exists():
+            Path(manifest_dir, "probe.json").write_text(Path(args.manifest_out).read_text())
+        env = {"GPTOSS_TRITON_MANIFESTS": manifest_dir}
+    result["phases"].append(_child_run("precompile", args, args.timeout_s, env))
     tokens = [r.get("tokens") for r in result["phases"]]
-    result["same_tokens"] = None not in tokens and tokens[0] == tokens[1]
+    result["same_tokens"] = len(tokens) == 2 and None not in tokens and tokens[0] == tokens[1]
     out.write_text(json.dumps(result, indent=1))
     print_table(result)
     print(f"wrote {out} and {args.manifest_out}")
@@ -183,7 +191,8 @@ def print_table(result: dict) -> None:
               f"{bk.get('compiled', '-'):>9} {bk.get('from_cache', '-'):>7} {pre.get('seconds', float('nan')):12.1f} "
               f"{pre.get('specializations', '-'):>6} {len(pre.get('failed', [])) if pre else '-':>6} "
               f"{r.get('warm_up_s', float('nan')):9.2f} {wk.get('compiled', '-'):>9}")
-    print(f"same greedy tokens: {result['same_tokens']}")
+    if len(result["phases"]) == 2:
+        print(f"same greedy tokens: {result['same_tokens']}")
     for r in result["phases"]:
         for f in (r.get("precompile") or {}).get("failed", [])[:5]:
             print(f"{r['phase']}: precompile failed {f['kernel']}: {f['error'][:200]}")

@@ -69,9 +69,13 @@ class Manifest:
                 and self.arch == arch)
 
     def save(self, path: str | Path) -> None:
-        body = {"shapes": self.shapes, "tp_size": self.tp_size, "ep_size": self.ep_size, "arch": self.arch,
-                "recorded": self.recorded, "specializations": self.specializations}
-        Path(path).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        """JSON with one specialization per line (reviewable diffs when a manifest is recorded again)."""
+        head = {"shapes": self.shapes, "tp_size": self.tp_size, "ep_size": self.ep_size, "arch": self.arch,
+                "recorded": self.recorded}
+        lines = [json.dumps(head, sort_keys=True)[:-1] + ', "specializations": [']
+        lines += [json.dumps(s, sort_keys=True) + ("," if i < len(self.specializations) - 1 else "")
+                  for i, s in enumerate(self.specializations)]
+        Path(path).write_text("\n".join(lines) + "\n]}\n")
 
     @staticmethod
     def load(path: str | Path) -> "Manifest":
@@ -181,7 +185,9 @@ def source_and_options(spec: dict):
                          f"{fn.arg_names}")
     constexprs = {tuple(k): _constant(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
     attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
-    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["signature"].items()}
+    # in the kernel's argument order, as a launch builds it (the file keeps keys sorted)
+    signature = {k: tuple(v) if isinstance(v, list) else v
+                 for k, v in sorted(spec["signature"].items(), key=lambda kv: fn.arg_names.index(kv[0]))}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
     # extern_libs carries the recording machine's libdevice path: the backend fills in this machine's
     # (the cache key hashes the file's content, not its path)
