@@ -87,7 +87,7 @@ def test_precompile_process_fills_the_cache_and_reports_failures(tmp_path, monke
     hits = []
     monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
     for spec in specs[:2]:
-        name, _, error = tp.compile_one(spec, 90)
+        name, _, error, _ = tp.compile_one(spec, 90)
         assert error is None
     assert hits == [True, True]
     assert cache_entries(tmp_path / "cache") == compiled
@@ -134,7 +134,7 @@ def test_shipped_entries_compile_here(tmp_path, monkeypatch):
     norms = [s for s in m.specializations if s["name"].endswith("._add_rms_norm_kernel")][:2]
     assert len(norms) == 2
     for spec in norms:
-        name, _, error = tp.compile_one(spec, m.arch)
+        name, _, error, _ = tp.compile_one(spec, m.arch)
         assert error is None, error
     assert len(cache_entries(tmp_path / "cache")) == 2
 
