@@ -2,7 +2,8 @@
 
 A new engine's CUDA-graph capture and warm-up compile every Triton specialization they launch: for 20b at
 the Serve defaults 108, most of a 54.6 s engine build on the H200 over an empty cache, one after another on one
-core (bench/results/triton_precompile_probe_20b_h200.json; 11.9 s with them and their launchers precompiled on 16 cores). Nothing in a compile needs the GPU: Triton compiles for a
+core (bench/results/triton_precompile_probe_20b_h200.json; 11.9 s with them and their launchers precompiled on
+16 cores, ..._shipped_launchers_h200.json). Nothing in a compile needs the GPU: Triton compiles for a
 `GPUTarget` and keeps the result in its on-disk cache, keyed by the kernel's source, its specialization
 (argument types, divisibility, constexprs), the compile options and the compiler itself.
 
