@@ -18,6 +18,7 @@ Both then decode one greedy prompt; the tokens must be the same (printed, and `s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -84,30 +85,29 @@ def child(args) -> None:
     config = engine_config(args.device, args.kv_cache_gib, args.phase == "precompile")
     record["engine_config"] = {k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                                                 "cuda_graphs", "prefill_graphs", "triton_precompile")}
-    recorder = None
+    recording = contextlib.nullcontext()
     if args.phase == "record" and cuda:
         from engine.triton_precompile import record as record_specs
 
-        recorder = record_specs(specs)
-        recorder.__enter__()
-    _say(f"{args.phase}: building the engine")
-    t0 = time.perf_counter()
-    engine = LLMEngine.with_random_weights(shapes, config, seed=config.seed)
-    record.update(build_s=time.perf_counter() - t0, decode_capture_s=sum(engine.graph_capture_seconds.values()),
-                  prefill_capture_s=sum(engine.prefill_graph_capture_seconds.values()),
-                  precompile=engine.runner.triton_precompile_report, build_kernels=counter.take())
-    save()
-    _say(f"{args.phase}: built in {record['build_s']:.1f} s; compiled {record['build_kernels']['compiled']}, "
-         f"from the cache {record['build_kernels']['from_cache']}; precompile {record['precompile']}")
-    report = warm_up(engine)
-    record.update(warm_up_s=report["seconds"], warm_up_kernels=counter.take())
-    save()
-    ids = [(7 * i + 3) % shapes.vocab_size for i in range(PROMPT_TOKENS)]
-    done = engine.generate([GenerateRequest("probe", ids, SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS,
-                                                                         ignore_eos=True))])
-    record["tokens"] = done[0].output_ids
-    if recorder is not None:
-        recorder.__exit__(None, None, None)
+        recording = record_specs(specs)
+    with recording:
+        _say(f"{args.phase}: building the engine")
+        t0 = time.perf_counter()
+        engine = LLMEngine.with_random_weights(shapes, config, seed=config.seed)
+        record.update(build_s=time.perf_counter() - t0, decode_capture_s=sum(engine.graph_capture_seconds.values()),
+                      prefill_capture_s=sum(engine.prefill_graph_capture_seconds.values()),
+                      precompile=engine.runner.triton_precompile_report, build_kernels=counter.take())
+        save()
+        _say(f"{args.phase}: built in {record['build_s']:.1f} s; compiled {record['build_kernels']['compiled']}, "
+             f"from the cache {record['build_kernels']['from_cache']}; precompile {record['precompile']}")
+        report = warm_up(engine)
+        record.update(warm_up_s=report["seconds"], warm_up_kernels=counter.take())
+        save()
+        ids = [(7 * i + 3) % shapes.vocab_size for i in range(PROMPT_TOKENS)]
+        done = engine.generate([GenerateRequest("probe", ids, SamplingParams(
+            temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True))])
+        record["tokens"] = done[0].output_ids
+    if specs:
         from engine.triton_precompile import Manifest, shapes_of, unique
 
         import torch

@@ -92,7 +92,9 @@ def unique(specs: list[str]) -> list[dict]:
         spec = json.loads(s)
         spec.pop("key", None)  # the in-memory cache key: not needed to compile, and long
         spec.pop("target", None)  # newer Triton records it; the manifest's arch says it once
-        spec["options"].pop("extern_libs", None)  # this machine's libdevice path (see source_and_options)
+        # the recording machine's libdevice path: left out, the backend fills in the compiling machine's (the
+        # cache key hashes the file's content, not its path)
+        spec["options"].pop("extern_libs", None)
         seen.setdefault(json.dumps(spec, sort_keys=True), spec)
     return [seen[k] for k in sorted(seen)]
 
@@ -190,9 +192,6 @@ def source_and_options(spec: dict):
     signature = {k: tuple(v) if isinstance(v, list) else v
                  for k, v in sorted(spec["signature"].items(), key=lambda kv: fn.arg_names.index(kv[0]))}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
-    # extern_libs carries the recording machine's libdevice path: the backend fills in this machine's
-    # (the cache key hashes the file's content, not its path)
-    options.pop("extern_libs", None)
     return ASTSource(fn, signature, constexprs, attrs), options
 
 
@@ -264,8 +263,10 @@ class Precompile:
         self.manifest = manifest
         self.started = time.perf_counter()
         self._dir = tempfile.TemporaryDirectory(prefix="triton_precompile_")
-        spec_path = Path(self._dir.name) / "manifest.json"
-        manifest.save(spec_path)
+        spec_path = manifest.path
+        if spec_path is None:  # a manifest made in memory (tests): the process reads a file
+            spec_path = Path(self._dir.name) / "manifest.json"
+            manifest.save(spec_path)
         self._report_path = Path(self._dir.name) / "report.json"
         workers = workers or default_workers(len(manifest.specializations))
         # No GPU in the workers: compiling needs none, and a CUDA context per worker would cost GPU memory.
@@ -276,11 +277,14 @@ class Precompile:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True)
 
-    def cancel(self) -> None:
-        """Stop the compiles (the model they were for failed to build)."""
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, 9)
         self.proc.wait()
+
+    def cancel(self) -> None:
+        """Stop the compiles (the model they were for failed to build)."""
+        self._stop()
         self._log.close()
         self._dir.cleanup()
 
@@ -289,8 +293,7 @@ class Precompile:
         try:
             rc = self.proc.wait(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
+            self._stop()
             rc = "timeout"
         report = json.loads(self._report_path.read_text()) if self._report_path.exists() else {}
         self._log.seek(0)
