@@ -9,8 +9,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
   (kernels/layers/gemv_triton.py);
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
-- "decode-rotary" (what runs): also the rotary embedding and the K/V write inside the split decode kernel
-  (backend.decode_rotary, kernels/attention/decode_triton.sink_decode_rotary), the variants below on top of it;
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
@@ -23,7 +21,7 @@ GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x sl
 kernels/moe/NOTES.md.)
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
-+ argmax, median of 3 timed loops; with --rounds N the variants run N times in turn, the median over rounds), then every kernel of one eager step (torch.profiler):
++ argmax, median of 3 timed loops), then every kernel of one eager step (torch.profiler):
 name, launches, total us (batch --profile-batch); with --prefill-lens also each variant's prefill time (eager, Harness.prefill).
 Prints a table, writes JSON.
 """
@@ -33,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -44,14 +41,10 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens, rotary in decode
-# attention)
-VARIANTS = {"unfused": (False, False, False, False, "", 0, False), "fused": (True, True, True, False, "", 0, False),
-            "fused+pdl": (True, True, True, True, "", 0, False),
-            "decode-rotary": (True, True, True, True, "", 0, True),
-            "fp8-lm-head": (True, True, True, True, "lm_head", 0, True),
-            "fp8-dense": (True, True, True, True, "all", 0, True), "mxfp4-decode": (True, True, True, True, "", 16, True),
-            "mxfp4-decode-8": (True, True, True, True, "", 8, True)}
+VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
+            "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
+            "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16),
+            "mxfp4-decode-8": (True, True, True, True, "", 8)}
 
 
 class DenseWeights:
@@ -78,15 +71,13 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                rotary_in_attention: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4
     h.model.backend.fuse_kv_write = kv
-    h.model.backend.decode_rotary = rotary_in_attention
     pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
         if not hasattr(h, "dense_weights"):
@@ -113,7 +104,7 @@ def run(name: str, args) -> dict:
     h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb,
                 mxfp4_decode_max_tokens=mxfp4)
     out = {"variants": {}}
-    for variant in args.variants * args.rounds:
+    for variant in args.variants:
         flags = VARIANTS[variant]
         set_variant(h, *flags)
         h.graphs = None
@@ -123,7 +114,6 @@ def run(name: str, args) -> dict:
         t0 = time.perf_counter()
         h.graphs.capture()
         rec = {"capture_s": time.perf_counter() - t0, "decode": []}
-        seen = out["variants"].get(variant)
         for b in args.batches:
             if b > h.max_batch_at(args.ctx):
                 print(f"[{name} {variant}] b={b}: skipped, the KV pool holds {h.max_batch_at(args.ctx)} at ctx {args.ctx}")
@@ -132,15 +122,6 @@ def run(name: str, args) -> dict:
             rec["decode"].append({"batch": b, "step_ms": p["step_ms"], "tok_s_user": p["tok_s_user"],
                                   "tok_s_gpu": p["tok_s_gpu"]})
             print(f"[{name} {variant}] b={b}: {p['step_ms']:.3f} ms/step {p['tok_s_user']:.1f} tok/s/user", flush=True)
-        if seen is not None:  # a later round: its step times join the first round's record
-            seen["rounds"].append(rec["decode"])
-            for d in seen["decode"]:
-                d["step_ms"] = statistics.median(r["step_ms"] for rnd in seen["rounds"] for r in rnd
-                                                 if r["batch"] == d["batch"])
-                d["tok_s_user"] = 1000.0 / d["step_ms"]
-                d["tok_s_gpu"] = d["tok_s_user"] * d["batch"]
-            continue
-        rec["rounds"] = [[dict(d) for d in rec["decode"]]]
         rec["prefill"] = [{"tokens": n, "ttft_ms": h.prefill(n, False, n)["ttft_ms"]} for n in args.prefill_lens]
         for pt in rec["prefill"]:
             print(f"[{name} {variant}] prefill {pt['tokens']}: {pt['ttft_ms']:.2f} ms", flush=True)
@@ -187,8 +168,6 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-lens", default="", help="prompt lengths to time per variant too (one chunk each)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the variant list this many times, interleaved; step times: the median over rounds")
     p.add_argument("--profile-batch", type=int, default=1, help="batch of the eager step whose kernels are listed")
     p.add_argument("--headroom-gb", type=float, default=10.0)
     p.add_argument("--out", default="bench/results/decode_ab.json")
