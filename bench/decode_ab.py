@@ -17,12 +17,14 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   ("mxfp4-decode-8": steps of <= 8 tokens).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
-GEMV too, which was slower than cuBLAS, and SwiGLU inside the down GEMM, 2.0x slower and removed:
-kernels/moe/NOTES.md.)
+GEMV too, which was slower than cuBLAS, SwiGLU inside the down GEMM, 2.0x slower and removed:
+kernels/moe/NOTES.md; the rotary embedding inside the split decode kernel, no gain and removed:
+kernels/attention/NOTES.md.)
 
 Per variant and batch: decode step time at a synthetic 8k context (bench/e2e.Harness: graph replay
-+ argmax, median of 3 timed loops), then every kernel of one eager step (torch.profiler):
-name, launches, total us (batch --profile-batch); with --prefill-lens also each variant's prefill time (eager, Harness.prefill).
++ argmax, median of 3 timed loops; with --rounds N the variant list runs N times in turn and each step time is
+the median over the rounds), then every kernel of one eager step (torch.profiler): name, launches, total us
+(batch --profile-batch); with --prefill-lens also each variant's prefill time (eager, Harness.prefill).
 Prints a table, writes JSON.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
+# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens)
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
             "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16),
@@ -104,7 +108,7 @@ def run(name: str, args) -> dict:
     h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb,
                 mxfp4_decode_max_tokens=mxfp4)
     out = {"variants": {}}
-    for variant in args.variants:
+    for variant in args.variants * args.rounds:
         flags = VARIANTS[variant]
         set_variant(h, *flags)
         h.graphs = None
@@ -114,6 +118,7 @@ def run(name: str, args) -> dict:
         t0 = time.perf_counter()
         h.graphs.capture()
         rec = {"capture_s": time.perf_counter() - t0, "decode": []}
+        seen = out["variants"].get(variant)
         for b in args.batches:
             if b > h.max_batch_at(args.ctx):
                 print(f"[{name} {variant}] b={b}: skipped, the KV pool holds {h.max_batch_at(args.ctx)} at ctx {args.ctx}")
@@ -122,6 +127,15 @@ def run(name: str, args) -> dict:
             rec["decode"].append({"batch": b, "step_ms": p["step_ms"], "tok_s_user": p["tok_s_user"],
                                   "tok_s_gpu": p["tok_s_gpu"]})
             print(f"[{name} {variant}] b={b}: {p['step_ms']:.3f} ms/step {p['tok_s_user']:.1f} tok/s/user", flush=True)
+        if seen is not None:  # a later round: its step times join the first round's record
+            seen["rounds"].append(rec["decode"])
+            for d in seen["decode"]:
+                d["step_ms"] = statistics.median(r["step_ms"] for rnd in seen["rounds"] for r in rnd
+                                                 if r["batch"] == d["batch"])
+                d["tok_s_user"] = 1000.0 / d["step_ms"]
+                d["tok_s_gpu"] = d["tok_s_user"] * d["batch"]
+            continue
+        rec["rounds"] = [[dict(d) for d in rec["decode"]]]
         rec["prefill"] = [{"tokens": n, "ttft_ms": h.prefill(n, False, n)["ttft_ms"]} for n in args.prefill_lens]
         for pt in rec["prefill"]:
             print(f"[{name} {variant}] prefill {pt['tokens']}: {pt['ttft_ms']:.2f} ms", flush=True)
@@ -168,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-lens", default="", help="prompt lengths to time per variant too (one chunk each)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variant list this many times, interleaved; step times: the median over rounds")
     p.add_argument("--profile-batch", type=int, default=1, help="batch of the eager step whose kernels are listed")
     p.add_argument("--headroom-gb", type=float, default=10.0)
     p.add_argument("--out", default="bench/results/decode_ab.json")
