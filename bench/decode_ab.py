@@ -34,6 +34,8 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -156,6 +158,9 @@ def run(name: str, args) -> dict:
 
 def print_table(results: dict) -> None:
     for name, r in results["models"].items():
+        if not r.get("variants"):
+            print(f"\n{name}: no results (exit {r.get('exit')})")
+            continue
         first = next(iter(r["variants"]))
         base = r["variants"][first]
         print(f"\n{name}: decode step (ms) at ctx {results['args']['ctx']}, same process; ratio = {first} / variant")
@@ -171,6 +176,23 @@ def print_table(results: dict) -> None:
             print(f"kernels of one eager b={rec['eager_batch']} step ({variant}):")
             for k in rec["eager_kernels"][:14]:
                 print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['name']}")
+
+
+def child_argv(argv: list[str] | None, model: str, out: Path) -> list[str]:
+    """This run's arguments for one model, its JSON written to `out`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--models", "--out"):
+            skip = True
+            continue
+        if arg.startswith(("--models=", "--out=")):
+            continue
+        kept.append(arg)
+    return [*kept, "--models", model, "--out", str(out)]
 
 
 def main(argv=None) -> int:
@@ -197,8 +219,16 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "args": vars(args), "models": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name in args.models.split(","):
-        results["models"][name] = run(name, args)
+    names = args.models.split(",")
+    for name in names:
+        if len(names) == 1:
+            results["models"][name] = run(name, args)
+        else:  # each model in a fresh process: the first one's memory was not all returned to the second
+            part = out.with_suffix(f".{name}.json")
+            cmd = [sys.executable, "-m", "bench.decode_ab", *child_argv(argv, name, part)]
+            rc = subprocess.run(cmd).returncode
+            results["models"][name] = json.loads(part.read_text())["models"][name] if part.exists() else {"exit": rc}
+            part.unlink(missing_ok=True)
         out.write_text(json.dumps(results, indent=1))
     print_table(results)
     print(f"\nwrote {out}")
