@@ -33,3 +33,16 @@ def sink_attention(
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens stored in `pages` of a paged cache [num_blocks, block_size, H, D]."""
     return cache[pages].flatten(0, 1)[:length]
+
+
+def sliding_tile_lists(query_lens: list[int], block_m: int, q_starts: list[int] | None = None):
+    """The twin of sliding_prefill_triton.plan_tiles, by a plain loop over the tiles: (sequence of each tile,
+    its first query, each sequence's first row in q, its query count)."""
+    seq_of_tile, q0_of_tile, starts, row = [], [], [], 0
+    for b, n in enumerate(query_lens):
+        starts.append(row if q_starts is None else q_starts[b])
+        row += n
+        for q0 in range(0, n, block_m):
+            seq_of_tile.append(b)
+            q0_of_tile.append(q0)
+    return seq_of_tile, q0_of_tile, starts, list(query_lens)

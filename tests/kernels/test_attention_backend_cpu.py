@@ -15,6 +15,7 @@ from kernels.attention.gpu_plan import (
     flashinfer_page_lists,
 )
 from kernels.attention.metadata import KVGroupMeta
+from kernels.attention.reference import sliding_tile_lists
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 37, 64, 256])
@@ -100,3 +101,25 @@ def test_attention_triton_kernels_under_the_interpreter():
     from tests.kernels.interpreter import run_cases
 
     run_cases("attention_interpreter_cases.py")
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 16])
+def test_plan_tiles_matches_the_loop_and_aligns_every_list(block_m):
+    pytest.importorskip("triton")
+    from kernels.attention.sliding_prefill_triton import plan_tiles
+
+    rng = random.Random(block_m)
+    cases = [[], [1], [1024], [0, 5, 0], [rng.randrange(0, 300) for _ in range(rng.randrange(1, 40))], [1] * 257]
+    for lens in cases:
+        for q_starts in (None, [rng.randrange(0, 10_000) for _ in lens]):
+            tables = torch.zeros(len(lens), 3, dtype=torch.int32)
+            kv_lens = torch.tensor(lens, dtype=torch.int32)
+            tiles = plan_tiles(lens, tables, kv_lens, block_m, q_starts)
+            seq, q0, starts, q_len = sliding_tile_lists(lens, block_m, q_starts)
+            got = [tiles.tile_seq, tiles.tile_q0, tiles.q_start, tiles.q_len]
+            assert [g.tolist() for g in got] == [seq, q0, starts, q_len], (lens, q_starts)
+            assert tiles.num_tiles == len(seq) and all(g.dtype == torch.int32 for g in got)
+            base = got[0].untyped_storage().data_ptr()
+            assert all(g.untyped_storage().data_ptr() == base for g in got), "one packed copy"
+            assert all(g.storage_offset() % 4 == 0 for g in got), "each list on a 16-byte boundary"
+            assert tiles.block_tables is tables and tiles.kv_lens is kv_lens
