@@ -6,9 +6,10 @@ bench/decode_ab lists each kernel's duration launched eagerly; inside the replay
 dependent launch (kernels/pdl.py), kernels overlap their neighbours' ramps and a small kernel can cost the step
 less than its own duration (kernels/attention/NOTES.md, the rotary fold). This replays the step (bench/e2e.Harness,
 random weights, synthetic context) under torch.profiler, reads the kernels' start and end times from the trace,
-and reports per kernel name: calls, summed duration inside the graph, the time it alone occupied the GPU
-("exclusive": not overlapped by another kernel of the step) and the idle time before it (no kernel running);
-and per step: wall time, busy time, idle time. Prints a table, writes JSON.
+and reports per kernel name: calls, what it adds to the step ("adds": how far each call moves the latest
+kernel end so far; a kernel waits for its predecessor, so these sum to the step), its summed duration inside
+the graph (waiting at griddepcontrol.wait included), the time it alone occupied the GPU ("exclusive") and the
+idle time before it (no kernel running); per step: wall time, busy time, idle time. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def kernel_spans(trace: dict) -> list[tuple[float, float, str]]:
 
 def step_profile(spans: list[tuple[float, float, str]]) -> dict:
     """Per-name and whole-span accounting of overlapping kernel intervals (see the module docstring)."""
-    names: dict[str, dict] = defaultdict(lambda: {"calls": 0, "dur_us": 0.0, "exclusive_us": 0.0, "idle_before_us": 0.0})
+    names: dict[str, dict] = defaultdict(lambda: {"calls": 0, "dur_us": 0.0, "adds_us": 0.0, "exclusive_us": 0.0,
+                                                  "idle_before_us": 0.0})
     points = sorted({t for s, e, _ in spans for t in (s, e)})
     busy = idle = 0.0
     for a, b in zip(points, points[1:]):  # elementary intervals: who runs there
@@ -49,12 +51,17 @@ def step_profile(spans: list[tuple[float, float, str]]) -> dict:
         busy += b - a
         if len(running) == 1:
             names[running[0]]["exclusive_us"] += b - a
+    done = spans[0][0] if spans else 0.0
     for s, e, n in spans:
         names[n]["calls"] += 1
         names[n]["dur_us"] += e - s
+        # on the chain each kernel waits for its predecessor to complete: what it adds to the step is how far
+        # it moves the latest end so far (the sum over kernels is the step's span)
+        names[n]["adds_us"] += max(0.0, e - done)
+        done = max(done, e)
     wall = spans[-1][1] - spans[0][0] if spans else 0.0
     rows = sorted(({"name": n[:90], **{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}}
-                   for n, r in names.items()), key=lambda r: -r["dur_us"])
+                   for n, r in names.items()), key=lambda r: -r["adds_us"])
     return {"wall_us": round(wall, 1), "busy_us": round(busy, 1), "idle_us": round(idle, 1),
             "kernel_sum_us": round(sum(e - s for s, e, _ in spans), 1), "kernels": len(spans), "by_name": rows}
 
@@ -79,9 +86,10 @@ def main(argv=None) -> int:
         h.graphs.run(ids, pos, attn)
     torch.cuda.synchronize()
     steps = []
+    graph = h.graphs.graphs[h.graphs.bucket_for(args.batch)]  # the inputs stay staged: only the replay is traced
     for _ in range(args.steps):  # one replay per trace, the GPU idle in between: a step's spans stay apart
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            h.graphs.run(ids, pos, attn)
+            graph.replay()
             torch.cuda.synchronize()
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
@@ -92,9 +100,10 @@ def main(argv=None) -> int:
     print(f"{args.model} b={args.batch} ctx {args.ctx}: replayed step {med['wall_us']:.1f} us on the device timeline, "
           f"busy {med['busy_us']:.1f}, idle {med['idle_us']:.1f}, kernel durations summed {med['kernel_sum_us']:.1f} "
           f"({med['kernels']} kernels); walls of the {len(steps)} replays {[s['wall_us'] for s in steps]}")
-    print(f"{'kernel':60s} {'calls':>5s} {'in graph us':>11s} {'exclusive':>9s} {'idle before':>11s}")
+    print(f"{'kernel':60s} {'calls':>5s} {'adds us':>8s} {'in graph us':>11s} {'exclusive':>9s} {'idle before':>11s}")
     for r in med["by_name"][:20]:
-        print(f"{r['name'][:60]:60s} {r['calls']:5d} {r['dur_us']:11.1f} {r['exclusive_us']:9.1f} {r['idle_before_us']:11.1f}")
+        print(f"{r['name'][:60]:60s} {r['calls']:5d} {r['adds_us']:8.1f} {r['dur_us']:11.1f} {r['exclusive_us']:9.1f} "
+              f"{r['idle_before_us']:11.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

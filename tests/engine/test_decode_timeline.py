@@ -12,10 +12,13 @@ def test_overlaps_idle_gaps_and_exclusive_time_are_accounted():
     assert got["wall_us"] == 31.0 and got["busy_us"] == 26.0 and got["idle_us"] == 5.0
     assert got["kernel_sum_us"] == 28.0 and got["kernels"] == 4
     rows = {r["name"]: r for r in got["by_name"]}
-    assert rows["a"] == {"name": "a", "calls": 2, "dur_us": 11.0, "exclusive_us": 9.0, "idle_before_us": 0.0}
+    assert rows["a"] == {"name": "a", "calls": 2, "dur_us": 11.0, "adds_us": 11.0, "exclusive_us": 9.0,
+                         "idle_before_us": 0.0}
+    assert rows["b"]["adds_us"] == 10.0 and rows["c"]["adds_us"] == 10.0  # c's includes the idle before it
+    assert sum(r["adds_us"] for r in got["by_name"]) == got["wall_us"]
     assert rows["b"]["exclusive_us"] == 10.0 and rows["b"]["dur_us"] == 12.0
     assert rows["c"]["idle_before_us"] == 5.0 and rows["c"]["exclusive_us"] == 5.0
-    assert [r["name"] for r in got["by_name"]] == ["b", "a", "c"]  # by time inside the step
+    assert [r["name"] for r in got["by_name"]] == ["a", "b", "c"]  # by what each adds to the step
 
 
 def test_kernel_spans_read_only_device_kernels_in_start_order():
