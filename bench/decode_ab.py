@@ -9,8 +9,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   rotary kernel writing k/v into the paged cache (backend.fuse_kv_write), O as a split-K GEMV
   (kernels/layers/gemv_triton.py);
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
-- "decode-rotary": also the rotary embedding, the K/V write and the new key inside the split decode kernel
-  (backend.decode_rotary, kernels/attention/decode_triton.sink_decode_rotary); the variants below on top of it;
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
@@ -48,14 +46,11 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens, rotary in decode
-# attention)
-VARIANTS = {"unfused": (False, False, False, False, "", 0, False), "fused": (True, True, True, False, "", 0, False),
-            "fused+pdl": (True, True, True, True, "", 0, False),
-            "decode-rotary": (True, True, True, True, "", 0, True),
-            "fp8-lm-head": (True, True, True, True, "lm_head", 0, True),
-            "fp8-dense": (True, True, True, True, "all", 0, True), "mxfp4-decode": (True, True, True, True, "", 16, True),
-            "mxfp4-decode-8": (True, True, True, True, "", 8, True)}
+# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens)
+VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
+            "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
+            "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16),
+            "mxfp4-decode-8": (True, True, True, True, "", 8)}
 
 
 class DenseWeights:
@@ -82,15 +77,13 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                rotary_in_attention: bool) -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4
     h.model.backend.fuse_kv_write = kv
-    h.model.backend.decode_rotary = rotary_in_attention
     pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
         if not hasattr(h, "dense_weights"):

@@ -18,13 +18,4 @@ def round_to_bf16(v):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def round_to(v, dtype: tl.constexpr):
-    """fp32 v rounded to `dtype` and back to fp32, as torch rounds each op in that dtype."""
-    if dtype == tl.bfloat16:
-        return round_to_bf16(v)
-    else:
-        return v.to(dtype).to(tl.float32)
-
-
-__all__ = ["round_to", "round_to_bf16"]
+__all__ = ["round_to_bf16"]

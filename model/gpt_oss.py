@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import layers
-from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend, UnrotatedQKV
+from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
 from kernels.moe import TorchExperts, route
 from model.config import GptOssConfig
 from model.parallel import SINGLE, Parallel
@@ -94,12 +94,9 @@ class AttentionBlock(nn.Module):
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """(q [T, Hq, Dh], k, v [T, Hkv, Dh], kv_written): the QKV projection with q and k rotated (cos/sin cast to
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
-        kernel also writes k/v there (one launch instead of two) and kv_written is True. Where the backend takes
-        the rows unrotated (its decode kernel rotates and writes the cache: takes_unrotated_qkv), q is an
-        UnrotatedQKV and k, v are None. q_out / k_out / v_out: where q, k, v go (the prefill graphs' static buffers)."""
+        kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
+        where q, k, v go (the prefill graphs' static buffers)."""
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
-        if q_out is None and self.backend.takes_unrotated_qkv(self.layer):  # decode: attention rotates, writes K/V
-            return UnrotatedQKV(qkv, cos, sin), None, None, True
         dest = self.backend.kv_destination(self.layer)
         q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out,
                                     k_out, v_out)

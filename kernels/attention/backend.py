@@ -7,24 +7,12 @@ that runs inside CUDA graphs keeps its metadata in fixed-size buffers that `plan
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from kernels.attention.kv_cache import PagedKVCache, store_rows
 from kernels.attention.metadata import AttentionBatch
 from kernels.attention.reference import gather_pages, sink_attention
-
-
-@dataclass(frozen=True)
-class UnrotatedQKV:
-    """What the model hands `forward` as q where `takes_unrotated_qkv(layer)` said yes: the QKV projection's
-    output [T, (Hq + 2 Hkv) Dh] before the rotary embedding, and the step's rotary tables cos / sin [T, Dh/2]
-    (fp32). The backend then rotates q and k and writes the new k / v into the cache itself."""
-
-    qkv: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 class AttentionBackend:
@@ -59,15 +47,10 @@ class AttentionBackend:
             return self.kv_cache.k[layer], self.kv_cache.v[layer], self.graph_slots[self.layer_is_sliding[layer]]
         return None
 
-    def takes_unrotated_qkv(self, layer: int) -> bool:
-        """Whether this step's attention of `layer` takes the QKV rows before the rotary embedding (q an
-        UnrotatedQKV, k = v = None in forward). Here: never."""
-        return False
-
     def forward(
         self,
         layer: int,
-        q: torch.Tensor,  # [T, Hq, D] after RoPE (an UnrotatedQKV where takes_unrotated_qkv(layer))
+        q: torch.Tensor,  # [T, Hq, D] after RoPE
         k: torch.Tensor,  # [T, Hkv, D] after RoPE
         v: torch.Tensor,  # [T, Hkv, D]
         sinks: torch.Tensor,  # [Hq] fp32

@@ -8,14 +8,6 @@ base 2. The sink joins the softmax exactly once: split 0 starts its running max 
 and its denominator at 1 (= exp(sink - sink)); the other splits start empty (max -inf, sum 0). The
 merge is then a plain log-sum-exp combine, and a single split writes the output directly.
 
-`sink_decode_rotary` takes the QKV projection's output before the rotary embedding instead of q: every
-program rotates its query rows itself (the rotary kernel's rounding, bit for bit), and the program whose split
-holds the new token's position takes that token's rotated k and its v from the same rows, stores them into the
-cache for the steps after (the rotary kernel's job on other steps) and attends to them from registers after
-its cached keys. One launch less per layer, and one dependent round trip less: the cached keys' loads do not
-wait for the new ones. The new key's products are the tile's (bf16 operands, fp32 sums) summed in another order,
-so outputs agree with rotary_qkv + sink_decode within a bf16 step, the cache bit for bit.
-
 Sliding layers (window W) see the last min(W, kv_len) tokens of their table; full layers all of it.
 Everything the kernels read lives in device tensors and the grid depends only on (batch, splits),
 so the launches can be captured in a CUDA graph and replayed with new lengths and page tables.
@@ -31,9 +23,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.attention.paged_softmax_triton import paged_softmax_step
-from kernels.layers.triton_ops import rope_rows
 from kernels.pdl import pdl_prologue
-from kernels.triton_rounding import round_to
 
 LOG2E = 1.4426950408889634
 
@@ -61,24 +51,20 @@ def default_decode_config(num_splits: int, window: int | None) -> DecodeConfig:
 def _sink_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, kv_lens_ptr, sinks_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
-    cos_ptr, sin_ptr, slot_ptr,  # ROTARY only: tables [B, D/2] (fp32, row stride stride_cos), slots [B]
-    stride_qt, stride_qh,  # q [B, Hq, D] (ROTARY: qkv [B, (Hq + 2 Hkv) D]), unit stride in D
+    stride_qt, stride_qh,  # q [B, Hq, D], unit stride in D
     stride_kb, stride_kt, stride_kh,  # cache [num_blocks, PAGE, Hkv, D]; K and V share strides
     stride_bt,  # block_tables [B, max_blocks]
     stride_ot, stride_oh,  # out [B, Hq, D]
-    stride_cos,
     scale_log2,  # softmax scale * log2(e)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,  # WINDOW 0: full causal
-    ROTARY: tl.constexpr,  # q_ptr holds the unrotated QKV rows; this launch rotates and writes the new K/V
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl_prologue(PDL)
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
-    num_q_heads = num_kv_heads * GROUP
+    num_q_heads = tl.num_programs(1) * GROUP
 
     kv_len = tl.load(kv_lens_ptr + seq)
     start = 0
@@ -93,40 +79,8 @@ def _sink_decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
-    head_off = kv_head * stride_kh
-    q_row = q_ptr + seq.to(tl.int64) * stride_qt
-    if ROTARY:
-        dtype = q_ptr.dtype.element_ty
-        first_half = offs_d < HEAD_DIM // 2
-        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # d's partner in the other half
-        cs = seq.to(tl.int64) * stride_cos + offs_d % (HEAD_DIM // 2)
-        c = round_to(tl.load(cos_ptr + cs), dtype)
-        s = round_to(tl.load(sin_ptr + cs), dtype)
-        q_src = q_row + heads[:, None] * stride_qh
-        x = tl.load(q_src + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        xp = tl.load(q_src + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q = rope_rows(x, xp, c[None, :], s[None, :], first_half[None, :], dtype).to(dtype)
-        # The split holding position kv_len - 1 (a captured graph's padding rows, kv_len 0, have none) takes the new
-        # token's k and v from the QKV rows, stores them at its slot for the steps after (slot -1: nothing) and
-        # attends to them from registers after its loop over the cached keys: no program reads them back now.
-        owner = (lo <= kv_len - 1) & (kv_len - 1 < hi)
-        owner_d = (offs_d * 0 + owner.to(tl.int32)) != 0  # as a [HEAD_DIM] mask
-        new_at = kv_len - 1
-        k_src = q_row + (num_q_heads + kv_head) * stride_qh
-        xk = tl.load(k_src + offs_d, mask=owner_d, other=0.0).to(tl.float32)
-        xkp = tl.load(k_src + partner, mask=owner_d, other=0.0).to(tl.float32)
-        # as the cache holds them (fp8 caches round), so this step reads what the next ones will
-        k_new = rope_rows(xk, xkp, c, s, first_half, dtype).to(dtype).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(k_src + num_kv_heads * stride_qh + offs_d, mask=owner_d,
-                        other=0.0).to(tl.float32).to(v_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + seq)
-        dst = (tl.maximum(slot, 0) // PAGE) * stride_kb + (tl.maximum(slot, 0) % PAGE) * stride_kt + head_off + offs_d
-        write = owner_d & ((offs_d * 0 + slot) >= 0)
-        tl.store(k_ptr + dst, k_new, mask=write)
-        tl.store(v_ptr + dst, v_new, mask=write)
-    else:
-        q = tl.load(q_row + heads[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        new_at = kv_len  # every key, the new one included, comes from the cache
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
     sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
     first = split == 0
     m_i = tl.where(first, sink, float("-inf"))
@@ -134,21 +88,10 @@ def _sink_decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    hi_cached = tl.minimum(hi, new_at)
-    for n0 in range(lo, hi_cached, BLOCK_N):
-        m_i, l_i, acc = paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi_cached, m_i, m_i, l_i, acc,
-                                           scale_log2, stride_kb, stride_kt, offs_d, PAGE, BLOCK_N, 0, False)
-    if ROTARY:  # the new key, one more online-softmax step (products as a tile's dot makes them: bf16 in, fp32 sums)
-        kq = k_new.to(dtype).to(tl.float32)
-        s_new = tl.sum(q.to(tl.float32) * kq[None, :], axis=1) * scale_log2
-        s_new = tl.where(owner, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        l_i = tl.where(owner, l_i * alpha + p_new, l_i)
-        pv = p_new.to(dtype).to(tl.float32)[:, None] * v_new.to(dtype).to(tl.float32)[None, :]
-        acc = tl.where(owner, acc * alpha[:, None] + pv, acc)
-        m_i = tl.where(owner, m_new, m_i)
+    head_off = kv_head * stride_kh
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, m_i, m_i, l_i, acc, scale_log2,
+                                           stride_kb, stride_kt, offs_d, PAGE, BLOCK_N, 0, False)
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
@@ -208,77 +151,30 @@ def sink_decode(
     part_lse: torch.Tensor | None = None,
     config: DecodeConfig | None = None,  # None: default_decode_config(num_splits, window)
 ) -> torch.Tensor:
-    if q.dim() != 3 or q.stride(-1) != 1:
-        raise ValueError(f"sink_decode: q must be [B, Hq, D] with unit stride in D, got {tuple(q.shape)}")
     batch, num_q_heads, head_dim = q.shape
-    return _launch(q, (q.stride(0), q.stride(1)), batch, num_q_heads, head_dim, None, k_cache, v_cache,
-                   block_tables, kv_lens, sinks, scale, window, num_splits, out, part_o, part_lse, config)
-
-
-def sink_decode_rotary(
-    qkv: torch.Tensor,  # [B, (Hq + 2 Hkv) D] bf16: the QKV projection's output, before the rotary embedding
-    cos: torch.Tensor,  # [B, D/2] fp32 rotary tables of the new tokens' positions (sin alike)
-    sin: torch.Tensor,
-    slots: torch.Tensor,  # int64 [>=B]: the new token's cache slot per sequence, -1: write nothing
-    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D], the new token's K/V not yet written
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,  # including the new token
-    sinks: torch.Tensor,
-    scale: float,
-    window: int | None,
-    num_splits: int,
-    out: torch.Tensor,  # [B, Hq, D]
-    part_o: torch.Tensor | None = None,
-    part_lse: torch.Tensor | None = None,
-    config: DecodeConfig | None = None,
-) -> torch.Tensor:
-    """sink_decode with the rotary embedding, the K/V write and the new key in the same launch: rotary_qkv (with
-    the cache destination) then sink_decode, the cache bit for bit and the output within a bf16 step (see the
-    module docstring)."""
-    batch, width = qkv.shape
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    num_q_heads = width // head_dim - 2 * num_kv_heads
-    if qkv.stride(1) != 1 or width % head_dim or num_q_heads < num_kv_heads or head_dim % 2 \
-            or cos.shape != (batch, head_dim // 2) or cos.stride() != sin.stride() or cos.stride(1) != 1 \
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or slots.numel() < batch:
-        raise ValueError(f"sink_decode_rotary: qkv {tuple(qkv.shape)} must be [B, (Hq + 2 x {num_kv_heads}) x "
-                         f"{head_dim}] with unit inner stride, cos / sin [B, {head_dim // 2}] fp32 alike (got "
-                         f"{tuple(cos.shape)}), >= B slots")
-    return _launch(qkv, (qkv.stride(0), head_dim), batch, num_q_heads, head_dim, (cos, sin, slots), k_cache,
-                   v_cache, block_tables, kv_lens, sinks, scale, window, num_splits, out, part_o, part_lse, config)
-
-
-def _launch(q, q_strides, batch, num_q_heads, head_dim, rotary, k_cache, v_cache, block_tables, kv_lens, sinks,
-            scale, window, num_splits, out, part_o, part_lse, config):
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if out.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride() \
-            or num_q_heads % num_kv_heads:
-        raise ValueError("sink_decode needs unit stride in head_dim, K/V caches of identical layout and whole "
-                         "groups of query heads per kv head")
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("sink_decode needs unit stride in head_dim and K/V caches of identical layout")
     if num_splits > 1:
         need = batch * num_q_heads * num_splits
         if part_o is None or part_lse is None or part_lse.numel() < need or part_o.numel() < need * head_dim:
             raise ValueError(f"num_splits={num_splits} needs split scratch for {need} rows (see split_scratch)")
     else:
         part_o = part_lse = out  # unused by the single-split specialisation
-    cos, sin, slots = rotary if rotary is not None else (out, out, out)  # unused pointers without ROTARY
     config = config or default_decode_config(num_splits, window)
     _sink_decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, kv_lens, sinks,
         out, part_o, part_lse,
-        cos, sin, slots,
-        q_strides[0], q_strides[1],
+        q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        cos.stride(0) if rotary is not None else 0,
         scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=config.block_n, NUM_SPLITS=num_splits, WINDOW=window or 0, ROTARY=rotary is not None,
+        BLOCK_N=config.block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q),
     )
     if num_splits > 1:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import flashinfer_ops
-from kernels.attention.backend import AttentionBackend, UnrotatedQKV
-from kernels.attention.decode_triton import DecodeConfig, sink_decode, sink_decode_rotary, split_scratch
+from kernels.attention.backend import AttentionBackend
+from kernels.attention.decode_triton import DecodeConfig, sink_decode, split_scratch
 from kernels.attention.gpu_plan import StepBuffers, decode_num_splits, flashinfer_page_lists
 from kernels.attention.kv_cache import PagedKVCache, is_fp8
 from kernels.attention.kv_write import write_kv
@@ -90,10 +90,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.cuda_graph = cuda_graph
         # the model's rotary kernel writes k/v into the cache (kv_destination): one launch less per layer
         self.fuse_kv_write = True
-        # decode steps: the split decode kernel takes the QKV rows unrotated, rotates q / k, writes the new K/V and
-        # attends to it from registers (sink_decode_rotary): one launch and one dependent round trip less per
-        # layer. False: the rotary kernel first (to compare, bench/decode_ab --variants).
-        self.decode_rotary = True
         self.decode_config = decode_config
         if sliding_prefill not in ("triton", "flashinfer"):
             raise ValueError(f"sliding_prefill must be 'triton' or 'flashinfer', got {sliding_prefill!r}")
@@ -295,27 +291,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         slots = self.decode_buffers[sliding].slot_mapping if batch.is_decode else batch.group(sliding).slot_mapping
         return self.kv_cache.k[layer], self.kv_cache.v[layer], slots
 
-    def takes_unrotated_qkv(self, layer: int) -> bool:
-        batch = self.batch
-        return (self.decode_rotary and self.fuse_kv_write and self.graph_slots is None and batch is not None
-                and batch.is_decode and batch.has_cache)
-
     def forward(self, layer, q, k, v, sinks, kv_written=False, out=None):
         batch = self.batch
         sliding = self.layer_is_sliding[layer]
-        sinks = sinks.float().contiguous()
-        if isinstance(q, UnrotatedQKV):
-            if not self.takes_unrotated_qkv(layer):
-                raise ValueError("unrotated QKV rows reach attention only in decode steps over the cache "
-                                 "(takes_unrotated_qkv)")
-            buffers = self.decode_buffers[sliding]
-            t = q.qkv.shape[0]
-            out = q.qkv.new_empty(t, self.num_q_heads, self.head_dim) if out is None else out
-            return sink_decode_rotary(
-                q.qkv, q.cos, q.sin, buffers.slot_mapping, self.kv_cache.k[layer], self.kv_cache.v[layer],
-                buffers.block_tables, buffers.kv_lens, sinks, self.scale, self.window(layer), self.num_splits[sliding],
-                out, self.part_o, self.part_lse, self.decode_config)
         q = q.contiguous()
+        sinks = sinks.float().contiguous()
         out = torch.empty_like(q) if out is None else out
         if not batch.has_cache:
             shape = (self.scratch_pages, SCRATCH_PAGE, self.num_kv_heads, self.head_dim)

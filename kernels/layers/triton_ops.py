@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import pdl_prologue
-from kernels.triton_rounding import round_to
+from kernels.triton_rounding import round_to_bf16
 
 
 @triton.jit
@@ -54,15 +54,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
-def rope_rows(x, partner, c, s, first_half, dtype: tl.constexpr):
-    """The rotary embedding of whole head rows in fp32, each product rounded to `dtype` (the activations') as
-    torch rounds it: x [..., Dh], partner = x with its halves swapped, c / s the row's tables (rounded to dtype)
-    repeated over both halves, first_half the mask of d < Dh/2; the caller rounds the sum. Bit for bit the
-    halves form of _rotary_qkv_kernel (x1 c - x2 s, x2 c + x1 s); the split decode kernel rotates q and k
-    with it (kernels/attention/decode_triton.py)."""
-    a = round_to(x * c, dtype)
-    b = round_to(partner * s, dtype)
-    return tl.where(first_half, a - b, a + b)
+def _round(v, dtype: tl.constexpr):
+    """fp32 v rounded to `dtype` and back to fp32, as torch rounds each bf16 op (see kernels/triton_rounding.py)."""
+    if dtype == tl.bfloat16:
+        return round_to_bf16(v)
+    else:
+        return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -79,13 +76,13 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
     t_ok = token < num_tokens
     ok = t_ok & (heads < num_heads + (2 if WRITE_CACHE or V_OUT else 1) * num_kv_heads)
     dtype = q_ptr.dtype.element_ty
-    c = round_to(tl.load(cos_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
-    s = round_to(tl.load(sin_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
+    c = _round(tl.load(cos_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
+    s = _round(tl.load(sin_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
     src = qkv_ptr + token * stride_t + heads * (2 * HALF) + d
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = (round_to(x1 * c, dtype) - round_to(x2 * s, dtype)).to(dtype)
-    o2 = (round_to(x2 * c, dtype) + round_to(x1 * s, dtype)).to(dtype)
+    o1 = (_round(x1 * c, dtype) - _round(x2 * s, dtype)).to(dtype)
+    o2 = (_round(x2 * c, dtype) + _round(x1 * s, dtype)).to(dtype)
     is_q = heads < num_heads
     is_k = ~is_q & (heads < num_heads + num_kv_heads)
     q_dst = q_ptr + (token * num_heads + heads) * (2 * HALF) + d

@@ -14,10 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from tests.kernels.interpreter import fresh_seed  # noqa: E402,F401  (autouse fixture)
-from kernels.attention.decode_triton import sink_decode, sink_decode_rotary, split_scratch  # noqa: E402
 from kernels.attention.reference import gather_pages, sink_attention  # noqa: E402
-from kernels.layers import reference as layers_reference  # noqa: E402
-from kernels.layers.triton_ops import rotary_qkv  # noqa: E402
 from kernels.attention.sliding_prefill_triton import (SlidingPrefillConfig, plan_tiles,  # noqa: E402
                                                       single_query_config, sliding_prefill)
 
@@ -109,63 +106,6 @@ def test_mixed_step_in_place_two_launches(hq, hkv):
         got = out[starts[b]:starts[b] + n].float()
         assert not got.isnan().any(), f"sequence {b}: rows left unwritten"
         assert ((got - want).norm() / want.norm()).item() < 5e-3, f"sequence {b}"
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("hq,hkv,d,window,splits", [
-    (16, 2, 32, None, 1),
-    (16, 2, 32, None, 4),  # the new token in the last non-empty split; short sequences leave splits empty
-    (6, 2, 16, 7, 2),  # GROUP 3 padded; a window shorter than some sequences
-    (8, 8, 16, None, 8),  # GROUP 1
-])
-def test_decode_rotary_equals_rotary_kernel_then_decode(hq, hkv, d, window, splits, kv_dtype):
-    """sink_decode_rotary (q and k rotated in the decode kernel, the new K/V written by the split holding it and
-    attended from registers) against the two launches it replaces, rotary_qkv writing the cache then sink_decode:
-    both caches bit for bit, the output within a bf16 step; and against the pure-torch rotary + sink attention.
-    Rows: varied lengths, a first token (kv_len 1), a captured graph's padding row (kv_len 0, slot -1)."""
-    page = 4
-    kv_lens_list = [37, 1, 16, 0, 9, 50]
-    scale = d ** -0.5
-    sinks = torch.randn(hq) * 2
-    keys = [torch.randn(max(n, 1), hkv, d) for n in kv_lens_list]
-    values = [torch.randn(max(n, 1), hkv, d) for n in kv_lens_list]
-    k_pool, v_pool, tables = paged(keys, values, page, kv_dtype)
-    kv_lens = torch.tensor(kv_lens_list, dtype=torch.int32)
-    slots = torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page if n else -1
-                          for b, n in enumerate(kv_lens_list)], dtype=torch.int64)
-    batch = len(kv_lens_list)
-    qkv = torch.randn(batch, (hq + 2 * hkv) * d).bfloat16()
-    positions = torch.tensor([max(n - 1, 0) for n in kv_lens_list], dtype=torch.float32)
-    freqs = positions[:, None] * (1.0 / 150000 ** (torch.arange(0, d, 2) / d))[None, :]
-    cos, sin = freqs.cos() * 1.3, freqs.sin() * 1.3
-    part_o, part_lse = split_scratch(batch, hq, splits, d, "cpu")
-    k_a, v_a = k_pool.clone(), v_pool.clone()
-    q, _, _ = rotary_qkv(qkv, cos, sin, hq, hkv, d, (k_a, v_a, slots))
-    want_bits = sink_decode(q, k_a, v_a, tables, kv_lens, sinks, scale, window, splits,
-                            torch.empty(batch, hq, d, dtype=torch.bfloat16), part_o, part_lse)
-    k_b, v_b = k_pool.clone(), v_pool.clone()
-    got = sink_decode_rotary(qkv, cos, sin, slots, k_b, v_b, tables, kv_lens, sinks, scale, window, splits,
-                             torch.empty(batch, hq, d, dtype=torch.bfloat16), part_o, part_lse)
-    assert torch.equal(k_b.view(torch.uint8), k_a.view(torch.uint8)) and torch.equal(v_b.view(torch.uint8), v_a.view(torch.uint8))
-    assert not torch.equal(k_b.view(torch.uint8), k_pool.view(torch.uint8)), "the new keys were written"
-    live = kv_lens > 0
-    # the new key joins the softmax from registers, after the cached ones: the same products, summed in
-    # another order than inside a tile, so equal up to a bf16 step here and there
-    close = ((got[live].float() - want_bits[live].float()).norm() / want_bits[live].float().norm()).item()
-    assert close < 2e-3, f"against the two launches: relative difference {close}"
-    assert not got[~live].any(), "a padding row's output is the empty softmax's 0"
-    q_ref, k_ref, v_ref = layers_reference.rotary_qkv(qkv, cos, sin, hq, hkv, d)
-    for b, n in enumerate(kv_lens_list):
-        if not n:
-            continue
-        pages = tables[b, :-(-n // page)].long()
-        k = gather_pages(k_b, pages, n).float()
-        v = gather_pages(v_b, pages, n).float()
-        assert torch.equal(k[-1], k_ref[b].to(kv_dtype).float()), f"sequence {b}: the new key as torch rotates it"
-        assert torch.equal(v[-1], v_ref[b].to(kv_dtype).float()), f"sequence {b}: the new value"
-        want = sink_attention(q_ref[b:b + 1].float(), k, v, sinks, scale, window)
-        err = ((got[b:b + 1].float() - want).norm() / want.norm()).item()
-        assert err < 5e-3, f"sequence {b}: relative error {err}"
 
 
 @pytest.mark.parametrize("n", [1, 5, 13])

@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 
-from kernels.attention import UnrotatedQKV, flashinfer_ops  # noqa: E402
+from kernels.attention import flashinfer_ops  # noqa: E402
 from kernels.attention.decode_triton import sink_decode, split_scratch  # noqa: E402
 from kernels.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from kernels.attention.gpu_plan import flashinfer_page_lists  # noqa: E402
@@ -26,8 +26,6 @@ from kernels.attention.kv_write import write_kv  # noqa: E402
 from kernels.attention.metadata import AttentionBatch, KVGroupMeta  # noqa: E402
 from kernels.attention.reference import sink_attention  # noqa: E402
 from kernels.attention.sliding_prefill_triton import SWEEP_CONFIGS  # noqa: E402
-from kernels.layers import reference as layers_reference  # noqa: E402
-from kernels.layers import rotary_qkv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -289,81 +287,6 @@ def test_backend_decode_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         for layer, sliding in enumerate((True, False)):
             world.check(outs[layer], q[step], sinks, sliding)
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_decode_rotary_in_a_pdl_graph_equals_the_rotary_kernel_then_decode(kv_dtype):
-    """A decode step's attention as the engine captures it (CUDA graph, PDL launches): the split kernel rotating
-    q / k, writing the new K/V and attending to it from registers (q an UnrotatedQKV) against rotary_qkv writing
-    the cache then the split kernel, each in its own graph over its own copy of the cache, replayed on steps of
-    other lengths (a padding row of length 0 among them): caches bit for bit, outputs within a bf16 step of each
-    other, and the fused one against the reference."""
-    pool, page, rows = (2300, 64), 16, 4
-    worlds = [PagedWorld([1000, 129, 33000, 55], [1] * rows, page, 21, pool, kv_dtype),
-              PagedWorld([5, 4000, 127], [1] * (rows - 1), page, 22, pool, kv_dtype)]  # row 3: the graph's padding
-    like = worlds[0].cache
-    backends = []
-    for fused in (True, False):
-        backend = make_backend(cuda_graph=True)
-        backend.decode_rotary = fused
-        backend.bind_cache(PagedKVCache.allocate([True, False], like.k[1].shape[0], like.k[0].shape[0], page, HKV, D,
-                                                 kv_dtype, DEV))
-        backends.append(backend)
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    sinks = random_sinks(gen)
-    qkv_in = torch.empty(rows, (HQ + 2 * HKV) * D, dtype=torch.bfloat16, device=DEV)
-    cos_in = torch.empty(rows, D // 2, device=DEV)
-    sin_in = torch.empty(rows, D // 2, device=DEV)
-
-    def step(backend):
-        outs = []
-        for layer in range(2):
-            if backend.takes_unrotated_qkv(layer):
-                q, k, v, written = UnrotatedQKV(qkv_in, cos_in, sin_in), None, None, True
-            else:
-                q, k, v = rotary_qkv(qkv_in, cos_in, sin_in, HQ, HKV, D, backend.kv_destination(layer))
-                written = True
-            outs.append(backend.forward(layer, q, k, v, sinks, kv_written=written))
-        return outs
-
-    graphs, outs = [], []
-    for backend in backends:
-        backend.plan(worlds[0].batch())
-        qkv_in.normal_(generator=gen), cos_in.normal_(generator=gen), sin_in.normal_(generator=gen)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile outside the capture
-            step(backend)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs.append(step(backend))
-        graphs.append(graph)
-    assert backends[0].takes_unrotated_qkv(0) and not backends[1].takes_unrotated_qkv(0)
-    inv_freq = 1.0 / 150000 ** (torch.arange(0, D, 2, device=DEV) / D)
-    for world in worlds:
-        positions = torch.tensor([t - 1 for t in world.total] + [0] * (rows - len(world.total)), device=DEV).float()
-        qkv_in.copy_(torch.randn(qkv_in.shape, generator=world.gen, device=DEV).bfloat16())
-        cos_in.copy_((positions[:, None] * inv_freq).cos() * 1.3), sin_in.copy_((positions[:, None] * inv_freq).sin() * 1.3)
-        for backend, graph in zip(backends, graphs):
-            for mine, theirs in zip(backend.kv_cache.k + backend.kv_cache.v, world.cache.k + world.cache.v):
-                mine.copy_(theirs)  # this step's prefix pages
-            backend.plan(world.batch())
-            graph.replay()
-        torch.cuda.synchronize()
-        live = len(world.total)
-        for layer in range(2):  # the new key joins the softmax from registers: the same products, another order
-            assert rel_err(outs[0][layer][:live], outs[1][layer][:live]) < 2e-3, f"layer {layer}"
-        for mine, theirs in zip(backends[0].kv_cache.k + backends[0].kv_cache.v, backends[1].kv_cache.k + backends[1].kv_cache.v):
-            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
-        if len(world.total) < rows:  # a padding row reads and writes nothing: its output is the empty softmax's 0
-            assert not outs[0][0][len(world.total):].any() and not outs[0][1][len(world.total):].any()
-        q_ref, k_ref, v_ref = layers_reference.rotary_qkv(qkv_in, cos_in, sin_in, HQ, HKV, D)
-        for b, p in enumerate(world.prefix):  # the new token's K/V as torch computes them, in the cache's precision
-            world.keys[b][p] = k_ref[b].to(kv_dtype).bfloat16()
-            world.values[b][p] = v_ref[b].to(kv_dtype).bfloat16()
-        for layer, sliding in enumerate((True, False)):
-            world.check(outs[0][layer], q_ref, sinks, sliding)
 
 
 @pytest.mark.parametrize("page", [16, 64])
