@@ -233,7 +233,6 @@ def compile_all(specs: list[dict], arch: int, workers: int) -> dict:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the entry's own compile reports it
             pass
-    results = []
     if workers <= 1:
         results = [compile_one(s, arch) for s in specs]
     else:
