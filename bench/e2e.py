@@ -210,8 +210,9 @@ class Harness:
         return self.prefill_graphs.capture()
 
     # ---- measurements ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, tokens: int, profile: bool, chunk: int) -> dict:
+    def prefill_runner(self, tokens: int, chunk: int):
+        """(run, number of chunks): run() is one prefill of `tokens` random ids in chunks of at most `chunk`
+        (through the prefill graphs where they serve the chunk) and returns the last row's greedy token."""
         ids = torch.randint(0, self.config.vocab_size, (tokens,), device=self.device)
         pos = torch.arange(tokens, device=self.device)
         bounds = [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
@@ -219,6 +220,7 @@ class Harness:
 
         pieces = self.prefill_graphs
 
+        @torch.inference_mode()
         def run():  # chunked prefill, as the engine runs prompts longer than max_num_batched_tokens
             for (s, e), batch in zip(bounds, batches):
                 if pieces is not None and pieces.serves(batch):
@@ -227,11 +229,16 @@ class Harness:
                     hidden = self.model(ids[s:e], pos[s:e], batch)
             return self.model.compute_logits(hidden[-1:]).float().argmax(-1)
 
+        return run, len(bounds)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: int, profile: bool, chunk: int) -> dict:
+        run, chunks = self.prefill_runner(tokens, chunk)
         run()
         _sync(self.device)
         s = timed(run, self.device)
         floor = costs.prefill_floor_s(self.shape, tokens)
-        point = {"tokens": tokens, "chunks": len(bounds), "ttft_ms": s * 1e3, "usd_per_m_input": costs.dollars_per_million(tokens / s),
+        point = {"tokens": tokens, "chunks": chunks, "ttft_ms": s * 1e3, "usd_per_m_input": costs.dollars_per_million(tokens / s),
                  "input_tok_s": tokens / s, "roofline_fraction": floor / s, "floor_ms": floor * 1e3,
                  "flops": self.shape.prefill_flops(tokens)}
         if profile:
