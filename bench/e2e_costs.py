@@ -105,7 +105,8 @@ def print_table(results: dict) -> None:
         print(f"\n== {model} (random weights, real shapes; build {r.get('build_s', 0):.0f} s, "
               f"graph capture {r.get('capture_s_total', 0):.1f} s)")
         for p in r.get("prefill", []):
-            print(f"prefill {p['tokens']:>6} tok: TTFT {p['ttft_ms']:8.2f} ms  ${p['usd_per_m_input']:.4f}/M in  "
+            rested = f" ({p['ttft_after_rest_ms']:.2f} after a rest)" if "ttft_after_rest_ms" in p else ""
+            print(f"prefill {p['tokens']:>6} tok: TTFT {p['ttft_ms']:8.2f} ms{rested}  ${p['usd_per_m_input']:.4f}/M in  "
                   f"{100 * p['roofline_fraction']:.0f}% of roofline")
         for d in r.get("decode", []):
             if "step_ms" not in d:

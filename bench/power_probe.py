@@ -122,16 +122,10 @@ def back_to_back(fn, sampler: ClockSampler, seconds: float) -> dict:
 
 
 def isolated(fn, reps: int, rest_ms: float) -> dict:
-    ms = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        time.sleep(rest_ms / 1e3)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
+    from bench.e2e import timed_after_rest
+
+    device = torch.device("cuda")
+    ms = [timed_after_rest(fn, device, reps=1, rest_s=rest_ms / 1e3) * 1e3 for _ in range(reps)]
     return {"reps": reps, "rest_ms": rest_ms, "ms_median": round(sorted(ms)[len(ms) // 2], 3),
             "ms_min": round(min(ms), 3)}
 

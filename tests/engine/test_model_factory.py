@@ -106,6 +106,7 @@ def test_e2e_bench_smoke_on_cpu(tmp_path):
                      "--steps", "1", "--budget-s", "150", "--engine-runs", "b1,1k/1k", "--out", str(out)]) == 0
     r = json.loads(out.read_text())["models"]["tiny"]
     assert [p["tokens"] for p in r["prefill"]] == [64, 32]  # the time-guarded plan: important points first
+    assert all(p["ttft_ms"] > 0 and p["ttft_after_rest_ms"] > 0 for p in r["prefill"])
     assert {(d["batch"], d["ctx"]) for d in r["decode"]} == {(1, 200), (2, 200), (1, 1024)}
     assert all(d["tok_s_user"] > 0 and d["synthetic_kv"] for d in r["decode"])
     assert {t["scenario"] for t in r["throughput"]} == {"1k/1k", "8k/1k"}
