@@ -145,9 +145,13 @@ def plot(results: dict, folder, stem: str) -> list[str]:
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for model, r in results.get("models", {}).items():
-        pts = r.get("prefill", [])
+        pts = sorted((p for p in r.get("prefill", []) if "ttft_ms" in p), key=lambda p: p["tokens"])  # run order differs
         if pts:
-            ax.plot([p["tokens"] for p in pts], [p["ttft_ms"] for p in pts], "o-", label=model)
+            line, = ax.plot([p["tokens"] for p in pts], [p["ttft_ms"] for p in pts], "o-", label=f"{model}, back to back")
+            rested = [p for p in pts if "ttft_after_rest_ms" in p]
+            if rested:
+                ax.plot([p["tokens"] for p in rested], [p["ttft_after_rest_ms"] for p in rested], "s--",
+                        color=line.get_color(), label=f"{model}, after a rest")
     for p in (results.get("hf_baseline") or {}).get("prefill", []):
         ax.plot([p["tokens"]], [p["ttft_ms"]], "kx")
     ax.set(xscale="log", yscale="log", xlabel="input tokens (batch 1)", ylabel="TTFT ms", title="Prefill on one H200")
