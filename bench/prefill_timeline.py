@@ -129,18 +129,6 @@ def _trace(fn, activities, with_stack: bool = False) -> dict:
         return json.loads(Path(f.name).read_text())
 
 
-def _wall_ms(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(round(a.elapsed_time(b), 3))
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt-oss-20b")
@@ -156,7 +144,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity
 
-    from bench.e2e import Harness
+    from bench.e2e import Harness, timed
     from model.config import GptOssConfig
 
     lens = [int(t) for t in args.tokens.split(",")]
@@ -175,7 +163,7 @@ def main(argv=None) -> int:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-        walls = _wall_ms(run, 5)
+        walls = [round(timed(run, device, reps=1) * 1e3, 3) for _ in range(5)]
         traced = []
         for _ in range(args.traces):
             traced.append(forward_timeline(_trace(run, [ProfilerActivity.CUDA]), args.min_gap_us))
