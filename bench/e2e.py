@@ -123,7 +123,7 @@ class Harness:
 
     def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float,
                  checkpoint: str | None = None, kv_cache_dtype: str = "auto", lm_head_dtype: str = "auto",
-                 mxfp4_decode_max_tokens: int = 0):
+                 mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto"):
         t0 = time.perf_counter()
         self.name, self.config, self.device = name, config, device
         # weights: the checkpoint folder when given (HF layout; MXFP4 / bf16 / FP8-converted experts),
@@ -131,7 +131,8 @@ class Harness:
         self.model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                  checkpoint=checkpoint, random_weights=checkpoint is None, max_batch=max_batch,
                                  max_kv_len=max_ctx + 2 * BLOCK, cuda_graph=device.type == "cuda",
-                                 lm_head_dtype=lm_head_dtype, mxfp4_decode_max_tokens=mxfp4_decode_max_tokens)
+                                 lm_head_dtype=lm_head_dtype, mxfp4_decode_max_tokens=mxfp4_decode_max_tokens,
+                                 dense_dtype=dense_dtype)
         _sync(device)
         self.build_s = time.perf_counter() - t0
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.model.dtype)
@@ -304,7 +305,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     model_deadline = clock.left() * args.model_share  # build and capture count against it
     t_model = time.perf_counter()
     h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint, args.kv_cache_dtype,
-                args.lm_head_dtype, args.mxfp4_decode_max_tokens)
+                args.lm_head_dtype, args.mxfp4_decode_max_tokens, args.dense_dtype)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
@@ -426,6 +427,9 @@ def main(argv=None) -> int:
                    help="K/V storage: auto = the model dtype (bf16); fp8_e4m3 halves KV memory and bytes")
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="unembedding weights: the model's dtype, or FP8 128x128 blocks (weight-only; opt-in, not exact)")
+    p.add_argument("--dense-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="QKV / O weights: the model's dtype, or FP8 128x128 blocks with FP8 activations in steps above 64 "
+                        "tokens (EngineConfig.dense_dtype; opt-in, not exact)")
     p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
                    help="random weights drawn as MXFP4 (FP8 converted from them) and decode steps of <= T tokens on the "
                         "CUDA MXFP4 GEMM (EngineConfig.mxfp4_decode_max_tokens); 0: FP8 experts only")

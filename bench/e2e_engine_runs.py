@@ -51,7 +51,8 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
                           max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
                           kv_cache_bytes=budget, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda",
                           prefill_graphs=None if args.prefill_graphs else False,
-                          lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens)
+                          lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
+                          dense_dtype=args.dense_dtype)
     t0 = time.perf_counter()
     engine = LLMEngine(h.model, config)
     runs = r.setdefault("engine_runs", [])
@@ -102,7 +103,8 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
         point = {"scenario": scenario, "requests": batch, "in_len": in_len, "out_len": out_len, "wall_s": wall,
                  "output_tokens": tokens, "output_tok_s": tokens / wall, "total_tok_s": (tokens + batch * in_len) / wall,
                  "estimate_output_tok_s": estimate["output_tok_s"], "kv_cache_dtype": args.kv_cache_dtype,
-                 "lm_head_dtype": args.lm_head_dtype, "mxfp4_decode_max_tokens": args.mxfp4_decode_max_tokens,
+                 "lm_head_dtype": args.lm_head_dtype, "dense_dtype": args.dense_dtype,
+                 "mxfp4_decode_max_tokens": args.mxfp4_decode_max_tokens,
                  "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps,
                  "method": "measured: LLMEngine.generate over the batch, all requests at once", **setup}
         runs.append(point)
@@ -140,7 +142,7 @@ def single_request(engine: LLMEngine, h, device, setup: dict, name: str = "b1") 
     timed = timed_single(engine, prompt, B1_OUT)
     timed.pop("output_ids")
     point = {"scenario": name, "requests": 1, **timed, "kv_cache_dtype": engine.config.kv_cache_dtype,
-             "lm_head_dtype": engine.config.lm_head_dtype,
+             "lm_head_dtype": engine.config.lm_head_dtype, "dense_dtype": engine.config.dense_dtype,
              "mxfp4_decode_max_tokens": engine.config.mxfp4_decode_max_tokens,
              "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps - ahead,
              "method": "measured: one request through LLMEngine.step (host work included)", **setup}

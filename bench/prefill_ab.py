@@ -15,6 +15,8 @@ Variant sets:
 - `graphs`: eager forwards against the piecewise prefill CUDA graphs (engine/prefill_graphs.py), one
   bucket captured per chunk length, with and without programmatic dependent launch in the graphs.
 - `ragged`: the full layers of whole prompts over pages or over the step's k / v rows, eager and with graphs.
+- `fp8-dense`: QKV / O in bf16 (cuBLAS, the default) against FP8 weights with FP8 activations above 64 tokens
+  (EngineConfig.dense_dtype="fp8_e4m3", DeepGEMM's FP8 GEMM), both under prefill graphs captured per variant.
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -129,9 +131,46 @@ def ragged_variants():
             "graphs, paged": mode(False, True), "graphs, ragged": mode(True, True)}
 
 
+class DenseSwap:
+    """Every layer's QKV / O as the model's bf16 nn.Linear or as FP8 copies (Fp8Linear, FP8 activations above 64
+    tokens): `use("bf16" | "fp8")` puts one set in place."""
+
+    def __init__(self, h: Harness):
+        from kernels.layers.fp8_linear import Fp8Linear
+
+        attns = [layer.self_attn for layer in h.model.model.layers]
+        self.sets = {"bf16": [(a.qkv_proj, a.o_proj) for a in attns]}
+        self.sets["fp8"] = [(Fp8Linear.from_linear(q, fp8_activations=True), Fp8Linear.from_linear(o, fp8_activations=True))
+                            for q, o in self.sets["bf16"]]
+        self.attns = attns
+
+    def use(self, key: str) -> None:
+        for a, (q, o) in zip(self.attns, self.sets[key]):
+            a.qkv_proj, a.o_proj = q, o
+
+
+def dense_variants():
+    """QKV / O in bf16 or FP8 (DenseSwap), each with the prefill graphs main() captured on its own modules."""
+    def mode(key: str):
+        def apply(h: Harness):
+            h.dense_weights.use(key)
+            h.prefill_graphs = h.graph_sets[key]
+        return apply
+    return {"bf16 dense": mode("bf16"), "fp8 dense": mode("fp8")}
+
+
+def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
+    h.dense_weights, h.graph_sets, seconds = DenseSwap(h), {}, {}
+    for key in ("bf16", "fp8"):
+        h.dense_weights.use(key)
+        seconds[key] = h.capture_prefill_graphs(buckets, pdl=True)
+        h.graph_sets[key] = h.prefill_graphs
+    return seconds
+
+
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
             "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "ragged": ragged_variants}
+            "ragged": ragged_variants, "fp8-dense": dense_variants}
 
 
 def kernel_profile(fn) -> dict:
@@ -176,9 +215,13 @@ def main(argv=None) -> int:
     h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0)
     variants = VARIANTS[args.variants]()
     capture = {}
+    buckets = sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)})
     if args.variants in ("graphs", "ragged"):  # a bucket per chunk length the prompts are cut into
-        capture = capture_graphs(h, sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)}))
+        capture = capture_graphs(h, buckets)
         print(f"prefill graphs captured (s per bucket): {capture}", flush=True)
+    elif args.variants == "fp8-dense":
+        capture = capture_dense_graphs(h, buckets)
+        print(f"prefill graphs captured per dense dtype (s): {capture}", flush=True)
     rows = []
     for n in lens:
         walls = {name: [] for name in variants}

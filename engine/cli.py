@@ -169,7 +169,7 @@ def cmd_generate(args) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
                           device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          lm_head_dtype=args.lm_head_dtype, all_reduce=args.all_reduce,
+                          lm_head_dtype=args.lm_head_dtype, dense_dtype=args.dense_dtype, all_reduce=args.all_reduce,
                           mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
                           enable_prefix_caching=args.prefix_caching,
                           seed=args.seed or 0, tp_size=args.tp,
@@ -246,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="K/V storage; fp8_e4m3 halves KV memory")
     gen.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                      help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
+    gen.add_argument("--dense-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                     help="QKV / O weights; fp8_e4m3 rounds them to FP8 at load and runs prompts' projections as FP8 "
+                          "GEMMs (faster prefill; numerics then depend on a step's size)")
     gen.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
                      help="decode steps of <= T tokens read the checkpoint's MXFP4 experts (CUDA kernel; keeps both "
                           "copies); 0: off")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # = kernels.attention.kv_cache.KV_CACHE_DTYPES (no torch here)
 LM_HEAD_DTYPES = ("auto", "fp8_e4m3")
+DENSE_DTYPES = ("auto", "fp8_e4m3")
 ALL_REDUCES = ("auto", "nccl", "symm_mem")
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
@@ -38,6 +39,11 @@ class EngineConfig:
     # rounds them at load to 128x128-block FP8, weight-only (kernels/layers/fp8_linear.py): half the bytes
     # of the largest single read of a decode step, faster at <= 32 sequences, slower above 64.
     lm_head_dtype: str = "auto"
+    # QKV and O weights: "auto" = the checkpoint's (bf16); "fp8_e4m3" rounds them at load to 128x128-block FP8
+    # and, in steps of more than 64 tokens (prompts), quantizes their inputs per token per 128 channels for
+    # DeepGEMM's FP8 GEMM (kernels/layers/fp8_linear.py): faster prefill (their GEMMs are ~2x cuBLAS bf16's
+    # rate), decode steps of <= 64 tokens weight-only. A request's numerics then depend on its step's size.
+    dense_dtype: str = "auto"
     # Decode steps of at most this many tokens compute the experts from the checkpoint's MXFP4 weights (the
     # CUDA MXFP4 decode GEMM, kernels/moe/mxfp4_decode_layer.py) instead of their FP8 conversion; 0: never.
     # Costs a second copy of the experts (~10 GB for 20b; 120b does not fit one GPU with both) and needs
@@ -121,6 +127,8 @@ class EngineConfig:
                 or not 0 <= self.mxfp4_decode_max_tokens <= 16:
             raise EngineConfigError(f"mxfp4_decode_max_tokens must be an integer in [0, 16], "
                                     f"got {self.mxfp4_decode_max_tokens!r}")
+        if self.dense_dtype not in DENSE_DTYPES:
+            raise EngineConfigError(f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
         if self.mxfp4_decode_max_tokens and (not self.device.startswith("cuda") or self.moe_backend == "torch"):
             raise EngineConfigError("mxfp4_decode_max_tokens > 0 needs device 'cuda' or 'cuda:N' and the FP8 MoE "
                                     f"(moe_backend 'auto' or 'fp8'); got device {self.device!r}, moe_backend "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import LM_HEAD_DTYPES
+from engine.config import DENSE_DTYPES, LM_HEAD_DTYPES
 from model.config import GptOssConfig
 from model.gpt_oss import GptOssForCausalLM
 from model.parallel import SINGLE, Parallel
@@ -129,15 +129,18 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
                 random_weights: bool = False, seed: int = 0, parallel: Parallel = SINGLE,
                 max_batch: int = 256, max_kv_len: int | None = None, cuda_graph: bool = False,
                 progress: bool = False, lm_head_dtype: str = "auto",
-                mxfp4_decode_max_tokens: int = 0) -> GptOssForCausalLM:
+                mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto") -> GptOssForCausalLM:
     """The model on `device` with resolved backends, from `checkpoint` or (random_weights=True) random;
-    lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8);
+    lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8), dense_dtype="fp8_e4m3"
+    QKV and O (quantize_dense_fp8);
     mxfp4_decode_max_tokens > 0 keeps the MXFP4 experts too, for decode steps of up to that many tokens
     (EngineConfig.mxfp4_decode_max_tokens)."""
     if (checkpoint is None) == (not random_weights):
         raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
     if lm_head_dtype not in LM_HEAD_DTYPES:
         raise ModelFactoryError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
+    if dense_dtype not in DENSE_DTYPES:
+        raise ModelFactoryError(f"dense_dtype must be one of {DENSE_DTYPES}, got {dense_dtype!r}")
     if mxfp4_decode_max_tokens:
         _, moe = resolve_backends(attention_backend, moe_backend, torch.device(device))
         if torch.device(device).type != "cuda" or moe != "fp8":
@@ -148,6 +151,8 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
                    max_kv_len, cuda_graph, progress, mxfp4_decode_max_tokens)
     if lm_head_dtype == "fp8_e4m3":
         quantize_lm_head_fp8(model)
+    if dense_dtype == "fp8_e4m3":
+        quantize_dense_fp8(model)
     return model
 
 
@@ -175,6 +180,19 @@ def quantize_lm_head_fp8(model: GptOssForCausalLM) -> None:
     from kernels.layers.fp8_linear import Fp8Linear
 
     model.lm_head = Fp8Linear.from_linear(model.lm_head)
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def quantize_dense_fp8(model: GptOssForCausalLM) -> None:
+    """Swap every layer's QKV and O projections for FP8 128x128-block copies with FP8 activations above 64
+    tokens (kernels/layers/fp8_linear.py; the bf16 weights are released). Each rank converts its own shard."""
+    from kernels.layers.fp8_linear import Fp8Linear
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.qkv_proj = Fp8Linear.from_linear(attn.qkv_proj, fp8_activations=True)
+        attn.o_proj = Fp8Linear.from_linear(attn.o_proj, fp8_activations=True)
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -241,7 +259,7 @@ def random_for_engine(model_config: GptOssConfig, config, parallel: Parallel = S
         model_config, config.device, resolve_dtype(config.dtype, model_config), config.attention_backend,
         config.moe_backend, random_weights=True, seed=seed, parallel=parallel, max_batch=config.max_num_seqs,
         max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, lm_head_dtype=config.lm_head_dtype,
-        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens))
+        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype))
 
 
 def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
@@ -254,7 +272,7 @@ def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, pro
         mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend, config.moe_backend,
         checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs, max_kv_len=config.max_model_len,
         cuda_graph=config.cuda_graphs, progress=progress, lm_head_dtype=config.lm_head_dtype,
-        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens))
+        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype))
 
 
 def _with_precompile(model_config: GptOssConfig, config, parallel: Parallel, build):

@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels import layers
 from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
+from kernels.layers.fp8_linear import Fp8Linear
 from kernels.moe import TorchExperts, route
 from model.config import GptOssConfig
 from model.parallel import SINGLE, Parallel
@@ -32,9 +33,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layers.rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, norm(x + delta)): a residual add fused with the norm that reads its result."""
-        return layers.add_rms_norm(x, delta, self.weight, self.eps)
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor, delta_bias: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add fused with the norm that reads its result (delta_bias: a
+        projection's bias its GEMM left out, added to delta first)."""
+        return layers.add_rms_norm(x, delta, self.weight, self.eps, delta_bias)
+
+    def norm_fp8(self, x: torch.Tensor, delta: torch.Tensor | None, k_padded: int):
+        """The norm quantized for an FP8 GEMM (Fp8Rows): rows, or (x + delta, rows) when delta is given."""
+        return layers.rms_norm_fp8(x, delta, self.weight, self.eps, k_padded)
 
 
 class RotaryEmbedding(nn.Module):
@@ -96,23 +103,36 @@ class AttentionBlock(nn.Module):
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
         where q, k, v go (the prefill graphs' static buffers)."""
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        if isinstance(x, torch.Tensor):
+            qkv, bias = self.qkv_proj(x), None  # [T, (Hq + 2 Hkv) Dh]
+        else:  # FP8 rows from the norm (fp8_input): the GEMM alone, its bias added by the rotary kernel
+            qkv, bias = self.qkv_proj.gemm(x), self.qkv_proj.bias
         dest = self.backend.kv_destination(self.layer)
         q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out,
-                                    k_out, v_out)
+                                    k_out, v_out, bias)
         return q, k, v, dest is not None
+
+    def fp8_input(self, num_tokens: int) -> bool:
+        """Whether QKV runs on FP8 activations at this token count (dense_dtype="fp8_e4m3", > 64 tokens): the
+        block's norm then quantizes for it."""
+        return isinstance(self.qkv_proj, Fp8Linear) and self.qkv_proj.quantizes(num_tokens)
+
+    def fp8_output(self, num_tokens: int) -> bool:
+        """Whether O runs on FP8 activations at this token count: its bias then goes to the next norm."""
+        return isinstance(self.o_proj, Fp8Linear) and self.o_proj.quantizes(num_tokens)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Sink attention of this step's tokens, [T, Hq, Dh] (into `out` when given)."""
         return self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=kv_written, out=out)
 
-    def project_out(self, o: torch.Tensor) -> torch.Tensor:
-        """The O projection of attention's output o [T, Hq, Dh], summed over the TP ranks: [T, D]."""
+    def project_out(self, o: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """The O projection of attention's output o [T, Hq, Dh], summed over the TP ranks: [T, D] (with_bias=False:
+        without its bias, which the caller then adds once after the sum)."""
         t = o.shape[0]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
-        first = self.parallel.tp_rank == 0
-        if not isinstance(self.o_proj, nn.Linear):  # an Fp8Linear (bench/decode_ab's fp8-dense variant)
+        first = self.parallel.tp_rank == 0 and with_bias
+        if not isinstance(self.o_proj, nn.Linear):  # an Fp8Linear (dense_dtype="fp8_e4m3")
             return self.parallel.all_reduce_tp(self.o_proj(o.reshape(t, -1), with_bias=first))
         bias = self.o_proj.bias if first else None
         tickets = self.o_gemv_tickets if self.decode_gemv else None
@@ -155,7 +175,13 @@ class TransformerBlock(nn.Module):
                          q_out: torch.Tensor | None = None, k_out: torch.Tensor | None = None,
                          v_out: torch.Tensor | None = None):
         """The block up to attention: (residual x + delta, q, k, v, kv_written); see AttentionBlock.qkv."""
-        if delta is None:
+        if self.self_attn.fp8_input(x.shape[0]):  # the norm writes FP8 rows for QKV's FP8 GEMM
+            k_padded = self.self_attn.qkv_proj.k_padded
+            if delta is None:
+                h = self.input_layernorm.norm_fp8(x, None, k_padded)
+            else:
+                x, h = self.input_layernorm.norm_fp8(x, delta, k_padded)
+        elif delta is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, delta)
@@ -163,7 +189,11 @@ class TransformerBlock(nn.Module):
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block from attention's output o on: (residual before the MLP, MLP output)."""
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.project_out(o))
+        attn = self.self_attn
+        if attn.fp8_output(o.shape[0]):  # O's bias added by the norm (one pass fewer over its output)
+            x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o, with_bias=False), attn.o_proj.bias)
+        else:
+            x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o))
         return x, self.mlp(h)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,

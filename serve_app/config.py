@@ -156,6 +156,11 @@ class ServeAppConfig(_Settings):
         "auto", description="Unembedding weights; auto: the checkpoint's (the model matches the reference). "
                             "fp8_e4m3 rounds them at load to 128x128-block FP8 (weight-only): 1.03-1.05x faster decode "
                             "steps at batch 1-4, even at 32, slower above 64; logits within the FP8 rounding.")
+    dense_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="QKV and O weights; auto: the checkpoint's (the model matches the reference). fp8_e4m3 "
+                            "rounds them at load to 128x128-block FP8 and runs steps of more than 64 tokens (prompts) "
+                            "on FP8 activations through DeepGEMM's FP8 GEMM: faster prefill; decode steps of <= 64 "
+                            "tokens weight-only. A request's numerics then depend on its step's size.")
     mxfp4_decode_max_tokens: int = Field(
         0, ge=0, le=16, description="Decode steps of at most this many tokens compute the experts from the "
                                     "checkpoint's MXFP4 weights (CUDA MXFP4 GEMM) instead of their FP8 conversion; "
@@ -366,6 +371,7 @@ class ServeAppConfig(_Settings):
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
             lm_head_dtype=self.lm_head_dtype,
+            dense_dtype=self.dense_dtype,
             mxfp4_decode_max_tokens=mxfp4,
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,

@@ -1,23 +1,27 @@
-"""Dense projections with FP8 weights, weight-only: the unembedding with `lm_head_dtype="fp8_e4m3"` (opt-in).
+"""Dense projections with FP8 weights: the unembedding with `lm_head_dtype="fp8_e4m3"` (weight-only), QKV and O
+with `dense_dtype="fp8_e4m3"` (FP8 activations too above 64 tokens). Both opt-in.
 
 The checkpoints hold the dense projections in bf16; an Fp8Linear rounds one once at load to
 float8_e4m3 with one power-of-two fp32 scale per 128x128 block (K zero-padded to a multiple of 128).
-Every FP8 weight times its power-of-two scale is exactly a bf16 value, so the model computed is the bf16
-model with its dense weights rounded to FP8 (~2^-5 relative, RMS), nothing else: activations are never
+Every FP8 weight times its power-of-two scale is exactly a bf16 value, so weight-only, the model computed is
+the bf16 model with its dense weights rounded to FP8 (~2^-5 relative, RMS), nothing else: activations are never
 quantized, and every token count takes the same numerics (up to fp32 summation order). Half the bytes of
 the bf16 weights; the default stays bf16 (the model then matches the reference) and this is a choice the
-operator makes. Only the unembedding uses it: QKV and O are too small for the FP8 GEMV to beat the bf16
-kernels (kernels/layers/NOTES.md).
+operator makes. At decode QKV and O are too small for the FP8 GEMV to beat the bf16 kernels
+(kernels/layers/NOTES.md); what `dense_dtype` buys is prefill, where they are compute-bound.
 
 Kernels by token count T (CUDA):
 - T <= 64 (decode): the split-K GEMV (fp8_gemv_triton): exact fp16 images of the e4m3 weights times x in
   fp16 (exact for bf16 x within +-65504, where it clamps; inputs here are RMS-normed or attention
   outputs), fp32 sums, block scale, bias, one rounding;
-- T > 64 (decode batches above 64, many prompts ending in one step): the weight dequantized to a bf16
-  temporary (one Triton pass, exact) and cuBLAS: for the unembedding ~0.5 ms more than cuBLAS on bf16
-  weights (836 vs 307 us at T = 64). An FP8-activation GEMM (DeepGEMM) would be faster, but quantizing
-  activations only above some batch size would make a request's numerics depend on its batch mates.
-On CPU the forward is the twin, `reference`.
+- T > 64, weight-only (the unembedding: decode batches above 64, many prompts ending in one step): the weight
+  dequantized to a bf16 temporary (one Triton pass, exact) and cuBLAS: ~0.5 ms more than cuBLAS on bf16
+  weights (836 vs 307 us at T = 64);
+- T > 64 with fp8_activations (QKV, O): x per token per 128 channels to e4m3 (scale amax / 448), DeepGEMM's
+  FP8 GEMM (1,316-1,350 TFLOP/s against cuBLAS bf16's 695-768 on these shapes, kernels/layers/NOTES.md), the
+  bias added after the bf16 rounding. A request's numerics then depend on its step's token count (bf16
+  activations at <= 64 tokens, FP8 above), as with `mxfp4_decode_max_tokens`: the price of the opt-in.
+On CPU the forward is the twins, `reference` and `reference_w8a8`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.layers import gemv_tickets
-from kernels.moe.fp8_quant import BLOCK, FP8, align, dequantize_weight_blocks, padded, quantize_weight_blocks
+from kernels.moe.fp8_quant import (BLOCK, FP8, align, dequantize_rows, dequantize_weight_blocks, padded,
+                                   quantize_weight_blocks)
 
 # rows of W quantized at a time: bounds the fp32 temporary (the 201088-row unembedding would need 2.4 GB)
 _QUANT_ROWS = 64 * BLOCK
@@ -48,6 +53,15 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def reference_w8a8(a_q: torch.Tensor, a_scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   n_in: int, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8-activation GEMM's twin: fp8 rows [T, Kp] with scales [T, Kp/128] times the dequantized weights,
+    fp32, one rounding to `dtype`; no bias (the callers add it: reference.add_bias)."""
+    x = dequantize_rows(a_q, a_scales)
+    w = dequantize_weight_blocks(weight[None], weight_scale[None], weight.shape[1])[0]
+    return (x @ w.T).to(dtype)
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
     """The twin: x (clamped to +-65504, as the GEMV's fp16 operand) times the dequantized weights in fp32,
@@ -61,12 +75,18 @@ def reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
 class Fp8Linear(nn.Module):
     """y = x @ W^T + b with W in FP8 128x128 blocks. `forward(x, with_bias=False)` skips the bias (the
-    row-parallel O projection adds it on one rank only)."""
+    row-parallel O projection adds it on one rank only).
+
+    fp8_activations=True (QKV and O with `dense_dtype="fp8_e4m3"`): calls of more than GEMV_MAX_TOKENS tokens
+    quantize x per token per 128 channels (the MoE's formula) and run an FP8 x FP8 GEMM (DeepGEMM, else the
+    Triton grouped GEMM with one group), bf16 out, then the bias (reference.add_bias). `gemm(rows)` is that GEMM
+    alone on rows quantized by the caller's previous kernel (the norm), the bias left to the next one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bias_dtype: torch.dtype = torch.bfloat16,
-                 device=None):
+                 device=None, fp8_activations: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.fp8_activations = fp8_activations
         kp = padded(in_features)
         self.weight = nn.Parameter(torch.zeros(out_features, kp, dtype=FP8, device=device), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.ones(align(out_features, BLOCK) // BLOCK, kp // BLOCK,
@@ -74,12 +94,13 @@ class Fp8Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
                      if bias else None)
         self.register_buffer("gemv_tickets", gemv_tickets(out_features, device), persistent=False)
+        self.m_indices = None  # the Triton FP8 GEMM's row -> group map (all 0), made on first use
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, fp8_activations: bool = False) -> "Fp8Linear":
         w = linear.weight
-        out = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
+        out = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device, fp8_activations)
         out.weight.data, out.weight_scale.data = quantize_weight(w)
         if linear.bias is not None:
             out.bias.copy_(linear.bias)
@@ -89,8 +110,45 @@ class Fp8Linear(nn.Module):
         """[N, K] fp32: what the FP8 weight stands for (K padding cut)."""
         return dequantize_weight_blocks(self.weight[None], self.weight_scale[None], self.in_features)[0]
 
+    @property
+    def k_padded(self) -> int:
+        return self.weight.shape[1]
+
+    def quantizes(self, num_tokens: int) -> bool:
+        """Whether a call of num_tokens tokens runs on FP8 activations (then `gemm` is its GEMM)."""
+        return self.fp8_activations and num_tokens > GEMV_MAX_TOKENS
+
+    def gemm(self, a) -> torch.Tensor:
+        """rows (Fp8Rows, one group, [T, k_padded]) @ W^T -> [T, N] bf16, no bias."""
+        t = a.rows_per_group
+        if a.groups != 1 or a.data.shape[1] != self.k_padded:
+            raise ValueError(f"Fp8Linear.gemm: rows must be one group of [T, {self.k_padded}], got "
+                             f"{a.groups} x {tuple(a.data.shape)}")
+        if not a.data.is_cuda:
+            return reference_w8a8(a.data, a.scales_rows(), self.weight, self.weight_scale, self.in_features,
+                                  self.bias.dtype if self.bias is not None else torch.bfloat16)
+        out = torch.empty(t, self.out_features, dtype=torch.bfloat16, device=a.data.device)
+        if t == 0:
+            return out
+        from kernels.moe import deep_gemm_ops
+
+        if deep_gemm_ops.available():
+            return deep_gemm_ops.gemm(a, self.weight, self.weight_scale, out)
+        from kernels.moe import triton_grouped_gemm
+
+        if self.m_indices is None or self.m_indices.numel() < t:  # every row expert 0: one group
+            self.m_indices = torch.zeros(max(t, 4096), dtype=torch.int32, device=a.data.device)
+        return triton_grouped_gemm.grouped_gemm(a, self.weight[None], self.weight_scale[None], out,
+                                                self.m_indices[:t], masked=False)
+
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
+        if self.quantizes(x.shape[0]):
+            from kernels.layers import quantize_rows
+            from kernels.layers.reference import add_bias
+
+            y = self.gemm(quantize_rows(x, self.k_padded))
+            return y if bias is None else add_bias(y, bias)
         if not x.is_cuda:
             return reference(x, self.weight, self.weight_scale, bias)
         if x.shape[0] == 0:
@@ -103,4 +161,6 @@ class Fp8Linear(nn.Module):
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8 128x128"
+        acts = ", fp8 activations above 64 tokens" if self.fp8_activations else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8 128x128{acts}")

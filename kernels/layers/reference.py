@@ -16,10 +16,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (t * weight).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)): the residual add of one block and the next block's norm."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add of one block and the next block's norm. delta_bias:
+    a projection bias its GEMM left out, added to delta first (one rounding)."""
+    if delta_bias is not None:
+        delta = add_bias(delta, delta_bias)
     s = x + delta
     return s, rms_norm(s, weight, eps)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y + bias in fp32, rounded once to y's dtype: a bias added after a GEMM that rounded its output."""
+    return (y.float() + bias.float()).to(y.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

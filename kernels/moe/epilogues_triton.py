@@ -48,6 +48,14 @@ class Fp8Rows:
         scales = torch.empty(groups, k_padded // BLOCK, rows_aligned, dtype=torch.float32, device=device)
         return Fp8Rows(data, scales, rows_per_group)
 
+    @staticmethod
+    def from_rows(q: torch.Tensor, s: torch.Tensor) -> "Fp8Rows":
+        """One group from row-major fp8 [M, Kp] and scales [M, Kp/128] (the twins' layout; a copy of s)."""
+        out = Fp8Rows.empty(1, q.shape[0], q.shape[1], q.device)
+        out.data.copy_(q)
+        out.scale_storage[0, :, :q.shape[0]] = s.T
+        return out
+
     @property
     def groups(self) -> int:
         return self.scale_storage.shape[0]

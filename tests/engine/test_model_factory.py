@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig, EngineConfigError
 from engine.cuda_graphs import CudaGraphError, DecodeGraphs, default_buckets, dummy_decode_batch, pad_decode_batch
 from engine.model_factory import ModelFactoryError, build_model, resolve_backends, weight_bytes
+from kernels import layers
 from kernels.moe.fp8_experts import Fp8Experts
 from model.config import GptOssConfig
 from model.loader import load_model
@@ -192,6 +193,76 @@ def test_fp8_lm_head_from_checkpoint(tmp_path):
         build_model(config, "cpu", torch.float32, checkpoint=tmp_path, lm_head_dtype="int8")
     with pytest.raises(EngineConfigError, match="lm_head_dtype must be one of"):
         EngineConfig(lm_head_dtype="fp8")
+
+
+def test_fp8_dense_from_checkpoint(tmp_path):
+    """dense_dtype="fp8_e4m3": every layer's QKV and O become FP8 128x128 blocks with FP8 activations above 64
+    tokens (the rest stays bf16). A prompt of > 64 tokens takes the fused path (the norm quantizes for QKV,
+    the rotary adds QKV's bias, the next norm O's), which equals each projection run on its own; the logits
+    stay near the exact model's; bad values are refused."""
+    from kernels.layers.fp8_linear import Fp8Linear
+    from model.loader import read_config
+
+    make_tiny(tmp_path, vocab_size=512, dtype="float32", hidden_size=64, head_dim=16, intermediate_size=64, seed=5)
+    config = read_config(tmp_path)
+    exact = build_model(config, "cpu", torch.float32, checkpoint=tmp_path)
+    fp8 = build_model(config, "cpu", torch.float32, checkpoint=tmp_path, dense_dtype="fp8_e4m3")
+    for layer in fp8.model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj):
+            assert isinstance(proj, Fp8Linear) and proj.fp8_activations and proj.weight.dtype == torch.float8_e4m3fn
+    assert isinstance(fp8.lm_head, torch.nn.Linear) and isinstance(fp8.model.layers[0].mlp.router, torch.nn.Linear)
+    assert weight_bytes(fp8)["dense"] < weight_bytes(exact)["dense"]
+    # one block at 100 tokens: fused (attention_inputs / after_attention) == the projections run apart
+    block, t = fp8.model.layers[1], 100
+    attn = block.self_attn
+    x, delta = torch.randn(t, 64), torch.randn(t, 64)
+    cos, sin = torch.rand(t, 8), torch.rand(t, 8)
+    backend, attn.backend = attn.backend, type("NoCache", (), {"kv_destination": lambda self, layer: None})()
+    assert attn.fp8_input(t) and attn.fp8_output(t) and not attn.fp8_input(64)
+    s, q, k, v, _ = block.attention_inputs(x, delta, cos, sin)
+    want_s, h = block.input_layernorm.add_and_norm(x, delta)
+    want = layers.rotary_qkv(attn.qkv_proj(h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    assert torch.equal(s, want_s) and all(torch.equal(a, b) for a, b in zip((q, k, v), want))
+    o = torch.randn(t, attn.num_heads, attn.head_dim)
+    got = block.post_attention_layernorm.add_and_norm(x, attn.project_out(o, with_bias=False), attn.o_proj.bias)
+    want = block.post_attention_layernorm.add_and_norm(x, attn.project_out(o))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    attn.backend = backend
+    # the whole model, prompts below and above the 64-token switch: FP8 rounding of QKV / O in every layer
+    for n in (20, 100):
+        ids = list(range(3, 3 + n))
+        a, b = exact.full_logits(ids), fp8.full_logits(ids)
+        rel = float((a - b).norm() / a.norm())
+        assert 5e-3 < rel < 0.3, (n, rel)
+    with pytest.raises(ModelFactoryError, match="dense_dtype"):
+        build_model(config, "cpu", torch.float32, checkpoint=tmp_path, dense_dtype="int8")
+    with pytest.raises(EngineConfigError, match="dense_dtype must be one of"):
+        EngineConfig(dense_dtype="fp8")
+
+
+def test_engine_runs_fp8_dense_layers_over_a_cache(tmp_path):
+    """The engine with FP8 QKV / O (CPU twins) generates what a from-scratch recompute of the same model picks
+    while every step stays at <= 64 tokens (weight-only), and a prompt of more than 64 tokens (FP8 activations)
+    gets the first token the same 80-token forward picks."""
+    from engine.llm_engine import LLMEngine
+    from tests.engine.engine_testlib import engine_config, greedy, request, run_to_end
+
+    make_tiny(tmp_path, vocab_size=512, dtype="float32", hidden_size=64, head_dim=16, intermediate_size=64, seed=6,
+              sliding_window=8)
+    engine = LLMEngine.from_checkpoint(tmp_path, engine_config(dense_dtype="fp8_e4m3", max_num_batched_tokens=128,
+                                                                 max_model_len=96))
+    assert type(engine.model.model.layers[0].self_attn.qkv_proj).__name__ == "Fp8Linear"
+    gen = torch.Generator().manual_seed(3)
+    short = [int(i) for i in torch.randint(1, 512, (21,), generator=gen)]
+    long = [int(i) for i in torch.randint(1, 512, (80,), generator=gen)]
+    engine.add_request(request("a", short, greedy(6)))
+    got = run_to_end(engine)["a"]["ids"]
+    ids = list(short)
+    for _ in range(6):
+        ids.append(int(engine.model.full_logits(ids)[-1].argmax()))
+    assert got == ids[len(short):]
+    engine.add_request(request("b", long, greedy(2)))
+    assert run_to_end(engine)["b"]["ids"][0] == int(engine.model.full_logits(long)[-1].argmax())
 
 
 def test_engine_runs_an_fp8_lm_head_over_a_cache(tmp_path):

@@ -30,6 +30,70 @@ def test_rms_norm_and_residual_add(t, d, dtype):
     torch.testing.assert_close(h, want_h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,d", [(1, 2880), (7, 100)])
+def test_residual_add_with_a_projection_bias(t, d, dtype):
+    """delta_bias (O's bias when its FP8 GEMM left it out): added to delta first, rounded, exactly as the twin."""
+    x, delta = (torch.randn(t, d) * 3).to(dtype), torch.randn(t, d).to(dtype)
+    bias, w = torch.randn(d).to(dtype), torch.rand(d) + 0.5
+    s, h = triton_ops.add_rms_norm(x, delta, w, 1e-5, delta_bias=bias)
+    want_s, want_h = ref.add_rms_norm(x, delta, w, 1e-5, delta_bias=bias)
+    assert torch.equal(s, want_s)
+    torch.testing.assert_close(h, want_h)
+    assert not torch.equal(s, ref.add_rms_norm(x, delta, w, 1e-5)[0])  # the bias is in
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("t,d", [(1, 2880), (7, 100), (3, 256)])
+def test_norm_quantized_for_an_fp8_gemm(t, d, with_delta):
+    """quant_out: the normed rows as FP8 per 128 channels (K padded with zeros, scales MN-major), exactly what
+    fp8_quant.quantize_rows makes of the same kernel's bf16 norm, and the residual as without it."""
+    from kernels.moe.epilogues_triton import Fp8Rows
+    from kernels.moe.fp8_quant import padded, quantize_rows
+
+    x = (torch.randn(t, d) * torch.rand(1, d) * 4).bfloat16()  # 128-blocks of different magnitudes
+    delta = torch.randn(t, d).bfloat16() if with_delta else None
+    w = torch.rand(d) + 0.5
+    kp = padded(d)
+    rows = Fp8Rows.empty(1, t, kp, "cpu")
+    rows.data.fill_(1.0)
+    got = triton_ops.add_rms_norm(x, delta, w, 1e-5, quant_out=rows)
+    plain = triton_ops.add_rms_norm(x, delta, w, 1e-5)
+    if with_delta:
+        assert got[1] is rows and torch.equal(got[0], plain[0])
+        plain = plain[1]
+    else:
+        assert got is rows
+    q, sc = quantize_rows(plain.float(), kp)
+    assert torch.equal(rows.data.view(torch.uint8), q.view(torch.uint8))  # padding columns too: zeros
+    assert torch.equal(rows.scales_rows(), sc)
+
+
+@pytest.mark.parametrize("with_cache,v_out", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("t,hq,hkv,dh", [(1, 4, 1, 16), (5, 6, 3, 8)])
+def test_rotary_qkv_adds_the_projection_bias(t, hq, hkv, dh, with_cache, v_out, rotary_block_t):
+    """bias (QKV's when its FP8 GEMM left it out): added to every head before the rotary, exactly the twin's
+    add_bias + rotary; k / v in the cache carry it, and v (a view of qkv without v_out) does too."""
+    dtype = torch.bfloat16
+    qkv = torch.randn(t, (hq + 2 * hkv) * dh).to(dtype)
+    bias = torch.randn((hq + 2 * hkv) * dh).to(dtype)
+    angles = torch.rand(t, dh // 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    want = ref.rotary_qkv(ref.add_bias(qkv, bias), cos, sin, hq, hkv, dh)
+    k_cache = torch.full((4, 4, hkv, dh), 9.0, dtype=dtype)
+    v_cache = torch.full_like(k_cache, 9.0)
+    slots = torch.randperm(16)[:t]
+    outs = [None] * 3 if not v_out else [torch.empty(t, h, dh, dtype=dtype) for h in (hq, hkv, hkv)]
+    got = triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, dh, (k_cache, v_cache, slots) if with_cache else None,
+                                *outs, bias=bias)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    if with_cache:
+        want_k, want_v = torch.full_like(k_cache, 9.0), torch.full_like(v_cache, 9.0)
+        ref.write_kv(want[1], want[2], want_k, want_v, slots)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 @pytest.fixture(params=[1, 4], ids=["token per program", "4 tokens per program"])
 def rotary_block_t(request, monkeypatch):
     """Both launch shapes of the rotary kernel: one token per program (decode) and the prompt tiling (forced on

@@ -86,3 +86,33 @@ def test_fp8_linear_follows_the_bf16_linear(t):
     assert 1e-6 < d < 2e-3, d  # FP8 noise is there, and small (e4m3: ~2^-5 relative per operand)
     no_bias = f(x, with_bias=False)
     torch.testing.assert_close(no_bias.float() + f.bias.float(), got.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("t", [64, 65, 130])
+def test_fp8_linear_with_fp8_activations(t):
+    """fp8_activations=True (dense_dtype="fp8_e4m3"): up to 64 tokens the weight-only twin; above, x quantized
+    per token per 128 channels times the FP8 weights (reference_w8a8), the bias added after the rounding; `gemm` on
+    rows quantized elsewhere is the same GEMM without the bias. Close to the bf16 projection either way."""
+    from kernels.layers import fp8_linear
+    from kernels.moe.fp8_quant import quantize_rows
+
+    lin = torch.nn.Linear(300, 200, bias=True)
+    with torch.no_grad():
+        lin.bias.normal_(0, 0.1)
+    lin = lin.to(torch.bfloat16).requires_grad_(False)
+    f = fp8_linear.Fp8Linear.from_linear(lin, fp8_activations=True)
+    assert f.k_padded == 384 and f.quantizes(t) == (t > 64)
+    x = (torch.randn(t, 300) * torch.rand(1, 300) * 4).bfloat16()
+    got = f(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, 200)
+    if t <= 64:
+        assert torch.equal(got, fp8_linear.reference(x, f.weight, f.weight_scale, f.bias))
+    else:
+        q, s = quantize_rows(x.float(), 384)
+        unbiased = fp8_linear.reference_w8a8(q, s, f.weight, f.weight_scale, 300, torch.bfloat16)
+        assert torch.equal(got, ref.add_bias(unbiased, f.bias))
+        assert torch.equal(f.gemm(layers.quantize_rows(x, 384)), unbiased)
+        assert not torch.equal(got, fp8_linear.reference(x, f.weight, f.weight_scale, f.bias))  # activations rounded
+        assert torch.equal(f(x, with_bias=False), unbiased)
+    d = cosine_distance(got, lin(x))
+    assert 1e-6 < d < 3e-3, d

@@ -129,6 +129,10 @@ def test_engine_config_mapping():
     assert ServeAppConfig.from_args(serve_run_args("lm_head_dtype=fp8_e4m3")).engine_config("cpu").lm_head_dtype == "fp8_e4m3"
     with pytest.raises(ServeConfigError):
         ServeAppConfig.from_args(serve_run_args("lm_head_dtype=int8"))
+    assert engine.dense_dtype == "auto"
+    assert ServeAppConfig.from_args(serve_run_args("dense_dtype=fp8_e4m3")).engine_config("cpu").dense_dtype == "fp8_e4m3"
+    with pytest.raises(ServeConfigError):
+        ServeAppConfig.from_args(serve_run_args("dense_dtype=fp8"))
     assert engine.jump_forward_tokens == 8
     assert ServeAppConfig.from_args(serve_run_args("jump_forward_tokens=0")).engine_config("cpu").jump_forward_tokens == 0
     with pytest.raises(ServeConfigError, match="jump_forward_tokens"):
