@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_factory import build_model, quantize_lm_head_fp8  # noqa: E402
+from engine.model_factory import build_model, quantize_dense_fp8, quantize_lm_head_fp8  # noqa: E402
 from engine.request import GenerateRequest, SamplingParams  # noqa: E402
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache  # noqa: E402
 from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
@@ -175,14 +175,15 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("kv_cache_dtype,fp8_dense,mxfp4", [("auto", False, 0), ("fp8_e4m3", False, 0), ("auto", True, 0),
-                                                          ("auto", False, 4)])
-def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8_dense, mxfp4, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype,fp8,mxfp4", [("auto", "", 0), ("fp8_e4m3", "", 0), ("auto", "lm_head", 0),
+                                                   ("auto", "dense", 0), ("auto", "", 4)])
+def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8, mxfp4, monkeypatch):
     # The engine's own graph paths (ModelRunner.execute -> DecodeGraphs, and PrefillGraphs for the prompts)
     # against the same engine without graphs, same random weights: identical greedy tokens for a mixed
     # batch. Both backends are built for graphs (split counts fixed by batch size): a backend planned per
     # step picks other split counts, which changes the summation order and, on this tiny model, flipped a
     # near-tie on the H200. mxfp4: experts drawn as MXFP4, decode steps of <= 4 tokens on the CUDA MXFP4 GEMM.
+    # fp8 "dense": QKV / O in FP8 (dense_dtype), the 130- and 700-token prompts on FP8 activations.
     from kernels.moe import mxfp4_decode_layer
 
     mxfp4_calls = []
@@ -194,8 +195,10 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
                             max_kv_len=2048, cuda_graph=True, mxfp4_decode_max_tokens=mxfp4)
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
-        if fp8_dense:  # lm_head_dtype="fp8_e4m3": the FP8 GEMV in the graphs and for the prompts' last tokens
+        if fp8 == "lm_head":  # lm_head_dtype="fp8_e4m3": the FP8 GEMV in the graphs and for the prompts' last tokens
             quantize_lm_head_fp8(model)
+        if fp8 == "dense":
+            quantize_dense_fp8(model)
         return LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                                              num_full_pages=512, num_sliding_pages=256, cuda_graphs=graphs,
                                              prefill_graphs=prefill_graphs, kv_cache_dtype=kv_cache_dtype,

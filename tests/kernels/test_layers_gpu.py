@@ -156,3 +156,76 @@ def test_fp8_gemv_in_cuda_graph_replays_bitwise():
         x.copy_(torch.randn_like(x))
         graph.replay()
         assert torch.equal(y, f(x))  # fixed summation order: deterministic, also with PDL in the graph
+
+
+@pytest.mark.parametrize("t,d", [(1, 2880), (65, 2880), (4099, 2880), (7, 300)])
+def test_norm_quantized_for_an_fp8_gemm(t, d):
+    """The norm's FP8 output (dense_dtype="fp8_e4m3"): exactly fp8_quant.quantize_rows of the same kernel's bf16
+    norm (codes, zero K padding, scales), and the residual with O's bias folded in exactly the twin's."""
+    from kernels.layers import triton_ops
+    from kernels.moe.epilogues_triton import Fp8Rows
+    from kernels.moe.fp8_quant import padded, quantize_rows
+
+    x = (torch.randn(t, d, device=DEV) * (torch.rand(d, device=DEV) * 4)).bfloat16()
+    delta, bias = torch.randn(t, d, device=DEV).bfloat16(), torch.randn(d, device=DEV).bfloat16()
+    w = torch.rand(d, device=DEV) + 0.5
+    kp = padded(d)
+    rows = Fp8Rows.empty(1, t, kp, DEV)
+    s, got = triton_ops.add_rms_norm(x, delta, w, 1e-5, delta_bias=bias, quant_out=rows)
+    want_s, _ = ref.add_rms_norm(x, delta, w, 1e-5, delta_bias=bias)
+    assert got is rows and torch.equal(s, want_s)
+    h = triton_ops.add_rms_norm(x, delta, w, 1e-5, delta_bias=bias)[1]
+    q, sc = quantize_rows(h.float(), kp)
+    assert torch.equal(rows.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scales_rows(), sc)
+
+
+@pytest.mark.parametrize("t", [1, 130, 2049])
+def test_rotary_qkv_with_bias_is_bitwise_the_twin(t):
+    from kernels.layers import triton_ops
+
+    hq, hkv = 64, 8
+    qkv = torch.randn(t, (hq + 2 * hkv) * 64, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn((hq + 2 * hkv) * 64, device=DEV, dtype=torch.bfloat16)
+    angles = torch.arange(t, device=DEV, dtype=torch.float32)[:, None] * torch.rand(32, device=DEV)
+    cos, sin = angles.cos() * 1.35, angles.sin() * 1.35
+    want = ref.rotary_qkv(ref.add_bias(qkv, bias), cos, sin, hq, hkv, 64)
+    for got, w in zip(triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, 64, bias=bias), want):
+        assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("backend", ["deep_gemm", "triton"])
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (200, 300)])  # gpt-oss QKV and O, awkward blocks
+@pytest.mark.parametrize("t", [65, 129, 4096])
+def test_fp8_linear_with_fp8_activations_matches_twin(t, n, k, backend, monkeypatch):
+    """dense_dtype="fp8_e4m3" above 64 tokens: the quantized rows (Triton) times the FP8 weights on DeepGEMM or
+    the Triton grouped GEMM, against the twin (reference_w8a8 on the same rows, fp32 products), and the bf16
+    projection within the FP8 rounding of both operands; in a CUDA graph the same bits."""
+    from kernels.layers import fp8_linear, quantize_rows
+    from kernels.moe import deep_gemm_ops
+    from kernels.moe.fp8_quant import quantize_rows as twin_rows
+
+    if backend == "deep_gemm" and not deep_gemm_ops.available():
+        pytest.skip(f"DeepGEMM: {deep_gemm_ops.why_unavailable()}")
+    if backend == "triton":
+        monkeypatch.setattr(deep_gemm_ops, "available", lambda: False)
+    lin = torch.nn.Linear(k, n, bias=True, device=DEV, dtype=torch.bfloat16).requires_grad_(False)
+    torch.nn.init.normal_(lin.weight, 0, k ** -0.5)
+    torch.nn.init.normal_(lin.bias, 0, 0.1)
+    f = fp8_linear.Fp8Linear.from_linear(lin, fp8_activations=True)
+    x = (torch.randn(t, k, device=DEV) * (torch.rand(k, device=DEV) * 3)).bfloat16()
+    rows = quantize_rows(x, f.k_padded)
+    q, s = twin_rows(x.float(), f.k_padded)
+    assert torch.equal(rows.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scales_rows(), s)
+    got = f.gemm(rows)
+    want = fp8_linear.reference_w8a8(q, s, f.weight, f.weight_scale, k, torch.bfloat16).float()
+    err = (got.float() - want).abs()
+    assert bool((err <= want.abs() * 2 ** -6 + want.abs().mean() * 2 ** -7).all()), err.max().item()
+    assert cosine_distance(got, want) < 1e-5
+    full = f(x)
+    assert torch.equal(full, ref.add_bias(got, f.bias))
+    assert cosine_distance(full, lin(x)) < 2e-3  # e4m3 rounding of x and W (~2^-5 relative each)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(x)
+    graph.replay()
+    assert torch.equal(y, full)
