@@ -1,7 +1,8 @@
 """Eager prefill TTFT of prefill variants in one process (random weights of the real shapes). Per length,
-`--rounds` rounds each time every variant once (median of 3 forwards) in turn, so drift hits them alike;
-reported: the median and the minimum over rounds, and the summed GPU kernel time of one forward per
-variant (torch.profiler), which host noise does not reach.
+`--rounds` rounds each time every variant once (median of 3 forwards back to back, then of 3 after 0.3 s of
+rest: Harness.prefill) in turn, so drift hits them alike; reported: the median and the minimum over rounds,
+the median after a rest, and the summed GPU kernel time of one forward per variant (torch.profiler, 4
+forwards), which host noise does not reach.
 
     python -m bench.prefill_ab --model gpt-oss-20b --lens 1024,4096 --variants sliding \\
         --out bench/results/prefill_ab_sliding_h200.json
@@ -173,14 +174,20 @@ VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_v
             "ragged": ragged_variants, "fp8-dense": dense_variants}
 
 
-def kernel_profile(fn) -> dict:
-    """One call of `fn` (the harness's prefill: 1 + 3 forwards) under the profiler: summed GPU kernel time
-    per forward, and the idle gaps between consecutive kernels per forward, by size (gaps of 1 ms and more
-    are the host's syncs between the forwards and are left out)."""
+PROFILED_FORWARDS = 4
+
+
+def kernel_profile(run) -> dict:
+    """PROFILED_FORWARDS calls of `run` (one prefill forward, Harness.prefill_runner) under the profiler: summed
+    GPU kernel time per forward, and the idle gaps between consecutive kernels per forward, by size (gaps of 1 ms
+    and more are the host's syncs between the forwards and are left out)."""
     from torch.profiler import ProfilerActivity, profile
 
+    run()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(PROFILED_FORWARDS):
+            run()
         torch.cuda.synchronize()
     # kernels and copies only (a CPU op also reports the device time of what it launched)
     total_us = sum(e.self_device_time_total for e in prof.key_averages()
@@ -198,7 +205,8 @@ def kernel_profile(fn) -> dict:
         bins["<5us" if gap < 5 else "5-50us" if gap < 50 else "50us-1ms"] += gap
         largest.append((gap, prev[2][:40], name[:40]))
     largest.sort(reverse=True)
-    return {"kernels_ms": total_us / 1e3 / 4, "gaps_ms": {k: v / 1e3 / 4 for k, v in bins.items()},
+    f = PROFILED_FORWARDS
+    return {"kernels_ms": total_us / 1e3 / f, "gaps_ms": {k: v / 1e3 / f for k, v in bins.items()},
             "largest_gaps_us": [[round(g, 1), a, b] for g, a, b in largest[:6]]}
 
 
@@ -225,21 +233,26 @@ def main(argv=None) -> int:
     rows = []
     for n in lens:
         walls = {name: [] for name in variants}
+        rested = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, apply in variants.items():
                 apply(h)
-                walls[name].append(h.prefill(n, profile=False, chunk=args.chunk)["ttft_ms"])
+                point = h.prefill(n, profile=False, chunk=args.chunk)
+                walls[name].append(point["ttft_ms"])
+                rested[name].append(point["ttft_after_rest_ms"])
         row = {"tokens": n}
         for name, apply in variants.items():
             apply(h)
             row[name] = statistics.median(walls[name])
             row[name + " min"] = min(walls[name])
-            prof = kernel_profile(lambda: h.prefill(n, profile=False, chunk=args.chunk))
+            row[name + " after rest"] = statistics.median(rested[name])
+            prof = kernel_profile(h.prefill_runner(n, args.chunk)[0])
             row[name + " kernels"] = prof["kernels_ms"]
             row[name + " gaps"] = prof
         rows.append(row)
-        print(f"tokens={n}: " + "; ".join(f"{name} {row[name]:.2f} (min {row[name + ' min']:.2f}, kernels "
-                                           f"{row[name + ' kernels']:.2f}) ms" for name in variants), flush=True)
+        print(f"tokens={n}: " + "; ".join(f"{name} {row[name]:.2f} (min {row[name + ' min']:.2f}, after a rest "
+                                           f"{row[name + ' after rest']:.2f}, kernels {row[name + ' kernels']:.2f}) ms"
+                                           for name in variants), flush=True)
         for name in variants:
             g = row[name + " gaps"]
             print(f"  {name}: idle between kernels per forward (ms) "
