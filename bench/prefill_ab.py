@@ -18,6 +18,8 @@ Variant sets:
 - `ragged`: the full layers of whole prompts over pages or over the step's k / v rows, eager and with graphs.
 - `fp8-dense`: QKV / O in bf16 (cuBLAS, the default) against FP8 weights with FP8 activations above 64 tokens
   (EngineConfig.dense_dtype="fp8_e4m3", DeepGEMM's FP8 GEMM), both under prefill graphs captured per variant.
+- `defer-plan`: the full layers' ragged plan up front in plan() or at the step's first full layer
+  (FlashInferAttentionBackend.defer_ragged_plan), with bf16 and with FP8 QKV / O, under prefill graphs.
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -160,6 +162,18 @@ def dense_variants():
     return {"bf16 dense": mode("bf16"), "fp8 dense": mode("fp8")}
 
 
+def defer_plan_variants():
+    """The ragged plan up front / deferred, each with bf16 and FP8 QKV / O (graphs captured by main())."""
+    def mode(key: str, defer: bool):
+        def apply(h: Harness):
+            h.dense_weights.use(key)
+            h.prefill_graphs = h.graph_sets[key]
+            h.model.backend.defer_ragged_plan = defer
+        return apply
+    return {"bf16, plan up front": mode("bf16", False), "bf16, plan deferred": mode("bf16", True),
+            "fp8 dense, plan up front": mode("fp8", False), "fp8 dense, plan deferred": mode("fp8", True)}
+
+
 def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
     h.dense_weights, h.graph_sets, seconds = DenseSwap(h), {}, {}
     for key in ("bf16", "fp8"):
@@ -171,7 +185,7 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
             "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "ragged": ragged_variants, "fp8-dense": dense_variants}
+            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants}
 
 
 PROFILED_FORWARDS = 4
@@ -227,7 +241,7 @@ def main(argv=None) -> int:
     if args.variants in ("graphs", "ragged"):  # a bucket per chunk length the prompts are cut into
         capture = capture_graphs(h, buckets)
         print(f"prefill graphs captured (s per bucket): {capture}", flush=True)
-    elif args.variants == "fp8-dense":
+    elif args.variants in ("fp8-dense", "defer-plan"):
         capture = capture_dense_graphs(h, buckets)
         print(f"prefill graphs captured per dense dtype (s): {capture}", flush=True)
     rows = []

@@ -14,7 +14,8 @@ Per step, `plan(batch)` once:
   window, where FlashInfer's windowed prefill did ~55 TFLOP/s of useful work), unless
   `sliding_prefill="flashinfer"`. Full layers of a step whose sequences all start at position 0 (no cached
   prefix, no decode rows) attend over the step's own k / v rows instead, through FlashInfer's ragged sink
-  prefill (`ragged_full`; the rows are the rotary kernel's outputs, the pages are still written).
+  prefill (`ragged_full`; the rows are the rotary kernel's outputs, the pages are still written), planned when
+  the step reaches its first full layer (`defer_ragged_plan`), so that the GPU is not idle through the plan.
 - mixed steps (chunked prefills next to decoding sequences): in full layers the sequences with one new
   token go through the split decode kernel (on gathered query rows), only the others through FlashInfer;
   sliding layers run every sequence through the Triton sliding kernel in place (two launches: prompt
@@ -113,6 +114,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.full_ragged_wrapper = flashinfer_ops.sink_prefill_ragged_wrapper(
             self.workspace, -1, self.prefill_backend, head_dim) if False in kinds else None
         self.step_ragged = False  # this step's full layers run the ragged kernel
+        # The ragged plan (FlashInfer's C++ scheduler, ~0.8-1 ms of host time at 4k-8k tokens) made when the step
+        # reaches its first full layer instead of in plan(): the GPU then runs the embedding and layer 0 meanwhile
+        # instead of idling. False: planned up front (bench/prefill_ab --variants defer-plan compares).
+        self.defer_ragged_plan = True
+        self._pending_ragged_plan = None
+        self._ragged_planned: torch.cuda.Event | None = None
         self.decode_buffers: dict[bool, StepBuffers] = {}
         self.num_splits = {sliding: 1 for sliding in kinds}
         self.part_o, self.part_lse = split_scratch(0, num_q_heads, 1, head_dim, self.device)
@@ -147,6 +154,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().plan(batch)
         self.mixed = None
         self.step_ragged = False
+        self._pending_ragged_plan = None
         if batch.is_decode and batch.has_cache:
             self._plan_decode(batch)
         else:
@@ -187,8 +195,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.sliding_tiles = None
         self.step_ragged = self._ragged_eligible(batch, lens)
         if self.step_ragged:
-            flashinfer_ops.plan_sink_prefill_ragged(self.full_ragged_wrapper, qo_indptr, qo_indptr, self.num_q_heads,
-                                                    self.num_kv_heads, self.head_dim, -1, self.scale)
+            if self.defer_ragged_plan:
+                self._pending_ragged_plan = qo_indptr  # forward() plans at the step's first full layer
+            else:
+                self._plan_ragged(qo_indptr)
         for sliding, wrapper in self.prefill.items():
             window_left = self.sliding_window - 1 if sliding else -1
             if not sliding and self.step_ragged:
@@ -214,6 +224,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.device.type == "cuda":
             self._prefill_planned = torch.cuda.Event()
             self._prefill_planned.record()
+
+    def _plan_ragged(self, qo_indptr: torch.Tensor) -> None:
+        """FlashInfer's ragged plan for the step's full layers, once the previous one's pinned buffer reached the device."""
+        if self._ragged_planned is not None:
+            self._ragged_planned.synchronize()
+        flashinfer_ops.plan_sink_prefill_ragged(self.full_ragged_wrapper, qo_indptr, qo_indptr, self.num_q_heads,
+                                                self.num_kv_heads, self.head_dim, -1, self.scale)
+        if self.device.type == "cuda":
+            self._ragged_planned = torch.cuda.Event()
+            self._ragged_planned.record()
 
     def _ragged_eligible(self, batch: AttentionBatch, lens: list[int]) -> bool:
         """Whether this step's full layers can attend over its own k / v rows: a step over the cache (not
@@ -317,6 +337,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             if k is None or v is None:
                 raise ValueError("this step's full layers attend over the step's k / v rows (no cached prefix): pass "
                                  "them to forward (prefill graphs: their static k / v row buffers)")
+            if self._pending_ragged_plan is not None:
+                indptr, self._pending_ragged_plan = self._pending_ragged_plan, None
+                self._plan_ragged(indptr)
             return flashinfer_ops.run_sink_prefill_ragged(self.full_ragged_wrapper, q, k, v, sinks, self.scale, out)
         if sliding and self.sliding_tiles is not None:  # every sequence of the step, in place: no gathers
             for tiles, config in self.sliding_tiles:

@@ -186,17 +186,21 @@ def test_backend_prefill_matches_reference(batch_size, sliding_prefill):
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("ragged", [True, False])
-def test_full_layers_of_fresh_prompts_ragged_or_paged(ragged, kv_dtype):
+@pytest.mark.parametrize("defer", [True, False])
+def test_full_layers_of_fresh_prompts_ragged_or_paged(ragged, kv_dtype, defer):
     """Prompts without cached prefixes: the full layers attend over the step's k / v rows through FlashInfer's
     ragged kernel (ragged_full) or over the pages; v passed as the model passes it, a strided view of the QKV
-    rows. Both match the reference; a step with a cached prefix always takes the pages."""
+    rows. Both match the reference; a step with a cached prefix always takes the pages. defer: the ragged plan
+    made at the first full layer (defer_ragged_plan) or in plan()."""
     world = PagedWorld([0, 0, 0], [129, 1000, 77], page=16, seed=21, kv_dtype=kv_dtype)
     backend = make_backend()
     backend.ragged_full = ragged
+    backend.defer_ragged_plan = defer
     backend.bind_cache(world.cache)
     batch = world.batch()
     backend.plan(batch)
     assert backend.step_ragged == ragged
+    assert (backend._pending_ragged_plan is not None) == (ragged and defer)
     gen = torch.Generator(device=DEV).manual_seed(22)
     k, v = world.new_kv()
     rows = torch.empty(k.shape[0], HQ + 2 * HKV, D, device=DEV, dtype=k.dtype)  # q | k | v per token, as QKV
@@ -206,6 +210,7 @@ def test_full_layers_of_fresh_prompts_ragged_or_paged(ragged, kv_dtype):
     for layer, sliding in enumerate((True, False)):
         q = torch.randn(batch.num_tokens, HQ, D, generator=gen, device=DEV).bfloat16()
         world.check(backend.forward(layer, q, k, v_view, sinks), q, sinks, sliding)
+    assert backend._pending_ragged_plan is None
     continued = PagedWorld([0, 300], [129, 50], page=16, seed=23, kv_dtype=kv_dtype)
     backend.bind_cache(continued.cache)
     backend.plan(continued.batch())
