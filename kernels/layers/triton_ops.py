@@ -18,10 +18,13 @@ from kernels.triton_rounding import round_to_bf16
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, bias_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, sf_ptr, n, eps,
-                         stride_x, stride_delta, stride_sum, stride_out, stride_q, sf_k_stride,
-                         HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
+                         stride_x, stride_delta, stride_sum, stride_out,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         bias_ptr, q_ptr, sf_ptr, stride_q, sf_k_stride,
+                         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr):
+    # (the dense_dtype arguments come last, so that the shipped Triton manifests' argument indices stayed valid:
+    # engine/triton_manifests, their "extended" note)
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -73,13 +76,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         block = triton.next_power_of_2(n if quant_out is None else quant_out.k_blocks * 128)
         q, sf = (x, x) if quant_out is None else (quant_out.data, quant_out.scale_storage)
         _add_rms_norm_kernel[(t,)](
-            x, delta if delta is not None else x, delta_bias if delta_bias is not None else x, weight, s,
-            x if quant_out is not None else out, q, sf, n, eps,
+            x, delta if delta is not None else x, weight, s, x if quant_out is not None else out, n, eps,
             x.stride(0), delta.stride(0) if delta is not None else 0, s.stride(0),
-            out.stride(0) if quant_out is None else 0, q.stride(0) if quant_out is not None else 0,
-            quant_out.sf_k_stride if quant_out is not None else 0,
-            HAS_DELTA=delta is not None, HAS_BIAS=delta_bias is not None, QUANT=quant_out is not None,
-            NUM_KB=quant_out.k_blocks if quant_out is not None else 1, BLOCK=block,
+            out.stride(0) if quant_out is None else 0,
+            HAS_DELTA=delta is not None, BLOCK=block,
+            bias_ptr=delta_bias if delta_bias is not None else x, q_ptr=q, sf_ptr=sf,
+            stride_q=q.stride(0) if quant_out is not None else 0,
+            sf_k_stride=quant_out.sf_k_stride if quant_out is not None else 0,
+            HAS_BIAS=delta_bias is not None, QUANT=quant_out is not None,
+            NUM_KB=quant_out.k_blocks if quant_out is not None else 1,
             num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out if delta is None else (s, out)
 
@@ -94,10 +99,11 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotary_qkv_kernel(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
+def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, num_tokens,
                        stride_t, stride_cos, num_heads, num_kv_heads, stride_cb, stride_ct, stride_ch,
                        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
-                       V_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+                       V_OUT: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
+                       bias_ptr, HAS_BIAS: tl.constexpr):  # (last: see _add_rms_norm_kernel)
     pdl_prologue(PDL)
     # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache and,
     # with V_OUT, to contiguous rows); a program takes BLOCK_T tokens x BLOCK_H heads: [BLOCK_T, BLOCK_H, HALF].
@@ -193,12 +199,11 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
         block_t = ROTARY_BLOCK_T if t >= ROTARY_TILED_FROM else 1
         heads = num_heads + (2 if write or v_out is not None or bias is not None else 1) * num_kv_heads
         grid = (triton.cdiv(t, block_t), triton.cdiv(heads, block_h))
-        _rotary_qkv_kernel[grid](qkv, qkv if bias is None else bias, cos, sin, q, k, v, k_cache, v_cache, slots, t,
-                                 qkv.stride(0), cos.stride(0),
+        _rotary_qkv_kernel[grid](qkv, cos, sin, q, k, v, k_cache, v_cache, slots, t, qkv.stride(0), cos.stride(0),
                                  num_heads, num_kv_heads, k_cache.stride(0) if write else 0,
                                  k_cache.stride(1) if write else 0, k_cache.stride(2) if write else 0,
                                  HALF=head_dim // 2, BLOCK_T=block_t, BLOCK_H=block_h, WRITE_CACHE=write,
-                                 V_OUT=v_out is not None, HAS_BIAS=bias is not None,
-                                 PAGE=k_cache.shape[1] if write else 1, num_warps=4,
+                                 V_OUT=v_out is not None, PAGE=k_cache.shape[1] if write else 1,
+                                 bias_ptr=qkv if bias is None else bias, HAS_BIAS=bias is not None, num_warps=4,
                                  **pdl.launch(qkv))
     return q, k, v

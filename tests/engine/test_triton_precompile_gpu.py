@@ -76,3 +76,33 @@ def test_recorded_specializations_precompiled_are_cache_hits(tmp_path, monkeypat
                                                                                           listener.misses)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+def test_shipped_manifest_holds_what_the_layer_kernels_launch():
+    """The 20b manifest's add_rms_norm and rotary entries (recorded on 2026-12-01, their dense_dtype arguments
+    appended by hand on 2026-12-02): what an eager bf16 launch at gpt-oss's shapes specializes is among them."""
+    import json
+
+    from engine.triton_precompile import MANIFEST_DIR, Manifest, record, unique
+    from kernels.layers import triton_ops
+
+    manifest = Manifest.load(MANIFEST_DIR / "gpt-oss-20b.tp1.ep1.sm90.json")
+    shipped = {json.dumps(s, sort_keys=True) for s in manifest.specializations}
+    _forget_compiled_kernels()
+    specs: list[str] = []
+    with record(specs):
+        for t in (1, 37):
+            x = torch.randn(t, 2880, device=DEV, dtype=torch.bfloat16)
+            w = torch.rand(2880, device=DEV) + 0.5
+            triton_ops.add_rms_norm(x, torch.randn_like(x), w, 1e-5)
+            triton_ops.add_rms_norm(x, None, w, 1e-5)
+            qkv = torch.randn(t, 80 * 64, device=DEV, dtype=torch.bfloat16)
+            angles = torch.rand(t, 32, device=DEV)
+            cache = torch.zeros(64, 16, 8, 64, device=DEV, dtype=torch.bfloat16)
+            slots = torch.arange(t, device=DEV, dtype=torch.int64)
+            triton_ops.rotary_qkv(qkv, angles.cos(), angles.sin(), 64, 8, 64, (cache, torch.zeros_like(cache), slots))
+    torch.cuda.synchronize()
+    launched = [json.dumps(s, sort_keys=True) for s in unique(specs)]
+    assert len(launched) >= 5, launched
+    missing = [s for s in launched if s not in shipped]
+    assert not missing, missing[:2]
