@@ -103,6 +103,6 @@ def test_shipped_manifest_holds_what_the_layer_kernels_launch():
             triton_ops.rotary_qkv(qkv, angles.cos(), angles.sin(), 64, 8, 64, (cache, torch.zeros_like(cache), slots))
     torch.cuda.synchronize()
     launched = [json.dumps(s, sort_keys=True) for s in unique(specs)]
-    assert len(launched) >= 5, launched
+    assert len(launched) == 4, launched  # norm with and without delta, rotary at 1 token (a constant) and 37
     missing = [s for s in launched if s not in shipped]
     assert not missing, missing[:2]
