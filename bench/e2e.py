@@ -428,8 +428,8 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="unembedding weights: the model's dtype, or FP8 128x128 blocks (weight-only; opt-in, not exact)")
     p.add_argument("--dense-dtype", default="auto", choices=("auto", "fp8_e4m3"),
-                   help="QKV / O weights: the model's dtype, or FP8 128x128 blocks with FP8 activations in steps above 64 "
-                        "tokens (EngineConfig.dense_dtype; opt-in, not exact)")
+                   help="QKV / O weights: the model's dtype, or FP8 128x128 blocks with FP8 activations in steps "
+                        "above 64 tokens (EngineConfig.dense_dtype; opt-in, not exact)")
     p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
                    help="random weights drawn as MXFP4 (FP8 converted from them) and decode steps of <= T tokens on the "
                         "CUDA MXFP4 GEMM (EngineConfig.mxfp4_decode_max_tokens); 0: FP8 experts only")

@@ -143,8 +143,8 @@ class DenseSwap:
 
         attns = [layer.self_attn for layer in h.model.model.layers]
         self.sets = {"bf16": [(a.qkv_proj, a.o_proj) for a in attns]}
-        self.sets["fp8"] = [(Fp8Linear.from_linear(q, fp8_activations=True), Fp8Linear.from_linear(o, fp8_activations=True))
-                            for q, o in self.sets["bf16"]]
+        self.sets["fp8"] = [tuple(Fp8Linear.from_linear(m, fp8_activations=True) for m in pair)
+                            for pair in self.sets["bf16"]]
         self.attns = attns
 
     def use(self, key: str) -> None:

@@ -226,7 +226,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill_planned.record()
 
     def _plan_ragged(self, qo_indptr: torch.Tensor) -> None:
-        """FlashInfer's ragged plan for the step's full layers, once the previous one's pinned buffer reached the device."""
+        """FlashInfer's ragged plan of the step's full layers, after the previous one's pinned copy finished."""
         if self._ragged_planned is not None:
             self._ragged_planned.synchronize()
         flashinfer_ops.plan_sink_prefill_ragged(self.full_ragged_wrapper, qo_indptr, qo_indptr, self.num_q_heads,

@@ -26,7 +26,8 @@ def norm_spec(block: int = 4096, has_delta: bool = True, name: str = "kernels.la
              "constexpr", "constexpr", "*bf16", "*bf16", "*bf16", "i32", "i32", "constexpr", "constexpr", "constexpr"]
     div16 = (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 14, 15, 16, 17, 18)
     return {"name": name, "signature": dict(zip(args, types)),
-            "constant_keys": [[11], [12], [13], [19], [20], [21]], "constant_vals": [has_delta, block, False, False, False, 1],
+            "constant_keys": [[11], [12], [13], [19], [20], [21]],
+            "constant_vals": [has_delta, block, False, False, False, 1],
             "attrs_keys": [[i] for i in div16], "attrs_vals": [DIV16] * len(div16),
             "options": {"num_warps": 4, "num_stages": 3}}
 
