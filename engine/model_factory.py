@@ -189,6 +189,9 @@ def quantize_dense_fp8(model: GptOssForCausalLM) -> None:
     tokens (kernels/layers/fp8_linear.py; the bf16 weights are released). Each rank converts its own shard."""
     from kernels.layers.fp8_linear import Fp8Linear
 
+    if model.device.type == "cuda" and model.dtype != torch.bfloat16:
+        raise ModelFactoryError(f"dense_dtype='fp8_e4m3' on CUDA needs bf16 activations (its FP8 GEMMs write bf16); "
+                                f"the model is {model.dtype}")
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.qkv_proj = Fp8Linear.from_linear(attn.qkv_proj, fp8_activations=True)
