@@ -195,6 +195,14 @@ def test_fp8_lm_head_from_checkpoint(tmp_path):
         EngineConfig(lm_head_dtype="fp8")
 
 
+def recomputed_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt`, each from a from-scratch forward over everything so far (no cache)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model.full_logits(ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
 def test_fp8_dense_from_checkpoint(tmp_path):
     """dense_dtype="fp8_e4m3": every layer's QKV and O become FP8 128x128 blocks with FP8 activations above 64
     tokens (the rest stays bf16). A prompt of > 64 tokens takes the fused path (the norm quantizes for QKV,
@@ -256,11 +264,7 @@ def test_engine_runs_fp8_dense_layers_over_a_cache(tmp_path):
     short = [int(i) for i in torch.randint(1, 512, (21,), generator=gen)]
     long = [int(i) for i in torch.randint(1, 512, (80,), generator=gen)]
     engine.add_request(request("a", short, greedy(6)))
-    got = run_to_end(engine)["a"]["ids"]
-    ids = list(short)
-    for _ in range(6):
-        ids.append(int(engine.model.full_logits(ids)[-1].argmax()))
-    assert got == ids[len(short):]
+    assert run_to_end(engine)["a"]["ids"] == recomputed_greedy(engine.model, short, 6)
     engine.add_request(request("b", long, greedy(2)))
     assert run_to_end(engine)["b"]["ids"][0] == int(engine.model.full_logits(long)[-1].argmax())
 
@@ -277,8 +281,4 @@ def test_engine_runs_an_fp8_lm_head_over_a_cache(tmp_path):
     assert type(engine.model.lm_head).__name__ == "Fp8Linear"
     prompt = [int(i) for i in torch.randint(1, 512, (21,), generator=torch.Generator().manual_seed(3))]
     engine.add_request(request("a", prompt, greedy(6)))
-    got = run_to_end(engine)["a"]["ids"]
-    ids = list(prompt)
-    for _ in range(6):
-        ids.append(int(engine.model.full_logits(ids)[-1].argmax()))
-    assert got == ids[len(prompt):]
+    assert run_to_end(engine)["a"]["ids"] == recomputed_greedy(engine.model, prompt, 6)

@@ -306,21 +306,27 @@ def test_cli_generate_tp2_matches_one_process(checkpoint, single):
         assert line["output_ids"] == single["ids"][r.request_id][:6]
 
 
+def tp2_cli_and_one_process(folder: Path, prompt: list[int], n: int, max_model_len: int, **config):
+    """`gptoss generate --tp 2` with the EngineConfig fields in `config` as flags, and the same greedy request (n
+    tokens, logprobs) in one process: (the CLI's JSON line, the one-process engine, its output)."""
+    flags = [arg for key, value in config.items() for arg in ("--" + key.replace("_", "-"), value)]
+    done = subprocess.run([sys.executable, "-m", "engine.cli", "generate", str(folder), "--prompt-ids",
+                           ",".join(map(str, prompt)), "--tp", "2", "--max-tokens", str(n), "--json", "--logprobs", "1",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(max_model_len=max_model_len, **config))
+    (out,) = engine.generate([GenerateRequest("0", prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1))])
+    return json.loads(done.stdout.splitlines()[0]), engine, out
+
+
 def test_cli_generate_tp2_with_an_fp8_unembedding_matches_one_process(tmp_path):
     """lm_head_dtype="fp8_e4m3" over TP2: each rank rounds its vocabulary rows to FP8. With shards of whole
     128-row blocks (vocab 1024 here) the blocks, so the rounding, are world 1's: same tokens and logprobs.
     (gpt-oss's 201088 rows split into 100544 or 50272, not multiples of 128: there the blocks and the
     FP8 rounding, not the model, differ slightly between TP sizes.)"""
     make_tiny(tmp_path, **dict(TINY, vocab_size=1024))
-    prompt, n = [5, 6, 7, 8, 9], 6
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "generate", str(tmp_path), "--prompt-ids",
-                           ",".join(map(str, prompt)), "--tp", "2", "--max-tokens", str(n), "--json", "--logprobs", "1",
-                           "--lm-head-dtype", "fp8_e4m3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    line = json.loads(done.stdout.splitlines()[0])
-    engine = LLMEngine.from_checkpoint(tmp_path, EngineConfig(max_model_len=64, lm_head_dtype="fp8_e4m3"))
+    line, engine, out = tp2_cli_and_one_process(tmp_path, [5, 6, 7, 8, 9], 6, 64, lm_head_dtype="fp8_e4m3")
     assert type(engine.model.lm_head).__name__ == "Fp8Linear"
-    (out,) = engine.generate([GenerateRequest("0", prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1))])
     assert line["output_ids"] == out.output_ids
     for got, want in zip(line["logprobs"], out.logprobs):
         assert abs(got["logprob"] - want.logprob) < 1e-4
@@ -332,15 +338,9 @@ def test_cli_generate_tp2_with_fp8_dense_layers_matches_one_process(tmp_path):
     world 1's. An 80-token prompt runs the FP8-activation path (O's bias added once, after the ranks' sum, by the
     norm), the decode steps the weight-only GEMV's twin (the bias on rank 0): same tokens and logprobs."""
     make_tiny(tmp_path, **dict(TINY, head_dim=64, hidden_size=128, num_attention_heads=8, num_key_value_heads=4))
-    prompt, n = [int(i) for i in torch.randint(1, 1000, (80,), generator=torch.Generator().manual_seed(4))], 5
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "generate", str(tmp_path), "--prompt-ids",
-                           ",".join(map(str, prompt)), "--tp", "2", "--max-tokens", str(n), "--json", "--logprobs", "1",
-                           "--dense-dtype", "fp8_e4m3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    line = json.loads(done.stdout.splitlines()[0])
-    engine = LLMEngine.from_checkpoint(tmp_path, EngineConfig(max_model_len=128, dense_dtype="fp8_e4m3"))
+    prompt = [int(i) for i in torch.randint(1, 1000, (80,), generator=torch.Generator().manual_seed(4))]
+    line, engine, out = tp2_cli_and_one_process(tmp_path, prompt, 5, 128, dense_dtype="fp8_e4m3")
     assert type(engine.model.model.layers[0].self_attn.o_proj).__name__ == "Fp8Linear"
-    (out,) = engine.generate([GenerateRequest("0", prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=1))])
     assert line["output_ids"] == out.output_ids
     # The ranks' fp32 partial sums differ from one GEMM's in the last bits, and an activation that close to an
     # e4m3 rounding boundary lands on the other code: ~1e-3 here. O's bias added twice (or not at all) moves these
@@ -348,7 +348,7 @@ def test_cli_generate_tp2_with_fp8_dense_layers_matches_one_process(tmp_path):
     for got, want in zip(line["logprobs"], out.logprobs):
         assert abs(got["logprob"] - want.logprob) < 1e-2
     plain = LLMEngine.from_checkpoint(tmp_path, EngineConfig(max_model_len=128))
-    (exact,) = plain.generate([GenerateRequest("0", prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1))])
+    (exact,) = plain.generate([GenerateRequest("1", prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1))])
     assert abs(exact.logprobs[0].logprob - out.logprobs[0].logprob) > 0.1  # the prompt ran the FP8 path
 
 
