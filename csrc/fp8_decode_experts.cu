@@ -22,7 +22,9 @@
 // contiguous bytes of a weight row (and of a token row) per two mmas: lane (g, t) holds bytes [16t, 16t + 16)
 // of rows g and g + 8; bytes 8m .. 8m + 3 of them feed mma m's K 4t .. 4t + 3 and bytes 8m + 4 .. 8m + 7 its
 // K 4t + 16 .. 4t + 19 (PTX ISA m16n8k32 fragments); the token side uses the same map, so the sum is unchanged.
-// Weights stream through a ring of registers, kStages 128-deep blocks per warp in flight.
+// Weights stream through a ring of kStages shared-memory slots per warp (cp.async, whole 128-byte lines), one warp
+// after the other through its gate_up blocks and then its down tiles, so the down weights are already arriving
+// while the cluster meets for the SwiGLU step.
 // Twin: kernels/moe/fp8_decode_experts.py `decode_partials_reference`.
 
 #include <cooperative_groups.h>
@@ -43,7 +45,8 @@ constexpr int kRows13 = 2 * kChannels;        // gate_up weight rows per CTA (ga
 constexpr int kTiles13 = kRows13 / 16;        // 16-row mma tiles of them
 constexpr int kHalves = kWarps / kTiles13;    // K ranges per tile (one warp each)
 constexpr int kMaxTokens = 8;                 // one 8-column mma tile of tokens
-constexpr int kStages = 2;                    // 128-deep weight blocks in flight per warp
+constexpr int kStages = 4;                    // ring slots per warp (blocks of 16 rows x 128 bytes)
+constexpr int kSlot = 16 * 128;               // bytes per slot
 constexpr int kHRow = 192;                    // bytes per token row of the FP8 activation block (bank offset)
 static_assert(kThreads == kChannels * kMaxTokens, "the SwiGLU step maps one thread to (token, channel)");
 
@@ -77,27 +80,39 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Weights are read once per call: keep them out of L1.
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // One 128-deep block of a 16-row tile: the lane's 16 bytes of rows g and g + 8 in both 64-deep chunks.
 struct Block {
     uint4 lo0, hi0, lo1, hi1;
 };
 
-__device__ __forceinline__ void load_block(Block& b, const uint8_t* lo, const uint8_t* hi, bool ok_lo, bool ok_hi,
-                                           int offset) {
-    const uint4 z = make_uint4(0, 0, 0, 0);
-    b.lo0 = ok_lo ? load_stream(lo + offset) : z;
-    b.hi0 = ok_hi ? load_stream(hi + offset) : z;
-    b.lo1 = ok_lo ? load_stream(lo + offset + 64) : z;
-    b.hi1 = ok_hi ? load_stream(hi + offset + 64) : z;
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// A ring slot holds one block: 16 rows x 128 bytes, row r's 16-byte chunk c at chunk c ^ 4 (r odd): the two rows
+// of a quarter-warp's 16-byte reads then fall on disjoint banks. The warp copies whole 128-byte lines (4 rows
+// per instruction); rows at or past rows_ok are zero-filled.
+__device__ __forceinline__ void issue_block(uint32_t slot, const uint8_t* base, long long row_stride, int rows_ok,
+                                            int lane) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = (lane >> 3) + 4 * i, c = lane & 7;
+        const bool ok = r < rows_ok;
+        cp_async16(slot + r * 128 + ((c ^ ((r & 1) << 2)) << 4), ok ? base + r * row_stride + c * 16 : base, ok);
+    }
+}
+
+__device__ __forceinline__ void read_block(Block& b, const uint8_t* slot, int g, int t) {
+    const int x = (g & 1) << 2;  // rows g and g + 8 share the parity
+    b.lo0 = *reinterpret_cast<const uint4*>(slot + g * 128 + ((t ^ x) << 4));
+    b.hi0 = *reinterpret_cast<const uint4*>(slot + (g + 8) * 128 + ((t ^ x) << 4));
+    b.lo1 = *reinterpret_cast<const uint4*>(slot + g * 128 + (((4 + t) ^ x) << 4));
+    b.hi1 = *reinterpret_cast<const uint4*>(slot + (g + 8) * 128 + (((4 + t) ^ x) << 4));
 }
 
 // p += the tile's 16 x 8 product over one 128-deep block (B: the token rows' matching 2 x 16 bytes).
@@ -118,7 +133,7 @@ __device__ __forceinline__ float exp_like_triton(float v) {
 }
 
 __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args args) {
-    extern __shared__ __align__(16) uint8_t smem[];
+    extern __shared__ __align__(128) uint8_t smem[];  // [warps][kStages][kSlot] rings, the token tile, its scales
     __shared__ float red[kHalves - 1][kTiles13][32][4];
     __shared__ float hpre[kRows13][kMaxTokens];
     __shared__ float amax_sh[kMaxTokens];
@@ -144,26 +159,40 @@ __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args a
     const int c0 = kb2 * 128 + rank * kChannels;
     const int row0 = 2 * c0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int kb1 = args.kp1 / 128, kb2_count = args.kp2 / 128;
+    const int kb1 = args.kp1 / 128;
 
-    // gate_up: warp -> (16-row tile, K range); the ring's first blocks leave before the tokens are staged
+    // the warp's stream: gate_up blocks (16-row tile `tile`, its K range) then down tiles (every 8th of this CTA's
+    // share of the 16-row output tiles, all at the activation block's 128 columns)
     const int tile = warp % kTiles13, half = warp / kTiles13;
     const int per_half = (kb1 + kHalves - 1) / kHalves;
     const int kb_begin = half * per_half;
     const int nb = max(0, min(kb1, kb_begin + per_half) - kb_begin);
-    const int r_lo = row0 + tile * 16 + g, r_hi = r_lo + 8;
-    const bool ok_lo = r_lo < args.n13, ok_hi = r_hi < args.n13;
-    const uint8_t* w_lo = args.w13 + ((long long)expert * args.n13 + r_lo) * args.kp1 + 16 * t;
-    const uint8_t* w_hi = w_lo + 8LL * args.kp1;
-    Block ring[kStages];
+    const int rt2 = (args.d + 15) / 16;
+    const int t_first = rank * rt2 / kCluster, t_last = (rank + 1) * rt2 / kCluster;
+    const int n_tiles = max(0, (t_last - t_first - warp + kWarps - 1) / kWarps);
+    const int tile_row0 = row0 + tile * 16;
+    const uint8_t* gu_base = args.w13 + ((long long)expert * args.n13 + tile_row0) * args.kp1 + (long long)kb_begin * 128;
+    const int gu_rows_ok = args.n13 - tile_row0;
+    const uint8_t* w2_expert = args.w2 + (long long)expert * args.d * args.kp2 + kb2 * 128;
+    uint8_t* ring = smem + warp * (kStages * kSlot);
+    const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+    auto issue = [&](int j) {  // item j of the stream into slot j % kStages (one commit group per item)
+        if (j < nb) {
+            issue_block(ring_s + (j % kStages) * kSlot, gu_base + j * 128, args.kp1, gu_rows_ok, lane);
+        } else if (j < nb + n_tiles) {
+            const int tile2 = t_first + warp + (j - nb) * kWarps;
+            issue_block(ring_s + (j % kStages) * kSlot, w2_expert + (long long)tile2 * 16 * args.kp2, args.kp2,
+                        args.d - tile2 * 16, lane);
+        }
+        cp_commit();
+    };
 #pragma unroll
-    for (int s = 0; s < kStages; ++s)
-        if (s < nb) load_block(ring[s], w_lo, w_hi, ok_lo, ok_hi, (kb_begin + s) * 128);
+    for (int j = 0; j < kStages - 1; ++j) issue(j);
 
     // the expert's token rows and their scales into shared memory; each column's pair
     const int x_row = args.kp1 + 64;  // 64-byte offset per row: a quarter-warp's rows fall on other banks
-    uint8_t* xs_tile = smem;
-    float* sx = reinterpret_cast<float*>(smem + static_cast<size_t>(count) * x_row);  // [kb1][kMaxTokens]
+    uint8_t* xs_tile = smem + kWarps * kStages * kSlot;
+    float* sx = reinterpret_cast<float*>(xs_tile + static_cast<size_t>(count) * x_row);  // [kb1][kMaxTokens]
     const int pieces = args.kp1 / 16;
     for (int i = threadIdx.x; i < count * pieces; i += kThreads) {
         const int j = i / pieces, piece = i - j * pieces;
@@ -192,41 +221,23 @@ __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args a
     const uint8_t* x_lane = xs_tile + g * x_row + 16 * t;
     const uint4 z = make_uint4(0, 0, 0, 0);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i0 = 0; i0 < nb; i0 += kStages) {
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            const int i = i0 + s;
-            if (i < nb) {
-                const int kb = kb_begin + i;
-                const uint4 x0 = col_ok ? *reinterpret_cast<const uint4*>(x_lane + kb * 128) : z;
-                const uint4 x1 = col_ok ? *reinterpret_cast<const uint4*>(x_lane + kb * 128 + 64) : z;
-                float p[4] = {0.f, 0.f, 0.f, 0.f};
-                block_mma(p, ring[s], x0, x1);
-                if (i + kStages < nb) load_block(ring[s], w_lo, w_hi, ok_lo, ok_hi, (kb + kStages) * 128);
-                const float sw = __ldg(s13_row + kb);
-                const float f0 = sw * sx[kb * kMaxTokens + 2 * t], f1 = sw * sx[kb * kMaxTokens + 2 * t + 1];
-                acc[0] = fmaf(p[0], f0, acc[0]);
-                acc[1] = fmaf(p[1], f1, acc[1]);
-                acc[2] = fmaf(p[2], f0, acc[2]);
-                acc[3] = fmaf(p[3], f1, acc[3]);
-            }
-        }
-    }
-
-    // down: warp -> every 8th of this CTA's share of the 16-row tiles; its first blocks leave now, before the
-    // SwiGLU step and the cluster exchange
-    const int rt2 = (args.d + 15) / 16;
-    const int t_first = rank * rt2 / kCluster, t_last = (rank + 1) * rt2 / kCluster;
-    const int n_tiles = max(0, (t_last - t_first - warp + kWarps - 1) / kWarps);
-    const uint8_t* w2_expert = args.w2 + (long long)expert * args.d * args.kp2 + kb2 * 128 + 16 * t;
-    Block dring[kStages];
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-        if (s < n_tiles) {
-            const int n_lo = (t_first + warp + s * kWarps) * 16 + g;
-            load_block(dring[s], w2_expert + (long long)n_lo * args.kp2, w2_expert + (long long)(n_lo + 8) * args.kp2,
-                       n_lo < args.d, n_lo + 8 < args.d, 0);
-        }
+    for (int j = 0; j < nb; ++j) {
+        cp_wait<kStages - 2>();  // item j has landed (this lane's copies) ...
+        __syncwarp();            // ... and the other lanes' too; slot (j - 1) % kStages is read by all
+        Block w;
+        read_block(w, ring + (j % kStages) * kSlot, g, t);
+        issue(j + kStages - 1);
+        const int kb = kb_begin + j;
+        const uint4 x0 = col_ok ? *reinterpret_cast<const uint4*>(x_lane + kb * 128) : z;
+        const uint4 x1 = col_ok ? *reinterpret_cast<const uint4*>(x_lane + kb * 128 + 64) : z;
+        float p[4] = {0.f, 0.f, 0.f, 0.f};
+        block_mma(p, w, x0, x1);
+        const float sw = __ldg(s13_row + kb);
+        const float f0 = sw * sx[kb * kMaxTokens + 2 * t], f1 = sw * sx[kb * kMaxTokens + 2 * t + 1];
+        acc[0] = fmaf(p[0], f0, acc[0]);
+        acc[1] = fmaf(p[1], f1, acc[1]);
+        acc[2] = fmaf(p[2], f0, acc[2]);
+        acc[3] = fmaf(p[3], f1, acc[3]);
     }
 
     // the K ranges of each tile meet; bf16 rounding (as the unsplit GEMM's output) and the bias
@@ -240,8 +251,9 @@ __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args a
         for (int h = 1; h < kHalves; ++h)
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[j] += red[h - 1][tile][lane][j];
+        const int r_lo = tile_row0 + g, r_hi = r_lo + 8;
         const float* bias = args.b13 + (long long)expert * args.n13;
-        const float b_lo = ok_lo ? __ldg(bias + r_lo) : 0.f, b_hi = ok_hi ? __ldg(bias + r_hi) : 0.f;
+        const float b_lo = r_lo < args.n13 ? __ldg(bias + r_lo) : 0.f, b_hi = r_hi < args.n13 ? __ldg(bias + r_hi) : 0.f;
         const int lr = tile * 16 + g;
         hpre[lr][2 * t] = round_bf16(acc[0]) + b_lo;
         hpre[lr][2 * t + 1] = round_bf16(acc[1]) + b_lo;
@@ -251,72 +263,69 @@ __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args a
     __syncthreads();
 
     // SwiGLU: warp j = token column j, lane = channel; the block's amax per token across the cluster
-    const int j = warp, c = lane;
-    float act = 0.f;
-    if (j < count && c0 + c < args.inter) {
-        const float gate = fminf(hpre[2 * c][j], args.limit);
-        const float up = fminf(fmaxf(hpre[2 * c + 1][j], -args.limit), args.limit);
-        const float sig = __fdiv_rn(gate, __fadd_rn(1.f, exp_like_triton(__fmul_rn(-args.alpha, gate))));
-        act = __fmul_rn(sig, __fadd_rn(up, 1.f));
+    {
+        const int j = warp, c = lane;
+        float act = 0.f;
+        if (j < count && c0 + c < args.inter) {
+            const float gate = fminf(hpre[2 * c][j], args.limit);
+            const float up = fminf(fmaxf(hpre[2 * c + 1][j], -args.limit), args.limit);
+            const float sig = __fdiv_rn(gate, __fadd_rn(1.f, exp_like_triton(__fmul_rn(-args.alpha, gate))));
+            act = __fmul_rn(sig, __fadd_rn(up, 1.f));
+        }
+        float amax = fabsf(act);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        if (lane == 0) amax_sh[j] = amax;
+        cluster.sync();
+        float block_amax = 0.f;
+#pragma unroll
+        for (int r = 0; r < kCluster; ++r) block_amax = fmaxf(block_amax, *cluster.map_shared_rank(&amax_sh[j], r));
+        const float scale = __fdiv_rn(fmaxf(block_amax, 1e-4f), 448.f);
+        const uint32_t code = __nv_cvt_float_to_fp8(__fdiv_rn(act, scale), __NV_SATFINITE, __NV_E4M3);
+        // four channels per word, written into every CTA's copy of the block (its K order is the channel order)
+        uint32_t word = code;
+        word |= __shfl_down_sync(0xFFFFFFFFu, code, 1) << 8;
+        word |= __shfl_down_sync(0xFFFFFFFFu, code, 2) << 16;
+        word |= __shfl_down_sync(0xFFFFFFFFu, code, 3) << 24;
+        if (j < count && (lane & 3) == 0) {
+#pragma unroll
+            for (int r = 0; r < kCluster; ++r)
+                *cluster.map_shared_rank(reinterpret_cast<uint32_t*>(&htile[j][rank * kChannels + c]), r) = word;
+        }
+        if (lane == 0) scale_sh[j] = scale;
+        cluster.sync();  // the block is complete everywhere; no CTA reads a peer's memory after this
     }
-    float amax = fabsf(act);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    if (lane == 0) amax_sh[j] = amax;
-    cluster.sync();
-    float block_amax = 0.f;
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) block_amax = fmaxf(block_amax, *cluster.map_shared_rank(&amax_sh[j], r));
-    const float scale = __fdiv_rn(fmaxf(block_amax, 1e-4f), 448.f);
-    const uint32_t code = __nv_cvt_float_to_fp8(__fdiv_rn(act, scale), __NV_SATFINITE, __NV_E4M3);
-    // four channels per word, written into every CTA's copy of the block (its K order is the channel order)
-    uint32_t word = code;
-    word |= __shfl_down_sync(0xFFFFFFFFu, code, 1) << 8;
-    word |= __shfl_down_sync(0xFFFFFFFFu, code, 2) << 16;
-    word |= __shfl_down_sync(0xFFFFFFFFu, code, 3) << 24;
-    if (j < count && (lane & 3) == 0) {
-#pragma unroll
-        for (int r = 0; r < kCluster; ++r)
-            *cluster.map_shared_rank(reinterpret_cast<uint32_t*>(&htile[j][rank * kChannels + c]), r) = word;
-    }
-    if (lane == 0) scale_sh[j] = scale;
-    cluster.sync();  // the block is complete everywhere; no CTA reads a peer's memory after this
 
     const uint4 h0 = col_ok ? *reinterpret_cast<const uint4*>(&htile[g][16 * t]) : z;
     const uint4 h1 = col_ok ? *reinterpret_cast<const uint4*>(&htile[g][64 + 16 * t]) : z;
     const float sh0 = 2 * t < count ? scale_sh[2 * t] : 0.f, sh1 = 2 * t + 1 < count ? scale_sh[2 * t + 1] : 0.f;
     const int pair0 = pair_sh[2 * t], pair1 = pair_sh[2 * t + 1];
-    const int np = args.t * args.top_k;
+    const int np = args.t * args.top_k, kb2_count = args.kp2 / 128;
     float* y_block = args.y + (long long)kb2 * np * args.d;
     const float* s2_expert = args.s2 + (long long)expert * ((args.d + 127) / 128) * kb2_count + kb2;
-    for (int i0 = 0; i0 < n_tiles; i0 += kStages) {
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            const int i = i0 + s;
-            if (i < n_tiles) {
-                const int tile2 = t_first + warp + i * kWarps;
-                float p[4] = {0.f, 0.f, 0.f, 0.f};
-                block_mma(p, dring[s], h0, h1);
-                if (i + kStages < n_tiles) {
-                    const int n_next = (tile2 + kStages * kWarps) * 16 + g;
-                    load_block(dring[s], w2_expert + (long long)n_next * args.kp2,
-                               w2_expert + (long long)(n_next + 8) * args.kp2, n_next < args.d, n_next + 8 < args.d, 0);
-                }
-                const float sw = __ldg(s2_expert + (tile2 * 16 / 128) * kb2_count);
-                const int n_lo = tile2 * 16 + g, n_hi = n_lo + 8;
-                if (pair0 >= 0) {
-                    const float f = sw * sh0;
-                    if (n_lo < args.d) y_block[(long long)pair0 * args.d + n_lo] = p[0] * f;
-                    if (n_hi < args.d) y_block[(long long)pair0 * args.d + n_hi] = p[2] * f;
-                }
-                if (pair1 >= 0) {
-                    const float f = sw * sh1;
-                    if (n_lo < args.d) y_block[(long long)pair1 * args.d + n_lo] = p[1] * f;
-                    if (n_hi < args.d) y_block[(long long)pair1 * args.d + n_hi] = p[3] * f;
-                }
-            }
+    for (int j = nb; j < nb + n_tiles; ++j) {
+        cp_wait<kStages - 2>();
+        __syncwarp();
+        Block w;
+        read_block(w, ring + (j % kStages) * kSlot, g, t);
+        issue(j + kStages - 1);
+        const int tile2 = t_first + warp + (j - nb) * kWarps;
+        float p[4] = {0.f, 0.f, 0.f, 0.f};
+        block_mma(p, w, h0, h1);
+        const float sw = __ldg(s2_expert + (tile2 * 16 / 128) * kb2_count);
+        const int n_lo = tile2 * 16 + g, n_hi = n_lo + 8;
+        if (pair0 >= 0) {
+            const float f = sw * sh0;
+            if (n_lo < args.d) y_block[(long long)pair0 * args.d + n_lo] = p[0] * f;
+            if (n_hi < args.d) y_block[(long long)pair0 * args.d + n_hi] = p[2] * f;
+        }
+        if (pair1 >= 0) {
+            const float f = sw * sh1;
+            if (n_lo < args.d) y_block[(long long)pair1 * args.d + n_lo] = p[1] * f;
+            if (n_hi < args.d) y_block[(long long)pair1 * args.d + n_hi] = p[3] * f;
         }
     }
+    cp_wait<0>();  // nothing may still be landing in shared memory when the CTA leaves
 }
 
 }  // namespace fp8_decode_experts
@@ -368,7 +377,7 @@ void launch(torch::Tensor xq, torch::Tensor xs, int64_t xs_k_stride, torch::Tens
                     pair_rows.numel() == t * top_k,
                 "counts, active, num_active, token_of_row, ids, row_of_pair and pair_rows must be int32");
     TORCH_CHECK(t >= 1 && t <= kMaxTokens, "1..", kMaxTokens, " tokens");
-    TORCH_CHECK(kp1 / 128 * kMaxTokens * 4 + t * (kp1 + 64) <= 48 * 1024, "K too large for the token tile");
+    TORCH_CHECK(kp1 / 128 * kMaxTokens * 4 + t * (kp1 + 64) <= 64 * 1024, "K too large for the token tile");
 
     Args args;
     args.xq = reinterpret_cast<const uint8_t*>(xq.data_ptr());
@@ -402,7 +411,15 @@ void launch(torch::Tensor xq, torch::Tensor xs, int64_t xs_k_stride, torch::Tens
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(kp2 / 128 * kCluster), static_cast<unsigned>(active.numel()), 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = static_cast<size_t>(t) * (kp1 + 64) + static_cast<size_t>(kp1 / 128) * kMaxTokens * 4;
+    cfg.dynamicSmemBytes = static_cast<size_t>(kWarps) * kStages * kSlot + static_cast<size_t>(t) * (kp1 + 64) +
+                           static_cast<size_t>(kp1 / 128) * kMaxTokens * 4;
+    static bool raised[64] = {};  // once per device, before any graph capture uses the kernel
+    TORCH_CHECK(xq.device().index() < 64, "device index");
+    if (!raised[xq.device().index()]) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(fused_experts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            200 * 1024));
+        raised[xq.device().index()] = true;
+    }
     cfg.stream = c10::cuda::getCurrentCUDAStream(xq.device().index());
     cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeClusterDimension;

@@ -209,10 +209,13 @@ def test_layer_matches_bf16_reference_and_the_three_launches(layer20, t):
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
     assert calc_diff(fused, bf16_ref(x, ids, weights)) <= 1e-3  # issue 7's bound
     assert calc_diff(fused, three) < 5e-4
-    # exact inputs: the same activation codes on both paths; only the down sums' fp32 order differs
+    # exact inputs: the same gate_up sums on both paths; the SwiGLU's exp (ex2.approx here, Triton's lowering
+    # there) and the down sums' fp32 order differ, which moved 0-5 of 2880-20160 outputs by one activation code
+    # on the H200 (2026-12-02); every other output within a bf16 step
     x, rw, rb = front_inputs(t, 32, 2880, seed=60 + t, exact=True)
     fused, three = both_paths(exact, x, rw, rb)
-    torch.testing.assert_close(fused.float(), three.float(), rtol=2 ** -7, atol=1e-3 * float(three.abs().max()))
+    off = (fused.float() - three.float()).abs() > 2 ** -7 * three.float().abs() + 1e-3 * float(three.abs().max())
+    assert float(off.float().mean()) <= 0.005
     assert calc_diff(fused, three) < 1e-6
 
 
