@@ -45,7 +45,6 @@ constexpr int kRows13 = 2 * kChannels;        // gate_up weight rows per CTA (ga
 constexpr int kTiles13 = kRows13 / 16;        // 16-row mma tiles of them
 constexpr int kHalves = kWarps / kTiles13;    // K ranges per tile (one warp each)
 constexpr int kMaxTokens = 8;                 // one 8-column mma tile of tokens
-constexpr int kStages = 4;                    // ring slots per warp (blocks of 16 rows x 128 bytes)
 constexpr int kSlot = 16 * 128;               // bytes per slot
 constexpr int kHRow = 192;                    // bytes per token row of the FP8 activation block (bank offset)
 static_assert(kThreads == kChannels * kMaxTokens, "the SwiGLU step maps one thread to (token, channel)");
@@ -132,6 +131,7 @@ __device__ __forceinline__ float exp_like_triton(float v) {
     return r;
 }
 
+template <int kStages>  // ring slots per warp (blocks of 16 rows x 128 bytes)
 __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args args) {
     extern __shared__ __align__(128) uint8_t smem[];  // [warps][kStages][kSlot] rings, the token tile, its scales
     __shared__ float red[kHalves - 1][kTiles13][32][4];
@@ -337,6 +337,18 @@ __global__ void __launch_bounds__(kThreads, 3) fused_experts_kernel(const Args a
 
 namespace fp8_decode_experts {
 
+using Kernel = void (*)(const Args);
+
+Kernel select(int64_t stages) {
+    TORCH_CHECK(stages >= 2 && stages <= 4, "2..4 ring stages");
+    return stages == 2 ? fused_experts_kernel<2> : stages == 3 ? fused_experts_kernel<3> : fused_experts_kernel<4>;
+}
+
+size_t dynamic_smem(int64_t stages, int64_t t, int64_t kp1) {
+    return static_cast<size_t>(kWarps) * stages * kSlot + static_cast<size_t>(t) * (kp1 + 64) +
+           static_cast<size_t>(kp1 / 128) * kMaxTokens * 4;
+}
+
 void check_fp8(const torch::Tensor& w, const char* name) {
     TORCH_CHECK(w.is_cuda() && w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 3 && w.is_contiguous(), name,
                 " must be a contiguous CUDA float8_e4m3fn [E, N, Kp] tensor");
@@ -345,7 +357,8 @@ void check_fp8(const torch::Tensor& w, const char* name) {
 void launch(torch::Tensor xq, torch::Tensor xs, int64_t xs_k_stride, torch::Tensor w13, torch::Tensor s13,
             torch::Tensor b13, torch::Tensor w2, torch::Tensor s2, torch::Tensor y, torch::Tensor counts,
             torch::Tensor active, torch::Tensor num_active, torch::Tensor token_of_row, torch::Tensor ids,
-            torch::Tensor row_of_pair, torch::Tensor pair_rows, int64_t first_expert, double alpha, double limit, bool pdl) {
+            torch::Tensor row_of_pair, torch::Tensor pair_rows, int64_t first_expert, double alpha, double limit, bool pdl,
+            int64_t stages) {
     check_fp8(w13, "w13");
     check_fp8(w2, "w2");
     const int64_t e = w13.size(0), n13 = w13.size(1), kp1 = w13.size(2), d = w2.size(1), kp2 = w2.size(2);
@@ -411,14 +424,13 @@ void launch(torch::Tensor xq, torch::Tensor xs, int64_t xs_k_stride, torch::Tens
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(kp2 / 128 * kCluster), static_cast<unsigned>(active.numel()), 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = static_cast<size_t>(kWarps) * kStages * kSlot + static_cast<size_t>(t) * (kp1 + 64) +
-                           static_cast<size_t>(kp1 / 128) * kMaxTokens * 4;
-    static bool raised[64] = {};  // once per device, before any graph capture uses the kernel
+    const Kernel kernel = select(stages);
+    cfg.dynamicSmemBytes = dynamic_smem(stages, t, kp1);
+    static bool raised[64][5] = {};  // once per device and kernel, before any graph capture uses it
     TORCH_CHECK(xq.device().index() < 64, "device index");
-    if (!raised[xq.device().index()]) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(fused_experts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            200 * 1024));
-        raised[xq.device().index()] = true;
+    if (!raised[xq.device().index()][stages]) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+        raised[xq.device().index()][stages] = true;
     }
     cfg.stream = c10::cuda::getCurrentCUDAStream(xq.device().index());
     cudaLaunchAttribute attr[2];
@@ -430,12 +442,35 @@ void launch(torch::Tensor xq, torch::Tensor xs, int64_t xs_k_stride, torch::Tens
     attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 2 : 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fused_experts_kernel, args));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args));
+}
+
+// (clusters that fit on the device at once, CTAs per SM) for this many stages and tokens (a probe for the bench)
+std::vector<int64_t> occupancy(int64_t stages, int64_t t, int64_t kp1, int64_t grid_x, int64_t grid_y) {
+    const Kernel kernel = select(stages);
+    const size_t smem = dynamic_smem(stages, t, kp1);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0, blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
+    return {clusters, blocks};
 }
 
 }  // namespace fp8_decode_experts
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fused_experts", &fp8_decode_experts::launch, "FP8 decode experts in one launch (mma.sync e4m3, sm_90a)");
+    m.def("occupancy", &fp8_decode_experts::occupancy, "(max active clusters, CTAs per SM) of a configuration");
 }
 #endif

@@ -26,6 +26,7 @@ from kernels.moe.fp8_quant import BLOCK, dequantize_rows, dequantize_weight_bloc
 from kernels.moe.reference import clamped_swiglu
 
 MAX_TOKENS = 8  # one 8-column mma tile of tokens
+STAGES = 4  # cp.async ring slots per warp (2..4 built)
 
 
 class FusedDecodeError(ValueError):
@@ -63,7 +64,7 @@ def _is_sm90(index: int) -> bool:
 
 def partials(a, ids: torch.Tensor, plan, w13: torch.Tensor, s13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor,
              s2: torch.Tensor, first_expert: int, alpha: float, limit: float,
-             pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             pdl: bool | None = None, stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [Kp2/128, T*k, D] fp32, pair_rows [T*k] int32) for the front's token rows `a` (Fp8Rows, one group of T),
     ids [T, k] and its masked plan (m_cap = T, token_of_row). Only the rows of this rank's pairs are written;
     pair_rows holds p for those pairs and -1 for the others. No host sync: CUDA-graph capturable."""
@@ -81,7 +82,7 @@ def partials(a, ids: torch.Tensor, plan, w13: torch.Tensor, s13: torch.Tensor, b
     pair_rows = torch.empty(t * k, dtype=torch.int32, device=a.data.device)
     _extension().fused_experts(a.data, a.scale_storage, a.sf_k_stride, w13, s13, b13, w2, s2, y, plan.counts,
                                plan.active, plan.num_active, plan.token_of_row, ids, plan.row_of_pair, pair_rows,
-                               first_expert, float(alpha), float(limit), bool(pdl))
+                               first_expert, float(alpha), float(limit), bool(pdl), stages or STAGES)
     return y, pair_rows
 
 
