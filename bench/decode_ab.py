@@ -12,8 +12,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
 - "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
-- "fused-experts": fused+pdl with the experts of steps of <= 8 tokens in one CUDA launch after the front
-  (kernels/moe/fp8_decode_experts.py); "fused-experts-off": the three launches whatever the build's default;
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
@@ -48,13 +46,11 @@ from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from model.config import GptOssConfig
 
-# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens,
-#  experts in one launch up to this many tokens)
-VARIANTS = {"unfused": (False, False, False, False, "", 0, 0), "fused": (True, True, True, False, "", 0, 0),
-            "fused+pdl": (True, True, True, True, "", 0, 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0, 0),
-            "fp8-dense": (True, True, True, True, "all", 0, 0), "mxfp4-decode": (True, True, True, True, "", 16, 0),
-            "mxfp4-decode-8": (True, True, True, True, "", 8, 0), "fused-experts": (True, True, True, True, "", 0, 8),
-            "fused-experts-off": (True, True, True, True, "", 0, -1)}
+# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens)
+VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
+            "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
+            "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16),
+            "mxfp4-decode-8": (True, True, True, True, "", 8)}
 
 
 class DenseWeights:
@@ -81,15 +77,9 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                fused_experts: int) -> None:
-    if not hasattr(h, "fused_experts_default"):
-        h.fused_experts_default = h.model.model.layers[0].mlp.experts.fused_decode_max_tokens
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        # 0: the build's default; -1: off (the three launches); N: steps of <= N tokens
-        layer.mlp.experts.fused_decode_max_tokens = (h.fused_experts_default if fused_experts == 0
-                                                     else max(0, fused_experts))
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4

@@ -9,7 +9,6 @@ Variants, each checked against TorchExperts (bf16, same dequantized weights) bef
   fp8_tr     Fp8Experts, Triton only (the decode GEMM for T <= 64, the grouped GEMM above)
   fp8_routed (T <= 16) router + layer as the engine's decode step runs them: Fp8Experts.routed_forward, the
              fused decode front (router GEMV, top-k, plan, quantization in one launch) then fp8_tr's path
-  fp8_fused  (T <= 8, SM90) the same with the experts after the front in one CUDA launch (fp8_decode_experts)
 The engine runs fp8_tr's path at T <= 64 and fp8_dg's above (Fp8Experts.decode_kernel = "triton").
   bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
 Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
@@ -43,7 +42,7 @@ import torch
 from bench.moe_common import (BF16_EXPERT_BYTES, COPY_TBPS, DEV, FLOP_PER_PAIR, FP8_EXPERT_BYTES, FP8_PFLOPS, TOKENS,
                               TOP_K, D, I, MODELS, calc_diff, graph_time_us)
 from bench.moe_gemm import bench_decode_gemm, bench_dense, bench_grouped_gemm
-from kernels.moe import deep_gemm_ops, fp8_decode_experts
+from kernels.moe import deep_gemm_ops
 from kernels.moe.epilogues_triton import Fp8Rows, dispatch_quant
 from kernels.moe.fp8_experts import Fp8Experts
 from kernels.moe.fp8_quant import quantize_weight_blocks
@@ -159,37 +158,31 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
                                   BF16_EXPERT_BYTES if backend == "bf16" else FP8_EXPERT_BYTES, **extra))
         if not shard and t <= ROUTED_MAX_TOKENS:
             rows.append(bench_routed(model, layer, t))
-            if t <= fp8_decode_experts.MAX_TOKENS and fp8_decode_experts.available(DEV):
-                rows.append(bench_routed(model, layer, t, fused=True))
     return rows
 
 
 ROUTED_MAX_TOKENS = 16
 
 
-def bench_routed(model: str, layer: Layer, t: int, fused: bool = False) -> dict:
+def bench_routed(model: str, layer: Layer, t: int) -> dict:
     """The layer as the engine's decode step runs it (`Fp8Experts.routed_forward`): router GEMV, routing,
     plan and quantization in the fused front, then the Triton decode GEMMs, in a CUDA graph (PDL on) over
     4 inputs whose routings differ. Bytes counted: the experts each input routes to (the router's 0.7 MB
-    left out). fused: the experts after the front in one CUDA launch (fp8_decode_experts, T <= 8)."""
+    left out)."""
     g = torch.Generator(device=DEV).manual_seed(1000 + t)
     rw = (torch.randn(layer.e, D, device=DEV, generator=g) * D ** -0.5).bfloat16()
     rb = (torch.randn(layer.e, device=DEV, generator=g) * 0.1).bfloat16()
     xs = [(torch.randn(t, D, device=DEV, dtype=torch.bfloat16, generator=g),) for _ in range(4)]
     layer.fp8.backend, layer.fp8.masked_max_tokens, layer.fp8.use_psum, layer.fp8.decode_kernel = "triton", 64, True, "triton"
-    fused_tokens = fp8_decode_experts.MAX_TOKENS if fused else 0
 
     def fn(x):
-        layer.fp8.fused_decode_max_tokens = fused_tokens
         return layer.fp8.routed_forward(x, rw, rb, TOP_K)
 
     routed = [route(torch.nn.functional.linear(x, rw, rb), TOP_K) for (x,) in xs]
     diff = calc_diff(fn(xs[0][0]), layer.ref(xs[0][0], *routed[0]))
     us, mode = graph_time_us(fn, xs)
     distinct = sum(int(torch.unique(ids).numel()) for ids, _ in routed) / len(routed)
-    layer.fp8.fused_decode_max_tokens = 0
-    return layer_row(model, layer.e, t, "fp8_fused" if fused else "fp8_routed", us, mode, diff, distinct,
-                     FP8_EXPERT_BYTES)
+    return layer_row(model, layer.e, t, "fp8_routed", us, mode, diff, distinct, FP8_EXPERT_BYTES)
 
 
 def layer_row(model: str, e: int, t: int, variant: str, us: float, mode: str, diff: float, distinct: float,
@@ -360,7 +353,7 @@ def main() -> None:
 
 def print_table(result: dict) -> None:
     print(f"\nMoE layer, {result['device']}, {result['date']} (us per layer; weight GB/s; floor = max(bytes/4.3 TB/s, FLOPs/1.27 PF/s))")
-    names = ("fp8_dg", "fp8_dg_alt", "fp8_dg_mi", "fp8_tr", "fp8_routed", "fp8_fused", "bf16")
+    names = ("fp8_dg", "fp8_dg_alt", "fp8_dg_mi", "fp8_tr", "bf16")
     print(f"{'model':>5} {'T':>6} " + " ".join(f"{v:>17}" for v in names) + f" {'floor':>8}")
     keyed = {(r["model"], r["tokens"], r["variant"]): r for r in result["layers"] if "us" in r}
     for model, _, t in sorted({(r["model"], r["experts"], r["tokens"]) for r in result["layers"]}, key=lambda c: (c[1], c[2])):

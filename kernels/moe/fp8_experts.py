@@ -69,10 +69,6 @@ class Fp8Experts(nn.Module):
         # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
-        # Decode steps of at most this many tokens (<= fp8_decode_experts.MAX_TOKENS) on an SM90 GPU run the
-        # experts after the fused front as one CUDA launch (gate_up, SwiGLU + quantization and down:
-        # kernels/moe/fp8_decode_experts.py) instead of three; 0: the three launches.
-        self.fused_decode_max_tokens = 0
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -213,11 +209,6 @@ class Fp8Experts(nn.Module):
 
             return mxfp4_decode_layer.decode_experts(x.contiguous(), ids, weights, plan, *self._mxfp4_packed(),
                                                      self.b13, self.b2, self.first_expert, self.alpha, self.limit)
-        from kernels.moe import fp8_decode_experts as fused
-
-        if t <= min(self.fused_decode_max_tokens, fused.MAX_TOKENS) and fused.available(x.device):
-            return fused.decode_experts(x, a, ids, weights, plan, self.w13, self.s13, self.b13, self.w2, self.s2,
-                                        self.b2, self.first_expert, self.alpha, self.limit)
         from kernels.moe import triton_grouped_gemm as tgg
 
         return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
