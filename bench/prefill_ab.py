@@ -20,8 +20,6 @@ Variant sets:
   (EngineConfig.dense_dtype="fp8_e4m3", DeepGEMM's FP8 GEMM), both under prefill graphs captured per variant.
 - `defer-plan`: the full layers' ragged plan up front in plan() or at the step's first full layer
   (FlashInferAttentionBackend.defer_ragged_plan), with bf16 and with FP8 QKV / O, under prefill graphs.
-- `plan-order`: attention's plan before graph 0 or after it (PrefillGraphs.plan_after_first_piece: the GPU runs
-  the embedding and layer 0's QKV while the host plans), with bf16 and with FP8 QKV / O, under prefill graphs.
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -185,23 +183,9 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
     return seconds
 
 
-def plan_order_variants():
-    """Attention's plan before graph 0 (as it was) or after it (PrefillGraphs.plan_after_first_piece), with bf16
-    and with FP8 QKV / O (graphs captured by main())."""
-    def mode(key: str, late: bool):
-        def apply(h: Harness):
-            h.dense_weights.use(key)
-            h.prefill_graphs = h.graph_sets[key]
-            h.prefill_graphs.plan_after_first_piece = late
-        return apply
-    return {"bf16, plan first": mode("bf16", False), "bf16, graph 0 first": mode("bf16", True),
-            "fp8 dense, plan first": mode("fp8", False), "fp8 dense, graph 0 first": mode("fp8", True)}
-
-
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
             "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants,
-            "plan-order": plan_order_variants}
+            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants}
 
 
 PROFILED_FORWARDS = 4
@@ -257,7 +241,7 @@ def main(argv=None) -> int:
     if args.variants in ("graphs", "ragged"):  # a bucket per chunk length the prompts are cut into
         capture = capture_graphs(h, buckets)
         print(f"prefill graphs captured (s per bucket): {capture}", flush=True)
-    elif args.variants in ("fp8-dense", "defer-plan", "plan-order"):
+    elif args.variants in ("fp8-dense", "defer-plan"):
         capture = capture_dense_graphs(h, buckets)
         print(f"prefill graphs captured per dense dtype (s): {capture}", flush=True)
     rows = []

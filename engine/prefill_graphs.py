@@ -86,9 +86,6 @@ class PrefillGraphs:
         self.capture_seconds: dict[int, float] = {}
         self.pool = None
         self.replays = 0  # steps served by the graphs (tests, benchmarks)
-        # run(): replay graph 0 (embedding .. layer 0's QKV and rotary, which read no plan) before attention's
-        # plan, so the GPU works while the host plans; False: plan first, as run_eager does (to compare)
-        self.plan_after_first_piece = True
 
     @property
     def max_tokens(self) -> int:
@@ -125,17 +122,13 @@ class PrefillGraphs:
         k, v = (self.k_rows[:t], self.v_rows[:t]) if self.full_layers[i] else (None, None)
         self.model.model.layers[i].self_attn.attend(self.q[:t], k, v, True, out=self.attn_out[:t])
 
-    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-               plan: bool = True) -> tuple[int, int]:
-        """The step's inputs into the static buffers; with `plan`, attention's plan for the real sequences first
-        (eager, between the pieces)."""
+    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> tuple[int, int]:
         t = batch.num_tokens
         size = self.bucket_for(t)
         if size is None or not batch.has_cache:
             raise CudaGraphError(f"a step of {t} tokens{'' if batch.has_cache else ' without a K/V cache'} is not "
                                  f"served by prefill graphs up to {self.max_tokens} tokens")
-        if plan:
-            self.model.backend.plan(batch)
+        self.model.backend.plan(batch)  # attention's plan for the real sequences (eager, between the pieces)
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.positions[:t].copy_(positions, non_blocking=True)
         if size > t:
@@ -195,13 +188,10 @@ class PrefillGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Hidden states [T, D] of the step's tokens (a view of the static buffer: consume before the next
         step), the graphs replayed with attention between them."""
-        late = self.plan_after_first_piece
-        t, size = self._stage(input_ids, positions, batch, plan=not late)
+        t, size = self._stage(input_ids, positions, batch)
         pieces = self.graphs[size]
         for i in range(self.num_layers):
             pieces[i].replay()
-            if i == 0 and late:
-                self.model.backend.plan(batch)
             self._attend(i, t)
         pieces[-1].replay()
         self.replays += 1
