@@ -53,18 +53,32 @@ def kv_budget_bytes(free_bytes: int, fraction: float, activations: int) -> int:
     return max(0, min(int(free_bytes * fraction), free_bytes - activations))
 
 
+def linear_bytes(n: int, k: int, fp8: bool, act_bytes: int = 2) -> int:
+    """An [n, k] projection's weight: act_bytes per value, or (fp8: kernels/layers/fp8_linear.Fp8Linear) one byte
+    per value with K padded to 128-blocks and one fp32 scale per 128 x 128 block."""
+    if not fp8:
+        return n * k * act_bytes
+    return n * padded(k) + 4 * (-(-n // 128)) * (padded(k) // 128)
+
+
 def weight_bytes_estimate(c: GptOssConfig, tp_size: int = 1, ep_size: int = 1, mxfp4_copy: bool = False,
-                          act_bytes: int = 2) -> dict[str, int]:
+                          act_bytes: int = 2, dense_dtype: str = "auto", lm_head_dtype: str = "auto") -> dict[str, int]:
     """One rank's weights before loading them: FP8 experts (K padded to 128-blocks, one fp32 scale per 128x128
     block, fp32 biases), the packed MXFP4 copy `mxfp4_decode_max_tokens` keeps (rows to 16, K to 64; half a byte
-    per weight and 4 bytes of scales per 16 x 64 tile: kernels/moe/mxfp4_cuda.pack_mma_words), the dense rest."""
+    per weight and 4 bytes of scales per 16 x 64 tile: kernels/moe/mxfp4_cuda.pack_mma_words), the dense rest
+    (QKV / O and the unembedding in FP8 blocks where dense_dtype / lm_head_dtype is "fp8_e4m3")."""
     d, i, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     experts = c.num_local_experts // ep_size
     shapes = ((2 * i, d), (d, i))  # gate_up [2I, D], down [D, I]: (out, in)
     fp8 = sum(n * padded(k) + 4 * (-(-n // 128)) * (padded(k) // 128) + 4 * n for n, k in shapes)
     mx = sum((-(-n // 16) * 16) * (-(-k // 64) * 64) // 2 + (-(-n // 16)) * (-(-k // 64)) * 32 for n, k in shapes)
     heads = (c.num_attention_heads + 2 * c.num_key_value_heads) // tp_size * c.head_dim
-    attention = (d * heads + heads + c.num_attention_heads // tp_size * c.head_dim * d + d) * act_bytes
-    dense = layers * (attention + c.num_local_experts * (d + 1) * act_bytes) + 2 * c.vocab_size // tp_size * d * act_bytes
+    o_in = c.num_attention_heads // tp_size * c.head_dim
+    dense_fp8 = dense_dtype == "fp8_e4m3"
+    attention = (linear_bytes(heads, d, dense_fp8, act_bytes) + linear_bytes(d, o_in, dense_fp8, act_bytes)
+                 + (heads + d) * act_bytes)  # + the biases
+    vocab = c.vocab_size // tp_size
+    embeddings = vocab * d * act_bytes + linear_bytes(vocab, d, lm_head_dtype == "fp8_e4m3", act_bytes)
+    dense = layers * (attention + c.num_local_experts * (d + 1) * act_bytes) + embeddings
     return {"fp8_experts": layers * experts * fp8, "mxfp4_copy": layers * experts * mx if mxfp4_copy else 0,
             "dense": dense}

@@ -146,7 +146,8 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
         if torch.device(device).type != "cuda" or moe != "fp8":
             raise ModelFactoryError(f"mxfp4_decode_max_tokens={mxfp4_decode_max_tokens} runs a CUDA kernel on the FP8 "
                                     f"MoE's experts: it needs a CUDA device and moe_backend 'fp8' (got {device}, {moe})")
-        check_mxfp4_copy_fits(config, parallel, torch.cuda.mem_get_info(torch.device(device))[0])
+        check_mxfp4_copy_fits(config, parallel, torch.cuda.mem_get_info(torch.device(device))[0], dense_dtype,
+                              lm_head_dtype)
     model = _build(config, device, dtype, attention_backend, moe_backend, checkpoint, seed, parallel, max_batch,
                    max_kv_len, cuda_graph, progress, mxfp4_decode_max_tokens)
     if lm_head_dtype == "fp8_e4m3":
@@ -156,12 +157,14 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
     return model
 
 
-def check_mxfp4_copy_fits(config: GptOssConfig, parallel: Parallel, free_bytes: int) -> None:
+def check_mxfp4_copy_fits(config: GptOssConfig, parallel: Parallel, free_bytes: int, dense_dtype: str = "auto",
+                          lm_head_dtype: str = "auto") -> None:
     """Refuse, before loading, weights that with the MXFP4 copy of the experts would not fit the device (120b on
     one H200: 117 GB of FP8 experts and 62 GB of MXFP4), rather than run out of memory halfway through."""
     from engine.memory_budget import FIXED_BYTES, weight_bytes_estimate
 
-    need = weight_bytes_estimate(config, parallel.tp_size, parallel.ep_size, mxfp4_copy=True)
+    need = weight_bytes_estimate(config, parallel.tp_size, parallel.ep_size, mxfp4_copy=True, dense_dtype=dense_dtype,
+                                 lm_head_dtype=lm_head_dtype)
     total = sum(need.values()) + FIXED_BYTES
     if total > free_bytes:
         gb = {k: round(v / 1e9, 1) for k, v in need.items()}

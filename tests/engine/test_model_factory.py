@@ -282,3 +282,23 @@ def test_engine_runs_an_fp8_lm_head_over_a_cache(tmp_path):
     prompt = [int(i) for i in torch.randint(1, 512, (21,), generator=torch.Generator().manual_seed(3))]
     engine.add_request(request("a", prompt, greedy(6)))
     assert run_to_end(engine)["a"]["ids"] == recomputed_greedy(engine.model, prompt, 6)
+
+
+@pytest.mark.parametrize("dtypes", [{}, {"dense_dtype": "fp8_e4m3"}, {"lm_head_dtype": "fp8_e4m3"},
+                                    {"dense_dtype": "fp8_e4m3", "lm_head_dtype": "fp8_e4m3"}])
+def test_weight_estimate_follows_the_dense_dtypes(tmp_path, dtypes):
+    """engine/memory_budget.weight_bytes_estimate (what check_mxfp4_copy_fits weighs before loading) counts QKV /
+    O and the unembedding as FP8 blocks when they will be: within 2% of the built model's dense bytes (norms,
+    sinks and kernel scratch are left out), and the saving it predicts is the one the model shows."""
+    from engine.memory_budget import weight_bytes_estimate
+    from model.loader import read_config
+
+    make_tiny(tmp_path, vocab_size=512, dtype="bfloat16", hidden_size=256, head_dim=32, intermediate_size=64, seed=5)
+    config = read_config(tmp_path)
+    exact = weight_bytes(build_model(config, "cpu", torch.bfloat16, checkpoint=tmp_path))["dense"]
+    got = weight_bytes(build_model(config, "cpu", torch.bfloat16, checkpoint=tmp_path, **dtypes))["dense"]
+    est, est_exact = weight_bytes_estimate(config, **dtypes)["dense"], weight_bytes_estimate(config)["dense"]
+    assert abs(est - got) <= 0.02 * got
+    assert abs((est_exact - est) - (exact - got)) <= 0.02 * exact
+    if dtypes:
+        assert got < exact and est < est_exact
