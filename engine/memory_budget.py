@@ -70,7 +70,7 @@ def weight_bytes_estimate(c: GptOssConfig, tp_size: int = 1, ep_size: int = 1, m
     d, i, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     experts = c.num_local_experts // ep_size
     shapes = ((2 * i, d), (d, i))  # gate_up [2I, D], down [D, I]: (out, in)
-    fp8 = sum(n * padded(k) + 4 * (-(-n // 128)) * (padded(k) // 128) + 4 * n for n, k in shapes)
+    fp8 = sum(linear_bytes(n, k, True) + 4 * n for n, k in shapes)  # + the fp32 biases
     mx = sum((-(-n // 16) * 16) * (-(-k // 64) * 64) // 2 + (-(-n // 16)) * (-(-k // 64)) * 32 for n, k in shapes)
     heads = (c.num_attention_heads + 2 * c.num_key_value_heads) // tp_size * c.head_dim
     o_in = c.num_attention_heads // tp_size * c.head_dim
