@@ -11,7 +11,10 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
-- "fp8-dense": the same for QKV and O too (measured slower than fp8-lm-head: kernels/layers/NOTES.md);
+- "fp8-dense": the same for QKV and O too, which run on the slab GEMV at 1-2 tokens (kernels/layers/slab_gemv_triton.py);
+  "fp8-dense-tc": without the slab GEMV (the tensor-core FP8 GEMV at every decode size: before 2026-12-02, measured
+  slower than fp8-lm-head, kernels/layers/NOTES.md); "fp8-dense+mxfp4-8", "fp8-dense-tc+mxfp4-8": with the MXFP4
+  decode experts of steps of <= 8 tokens too;
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
@@ -44,12 +47,15 @@ import torch
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
+from kernels.layers.fp8_linear import SLAB_MAX_TOKENS
 from model.config import GptOssConfig
 
 # (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens)
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
-            "fp8-dense": (True, True, True, True, "all", 0), "mxfp4-decode": (True, True, True, True, "", 16),
+            "fp8-dense": (True, True, True, True, "all", 0), "fp8-dense-tc": (True, True, True, True, "all-tc", 0),
+            "fp8-dense+mxfp4-8": (True, True, True, True, "all", 8),
+            "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8)}
 
 
@@ -63,11 +69,14 @@ class DenseWeights:
         self.fp8: dict = {}
 
     def use(self, which: str) -> None:
-        """which: "" (all bf16), "lm_head" (FP8 unembedding), "all" (FP8 QKV, O and unembedding)."""
+        """which: "" (all bf16), "lm_head" (FP8 unembedding), "all" (FP8 QKV, O and unembedding), "all-tc" (the same
+        without the slab GEMV)."""
+        from kernels.layers import fp8_linear
         from kernels.layers.fp8_linear import Fp8Linear
 
+        fp8_linear.SLAB_MAX_TOKENS = 0 if which == "all-tc" else SLAB_MAX_TOKENS
         for kind, mods in self.bf16.items():
-            fp8 = which == "all" or which == kind
+            fp8 = which in ("all", "all-tc") or which == kind
             if fp8 and kind not in self.fp8:
                 self.fp8[kind] = [Fp8Linear.from_linear(m) for m in mods]
             chosen = self.fp8[kind] if fp8 else mods

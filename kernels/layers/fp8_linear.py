@@ -5,12 +5,16 @@ The checkpoints hold the dense projections in bf16; an Fp8Linear rounds one once
 float8_e4m3 with one power-of-two fp32 scale per 128x128 block (K zero-padded to a multiple of 128).
 Every FP8 weight times its power-of-two scale is exactly a bf16 value, so weight-only, the model computed is
 the bf16 model with its dense weights rounded to FP8 (~2^-5 relative, RMS), nothing else: activations are never
-quantized, and every token count takes the same numerics (up to fp32 summation order). Half the bytes of
-the bf16 weights; the default stays bf16 (the model then matches the reference) and this is a choice the
-operator makes. At decode QKV and O are too small for the FP8 GEMV to beat the bf16 kernels
-(kernels/layers/NOTES.md); what `dense_dtype` buys is prefill, where they are compute-bound.
+quantized at decode, and every token count up to 64 takes the same numerics (up to fp32 summation order). Half the
+bytes of the bf16 weights; the default stays bf16 (the model then matches the reference) and this is a choice the
+operator makes. At decode of 1-2 tokens the slab GEMV reads QKV / O's FP8 weights in 7.1 / 5.8 us where their
+bf16 kernels take 10.1 / 9.1 (weights from HBM, H200, bench/gemv_slab); the tensor-core FP8 GEMV did not beat the
+bf16 kernels there (kernels/layers/NOTES.md). Prefill gains too, where the projections are compute-bound.
 
 Kernels by token count T (CUDA):
+- T <= SLAB_MAX_TOKENS and weights of at most SLAB_MAX_WEIGHT_BYTES (QKV, O at batch 1-2): the slab GEMV
+  (slab_gemv_triton: each program's whole weight slab loaded at once, fp32 FMAs on CUDA cores; x clamped to
+  +-65504 as below, the same products);
 - T <= 64 (decode): the split-K GEMV (fp8_gemv_triton): exact fp16 images of the e4m3 weights times x in
   fp16 (exact for bf16 x within +-65504, where it clamps; inputs here are RMS-normed or attention
   outputs), fp32 sums, block scale, bias, one rounding;
@@ -37,6 +41,11 @@ from kernels.moe.fp8_quant import (BLOCK, FP8, align, dequantize_rows, dequantiz
 # rows of W quantized at a time: bounds the fp32 temporary (the 201088-row unembedding would need 2.4 GB)
 _QUANT_ROWS = 64 * BLOCK
 GEMV_MAX_TOKENS = 64  # the FP8 GEMV's limit: one [BLOCK_N, 128] x [128, BLOCK_T <= 64] dot per step
+# The slab GEMV at 1-2 tokens (0: off, bench/decode_ab's fp8-dense-tc). At T = 4 it was slower than the tensor-core
+# GEMV (QKV 13.3 vs 11.1 us); the unembedding (0.59 GB) streams at 3.9 TB/s on the tensor-core GEMV already, so
+# only projections up to 64 MB take it (H200 2026-12-02, bench/results/gemv_slab_v1_h200.json).
+SLAB_MAX_TOKENS = 2
+SLAB_MAX_WEIGHT_BYTES = 64 << 20
 FP16_MAX = 65504.0
 
 
@@ -155,6 +164,10 @@ class Fp8Linear(nn.Module):
             return x.new_empty(0, self.out_features)
         from kernels.layers import fp8_gemv_triton
 
+        if x.shape[0] <= SLAB_MAX_TOKENS and self.weight.numel() <= SLAB_MAX_WEIGHT_BYTES:
+            from kernels.layers import slab_gemv_triton
+
+            return slab_gemv_triton.slab_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
         if x.shape[0] <= GEMV_MAX_TOKENS:
             return fp8_gemv_triton.fp8_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
         w = fp8_gemv_triton.dequantize(self.weight, self.weight_scale, self.in_features, x.dtype)

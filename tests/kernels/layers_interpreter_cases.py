@@ -203,6 +203,46 @@ def test_fp8_gemv_matches_twin(t, n, k, with_bias):
         assert torch.isfinite(got).all()
 
 
+# (T, N, K): awkward N (partial 128-blocks of scales, partial BLOCK_N), K below its padding, one split (K <= K_SPLIT)
+@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (3, 130, 520), (4, 64, 128), (2, 48, 1000)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_slab_gemv_matches_twins(t, n, k, with_bias):
+    """The slab GEMV (fp32 FMAs on CUDA cores) on FP8 weights against fp8_linear.reference and on bf16 weights
+    against F.linear in fp32: the same products, fp32 sums in another order, one rounding."""
+    from kernels.layers import fp8_linear, slab_gemv_triton
+
+    x = (torch.randn(t, k) * torch.rand(1, k) * 4).bfloat16()
+    w32 = torch.randn(n, k) * k ** -0.5
+    w, sw = fp8_linear.quantize_weight(w32)
+    b = torch.randn(n).bfloat16() if with_bias else None
+    tickets = fp8_linear.gemv_tickets(n, "cpu")
+    x[0, 0] = 1e6  # beyond fp16: clamped to 65504 on the FP8 path, as by the tensor-core GEMV and the twin
+    want8 = fp8_linear.reference(x, w, sw, b).float()
+    w16 = w32.bfloat16()
+    want16 = (x.float() @ w16.float().T + (b.float() if with_bias else 0))
+    for cfg in (dict(BLOCK_N=16, K_SPLIT=128), dict(BLOCK_N=32, K_SPLIT=512, weights_first=True),
+                dict(BLOCK_N=64, K_SPLIT=2048)):
+        got = slab_gemv_triton.slab_gemv(x, w, sw, b, tickets, cfg)
+        assert int(tickets.abs().sum()) == 0  # every block's ticket reset for the next call
+        assert got.dtype == torch.bfloat16 and got.shape == (t, n)
+        torch.testing.assert_close(got.float(), want8, rtol=2 ** -7, atol=1e-3)
+        got = slab_gemv_triton.slab_gemv(x, w16, None, b, tickets, cfg)
+        torch.testing.assert_close(got.float(), want16, rtol=2 ** -7, atol=1e-3)
+
+
+def test_slab_gemv_rejects_what_it_cannot_run():
+    from kernels.layers import fp8_linear, slab_gemv_triton
+
+    w, sw = fp8_linear.quantize_weight(torch.randn(64, 300))
+    tickets = fp8_linear.gemv_tickets(64, "cpu")
+    for x, cfg in [(torch.randn(5, 300).bfloat16(), {}),  # above SLAB_MAX_TOKENS
+                   (torch.randn(1, 400).bfloat16(), {}),  # K beyond the weights' padded K
+                   (torch.randn(1, 300).bfloat16(), dict(K_SPLIT=384)),  # not a power of two of 128-blocks
+                   (torch.randn(1, 300).bfloat16(), dict(BLOCK_N=8))]:  # below the tickets' block
+        with pytest.raises(ValueError, match="slab_gemv"):
+            slab_gemv_triton.slab_gemv(x, w, sw, None, tickets, cfg)
+
+
 def test_fp8_dequantize_is_exact():
     """The T > 64 path's bf16 image of an FP8 weight (power-of-two scales): exactly the twin's values."""
     from kernels.layers import fp8_gemv_triton, fp8_linear

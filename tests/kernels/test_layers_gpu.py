@@ -234,3 +234,51 @@ def test_fp8_linear_with_fp8_activations_matches_twin(t, n, k, backend, monkeypa
         y = f(x)
     graph.replay()
     assert torch.equal(y, full)
+
+
+# gpt-oss QKV and O, plus awkward N / K (partial scale blocks, K below its padding, several splits)
+@pytest.mark.parametrize("n,k", [(5120, 2880), (2880, 4096), (1100, 700)])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=16, K_SPLIT=512), dict(BLOCK_N=32, K_SPLIT=1024, num_warps=8,
+                                                                      weights_first=True)])
+def test_slab_gemv_matches_twins(t, n, k, cfg):
+    """The slab GEMV on FP8 weights against fp8_linear.reference and on bf16 weights against F.linear in
+    fp32 (the same products, fp32 sums in another order: within a bf16 step)."""
+    from kernels.layers import fp8_linear, slab_gemv_triton
+
+    x = (torch.randn(t, k, device=DEV) * (torch.rand(k, device=DEV) * 3)).bfloat16()
+    w32 = torch.randn(n, k, device=DEV) * k ** -0.5
+    w, sw = fp8_linear.quantize_weight(w32)
+    b = torch.randn(n, device=DEV).bfloat16()
+    tickets = fp8_linear.gemv_tickets(n, DEV)
+    for weight, scale, want in [(w, sw, fp8_linear.reference(x, w, sw, b).float()),
+                                (w32.bfloat16(), None, x.float() @ w32.bfloat16().float().T + b.float())]:
+        got = slab_gemv_triton.slab_gemv(x, weight, scale, b, tickets, cfg)
+        assert got.shape == (t, n) and got.dtype == torch.bfloat16
+        err = (got.float() - want).abs()
+        assert bool((err <= want.abs() * 2 ** -7 + want.abs().mean() * 2 ** -8).all()), err.max().item()
+        assert int(tickets.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("weights_first", [False, True])
+def test_slab_gemv_in_cuda_graph_replays_bitwise(weights_first):
+    """Captured with PDL after a producer kernel that writes x (the weights loaded before the PDL wait with
+    weights_first): every replay equals the eager call on the same fresh inputs."""
+    from kernels.layers import fp8_linear, slab_gemv_triton, triton_ops
+
+    w, sw = fp8_linear.quantize_weight(torch.randn(5120, 2880, device=DEV) * 0.02)
+    tickets = fp8_linear.gemv_tickets(5120, DEV)
+    src, norm_w = torch.randn(1, 2880, device=DEV).bfloat16(), torch.rand(2880, device=DEV) + 0.5
+    cfg = dict(BLOCK_N=16, K_SPLIT=1024, weights_first=weights_first)
+
+    def step():
+        return slab_gemv_triton.slab_gemv(triton_ops.add_rms_norm(src, None, norm_w, 1e-5), w, sw, None, tickets, cfg)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    for _ in range(3):
+        src.copy_(torch.randn_like(src))
+        graph.replay()
+        assert torch.equal(y, step())
