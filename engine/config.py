@@ -42,7 +42,8 @@ class EngineConfig:
     # QKV and O weights: "auto" = the checkpoint's (bf16); "fp8_e4m3" rounds them at load to 128x128-block FP8
     # and, in steps of more than 64 tokens (prompts), quantizes their inputs per token per 128 channels for
     # DeepGEMM's FP8 GEMM (kernels/layers/fp8_linear.py): faster prefill (their GEMMs are ~2x cuBLAS bf16's
-    # rate), decode steps of <= 64 tokens weight-only. A request's numerics then depend on its step's size.
+    # rate), decode steps of <= 64 tokens weight-only (batch-1 decode steps 1.14x on the H200: the slab GEMV at 1-2
+    # tokens, kernels/layers/slab_gemv_triton.py). A request's numerics then depend on its step's size.
     dense_dtype: str = "auto"
     # Decode steps of at most this many tokens compute the experts from the checkpoint's MXFP4 weights (the
     # CUDA MXFP4 decode GEMM, kernels/moe/mxfp4_decode_layer.py) instead of their FP8 conversion; 0: never.

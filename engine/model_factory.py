@@ -177,9 +177,9 @@ def check_mxfp4_copy_fits(config: GptOssConfig, parallel: Parallel, free_bytes: 
 def quantize_lm_head_fp8(model: GptOssForCausalLM) -> None:
     """Swap the unembedding for an FP8 128x128-block copy (the bf16 weight is released).
 
-    Only the unembedding: the FP8 GEMV streams it 1.6-1.8x faster than cuBLAS reads the bf16 weight at
-    <= 16 tokens, but QKV and O (15 and 12 MB in FP8) are too small for it to beat the bf16 kernels
-    (0.85-0.94x at T <= 16; H200 2026-11-30, bench/results/gemv_fp8_h200.json, kernels/layers/NOTES.md)."""
+    Only the unembedding (lm_head_dtype): the FP8 GEMV streams it 1.6-1.8x faster than cuBLAS reads the bf16
+    weight at <= 16 tokens (H200 2026-11-30, bench/results/gemv_fp8_h200.json, kernels/layers/NOTES.md). QKV and
+    O are the separate opt-in dense_dtype (quantize_dense_fp8)."""
     from kernels.layers.fp8_linear import Fp8Linear
 
     model.lm_head = Fp8Linear.from_linear(model.lm_head)
