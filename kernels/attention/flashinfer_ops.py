@@ -1,4 +1,5 @@
-"""FlashInfer 0.5.3, wrapped: the one module of this project that imports `flashinfer`.
+"""FlashInfer 0.5.3, wrapped: the one module of the engine that imports `flashinfer` (bench/fp8_sink_prefill_probe.py,
+a probe of its FP8 kernel, is the other).
 
 What we use from it:
 - `BatchAttentionWithAttentionSinkWrapper` for sink attention over the paged cache (prefill, and the
