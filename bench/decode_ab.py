@@ -47,8 +47,10 @@ import torch
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
-from kernels.layers.fp8_linear import SLAB_MAX_TOKENS
+from kernels.layers import fp8_linear
 from model.config import GptOssConfig
+
+SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
 
 # (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens)
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
@@ -71,14 +73,11 @@ class DenseWeights:
     def use(self, which: str) -> None:
         """which: "" (all bf16), "lm_head" (FP8 unembedding), "all" (FP8 QKV, O and unembedding), "all-tc" (the same
         without the slab GEMV)."""
-        from kernels.layers import fp8_linear
-        from kernels.layers.fp8_linear import Fp8Linear
-
         fp8_linear.SLAB_MAX_TOKENS = 0 if which == "all-tc" else SLAB_MAX_TOKENS
         for kind, mods in self.bf16.items():
             fp8 = which in ("all", "all-tc") or which == kind
             if fp8 and kind not in self.fp8:
-                self.fp8[kind] = [Fp8Linear.from_linear(m) for m in mods]
+                self.fp8[kind] = [fp8_linear.Fp8Linear.from_linear(m) for m in mods]
             chosen = self.fp8[kind] if fp8 else mods
             if kind == "lm_head":
                 self.model.lm_head = chosen[0]

@@ -29,12 +29,11 @@ from kernels.layers import GEMV_MIN_BLOCK_N
 from kernels.layers.gemv_triton import finish_split_k
 from kernels.pdl import pdl_prologue
 
-SLAB_MAX_TOKENS = 4
+MAX_TOKENS = 4  # the kernel's limit (BLOCK_T unrolled per token); fp8_linear.SLAB_MAX_TOKENS is where it pays
 QBLOCK = 128  # FP8 scale block along K and N; also the slab's inner K extent
 # The sweep's best at T = 1 and 2 for both shapes, QKV / O 7.1 / 5.8 us at T = 1 (bench/gemv_slab, H200 2026-12-02,
 # bench/results/gemv_slab_v1_h200.json): 64 rows x 256 K per program, 960 / 720 programs
 DEFAULT_CONFIG = dict(BLOCK_N=64, K_SPLIT=256, num_warps=4, weights_first=True)
-FP16_MAX = 65504.0
 
 
 @triton.jit
@@ -79,7 +78,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
     n, kw = weight.shape
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     fp8 = weight_scale is not None
-    ok = 0 < t <= SLAB_MAX_TOKENS and k <= kw and (bias is None or bias.shape == (n,)) \
+    ok = 0 < t <= MAX_TOKENS and k <= kw and (bias is None or bias.shape == (n,)) \
         and tickets.numel() >= triton.cdiv(n, GEMV_MIN_BLOCK_N) and cfg["BLOCK_N"] >= GEMV_MIN_BLOCK_N \
         and cfg["K_SPLIT"] % QBLOCK == 0 and triton.next_power_of_2(cfg["K_SPLIT"] // QBLOCK) == cfg["K_SPLIT"] // QBLOCK
     if fp8:
@@ -88,7 +87,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
     else:
         ok = ok and kw == k
     if not ok:
-        raise ValueError(f"slab_gemv: x {tuple(x.shape)} (1..{SLAB_MAX_TOKENS} rows), weight {tuple(weight.shape)} "
+        raise ValueError(f"slab_gemv: x {tuple(x.shape)} (1..{MAX_TOKENS} rows), weight {tuple(weight.shape)} "
                          f"{weight.dtype}, scales {None if weight_scale is None else tuple(weight_scale.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}")
     if x.stride(1) != 1:

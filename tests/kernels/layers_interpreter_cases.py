@@ -235,7 +235,7 @@ def test_slab_gemv_rejects_what_it_cannot_run():
 
     w, sw = fp8_linear.quantize_weight(torch.randn(64, 300))
     tickets = fp8_linear.gemv_tickets(64, "cpu")
-    for x, cfg in [(torch.randn(5, 300).bfloat16(), {}),  # above SLAB_MAX_TOKENS
+    for x, cfg in [(torch.randn(5, 300).bfloat16(), {}),  # above slab_gemv_triton.MAX_TOKENS
                    (torch.randn(1, 400).bfloat16(), {}),  # K beyond the weights' padded K
                    (torch.randn(1, 300).bfloat16(), dict(K_SPLIT=384)),  # not a power of two of 128-blocks
                    (torch.randn(1, 300).bfloat16(), dict(BLOCK_N=8))]:  # below the tickets' block
