@@ -80,9 +80,12 @@ def swiglu_bf16_reference(h: torch.Tensor, bias: torch.Tensor, alpha: float, lim
 
 
 def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plan, packed13: dict, packed2: dict,
-                   b13: torch.Tensor, b2: torch.Tensor, first_expert: int, alpha: float, limit: float) -> torch.Tensor:
+                   b13: torch.Tensor, b2: torch.Tensor, first_expert: int, alpha: float, limit: float,
+                   tickets: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's experts for x [T, D] bf16 routed by the fused decode front (ids / weights [T, k], its masked
-    plan with m_cap = T and token_of_row), from `mxfp4_cuda.pack_mma_words` weights. No host sync, no
+    plan with m_cap = T and token_of_row), from `mxfp4_cuda.pack_mma_words` weights. With `tickets`
+    (mxfp4_cuda.combine_tickets(D), this layer's own) the SwiGLU runs in the gate_up GEMM's epilogue and the
+    combine in the down GEMM's: two launches instead of four, the same arithmetic. No host sync, no
     allocation outside torch's caching allocator: CUDA-graph capturable."""
     from kernels.moe import epilogues_triton as epi
     from kernels.moe import mxfp4_cuda
@@ -92,6 +95,18 @@ def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pl
         raise ValueError(f"the MXFP4 decode experts take the fused front's masked plan with m_cap = T (1..{MAX_TOKENS}); "
                          f"got layout {plan.layout}, m_cap {plan.rows_per_group}, T {t}")
     rows = plan.num_rows
+    if tickets is not None:
+        act = torch.empty(rows, packed2["k"], dtype=torch.bfloat16, device=x.device)
+        mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(x, packed13, act, plan.counts, plan.active, plan.num_active, t, t,
+                                                 a_row_map=plan.token_of_row,
+                                                 epilogue=mxfp4_cuda.SwigluEpilogue(b13, alpha, limit))
+        y = torch.empty(rows, packed2["n"], dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(t, packed2["n"], dtype=x.dtype, device=x.device)
+        combine = mxfp4_cuda.CombineEpilogue(out, plan.row_of_pair, ids, weights, b2, plan.token_of_row, tickets,
+                                             first_expert)
+        mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(act, packed2, y, plan.counts, plan.active, plan.num_active, t, t,
+                                                 epilogue=combine)
+        return out
     h = torch.empty(rows, packed13["n"], dtype=torch.bfloat16, device=x.device)
     mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(x, packed13, h, plan.counts, plan.active, plan.num_active, t, t,
                                              a_row_map=plan.token_of_row)
