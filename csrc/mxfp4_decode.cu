@@ -721,13 +721,20 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
     if (kind == 2) smem += static_cast<size_t>(warps) * depth * 512;
     const c10::cuda::CUDAGuard guard(a.device());
     TORCH_CHECK(smem <= static_cast<size_t>(kMaxSmem), "shared memory of ", smem, " bytes: too many tokens or warps");
-    static bool raised[64][2][3][2] = {};  // once per device and kernel, before any graph capture uses it
+    // once per device and kernel, before any graph capture uses it: the dynamic limit is what the kernel's
+    // static shared memory (combine_tail's flags) leaves of the opt-in limit
+    static int max_dynamic[64][2][3][2] = {};
     TORCH_CHECK(a.device().index() < 64, "device index");
-    bool& done = raised[a.device().index()][nt - 1][kind][depth == 8];
-    if (!done) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-        done = true;
+    int& limit_dynamic = max_dynamic[a.device().index()][nt - 1][kind][depth == 8];
+    if (limit_dynamic == 0) {
+        cudaFuncAttributes fa;
+        C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+        const int allowed = kMaxSmem - static_cast<int>(fa.sharedSizeBytes);
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allowed));
+        limit_dynamic = allowed;
     }
+    TORCH_CHECK(smem <= static_cast<size_t>(limit_dynamic), "shared memory of ", smem,
+                " bytes: too many tokens or warps");
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(grid_x),
                        static_cast<unsigned>(active.numel()), 1);
