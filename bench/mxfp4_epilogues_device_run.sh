@@ -21,7 +21,7 @@ step tests "${TESTS_S:-200}" python3 -m pytest -q -ra -s -p no:cacheprovider tes
 tail -3 "$OUT/tests.log"
 if [ -n "$PROBE_PID" ]; then wait $PROBE_PID; tail -25 "$OUT/fp8_probe.log"; fi
 step decode_ab 400 python3 -m bench.decode_ab --models gpt-oss-20b \
-    --variants "${VARIANTS:-fp8-dense+mxfp4-8,fp8-dense+mxfp4-8-unfused,fp8-dense}" \
-    --out "$OUT/decode_ab_mxfp4_epilogues_h200.json" ${DECODE_ARGS:---batches 1,2,4,8 --max-batch 8 --rounds 2}
+    --variants "${VARIANTS:-fp8-dense+mxfp4-8,fp8-dense+mxfp4-8-swiglu,fp8-dense+mxfp4-8-unfused}" \
+    --out "$OUT/decode_ab_mxfp4_epilogues_h200.json" ${DECODE_ARGS:---batches 1,2,4,8 --max-batch 8 --rounds 3}
 pack_logs
 grep -vE "Warn|warn" "$OUT/decode_ab.log" | grep -A8 "decode step (ms)" | head -30

@@ -292,8 +292,23 @@ __device__ __forceinline__ void finish(const Args& args, const Work& w, float* r
     }
 }
 
+// The pairs of one token (up to kMaxTopK slots, the loads unrolled so they are in flight together):
+// their rows (-1: off this rank).
+constexpr int kMaxTopK = 4;  // gpt-oss routes each token to 4 experts
+
+__device__ __forceinline__ int local_pairs(const Args& args, int tok, int (&row)[kMaxTopK]) {
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+        row[j] = j < args.top_k ? __ldcg(args.row_of_pair + tok * args.top_k + j) : -1;
+        n += row[j] >= 0;
+    }
+    return n;
+}
+
 // Combine, by the last block of each (channel range, token) to store its rows: every block's stores
-// fenced before its tickets are taken; the last one reads the others' rows from L2.
+// fenced before its tickets are taken; the last one reads the others' rows from L2. The per-pair loads are
+// unrolled (independent, one round trip each stage): the tail sits at the end of the layer's critical path.
 __device__ __forceinline__ void combine_tail(const Args& args, const Work& w) {
     __shared__ int last_token[kMaxTokens];
     __threadfence();
@@ -301,8 +316,8 @@ __device__ __forceinline__ void combine_tail(const Args& args, const Work& w) {
     const int tid = threadIdx.x;
     if (tid < w.count) {
         const int tok = __ldcg(args.token_of_row + w.row0 + tid);
-        int expected = 0;
-        for (int j = 0; j < args.top_k; ++j) expected += __ldcg(args.row_of_pair + tok * args.top_k + j) >= 0;
+        int row[kMaxTopK];
+        const int expected = local_pairs(args, tok, row);
         int* ticket = args.tickets + blockIdx.x * kMaxTokens + tok;
         const bool last = atomicAdd(ticket, 1) == expected - 1;
         if (last) atomicExch(ticket, 0);  // every arrival is in: zero for the next call
@@ -314,17 +329,26 @@ __device__ __forceinline__ void combine_tail(const Args& args, const Work& w) {
     for (int i = 0; i < w.count; ++i) {
         const int tok = last_token[i];
         if (tok < 0) continue;
+        int row[kMaxTopK], e[kMaxTopK];
+        float wt[kMaxTopK];
+        local_pairs(args, tok, row);
+#pragma unroll
+        for (int j = 0; j < kMaxTopK; ++j) {
+            const int pair = tok * args.top_k + j;
+            e[j] = row[j] >= 0 ? __ldcg(args.pair_expert + pair) - args.first_expert : 0;
+            wt[j] = row[j] >= 0 ? __ldcg(args.pair_weight + pair) : 0.f;
+        }
         for (int c = c0 + tid; c < c1; c += blockDim.x) {
+            float y[kMaxTopK];
+#pragma unroll
+            for (int j = 0; j < kMaxTopK; ++j)
+                y[j] = row[j] >= 0 ? __bfloat162float(__ldcg(args.out + row[j] * args.stride_out + c)) +
+                                         __ldg(args.bias + e[j] * args.stride_bias + c)
+                                   : 0.f;
             float acc = 0.f;
-            for (int j = 0; j < args.top_k; ++j) {
-                const int pair = tok * args.top_k + j;
-                const int row = __ldcg(args.row_of_pair + pair);
-                if (row < 0) continue;
-                const int e = __ldcg(args.pair_expert + pair) - args.first_expert;
-                float y = __bfloat162float(__ldcg(args.out + row * args.stride_out + c));
-                y += __ldg(args.bias + e * args.stride_bias + c);
-                acc = fmaf(__ldcg(args.pair_weight + pair), y, acc);
-            }
+#pragma unroll
+            for (int j = 0; j < kMaxTopK; ++j)  // slot order, as epilogues_triton.combine
+                if (row[j] >= 0) acc = fmaf(wt[j], y[j], acc);
             args.combined[tok * args.stride_combined + c] = __float2bfloat16(acc);
         }
     }
@@ -336,9 +360,8 @@ __device__ __forceinline__ void zero_unrouted(const Args& args) {
     if (args.epilogue != kEpilogueCombine || blockIdx.y != 0) return;
     const int c0 = blockIdx.x * args.tiles_per_block * 16, c1 = min(c0 + args.tiles_per_block * 16, args.n);
     for (int tok = 0; tok < args.tokens; ++tok) {
-        bool routed = false;
-        for (int j = 0; j < args.top_k; ++j) routed |= __ldcg(args.row_of_pair + tok * args.top_k + j) >= 0;
-        if (routed) continue;
+        int row[kMaxTopK];
+        if (local_pairs(args, tok, row) > 0) continue;
         for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
             args.combined[tok * args.stride_combined + c] = __float2bfloat16(0.f);
     }
@@ -662,7 +685,8 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
                     "pair_expert must be contiguous int32 [tokens, top_k]");
         const int64_t tokens = pair_expert->size(0);
         top_k = pair_expert->size(1);
-        TORCH_CHECK(tokens >= 1 && tokens <= kMaxTokens && top_k >= 1, "combine: 1..", kMaxTokens, " tokens");
+        TORCH_CHECK(tokens >= 1 && tokens <= kMaxTokens && top_k >= 1 && top_k <= kMaxTopK, "combine: 1..",
+                    kMaxTokens, " tokens, 1..", kMaxTopK, " experts per token");
         TORCH_CHECK(pair_weight->scalar_type() == at::kFloat && pair_weight->is_contiguous() &&
                         pair_weight->numel() == tokens * top_k && row_of_pair->scalar_type() == at::kInt &&
                         row_of_pair->is_contiguous() && row_of_pair->numel() == tokens * top_k,

@@ -83,8 +83,8 @@ class Fp8Experts(nn.Module):
         # Decode steps of at most this many tokens read the MXFP4 copy attached by attach_mxfp4 (0: never)
         self.mxfp4_max_tokens = 0
         self._mxfp4: tuple[dict, dict] | None = None
-        # ... with the SwiGLU and the combine inside the MXFP4 GEMMs' epilogues (False: four launches, for A/B)
-        self.mxfp4_fused_epilogues = True
+        # ... with what runs inside the MXFP4 GEMMs' epilogues: "swiglu+combine", "swiglu" or "" (four launches)
+        self.mxfp4_fused_epilogues = "swiglu+combine"
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -212,7 +212,9 @@ class Fp8Experts(nn.Module):
 
             return mxfp4_decode_layer.decode_experts(x.contiguous(), ids, weights, plan, *self._mxfp4_packed(),
                                                      self.b13, self.b2, self.first_expert, self.alpha, self.limit,
-                                                     self.mx_combine_tickets if self.mxfp4_fused_epilogues else None)
+                                                     self.mx_combine_tickets
+                                                     if "combine" in self.mxfp4_fused_epilogues else None,
+                                                     "swiglu" in self.mxfp4_fused_epilogues)
         from kernels.moe import triton_grouped_gemm as tgg
 
         return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
