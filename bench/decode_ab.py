@@ -17,9 +17,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   decode experts of steps of <= 8 tokens too;
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
-  ("mxfp4-decode-8": steps of <= 8 tokens). Since 2026-12-02 the MXFP4 path runs the SwiGLU and the combine in
-  its GEMMs' epilogues; every MXFP4 variant has an "-unfused" twin with them as separate launches and a "-swiglu"
-  twin with only the SwiGLU fused.
+  ("mxfp4-decode-8": steps of <= 8 tokens).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -61,12 +59,6 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense+mxfp4-8": (True, True, True, True, "all", 8),
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8)}
-# the MXFP4 variants with the SwiGLU and the combine as separate launches (before 2026-12-02), or the SwiGLU alone
-# in the gate_up GEMM's epilogue
-MXFP4_EPILOGUES = {name: "swiglu+combine" for name, flags in VARIANTS.items() if flags[5]}
-for _name in list(MXFP4_EPILOGUES):
-    VARIANTS[f"{_name}-unfused"] = VARIANTS[f"{_name}-swiglu"] = VARIANTS[_name]
-    MXFP4_EPILOGUES.update({f"{_name}-unfused": "", f"{_name}-swiglu": "swiglu"})
 
 
 class DenseWeights:
@@ -93,14 +85,12 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                mxfp4_epilogues: str = "swiglu+combine") -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4
-            layer.mlp.experts.mxfp4_fused_epilogues = mxfp4_epilogues
     h.model.backend.fuse_kv_write = kv
     pdl.ENABLED = use_pdl
     if fp8 or hasattr(h, "dense_weights"):
@@ -130,7 +120,7 @@ def run(name: str, args) -> dict:
     out = {"variants": {}}
     for variant in args.variants * args.rounds:
         flags = VARIANTS[variant]
-        set_variant(h, *flags, mxfp4_epilogues=MXFP4_EPILOGUES.get(variant, "swiglu+combine"))
+        set_variant(h, *flags)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

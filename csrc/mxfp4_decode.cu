@@ -90,26 +90,7 @@ struct Args {
     int max_tokens;           // rows of the activation tile in shared memory (+1 zero row)
     int tiles_per_block, k_splits;
     int chunks_per_piece;     // bulk kernel: chunks per copy (and mbarrier)
-    // Epilogue (kEpiloguePlain: out = bf16 rows). kEpilogueSwiglu: out [rows, n / 2] = bf16(clamped SwiGLU of
-    // the bf16-rounded rows (gate 2c, up 2c + 1) + bias). kEpilogueCombine: out holds the bf16 rows as for
-    // plain, and the last block of each (channel range, token) to finish (a ticket) writes
-    // combined[token] = bf16(sum_j w[token, j] * (row(token, j) + bias[expert_j])), slots j in order.
-    int epilogue;
-    const float* bias;        // [E, n] fp32 (gate_up bias for SwiGLU, down bias for combine)
-    long long stride_bias;
-    float alpha, limit;       // SwiGLU
-    __nv_bfloat16* combined;  // combine: [tokens, n]
-    long long stride_combined;
-    const int* row_of_pair;   // combine: [tokens * top_k] row of each pair, -1 off this rank
-    const int* pair_expert;   // combine: [tokens * top_k] global expert ids
-    const float* pair_weight; // combine: [tokens * top_k]
-    const int* token_of_row;  // combine: [E * rows_per_group] token of each masked row
-    int* tickets;             // combine: [gridDim.x * kMaxTokens], zero between calls (the last arrival resets)
-    int first_expert, top_k, tokens;
 };
-
-constexpr int kEpiloguePlain = 0, kEpilogueSwiglu = 1, kEpilogueCombine = 2;
-constexpr int kMaxTokens = 16;
 
 // Words of one activation row in shared memory: chunks x 32, then padding so that the four rows a
 // half-warp's 8-byte loads touch fall on different banks.
@@ -238,16 +219,7 @@ __device__ __forceinline__ void chunk_mma(const uint4& wv, uint32_t sw, const ui
     }
 }
 
-// gate (row 2c) and up (row 2c + 1) of one token, bias added -> the clamped SwiGLU, as
-// mxfp4_decode_layer.swiglu_bf16 computes it in fp32 (IEEE division and expf here).
-__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
-    gate = fminf(gate, limit);
-    up = fminf(fmaxf(up, -limit), limit);
-    return gate / (1.f + expf(-alpha * gate)) * (up + 1.f);
-}
-
-// Sum over the K ranges (in `red`), then 2^14 (the codes' 2^-14), bf16 rounding and the epilogue's store.
-// Every thread returns (the combine tail after it needs the whole block).
+// Sum over the K ranges (in `red`), then 2^14 (the codes' 2^-14) and bf16 out.
 template <int NT>
 __device__ __forceinline__ void finish(const Args& args, const Work& w, float* red, float (&acc)[NT][4]) {
     if (args.k_splits > 1) {
@@ -269,110 +241,16 @@ __device__ __forceinline__ void finish(const Args& args, const Work& w, float* r
                     acc[nt][j] +=
                         red[(((s - 1) * args.tiles_per_block + w.tile_local) * NT * 4 + nt * 4 + j) * 32 + w.lane];
     }
-    if (w.tile >= args.row_tiles) return;  // warp-uniform: the shuffle below sees whole warps
+    if (w.tile >= args.row_tiles) return;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int row = w.tile * 16 + w.g + 8 * (j >> 1);
             const int tok = nt * 8 + 2 * w.t + (j & 1);
-            const __nv_bfloat16 h = __float2bfloat16(acc[nt][j] * 16384.f);
-            if (args.epilogue != kEpilogueSwiglu) {
-                if (tok < w.count && row < args.n) args.out[(w.row0 + tok) * args.stride_out + row] = h;
-                continue;
-            }
-            // SwiGLU: lane (g, t) holds row g, lane (g ^ 1, t) = lane ^ 4 its gate / up partner
-            const float v = __bfloat162float(h) +
-                            (row < args.n ? __ldg(args.bias + w.expert * args.stride_bias + row) : 0.f);
-            const float partner = __shfl_xor_sync(0xffffffffu, v, 4);
-            if ((w.g & 1) == 0 && tok < w.count && row < args.n)
-                args.out[(w.row0 + tok) * args.stride_out + (row >> 1)] =
-                    __float2bfloat16(clamped_swiglu(v, partner, args.alpha, args.limit));
+            if (tok < w.count && row < args.n)
+                args.out[(w.row0 + tok) * args.stride_out + row] = __float2bfloat16(acc[nt][j] * 16384.f);
         }
-    }
-}
-
-// The pairs of one token (up to kMaxTopK slots, the loads unrolled so they are in flight together):
-// their rows (-1: off this rank).
-constexpr int kMaxTopK = 4;  // gpt-oss routes each token to 4 experts
-
-__device__ __forceinline__ int local_pairs(const Args& args, int tok, int (&row)[kMaxTopK]) {
-    int n = 0;
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-        row[j] = j < args.top_k ? __ldcg(args.row_of_pair + tok * args.top_k + j) : -1;
-        n += row[j] >= 0;
-    }
-    return n;
-}
-
-// Combine, by the last block of each (channel range, token) to store its rows: every block's stores
-// fenced before its tickets are taken; the last one reads the others' rows from L2. The per-pair loads are
-// unrolled (independent, one round trip each stage): the tail sits at the end of the layer's critical path.
-__device__ __forceinline__ void combine_tail(const Args& args, const Work& w) {
-    __shared__ int last_token[kMaxTokens];
-    __threadfence();
-    __syncthreads();
-    const int tid = threadIdx.x;
-    if (tid < w.count) {
-        const int tok = __ldcg(args.token_of_row + w.row0 + tid);
-        int row[kMaxTopK];
-        const int expected = local_pairs(args, tok, row);
-        int* ticket = args.tickets + blockIdx.x * kMaxTokens + tok;
-        const bool last = atomicAdd(ticket, 1) == expected - 1;
-        if (last) atomicExch(ticket, 0);  // every arrival is in: zero for the next call
-        last_token[tid] = last ? tok : -1;
-    }
-    __syncthreads();
-    __threadfence();
-    const int c0 = blockIdx.x * args.tiles_per_block * 16, c1 = min(c0 + args.tiles_per_block * 16, args.n);
-    for (int i = 0; i < w.count; ++i) {
-        const int tok = last_token[i];
-        if (tok < 0) continue;
-        int row[kMaxTopK], e[kMaxTopK];
-        float wt[kMaxTopK];
-        local_pairs(args, tok, row);
-#pragma unroll
-        for (int j = 0; j < kMaxTopK; ++j) {
-            const int pair = tok * args.top_k + j;
-            e[j] = row[j] >= 0 ? __ldcg(args.pair_expert + pair) - args.first_expert : 0;
-            wt[j] = row[j] >= 0 ? __ldcg(args.pair_weight + pair) : 0.f;
-        }
-        for (int c = c0 + tid; c < c1; c += blockDim.x) {
-            float y[kMaxTopK];
-#pragma unroll
-            for (int j = 0; j < kMaxTopK; ++j)
-                y[j] = row[j] >= 0 ? __bfloat162float(__ldcg(args.out + row[j] * args.stride_out + c)) +
-                                         __ldg(args.bias + e[j] * args.stride_bias + c)
-                                   : 0.f;
-            float acc = 0.f;
-#pragma unroll
-            for (int j = 0; j < kMaxTopK; ++j)  // slot order, as epilogues_triton.combine
-                if (row[j] >= 0) acc = fmaf(wt[j], y[j], acc);
-            args.combined[tok * args.stride_combined + c] = __float2bfloat16(acc);
-        }
-    }
-}
-
-// Combine: tokens with no pair on this rank get zeros (nobody else writes them), by the blocks of the first
-// expert slot, whether or not that slot is active.
-__device__ __forceinline__ void zero_unrouted(const Args& args) {
-    if (args.epilogue != kEpilogueCombine || blockIdx.y != 0) return;
-    const int c0 = blockIdx.x * args.tiles_per_block * 16, c1 = min(c0 + args.tiles_per_block * 16, args.n);
-    for (int tok = 0; tok < args.tokens; ++tok) {
-        int row[kMaxTopK];
-        if (local_pairs(args, tok, row) > 0) continue;
-        for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
-            args.combined[tok * args.stride_combined + c] = __float2bfloat16(0.f);
-    }
-}
-
-template <int NT>
-__device__ __forceinline__ void finish_block(const Args& args, const Work& w, float* red, float (&acc)[NT][4]) {
-    finish<NT>(args, w, red, acc);
-    if (args.epilogue == kEpilogueCombine) {
-        combine_tail(args, w);
-        zero_unrouted(args);
     }
 }
 
@@ -394,10 +272,7 @@ template <int NT, int DEPTH>
 __global__ void __maxnreg__(NT == 1 ? (DEPTH == 4 ? 56 : 80) : (DEPTH == 4 ? 64 : 96))
 mxfp4_mma_decode_kernel(const Args args) {
     Work w;
-    if (!block_work(args, w)) {
-        zero_unrouted(args);
-        return;
-    }
+    if (!block_work(args, w)) return;
     extern __shared__ uint32_t smem[];
     const int row_words = x_row_words(args.chunks);
     uint32_t* xs = smem;
@@ -441,7 +316,7 @@ mxfp4_mma_decode_kernel(const Args args) {
             }
         }
     }
-    finish_block<NT>(args, w, reinterpret_cast<float*>(xs + (args.max_tokens + 1) * row_words), acc);
+    finish<NT>(args, w, reinterpret_cast<float*>(xs + (args.max_tokens + 1) * row_words), acc);
 }
 
 // ---- async: the ring's weights in shared memory (cp.async), so the loads in flight hold no registers ----
@@ -462,10 +337,7 @@ template <int NT, int DEPTH>
 __global__ void __maxnreg__(NT == 1 ? 56 : 72) mxfp4_mma_decode_async_kernel(const Args args) {
     static_assert(DEPTH >= 2, "two slots at least");
     Work w;
-    if (!block_work(args, w)) {
-        zero_unrouted(args);
-        return;
-    }
+    if (!block_work(args, w)) return;
     extern __shared__ __align__(16) uint32_t smem[];
     const int row_words = x_row_words(args.chunks);
     uint32_t* xs = smem;
@@ -514,7 +386,7 @@ __global__ void __maxnreg__(NT == 1 ? 56 : 72) mxfp4_mma_decode_async_kernel(con
         }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-    finish_block<NT>(args, w, red, acc);
+    finish<NT>(args, w, red, acc);
 }
 
 // ---- bulk: each warp's whole run of weights and scales in flight at once --------------------------------
@@ -542,10 +414,7 @@ __device__ __forceinline__ void wait_parity0(uint32_t bar) {
 template <int NT>
 __global__ void mxfp4_mma_decode_bulk_kernel(const Args args) {
     Work w;
-    if (!block_work(args, w)) {
-        zero_unrouted(args);
-        return;
-    }
+    if (!block_work(args, w)) return;
     extern __shared__ __align__(16) uint32_t smem[];
     const int row_words = x_row_words(args.chunks);
     const int warps = blockDim.x >> 5;
@@ -595,7 +464,7 @@ __global__ void mxfp4_mma_decode_bulk_kernel(const Args args) {
 #pragma unroll 2
         for (int c = p * cpp; c < c_end; ++c) chunk_mma<NT>(wv[c * 32], sv[c * 8], xrow, w.c_begin + c, acc);
     }
-    finish_block<NT>(args, w, red, acc);
+    finish<NT>(args, w, red, acc);
 }
 
 }  // namespace mxfp4_decode
@@ -631,11 +500,7 @@ Kernel select(int nt, int depth, int kind) {
 void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::Tensor out, torch::Tensor counts,
             torch::Tensor active, torch::Tensor num_active, c10::optional<torch::Tensor> a_row_map,
             int64_t rows_per_group, int64_t n, int64_t k, int64_t max_tokens, int64_t tiles_per_block,
-            int64_t k_splits, int64_t depth, int64_t kind, int64_t chunks_per_piece, bool pdl, int64_t epilogue,
-            c10::optional<torch::Tensor> bias, double alpha, double limit, c10::optional<torch::Tensor> combined,
-            c10::optional<torch::Tensor> row_of_pair, c10::optional<torch::Tensor> pair_expert,
-            c10::optional<torch::Tensor> pair_weight, c10::optional<torch::Tensor> token_of_row,
-            c10::optional<torch::Tensor> tickets, int64_t first_expert) {
+            int64_t k_splits, int64_t depth, int64_t kind, int64_t chunks_per_piece, bool pdl) {
     TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1 &&
                     a.size(1) == k && k % 32 == 0,
                 "A must be a CUDA bf16 [rows, K] tensor (K a multiple of 32) with unit stride along K");
@@ -649,12 +514,9 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
                     scales.size(0) == e && scales.size(1) == rt && scales.size(2) == ch && scales.size(3) == 8,
                 "scales must be int32 [E, RT, C, 8]");
     TORCH_CHECK(rt * 16 >= n && (rt - 1) * 16 < n && ch * 64 >= k && (ch - 1) * 64 < k, "packed shape mismatch");
-    TORCH_CHECK(epilogue >= kEpiloguePlain && epilogue <= kEpilogueCombine, "epilogue must be 0, 1 or 2");
-    const int64_t out_cols = epilogue == kEpilogueSwiglu ? n / 2 : n;
-    TORCH_CHECK(epilogue != kEpilogueSwiglu || n % 2 == 0, "SwiGLU needs interleaved gate / up rows (N even)");
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
-                    out.size(1) == out_cols && out.size(0) >= e * rows_per_group,
-                "out must be bf16 [E * rows_per_group, ", out_cols, "]");
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 && out.size(1) == n &&
+                    out.size(0) >= e * rows_per_group,
+                "out must be bf16 [E * rows_per_group, N]");
     TORCH_CHECK(counts.scalar_type() == at::kInt && active.scalar_type() == at::kInt &&
                     num_active.scalar_type() == at::kInt && counts.numel() >= e,
                 "counts, active and num_active must be int32");
@@ -670,36 +532,6 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
     TORCH_CHECK(!bulk || (per_part + chunks_per_piece - 1) / chunks_per_piece <= kMaxPieces,
                 "bulk kernel: at most ", kMaxPieces, " pieces per warp");
     if (a_row_map.has_value()) TORCH_CHECK(a_row_map->scalar_type() == at::kInt, "a_row_map must be int32");
-    const int64_t grid_x = (rt + tiles_per_block - 1) / tiles_per_block;
-    if (epilogue != kEpiloguePlain) {
-        TORCH_CHECK(bias.has_value() && bias->scalar_type() == at::kFloat && bias->dim() == 2 && bias->stride(1) == 1 &&
-                        bias->size(0) >= e && bias->size(1) == n,
-                    "the epilogue's bias must be fp32 [E, N] with unit stride along N");
-    }
-    int64_t top_k = 0;
-    if (epilogue == kEpilogueCombine) {
-        TORCH_CHECK(combined.has_value() && row_of_pair.has_value() && pair_expert.has_value() &&
-                        pair_weight.has_value() && token_of_row.has_value() && tickets.has_value(),
-                    "combine needs combined, row_of_pair, pair_expert, pair_weight, token_of_row and tickets");
-        TORCH_CHECK(pair_expert->dim() == 2 && pair_expert->is_contiguous() && pair_expert->scalar_type() == at::kInt,
-                    "pair_expert must be contiguous int32 [tokens, top_k]");
-        const int64_t tokens = pair_expert->size(0);
-        top_k = pair_expert->size(1);
-        TORCH_CHECK(tokens >= 1 && tokens <= kMaxTokens && top_k >= 1 && top_k <= kMaxTopK, "combine: 1..",
-                    kMaxTokens, " tokens, 1..", kMaxTopK, " experts per token");
-        TORCH_CHECK(pair_weight->scalar_type() == at::kFloat && pair_weight->is_contiguous() &&
-                        pair_weight->numel() == tokens * top_k && row_of_pair->scalar_type() == at::kInt &&
-                        row_of_pair->is_contiguous() && row_of_pair->numel() == tokens * top_k,
-                    "pair_weight (fp32) and row_of_pair (int32) must be contiguous [tokens * top_k]");
-        TORCH_CHECK(token_of_row->scalar_type() == at::kInt && token_of_row->numel() >= e * rows_per_group,
-                    "token_of_row must be int32 [E * rows_per_group]");
-        TORCH_CHECK(tickets->scalar_type() == at::kInt && tickets->is_contiguous() &&
-                        tickets->numel() >= grid_x * kMaxTokens,
-                    "tickets must be int32 with at least ", grid_x * kMaxTokens, " zeros (mxfp4_cuda.combine_tickets)");
-        TORCH_CHECK(combined->scalar_type() == at::kBFloat16 && combined->dim() == 2 && combined->stride(1) == 1 &&
-                        combined->size(0) == tokens && combined->size(1) == n,
-                    "combined must be bf16 [tokens, N]");
-    }
 
     Args args;
     args.a = reinterpret_cast<const __nv_bfloat16*>(a.data_ptr<at::BFloat16>());
@@ -721,22 +553,6 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
     args.tiles_per_block = static_cast<int>(tiles_per_block);
     args.k_splits = static_cast<int>(k_splits);
     args.chunks_per_piece = static_cast<int>(chunks_per_piece);
-    args.epilogue = static_cast<int>(epilogue);
-    args.bias = bias.has_value() && epilogue != kEpiloguePlain ? bias->data_ptr<float>() : nullptr;
-    args.stride_bias = args.bias ? bias->stride(0) : 0;
-    args.alpha = static_cast<float>(alpha);
-    args.limit = static_cast<float>(limit);
-    const bool comb = epilogue == kEpilogueCombine;
-    args.combined = comb ? reinterpret_cast<__nv_bfloat16*>(combined->data_ptr<at::BFloat16>()) : nullptr;
-    args.stride_combined = comb ? combined->stride(0) : 0;
-    args.row_of_pair = comb ? row_of_pair->data_ptr<int>() : nullptr;
-    args.pair_expert = comb ? pair_expert->data_ptr<int>() : nullptr;
-    args.pair_weight = comb ? pair_weight->data_ptr<float>() : nullptr;
-    args.token_of_row = comb ? token_of_row->data_ptr<int>() : nullptr;
-    args.tickets = comb ? tickets->data_ptr<int>() : nullptr;
-    args.first_expert = static_cast<int>(first_expert);
-    args.top_k = static_cast<int>(top_k);
-    args.tokens = comb ? static_cast<int>(pair_expert->size(0)) : 0;
 
     const int64_t warps = tiles_per_block * k_splits;
     size_t smem = (static_cast<size_t>(max_tokens + 1) * x_row_words(args.chunks) +
@@ -745,22 +561,15 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
     if (kind == 2) smem += static_cast<size_t>(warps) * depth * 512;
     const c10::cuda::CUDAGuard guard(a.device());
     TORCH_CHECK(smem <= static_cast<size_t>(kMaxSmem), "shared memory of ", smem, " bytes: too many tokens or warps");
-    // once per device and kernel, before any graph capture uses it: the dynamic limit is what the kernel's
-    // static shared memory (combine_tail's flags) leaves of the opt-in limit
-    static int max_dynamic[64][2][3][2] = {};
+    static bool raised[64][2][3][2] = {};  // once per device and kernel, before any graph capture uses it
     TORCH_CHECK(a.device().index() < 64, "device index");
-    int& limit_dynamic = max_dynamic[a.device().index()][nt - 1][kind][depth == 8];
-    if (limit_dynamic == 0) {
-        cudaFuncAttributes fa;
-        C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
-        const int allowed = kMaxSmem - static_cast<int>(fa.sharedSizeBytes);
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allowed));
-        limit_dynamic = allowed;
+    bool& done = raised[a.device().index()][nt - 1][kind][depth == 8];
+    if (!done) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+        done = true;
     }
-    TORCH_CHECK(smem <= static_cast<size_t>(limit_dynamic), "shared memory of ", smem,
-                " bytes: too many tokens or warps");
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(grid_x),
+    cfg.gridDim = dim3(static_cast<unsigned>((rt + tiles_per_block - 1) / tiles_per_block),
                        static_cast<unsigned>(active.numel()), 1);
     cfg.blockDim = dim3(static_cast<unsigned>(32 * warps), 1, 1);
     cfg.dynamicSmemBytes = smem;

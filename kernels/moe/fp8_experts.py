@@ -83,8 +83,6 @@ class Fp8Experts(nn.Module):
         # Decode steps of at most this many tokens read the MXFP4 copy attached by attach_mxfp4 (0: never)
         self.mxfp4_max_tokens = 0
         self._mxfp4: tuple[dict, dict] | None = None
-        # ... with what runs inside the MXFP4 GEMMs' epilogues: "swiglu+combine", "swiglu" or "" (four launches)
-        self.mxfp4_fused_epilogues = "swiglu+combine"
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -157,7 +155,6 @@ class Fp8Experts(nn.Module):
         for name, p in zip(("mx13", "mx2"), packed):  # buffers: moved with the module, counted in weight bytes
             self.register_buffer(f"{name}_words", p["words"], persistent=False)
             self.register_buffer(f"{name}_scales", p["scales"], persistent=False)
-        self.register_buffer("mx_combine_tickets", mxfp4_cuda.combine_tickets(self.hidden, device), persistent=False)
         self._mxfp4 = tuple({"n": p["n"], "k": p["k"]} for p in packed)
         self.mxfp4_max_tokens = max_tokens
 
@@ -211,10 +208,7 @@ class Fp8Experts(nn.Module):
             from kernels.moe import mxfp4_decode_layer
 
             return mxfp4_decode_layer.decode_experts(x.contiguous(), ids, weights, plan, *self._mxfp4_packed(),
-                                                     self.b13, self.b2, self.first_expert, self.alpha, self.limit,
-                                                     self.mx_combine_tickets
-                                                     if "combine" in self.mxfp4_fused_epilogues else None,
-                                                     "swiglu" in self.mxfp4_fused_epilogues)
+                                                     self.b13, self.b2, self.first_expert, self.alpha, self.limit)
         from kernels.moe import triton_grouped_gemm as tgg
 
         return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)

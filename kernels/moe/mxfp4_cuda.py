@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -120,50 +119,15 @@ def build() -> str:
     return _extension().__file__
 
 
-@dataclass(frozen=True)
-class SwigluEpilogue:
-    """The gate_up GEMM's epilogue: out [rows, N / 2] = bf16(clamped SwiGLU(bf16 rows + bias)), gate / up
-    interleaved (rows 2c / 2c + 1), what `mxfp4_decode_layer.swiglu_bf16` computes from the plain output."""
-
-    bias: torch.Tensor  # [E, N] fp32
-    alpha: float
-    limit: float
-
-
-@dataclass(frozen=True)
-class CombineEpilogue:
-    """The down GEMM's epilogue: `out` still receives the bf16 rows, and the last block of each channel range
-    and token writes combined[t] = bf16(sum_j w[t, j] * (row(t, j) + bias[e_j])) in slot order, what
-    `epilogues_triton.combine` computes from them."""
-
-    combined: torch.Tensor  # [T, N] bf16
-    row_of_pair: torch.Tensor  # [T * k] int32
-    expert_ids: torch.Tensor  # [T, k] int32, global ids
-    expert_weights: torch.Tensor  # [T, k] fp32
-    bias: torch.Tensor  # [E, N] fp32
-    token_of_row: torch.Tensor  # [E * rows_per_group] int32
-    tickets: torch.Tensor  # combine_tickets(N): zero between calls
-    first_expert: int
-
-
-def combine_tickets(n: int, device=None, config: dict | None = None) -> torch.Tensor:
-    """Zeroed tickets for a combining down GEMM with N outputs (one per row-tile block and token; each call
-    leaves them zero again). One set per layer: calls that may run at once must not share one."""
-    tiles = dict(CONFIG, **(config or {}))["tiles_per_block"]
-    return torch.zeros(-(-n // (ROWS * tiles)) * DECODE_MAX_TOKENS, dtype=torch.int32, device=device)
-
-
 def grouped_gemm_decode_mxfp4_mma(a: torch.Tensor, packed: dict, out: torch.Tensor, counts: torch.Tensor,
                                   active: torch.Tensor, num_active: torch.Tensor, rows_per_group: int,
                                   max_tokens: int, a_row_map: torch.Tensor | None = None,
-                                  config: dict | None = None, pdl: bool | None = None,
-                                  epilogue: SwigluEpilogue | CombineEpilogue | None = None) -> torch.Tensor:
+                                  config: dict | None = None, pdl: bool | None = None) -> torch.Tensor:
     """a [rows or T, K] bf16 (pair rows of the masked layout, or token rows through `a_row_map`) and the
     `pack_mma_words` experts -> out [E * rows_per_group, N] bf16, rows [e * rows_per_group, + counts[e]) =
-    A rows @ W[e]^T for the experts active[:num_active] (other rows untouched); with a SwigluEpilogue out is
-    [E * rows_per_group, N / 2], their SwiGLU; with a CombineEpilogue its `combined` receives the layer's output
-    too. No host sync, no allocation: CUDA-graph capturable. pdl: launch with programmatic stream serialization
-    (default: while a graph is being captured on an SM90 device, as kernels.pdl does for the Triton kernels)."""
+    A rows @ W[e]^T for the experts active[:num_active] (other rows untouched). No host sync, no
+    allocation: CUDA-graph capturable. pdl: launch with programmatic stream serialization (default: while
+    a graph is being captured on an SM90 device, as kernels.pdl does for the Triton kernels)."""
     if not 0 < max_tokens <= min(DECODE_MAX_TOKENS, rows_per_group):
         raise ValueError(f"grouped_gemm_decode_mxfp4_mma covers 1..{DECODE_MAX_TOKENS} rows per expert "
                          f"(and rows_per_group {rows_per_group}); got {max_tokens}")
@@ -174,19 +138,8 @@ def grouped_gemm_decode_mxfp4_mma(a: torch.Tensor, packed: dict, out: torch.Tens
         from kernels import pdl as pdl_mod
 
         pdl = pdl_mod.active(a)
-    sw = epilogue if isinstance(epilogue, SwigluEpilogue) else None
-    co = epilogue if isinstance(epilogue, CombineEpilogue) else None
-    if epilogue is not None and sw is None and co is None:
-        raise ValueError(f"epilogue must be a SwigluEpilogue or a CombineEpilogue, got {type(epilogue).__name__}")
-    if co is not None and (co.expert_ids.shape[0] > DECODE_MAX_TOKENS or co.tickets.device != a.device):
-        raise ValueError(f"combine: at most {DECODE_MAX_TOKENS} tokens, tickets on the GEMM's device")
     _extension().mxfp4_mma_decode(a, packed["words"], packed["scales"], out, counts, active, num_active,
                                   a_row_map, rows_per_group, packed["n"], packed["k"], max_tokens,
                                   cfg["tiles_per_block"], cfg["k_splits"], cfg["depth"], cfg["kind"],
-                                  cfg["chunks_per_piece"], bool(pdl), 0 if epilogue is None else 1 if sw else 2,
-                                  sw.bias if sw else co.bias if co else None, sw.alpha if sw else 0.0,
-                                  sw.limit if sw else 0.0, co.combined if co else None, co.row_of_pair if co else None,
-                                  co.expert_ids if co else None, co.expert_weights if co else None,
-                                  co.token_of_row if co else None, co.tickets if co else None,
-                                  co.first_expert if co else 0)
+                                  cfg["chunks_per_piece"], bool(pdl))
     return out

@@ -80,14 +80,10 @@ def swiglu_bf16_reference(h: torch.Tensor, bias: torch.Tensor, alpha: float, lim
 
 
 def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plan, packed13: dict, packed2: dict,
-                   b13: torch.Tensor, b2: torch.Tensor, first_expert: int, alpha: float, limit: float,
-                   tickets: torch.Tensor | None = None, fuse_swiglu: bool = False) -> torch.Tensor:
+                   b13: torch.Tensor, b2: torch.Tensor, first_expert: int, alpha: float, limit: float) -> torch.Tensor:
     """This rank's experts for x [T, D] bf16 routed by the fused decode front (ids / weights [T, k], its masked
-    plan with m_cap = T and token_of_row), from `mxfp4_cuda.pack_mma_words` weights. fuse_swiglu: the SwiGLU in
-    the gate_up GEMM's epilogue; `tickets` (mxfp4_cuda.combine_tickets(D), this layer's own): the combine in the
-    down GEMM's too. Four launches, or three, or two; the same arithmetic (the SwiGLU's exp and division are
-    CUDA's instead of Triton's). No host sync, no allocation outside torch's caching allocator: CUDA-graph
-    capturable."""
+    plan with m_cap = T and token_of_row), from `mxfp4_cuda.pack_mma_words` weights. No host sync, no
+    allocation outside torch's caching allocator: CUDA-graph capturable."""
     from kernels.moe import epilogues_triton as epi
     from kernels.moe import mxfp4_cuda
 
@@ -96,25 +92,14 @@ def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pl
         raise ValueError(f"the MXFP4 decode experts take the fused front's masked plan with m_cap = T (1..{MAX_TOKENS}); "
                          f"got layout {plan.layout}, m_cap {plan.rows_per_group}, T {t}")
     rows = plan.num_rows
-    act = torch.empty(rows, packed2["k"], dtype=torch.bfloat16, device=x.device)
-    if fuse_swiglu:
-        mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(x, packed13, act, plan.counts, plan.active, plan.num_active, t, t,
-                                                 a_row_map=plan.token_of_row,
-                                                 epilogue=mxfp4_cuda.SwigluEpilogue(b13, alpha, limit))
-    else:
-        h = torch.empty(rows, packed13["n"], dtype=torch.bfloat16, device=x.device)
-        mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(x, packed13, h, plan.counts, plan.active, plan.num_active, t, t,
-                                                 a_row_map=plan.token_of_row)
-        swiglu_bf16(h, plan.row_of_pair, ids, b13, first_expert, alpha, limit, act)
+    h = torch.empty(rows, packed13["n"], dtype=torch.bfloat16, device=x.device)
+    mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(x, packed13, h, plan.counts, plan.active, plan.num_active, t, t,
+                                             a_row_map=plan.token_of_row)
+    act = swiglu_bf16(h, plan.row_of_pair, ids, b13, first_expert, alpha, limit,
+                      torch.empty(rows, packed2["k"], dtype=torch.bfloat16, device=x.device))
     y = torch.empty(rows, packed2["n"], dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(t, packed2["n"], dtype=x.dtype, device=x.device)
-    if tickets is not None:
-        combine = mxfp4_cuda.CombineEpilogue(out, plan.row_of_pair, ids, weights, b2, plan.token_of_row, tickets,
-                                             first_expert)
-        mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(act, packed2, y, plan.counts, plan.active, plan.num_active, t, t,
-                                                 epilogue=combine)
-        return out
     mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(act, packed2, y, plan.counts, plan.active, plan.num_active, t, t)
+    out = torch.empty(t, packed2["n"], dtype=x.dtype, device=x.device)
     return epi.combine(y, plan.row_of_pair, ids, weights, b2, first_expert, out)
 
 

@@ -153,17 +153,9 @@ def test_layer_matches_twin_and_beats_fp8_against_the_reference(layer20, t):
     x = torch.randn(t, D, device="cuda").bfloat16()
     ids, weights, plan, _ = front.decode_front(x, router_w, router_b, TOP_K, 0, E20, m.w13.shape[2],
                                                front.new_ticket("cuda"))
-    got = mdl.decode_experts(x, ids, weights, plan, *m._mxfp4_packed(), m.b13, m.b2, 0, ALPHA, LIMIT,
-                             m.mx_combine_tickets, fuse_swiglu=True)  # SwiGLU and combine in the GEMMs' epilogues
-    three = mdl.decode_experts(x, ids, weights, plan, *m._mxfp4_packed(), m.b13, m.b2, 0, ALPHA, LIMIT,
-                               fuse_swiglu=True)
-    four = mdl.decode_experts(x, ids, weights, plan, *m._mxfp4_packed(), m.b13, m.b2, 0, ALPHA, LIMIT)
+    got = mdl.decode_experts(x, ids, weights, plan, *m._mxfp4_packed(), m.b13, m.b2, 0, ALPHA, LIMIT)
     twin = mdl.decode_experts_reference(x, ids, weights, gb, gs, b13, db, ds, b2, 0, ALPHA, LIMIT)
-    for out in (got, three, four):
-        assert torch.isfinite(out).all() and calc_diff(out, twin) < 1e-5, calc_diff(out, twin)
-    assert torch.equal(got, three)  # the combine epilogue: epilogues_triton.combine's operations, in its order
-    # CUDA's expf / division in the SwiGLU against Triton's: a few bf16 steps apart
-    assert calc_diff(got, four) < 1e-6 and not m.mx_combine_tickets.any(), calc_diff(got, four)
+    assert torch.isfinite(got).all() and calc_diff(got, twin) < 1e-5, calc_diff(got, twin)
     m.mxfp4_max_tokens = 16
     assert torch.equal(m.routed_forward(x, router_w, router_b, TOP_K), got)  # routed_forward takes this path
     m.mxfp4_max_tokens = 0
