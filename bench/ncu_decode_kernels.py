@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         tickets = gemv_triton.new_tickets(n, dev)
         lin = [fp8_linear.quantize_weight(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(args.copies)]
         bias = torch.randn(n, device=dev).bfloat16()
-        runs[f"slab_{name}"] = [(lambda w=w, s=s, xs=xs, tickets=tickets: slab_gemv(xs, w, s, bias, tickets))
+        runs[f"slab_{name}"] = [(lambda w=w, s=s, xs=xs, tickets=tickets, bias=bias: slab_gemv(xs, w, s, bias, tickets))
                                 for w, s in lin]
     torch.cuda.synchronize()
     for name, fns in runs.items():

@@ -306,13 +306,15 @@ mxfp4_mma_decode_kernel(const Args args) {
 #pragma unroll
         for (int j = 0; j < DEPTH; ++j) {
             if (i + j < w.n_chunks) {
-                const uint4 wv = wbuf[j];
-                const uint32_t sw = sbuf[j];
+                // Consume the slot, then refill it: the refill lands in the slot's own registers. (Refilling
+                // first from a copy made nvcc load into spare registers and move them into the slot after the
+                // chunk's math, and that move waited for the load: one load in flight per warp, not DEPTH;
+                // Nsight Compute, H200 2026-12-02, kernels/moe/NOTES.md.)
+                chunk_mma<NT>(wbuf[j], sbuf[j], xrow, w.c_begin + i + j, acc);
                 if (i + j + DEPTH < w.n_chunks) {
                     wbuf[j] = load_stream(wnext + j * 32);
                     sbuf[j] = __ldg(snext + j * 8);
                 }
-                chunk_mma<NT>(wv, sw, xrow, w.c_begin + i + j, acc);
             }
         }
     }
