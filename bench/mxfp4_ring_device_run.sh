@@ -25,5 +25,6 @@ step ncu 120 "$NCU" --clock-control none --set full -k "regex:mxfp4|_slab_gemv" 
 "$NCU" -i /tmp/prof.ncu-rep --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu_source.csv.gz"
 [ -n "$FI_PID" ] && wait "$FI_PID"
 tail -2 "$LOGS/flashinfer_build.log"
+mv "$OUT"/*.log "$LOGS"/  # a call returns at most 8 files: the logs travel in logs.tgz
 pack_logs
 ls "$OUT"
