@@ -251,3 +251,61 @@ def test_fp8_dequantize_is_exact():
     got = fp8_gemv_triton.dequantize(w, sw, 300, torch.bfloat16)
     want = fp8_linear.dequantize_weight_blocks(w[None], sw[None], 300)[0]
     assert got.shape == (200, 300) and torch.equal(got.float(), want)  # bf16 holds every value exactly
+
+
+@pytest.mark.parametrize("with_cache,v_out", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("t,hq,hkv,dh,k", [(1, 4, 1, 16, 300), (2, 6, 3, 8, 520)])
+def test_rotary_qkv_finishes_the_slab_gemv(t, hq, hkv, dh, k, with_cache, v_out, rotary_block_t):
+    """QKV on the slab GEMV without its split-K tail (partials=True), the rotary kernel summing the partials: q, k, v
+    and the cache rows are bitwise those of the finished GEMV's output through the rotary kernel, and the tickets
+    stay untouched (no tail took one)."""
+    from kernels.layers import fp8_linear, slab_gemv_triton
+    from kernels.layers.gemv_triton import SplitKPartials
+
+    dtype = torch.bfloat16
+    n = (hq + 2 * hkv) * dh
+    x = (torch.randn(t, k) * 3).to(dtype)
+    w, sw = fp8_linear.quantize_weight(torch.randn(n, k) * k ** -0.5)
+    bias = torch.randn(n).to(dtype)
+    tickets = fp8_linear.gemv_tickets(n, "cpu")
+    angles = torch.rand(t, dh // 2) * 50
+    cos, sin = angles.cos(), angles.sin()
+    cfg = dict(BLOCK_N=16, K_SPLIT=128)  # 3 / 5 K splits
+    qkv = slab_gemv_triton.slab_gemv(x, w, sw, bias, tickets, cfg)
+    partial = slab_gemv_triton.slab_gemv(x, w, sw, bias, tickets, cfg, partials=True)
+    assert isinstance(partial, SplitKPartials) and partial.data.shape[0] > 1 and int(tickets.abs().sum()) == 0
+    assert torch.equal(partial.materialize(), qkv)  # the torch finish is the tail's
+    caches = [(torch.full((4, 4, hkv, dh), 9.0, dtype=dtype), torch.full((4, 4, hkv, dh), 9.0, dtype=dtype))
+              for _ in range(2)]
+    slots = torch.randperm(16)[:t]
+    results = []
+    for src, (kc, vc) in zip((qkv, partial), caches):
+        outs = [None] * 3 if not v_out else [torch.empty(t, h, dh, dtype=dtype) for h in (hq, hkv, hkv)]
+        results.append(triton_ops.rotary_qkv(src, cos, sin, hq, hkv, dh, (kc, vc, slots) if with_cache else None,
+                                             *outs))
+    for want, got in zip(*results):
+        assert got.shape == want.shape and torch.equal(got, want)
+    if with_cache:
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    with pytest.raises(ValueError, match="own bias"):
+        triton_ops.rotary_qkv(partial, cos, sin, hq, hkv, dh, bias=bias)
+
+
+@pytest.mark.parametrize("t,d,k", [(1, 200, 300), (2, 130, 520)])
+def test_residual_norm_finishes_the_slab_gemv(t, d, k):
+    """O on the slab GEMV without its split-K tail, the post-attention add + norm summing the partials: the residual
+    and the norm are bitwise those of the finished GEMV's output through the same kernel."""
+    from kernels.layers import fp8_linear, slab_gemv_triton
+
+    x = (torch.randn(t, d) * 3).bfloat16()
+    o = torch.randn(t, k).bfloat16()
+    w, sw = fp8_linear.quantize_weight(torch.randn(d, k) * k ** -0.5)
+    bias, norm_w = torch.randn(d).bfloat16(), torch.rand(d) + 0.5
+    tickets = fp8_linear.gemv_tickets(d, "cpu")
+    cfg = dict(BLOCK_N=16, K_SPLIT=128)
+    want = triton_ops.add_rms_norm(x, slab_gemv_triton.slab_gemv(o, w, sw, bias, tickets, cfg), norm_w, 1e-5)
+    partial = slab_gemv_triton.slab_gemv(o, w, sw, bias, tickets, cfg, partials=True)
+    got = triton_ops.add_rms_norm(x, partial, norm_w, 1e-5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="own bias"):
+        triton_ops.add_rms_norm(x, partial, norm_w, 1e-5, delta_bias=bias)

@@ -282,3 +282,68 @@ def test_slab_gemv_in_cuda_graph_replays_bitwise(weights_first):
         src.copy_(torch.randn_like(src))
         graph.replay()
         assert torch.equal(y, step())
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_rotary_finishing_the_slab_gemv_is_bitwise_the_finished_path(t):
+    """20b QKV: slab GEMV partials (no tail) summed by the rotary kernel, with the KV write, in a PDL graph after the
+    norm that feeds it: q, k, v and the cache rows bitwise those of the GEMV's own tail + the rotary kernel, over
+    replays on fresh inputs."""
+    from kernels.layers import fp8_linear, slab_gemv_triton, triton_ops
+
+    hq, hkv, dh = 64, 8, 64
+    n = (hq + 2 * hkv) * dh
+    w, sw = fp8_linear.quantize_weight(torch.randn(n, 2880, device=DEV) * 0.02)
+    bias = torch.randn(n, device=DEV).bfloat16()
+    tickets = fp8_linear.gemv_tickets(n, DEV)
+    src, norm_w = torch.randn(t, 2880, device=DEV).bfloat16(), torch.rand(2880, device=DEV) + 0.5
+    angles = torch.rand(t, dh // 2, device=DEV) * 50
+    caches = [[torch.zeros(8, 16, hkv, dh, device=DEV, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
+    slots = torch.randperm(128, device=DEV)[:t]
+
+    def step(partials):
+        h = triton_ops.add_rms_norm(src, None, norm_w, 1e-5)
+        qkv = slab_gemv_triton.slab_gemv(h, w, sw, bias, tickets, partials=partials)
+        kc, vc = caches[int(partials)]
+        return triton_ops.rotary_qkv(qkv, angles.cos(), angles.sin(), hq, hkv, dh, (kc, vc, slots))
+
+    step(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(True)
+    for _ in range(3):
+        src.copy_(torch.randn_like(src))
+        angles.copy_(torch.rand_like(angles) * 50)
+        graph.replay()
+        want = step(False)
+        for g, wnt in zip(got, want):
+            assert torch.equal(g, wnt)
+        assert all(torch.equal(a, b) for a, b in zip(*caches))
+    assert int(tickets.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_residual_norm_finishing_the_slab_gemv_is_bitwise_the_finished_path(t):
+    """20b O (4096 -> 2880): slab GEMV partials summed by the post-attention add + norm, in a PDL graph, bitwise the
+    GEMV's own tail + the same norm over replays on fresh inputs."""
+    from kernels.layers import fp8_linear, slab_gemv_triton, triton_ops
+
+    w, sw = fp8_linear.quantize_weight(torch.randn(2880, 4096, device=DEV) * 0.02)
+    bias, norm_w = torch.randn(2880, device=DEV).bfloat16(), torch.rand(2880, device=DEV) + 0.5
+    tickets = fp8_linear.gemv_tickets(2880, DEV)
+    x, o = torch.randn(t, 2880, device=DEV).bfloat16(), torch.randn(t, 4096, device=DEV).bfloat16()
+
+    def step(partials):
+        return triton_ops.add_rms_norm(x, slab_gemv_triton.slab_gemv(o, w, sw, bias, tickets, partials=partials),
+                                       norm_w, 1e-5)
+
+    step(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x) * 3)
+        o.copy_(torch.randn_like(o))
+        graph.replay()
+        want = step(False)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
