@@ -14,9 +14,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fp8-dense": the same for QKV and O too, which run on the slab GEMV at 1-2 tokens (kernels/layers/slab_gemv_triton.py);
   "fp8-dense-tc": without the slab GEMV (the tensor-core FP8 GEMV at every decode size: before 2026-12-02, measured
   slower than fp8-lm-head, kernels/layers/NOTES.md); "fp8-dense+mxfp4-8", "fp8-dense-tc+mxfp4-8": with the MXFP4
-  decode experts of steps of <= 8 tokens too; "...-tails": the slab GEMV finishing its own split-K sums (ticket
-  tails, as before 2026-12-02) rather than the rotary kernel (QKV) and the post-attention norm (O) finishing them;
-  "...-qkv-tail" / "...-o-tail": one of the two;
+  decode experts of steps of <= 8 tokens too;
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
@@ -61,12 +59,6 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense+mxfp4-8": (True, True, True, True, "all", 8),
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8)}
-# The FP8 dense variants with the slab GEMV finishing its own split-K sums (ticket tails) rather than the kernels
-# after it (rotary for QKV, the post-attention norm for O): (base variant, qkv_partials, o_partials); "-tails" is
-# how it ran before 2026-12-02
-TAILS = {f"{base}{suffix}": (base, qkv, o) for base in ("fp8-dense", "fp8-dense+mxfp4-8")
-         for suffix, qkv, o in (("-tails", False, False), ("-o-tail", True, False), ("-qkv-tail", False, True))}
-VARIANTS.update({name: VARIANTS[base] for name, (base, _, _) in TAILS.items()})
 
 
 class DenseWeights:
@@ -129,9 +121,6 @@ def run(name: str, args) -> dict:
     for variant in args.variants * args.rounds:
         flags = VARIANTS[variant]
         set_variant(h, *flags)
-        _, qkv_partials, o_partials = TAILS.get(variant, (None, True, True))
-        for layer in h.model.model.layers:
-            layer.self_attn.qkv_partials, layer.self_attn.o_partials = qkv_partials, o_partials
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -94,10 +94,6 @@ class AttentionBlock(nn.Module):
         # 9.6 us at T=1 on the H200; QKV stays on cuBLAS (7.7 vs 9.3 us), bench/results/gemv_h200.json.
         # These are the GEMV's per-block tickets; decode_gemv=False: always F.linear (to compare).
         self.decode_gemv = True
-        # FP8 QKV at 1-2 tokens: the rotary kernel finishes the slab GEMV's split-K sum (False: the GEMV's own tail)
-        self.qkv_partials = True
-        # ... and FP8 O's (one TP rank): the post-attention norm finishes it (False: the GEMV's own tail)
-        self.o_partials = True
         self.register_buffer("o_gemv_tickets", layers.gemv_tickets(config.hidden_size, device), persistent=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor | None = None,
@@ -108,9 +104,7 @@ class AttentionBlock(nn.Module):
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
         where q, k, v go (the prefill graphs' static buffers)."""
         if isinstance(x, torch.Tensor):
-            # FP8 QKV on the slab GEMV (1-2 tokens): its split-K partials go to the rotary kernel, which sums them
-            partial = self.qkv_proj.partials(x) if self.qkv_partials and isinstance(self.qkv_proj, Fp8Linear) else None
-            qkv, bias = (self.qkv_proj(x) if partial is None else partial), None  # [T, (Hq + 2 Hkv) Dh]
+            qkv, bias = self.qkv_proj(x), None  # [T, (Hq + 2 Hkv) Dh]
         else:  # FP8 rows from the norm (fp8_input): the GEMM alone, its bias added by the rotary kernel
             qkv, bias = self.qkv_proj.gemm(x), self.qkv_proj.bias
         dest = self.backend.kv_destination(self.layer)
@@ -132,19 +126,13 @@ class AttentionBlock(nn.Module):
         """Sink attention of this step's tokens, [T, Hq, Dh] (into `out` when given)."""
         return self.backend.forward(self.layer, q, k, v, self.sinks, kv_written=kv_written, out=out)
 
-    def project_out(self, o: torch.Tensor, with_bias: bool = True, partials: bool = False):
+    def project_out(self, o: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         """The O projection of attention's output o [T, Hq, Dh], summed over the TP ranks: [T, D] (with_bias=False:
-        without its bias, which the caller then adds once after the sum). partials=True (a caller whose kernel can
-        finish a split-K GEMV: the post-attention norm): with FP8 O at 1-2 tokens on one TP rank, the slab GEMV's
-        SplitKPartials."""
+        without its bias, which the caller then adds once after the sum)."""
         t = o.shape[0]
         # Row-parallel O: each rank holds some heads; the bias is added once, by rank 0.
         first = self.parallel.tp_rank == 0 and with_bias
         if not isinstance(self.o_proj, nn.Linear):  # an Fp8Linear (dense_dtype="fp8_e4m3")
-            if partials and self.o_partials and self.parallel.tp_size == 1 and with_bias:
-                partial = self.o_proj.partials(o.reshape(t, -1))  # 1-2 tokens: the next norm finishes the GEMV
-                if partial is not None:
-                    return partial
             return self.parallel.all_reduce_tp(self.o_proj(o.reshape(t, -1), with_bias=first))
         bias = self.o_proj.bias if first else None
         tickets = self.o_gemv_tickets if self.decode_gemv else None
@@ -205,7 +193,7 @@ class TransformerBlock(nn.Module):
         if attn.fp8_output(o.shape[0]):  # O's bias added by the norm (one pass fewer over its output)
             x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o, with_bias=False), attn.o_proj.bias)
         else:
-            x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o, partials=True))
+            x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o))
         return x, self.mlp(h)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,

@@ -18,18 +18,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)); delta_bias: a projection bias its GEMM left out, added to delta first.
-    delta may be the slab GEMV's SplitKPartials (Fp8Linear.partials): the CUDA kernel then finishes that GEMV."""
-    from kernels.layers.gemv_triton import SplitKPartials
-
-    partials = isinstance(delta, SplitKPartials)
-    if partials and not delta.is_cuda:
-        delta, partials = delta.materialize(), False
+    """(x + delta, rms_norm(x + delta)); delta_bias: a projection bias its GEMM left out, added to delta first."""
     if x.is_cuda and x.dim() == 2:
         from kernels.layers import triton_ops
 
-        return triton_ops.add_rms_norm(x.contiguous(), delta if partials else delta.contiguous(), weight, eps,
-                                       delta_bias)
+        return triton_ops.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps, delta_bias)
     return reference.add_rms_norm(x, delta, weight, eps, delta_bias)
 
 
@@ -74,13 +67,7 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     """(q, k, v) [T, H, Dh] with q and k rotated; with kv_cache = (k_cache, v_cache, slot_mapping) also
     writes k and v into the paged cache (slot -1: skipped), on CUDA in the same launch. q_out / k_out /
     v_out: contiguous [T, H, Dh] tensors q, k, v are written into (and returned as). bias: the QKV
-    projection's bias when its GEMM left it out, added (one rounding) before the rotary. qkv may also be the
-    slab GEMV's SplitKPartials (Fp8Linear.partials): the CUDA kernel then finishes that GEMV first."""
-    from kernels.layers.gemv_triton import SplitKPartials
-
-    partials = isinstance(qkv, SplitKPartials)  # a split-K GEMV left unfinished: the CUDA kernel finishes it
-    if partials and not qkv.is_cuda:
-        qkv, partials = qkv.materialize(), False
+    projection's bias when its GEMM left it out, added (one rounding) before the rotary."""
     t = qkv.shape[0]
     for name, out, heads in (("q_out", q_out, num_heads), ("k_out", k_out, num_kv_heads), ("v_out", v_out, num_kv_heads)):
         if out is not None and (out.shape != (t, heads, head_dim) or not out.is_contiguous() or out.dtype != qkv.dtype):
@@ -89,8 +76,8 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     if qkv.is_cuda:
         from kernels.layers import triton_ops
 
-        return triton_ops.rotary_qkv(qkv if partials else qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                     num_heads, num_kv_heads, head_dim, kv_cache, q_out, k_out, v_out, bias)
+        return triton_ops.rotary_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads,
+                                     num_kv_heads, head_dim, kv_cache, q_out, k_out, v_out, bias)
     if bias is not None:
         qkv = reference.add_bias(qkv, bias)
     q, k, v = reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)

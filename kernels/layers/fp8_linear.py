@@ -173,18 +173,6 @@ class Fp8Linear(nn.Module):
         w = fp8_gemv_triton.dequantize(self.weight, self.weight_scale, self.in_features, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
-    def partials(self, x: torch.Tensor):
-        """forward(x) left unfinished where the slab GEMV runs it (CUDA, 1..SLAB_MAX_TOKENS tokens): its fp32 split-K
-        partials and bias as a SplitKPartials, for the consuming kernel to sum, add the bias to and round (the
-        rotary kernel, for QKV), which saves the GEMV's ticket tail (the finished y if K is one split); None where
-        another kernel runs."""
-        if not (x.is_cuda and 0 < x.shape[0] <= SLAB_MAX_TOKENS and self.weight.numel() <= SLAB_MAX_WEIGHT_BYTES
-                and not self.quantizes(x.shape[0])):
-            return None
-        from kernels.layers import slab_gemv_triton
-
-        return slab_gemv_triton.slab_gemv(x, self.weight, self.weight_scale, self.bias, self.gemv_tickets, partials=True)
-
     def extra_repr(self) -> str:
         acts = ", fp8 activations above 64 tokens" if self.fp8_activations else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

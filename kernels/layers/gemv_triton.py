@@ -17,8 +17,6 @@ faster there (7.7 vs 9.3 us): H200, 2026-11-30, bench/gemv_sweep, bench/results/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -61,12 +59,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_token
 
 @triton.jit
 def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr,
-                   TAIL: tl.constexpr = True):
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr):
     """The split-K GEMVs' epilogue: acc [BLOCK_N, BLOCK_T] holds this program's fp32 sums of y^T. With one
     split, + bias and store; else store the partial, and the last program of the N block (atomic ticket,
-    reset by it) sums the S partials in a fixed order, adds the bias and rounds once. TAIL=False: store the
-    partial only; the consumer sums them (`sum_split_k`, in that order) and adds the bias."""
+    reset by it) sums the S partials in a fixed order, adds the bias and rounds once."""
     n_ok = offs_n < n
     out_ok = n_ok[:, None] & (offs_t < num_tokens)[None, :]
     y_ptrs = y_ptr + offs_t[None, :] * stride_y + offs_n[:, None]
@@ -77,57 +73,16 @@ def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_
     else:
         slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
         tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
-        if TAIL:
-            tl.debug_barrier()  # every thread's partials stored before the thread taking the ticket releases them
-            ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel")
-            if ticket == SPLIT_K - 1:
-                tl.store(tickets_ptr + nb, 0)  # ready for the next call (CUDA-graph replays included)
-                total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # fixed order
-                    total += tl.load(slab + s * n * BLOCK_T, mask=out_ok, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
-
-
-@triton.jit
-def sum_split_k(partial_ptr, cols, token, mask, n, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr):
-    """In a consumer kernel: the fp32 sums finish_split_k's tail would have made of a TAIL=False GEMV's partials
-    [S, N, BLOCK_T] at columns `cols` of token `token` (broadcastable), in its order (bitwise its total)."""
-    first = tl.load(partial_ptr + cols * BLOCK_T + token, mask=mask, other=0.0)
-    total = tl.zeros_like(first)
-    total += first
-    for s in tl.static_range(1, SPLIT_K):
-        total += tl.load(partial_ptr + s * n * BLOCK_T + cols * BLOCK_T + token, mask=mask, other=0.0)
-    return total
-
-
-@dataclass(frozen=True)
-class SplitKPartials:
-    """A split-K GEMV's output left as its fp32 partial sums `data` [S, N, BLOCK_T] (finish_split_k with TAIL=False),
-    for the consuming kernel to sum in split order (`sum_split_k`), add `bias` to and round once to `dtype`:
-    what the GEMV's own tail would have stored, without its ticket round trip (kernels/layers/NOTES.md)."""
-    data: torch.Tensor
-    num_tokens: int
-    bias: torch.Tensor | None
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.num_tokens, self.data.shape[1]
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.data.is_cuda
-
-    def materialize(self) -> torch.Tensor:
-        """y [T, N] as the GEMV's tail would have written it (torch, same order: tests and fallbacks)."""
-        total = torch.zeros_like(self.data[0])
-        for s in range(self.data.shape[0]):
-            total += self.data[s]
-        if self.bias is not None:
-            total += self.bias.float()[:, None]
-        return total.to(self.dtype)[:, :self.num_tokens].t().contiguous()
+        tl.debug_barrier()  # every thread's partials stored before the one thread taking the ticket releases them
+        ticket = tl.atomic_add(tickets_ptr + nb, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tl.store(tickets_ptr + nb, 0)  # ready for the next call (CUDA-graph replays included)
+            total = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order
+                total += tl.load(slab + s * n * BLOCK_T, mask=out_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
 new_tickets = gemv_tickets  # per-N-block ticket counters for a projection with N outputs

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
-from kernels.layers.gemv_triton import SplitKPartials, finish_split_k
+from kernels.layers.gemv_triton import finish_split_k
 from kernels.pdl import pdl_prologue
 
 MAX_TOKENS = 4  # the kernel's limit (BLOCK_T unrolled per token); fp8_linear.SLAB_MAX_TOKENS is where it pays
@@ -40,7 +40,7 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, K_SPLIT=256, num_warps=4, weights_first=True)
 def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k_in, k_w,
                       stride_x, stride_w, stride_sw, stride_y, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr, SPLIT_K: tl.constexpr,
-                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr, TAIL: tl.constexpr):
+                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr):
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = split * NKB + tl.arange(0, NKB)  # 128-wide K blocks of this split
@@ -67,16 +67,13 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
         yt = tl.sum(tl.sum(w * xt[None, :, :], axis=2), axis=1)
         acc = tl.where(offs_t[None, :] == t, yt[:, None], acc)
     finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K, TAIL)
+                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
 
 
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
-              tickets: torch.Tensor, config: dict | None = None, partials: bool = False
-              ) -> torch.Tensor | SplitKPartials:
+              tickets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [T, K] (T <= 4) @ W^T + bias [N] -> [T, N] in x's dtype. W: float8_e4m3 [N, Kp] (K padded to 128s, K <=
-    Kp) with weight_scale [ceil(N/128), Kp/128], or bf16/fp16/fp32 [N, K] with weight_scale None.
-    partials=True (and more than one K split): no split-K tail; the fp32 partial sums come back as SplitKPartials
-    for the next kernel to finish (the rotary kernel does for QKV), bias included."""
+    Kp) with weight_scale [ceil(N/128), Kp/128], or bf16/fp16/fp32 [N, K] with weight_scale None."""
     t, k = x.shape
     n, kw = weight.shape
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
@@ -100,11 +97,10 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
     splits = triton.cdiv(kw, cfg["K_SPLIT"])
     block_t = triton.next_power_of_2(t)
     partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
-    tail = not (partials and splits > 1)
-    y = torch.empty(t if tail else 0, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _slab_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale if fp8 else weight, bias if bias is not None else weight, y, partial, tickets, t, n, k,
         kw, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
-        WEIGHTS_FIRST=cfg["weights_first"], TAIL=tail, num_warps=cfg["num_warps"], **pdl.launch(x))
-    return y if tail else SplitKPartials(partial, t, bias, x.dtype)
+        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
+    return y

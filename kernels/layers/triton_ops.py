@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.layers.gemv_triton import SplitKPartials, sum_split_k
 from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
 
@@ -23,8 +22,7 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
                          stride_x, stride_delta, stride_sum, stride_out,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                          bias_ptr, q_ptr, sf_ptr, stride_q, sf_k_stride,
-                         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr,
-                         PARTIALS: tl.constexpr = 0, PARTIAL_BT: tl.constexpr = 1):
+                         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr):
     # (the dense_dtype arguments come last, so that the shipped Triton manifests' argument indices stayed valid:
     # engine/triton_manifests, their "extended" note)
     pdl_prologue(PDL)
@@ -33,14 +31,7 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
     ok = cols < n
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_DELTA and PARTIALS:  # delta_ptr: fp32 split-K partials [PARTIALS, n, PARTIAL_BT]: the GEMV tail's sum,
-        d = sum_split_k(delta_ptr, cols, row, ok, n, PARTIAL_BT, PARTIALS)  # + bias, one rounding
-        if HAS_BIAS:
-            d += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        d = d.to(dtype).to(tl.float32)
-        x = (x.to(tl.float32) + d).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
-    elif HAS_DELTA:
+    if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_BIAS:  # a projection's bias the GEMM left out: delta + bias rounded first, as the twin adds it
             d = (d + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
@@ -69,18 +60,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """rms_norm(x) (delta None) or (x + delta, rms_norm(x + delta)), rows of x [T, D]. delta_bias [D]: added to
     delta first (rounded), a projection bias left out of its GEMM. quant_out (an Fp8Rows of one group, T rows,
     K >= D): the normed rows go there quantized per 128 channels instead of into a new tensor, which is then
-    what is returned in the norm's place. delta may be a split-K GEMV's SplitKPartials (Fp8Linear.partials, O at
-    1-2 tokens): this kernel then finishes that GEMV (sums the partials in split order, adds their bias, rounds
-    once); delta_bias must then be None."""
+    what is returned in the norm's place."""
     t, n = x.shape
-    partials = delta if isinstance(delta, SplitKPartials) else None
-    if partials is not None:
-        if delta_bias is not None or partials.shape != x.shape or not partials.data.is_contiguous() \
-                or partials.dtype != x.dtype:
-            raise ValueError(f"add_rms_norm: split-K partials {tuple(partials.data.shape)} must be contiguous, of x's "
-                             f"shape {tuple(x.shape)} and dtype, and carry their own bias")
-        delta_bias, delta = partials.bias, partials.data
-    elif x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
+    if x.stride(1) != 1 or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1)):
         raise ValueError(f"add_rms_norm needs [T, D] rows with unit stride; got x {tuple(x.shape)}"
                          + ("" if delta is None else f", delta {tuple(delta.shape)}"))
     if delta_bias is not None and (delta is None or delta_bias.shape != (n,)):
@@ -103,7 +85,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             sf_k_stride=quant_out.sf_k_stride if quant_out is not None else 0,
             HAS_BIAS=delta_bias is not None, QUANT=quant_out is not None,
             NUM_KB=quant_out.k_blocks if quant_out is not None else 1,
-            PARTIALS=0 if partials is None else delta.shape[0], PARTIAL_BT=1 if partials is None else delta.shape[2],
             num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out if delta is None else (s, out)
 
@@ -122,8 +103,7 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
                        stride_t, stride_cos, num_heads, num_kv_heads, stride_cb, stride_ct, stride_ch,
                        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
                        V_OUT: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
-                       bias_ptr, HAS_BIAS: tl.constexpr,  # (last: see _add_rms_norm_kernel)
-                       PARTIALS: tl.constexpr = 0, PARTIAL_BT: tl.constexpr = 1):
+                       bias_ptr, HAS_BIAS: tl.constexpr):  # (last: see _add_rms_norm_kernel)
     pdl_prologue(PDL)
     # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache and,
     # with V_OUT, to contiguous rows); a program takes BLOCK_T tokens x BLOCK_H heads: [BLOCK_T, BLOCK_H, HALF].
@@ -138,22 +118,12 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
     c = _round(tl.load(cos_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
     s = _round(tl.load(sin_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
     src = qkv_ptr + token * stride_t + heads * (2 * HALF) + d
-    if PARTIALS:  # qkv_ptr: fp32 split-K partials [PARTIALS, width, PARTIAL_BT]: the GEMV tail's sum, + bias, rounded
-        width = (num_heads + 2 * num_kv_heads) * (2 * HALF)
-        col = heads * (2 * HALF) + d
-        x1 = sum_split_k(qkv_ptr, col, token, ok, width, PARTIAL_BT, PARTIALS)
-        x2 = sum_split_k(qkv_ptr, col + HALF, token, ok, width, PARTIAL_BT, PARTIALS)
-        if HAS_BIAS:
-            x1 += tl.load(bias_ptr + col, mask=ok, other=0.0).to(tl.float32)
-            x2 += tl.load(bias_ptr + col + HALF, mask=ok, other=0.0).to(tl.float32)
-        x1, x2 = _round(x1, dtype), _round(x2, dtype)
-    else:
-        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b = bias_ptr + heads * (2 * HALF) + d
-            x1 = _round(x1 + tl.load(b, mask=ok, other=0.0).to(tl.float32), dtype)
-            x2 = _round(x2 + tl.load(b + HALF, mask=ok, other=0.0).to(tl.float32), dtype)
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = bias_ptr + heads * (2 * HALF) + d
+        x1 = _round(x1 + tl.load(b, mask=ok, other=0.0).to(tl.float32), dtype)
+        x2 = _round(x2 + tl.load(b + HALF, mask=ok, other=0.0).to(tl.float32), dtype)
     o1 = (_round(x1 * c, dtype) - _round(x2 * s, dtype)).to(dtype)
     o2 = (_round(x2 * c, dtype) + _round(x1 * s, dtype)).to(dtype)
     is_q = heads < num_heads
@@ -169,7 +139,7 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
         row_v = ok & ~is_q & ~is_k
         tl.store(v_dst, x1.to(dtype), mask=row_v)
         tl.store(v_dst + HALF, x2.to(dtype), mask=row_v)
-    elif HAS_BIAS and not PARTIALS:
+    elif HAS_BIAS:
         row_v = ok & ~is_q & ~is_k
         tl.store(src, x1.to(dtype), mask=row_v)
         tl.store(src + HALF, x2.to(dtype), mask=row_v)
@@ -204,29 +174,16 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     With kv_cache = (k_cache, v_cache [pages, PAGE, Hkv, Dh], slots [>=T]
     int64) the same launch also writes each token's k and v rows to the cache (kv_write.write_kv's job).
     q_out / k_out / v_out: contiguous [T, H, Dh] tensors q, k and v are written into (checked by the caller,
-    kernels.layers.rotary_qkv); v_out makes v a copy instead of a view of qkv. qkv may be a split-K GEMV's
-    SplitKPartials (slab_gemv(..., partials=True)): this kernel then finishes the GEMV (sums the partials in split
-    order, adds their bias, rounds once) and v is written to v_out or a new tensor; `bias` must then be None."""
-    partials = qkv if isinstance(qkv, SplitKPartials) else None
-    if partials is not None:
-        if bias is not None or partials.data.dim() != 3 or not partials.data.is_contiguous():
-            raise ValueError("rotary_qkv: split-K partials must be contiguous [S, N, BLOCK_T] and carry their own bias")
-        t, width = partials.shape
-        bias = partials.bias
-        qkv = partials.data
-        if v_out is None:
-            v_out = torch.empty(t, num_kv_heads, head_dim, dtype=partials.dtype, device=qkv.device)
-    else:
-        t, width = qkv.shape
-    if width != (num_heads + 2 * num_kv_heads) * head_dim or (partials is None and qkv.stride(1) != 1) \
-            or head_dim % 2 or head_dim & (head_dim - 1) or cos.shape != (t, head_dim // 2) or cos.stride() != sin.stride():
+    kernels.layers.rotary_qkv); v_out makes v a copy instead of a view of qkv."""
+    t, width = qkv.shape
+    if width != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1 or head_dim % 2 \
+            or head_dim & (head_dim - 1) or cos.shape != (t, head_dim // 2) or cos.stride() != sin.stride():
         raise ValueError(f"rotary_qkv: qkv {tuple(qkv.shape)} must be [T, (Hq + 2 Hkv) Dh] with a power-of-two Dh "
                          f"and cos/sin [T, Dh/2] (got {tuple(cos.shape)})")
     if bias is not None and (bias.shape != (width,) or not bias.is_contiguous()):
         raise ValueError(f"rotary_qkv: bias {tuple(bias.shape)} must be a contiguous [{width}] tensor")
-    dtype = qkv.dtype if partials is None else partials.dtype
-    q = torch.empty(t, num_heads, head_dim, dtype=dtype, device=qkv.device) if q_out is None else q_out
-    k = torch.empty(t, num_kv_heads, head_dim, dtype=dtype, device=qkv.device) if k_out is None else k_out
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if k_out is None else k_out
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim) if v_out is None else v_out
     write = kv_cache is not None
     if write:
@@ -248,6 +205,5 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
                                  HALF=head_dim // 2, BLOCK_T=block_t, BLOCK_H=block_h, WRITE_CACHE=write,
                                  V_OUT=v_out is not None, PAGE=k_cache.shape[1] if write else 1,
                                  bias_ptr=qkv if bias is None else bias, HAS_BIAS=bias is not None, num_warps=4,
-                                 PARTIALS=0 if partials is None else qkv.shape[0],
-                                 PARTIAL_BT=1 if partials is None else qkv.shape[2], **pdl.launch(qkv))
+                                 **pdl.launch(qkv))
     return q, k, v
