@@ -218,3 +218,41 @@ def test_cuda_graph_replays_fresh_routing(experts20, config):
     graph.replay()
     torch.cuda.synchronize()
     _check(out, blocks, scales, plan2, a2, t)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 8, 16])
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+def test_routing_from_ids_is_bitwise_the_counts_path(experts20, gemm, t):
+    """ids mode (each block's count and tokens from the front's ids, A as token rows or the masked layout): the
+    outputs of the counts / a_row_map path bit for bit, ring configs including a block of fewer threads than
+    pairs; EP: this rank's experts 8..23 of 32, ids of other ranks' experts skipped."""
+    from kernels.moe.routing_triton import plan_masked
+
+    blocks, scales, packed = experts20[gemm]
+    e, n = blocks.shape[:2]
+    gen = torch.Generator(device="cuda").manual_seed(100 + t)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:TOP_K] for _ in range(t)]).int()
+    x = torch.randn(t, D, device="cuda", generator=gen).bfloat16()
+    for first, local in ((0, e), (8, 16)):
+        plan = plan_masked(ids, first, local, t)
+        rows = plan.row_of_pair.long()
+        live = rows >= 0
+        token = torch.arange(t * TOP_K, device="cuda") // TOP_K
+        a = torch.zeros(local * t, D, device="cuda", dtype=torch.bfloat16)
+        a[rows[live]] = x[token[live]]
+        row_map = torch.zeros(local * t, dtype=torch.int32, device="cuda")
+        row_map[rows[live]] = token[live].int()
+        sub = {k_: v[first:first + local] for k_, v in packed.items() if isinstance(v, torch.Tensor)}
+        sub = dict(packed, **sub)
+        for config in (None, dict(tiles_per_block=2, k_splits=3, depth=8), dict(tiles_per_block=1, k_splits=1)):
+            for a_in, a_map in ((a, None), (x, row_map)):
+                want = torch.full((local * t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                got = torch.full_like(want, float("nan"))
+                mc.grouped_gemm_decode_mxfp4_mma(a_in, sub, want, plan.counts, plan.active, plan.num_active, t, t,
+                                                 a_row_map=a_map, config=config)
+                mc.grouped_gemm_decode_mxfp4_mma(a_in, sub, got, plan.counts, plan.active, plan.num_active, t, t,
+                                                 a_row_map=a_map, config=config, ids=ids, first_expert=first)
+                assert torch.isfinite(got[rows[live]]).all()
+                assert torch.equal(got[rows[live]], want[rows[live]])
