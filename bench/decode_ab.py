@@ -17,8 +17,7 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   decode experts of steps of <= 8 tokens too;
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
-  ("mxfp4-decode-8": steps of <= 8 tokens); "...-counts": its GEMMs reading counts and token_of_row after the
-  expert id (before 2026-12-02) rather than taking each block's routing from the front's ids.
+  ("mxfp4-decode-8": steps of <= 8 tokens).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -49,7 +48,6 @@ from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from kernels.layers import fp8_linear
-from kernels.moe import mxfp4_decode_layer
 from model.config import GptOssConfig
 
 SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
@@ -61,10 +59,6 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense+mxfp4-8": (True, True, True, True, "all", 8),
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8)}
-# The MXFP4 variants with the CUDA GEMMs reading counts and token_of_row after the expert id, one round trip after
-# another (mxfp4_decode_layer.ROUTE_FROM_IDS = False: before 2026-12-02) instead of taking them from the ids
-COUNTS = {f"{base}-counts": base for base in ("fp8-dense+mxfp4-8", "mxfp4-decode-8")}
-VARIANTS.update({name: VARIANTS[base] for name, base in COUNTS.items()})
 
 
 class DenseWeights:
@@ -127,7 +121,6 @@ def run(name: str, args) -> dict:
     for variant in args.variants * args.rounds:
         flags = VARIANTS[variant]
         set_variant(h, *flags)
-        mxfp4_decode_layer.ROUTE_FROM_IDS = variant not in COUNTS
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

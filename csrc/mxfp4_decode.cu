@@ -90,12 +90,6 @@ struct Args {
     int max_tokens;           // rows of the activation tile in shared memory (+1 zero row)
     int tiles_per_block, k_splits;
     int chunks_per_piece;     // bulk kernel: chunks per copy (and mbarrier)
-    // Routing from the front's expert ids (ring kernel; null: counts and a_row_map as above): ids [num_tokens,
-    // top_k] (global expert ids, this rank's experts start at first_expert) give each block its expert's token
-    // count and its tokens in rank order, read in the same round trip as active[slot]; with a_row_map set, A is
-    // the num_tokens token rows themselves (all staged in that round trip) and a_row_map is not read.
-    const int* ids;
-    int num_tokens, top_k, first_expert;
 };
 
 // Words of one activation row in shared memory: chunks x 32, then padding so that the four rows a
@@ -270,47 +264,6 @@ __device__ __forceinline__ void token_rows(const Args& args, const Work& w, cons
     }
 }
 
-// ---- routing from ids (Args::ids) -------------------------------------------------------------------------
-// The routing round trip's loads, PTX volatile: ptxas then issues active[slot] with num_active, not after the
-// early-exit branch on it (SASS of 2026-12-02, plain loads).
-__device__ __forceinline__ int load_cg(const int* p) {
-    int v;
-    asm volatile("ld.volatile.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 load_nc(const void* p) {
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-// A piece (8 K) of activations -> its four fp16 pairs in a staged row (stage_activations' layout).
-__device__ __forceinline__ void store_piece(uint32_t* xs, int row_words, int row, int piece, const uint4& v) {
-    uint32_t* dst = xs + row * row_words + (piece >> 1) * 8 + (piece & 1);
-    dst[0] = bf16x2_to_f16x2(v.x);
-    dst[2] = bf16x2_to_f16x2(v.y);
-    dst[4] = bf16x2_to_f16x2(v.z);
-    dst[6] = bf16x2_to_f16x2(v.w);
-}
-
-// The pairs of global expert `expert` in ids_s [num_tokens * top_k] (pair order = token order, a token picks an
-// expert at most once): how many (the masked layout's count) and the token of rank `rank` (-1 if none).
-__device__ __forceinline__ int count_and_token(const int* ids_s, int pairs, int top_k, int expert, int rank,
-                                               int& token) {
-    int count = 0;
-    token = -1;
-    for (int p = 0; p < pairs; ++p) {
-        if (ids_s[p] == expert) {
-            if (count == rank) token = p / top_k;
-            ++count;
-        }
-    }
-    return count;
-}
-
 // ---- ring: DEPTH 16-byte loads in flight per warp, in registers ---------------------------------------
 // Shared memory: activation rows, then the K-split partials.
 // Register caps: <1, 4> at 56, so that 3 blocks of 12 warps fit an SM (ptxas chose 64, which leaves 2; the
@@ -318,112 +271,29 @@ __device__ __forceinline__ int count_and_token(const int* ids_s, int pairs, int 
 template <int NT, int DEPTH>
 __global__ void __maxnreg__(NT == 1 ? (DEPTH == 4 ? 56 : 80) : (DEPTH == 4 ? 64 : 96))
 mxfp4_mma_decode_kernel(const Args args) {
+    Work w;
+    if (!block_work(args, w)) return;
     extern __shared__ uint32_t smem[];
     const int row_words = x_row_words(args.chunks);
     uint32_t* xs = smem;
-    Work w;
-    const uint2* xrow[NT];
+
+    // The weight loads first: they do not wait for the activations.
+    const uint4* wp = args.words + w.first * 32 + w.lane;
+    const uint32_t* sp = args.scales + w.first * 8 + w.g;
     uint4 wbuf[DEPTH];
     uint32_t sbuf[DEPTH];
-    const uint4* wp;
-    const uint32_t* sp;
-    if (args.ids == nullptr) {
-        if (!block_work(args, w)) return;
-        // The weight loads first: they do not wait for the activations.
-        wp = args.words + w.first * 32 + w.lane;
-        sp = args.scales + w.first * 8 + w.g;
 #pragma unroll
-        for (int j = 0; j < DEPTH; ++j) {
-            if (j < w.n_chunks) {
-                wbuf[j] = load_stream(wp + j * 32);
-                sbuf[j] = __ldg(sp + j * 8);
-            }
-        }
-        w.count = min(min(__ldcg(args.counts + w.expert), args.max_tokens), NT * 8);
-        stage_activations(args, xs, row_words, max(w.count, 0), w.row0);
-        __syncthreads();
-        token_rows<NT>(args, w, xs, row_words, xrow);
-    } else {
-        // One round trip for the routing: num_active, active[slot], the ids and (token rows) every token's
-        // activations, all issued before any is used; then the weights, then the rest from shared memory.
-        // The index math first: it reads no memory, so it overlaps the PDL wait.
-        w.warp = threadIdx.x >> 5;
-        w.lane = threadIdx.x & 31;
-        w.g = w.lane >> 2;
-        w.t = w.lane & 3;
-        w.tile_local = w.warp % args.tiles_per_block;
-        w.part = w.warp / args.tiles_per_block;
-        w.tile = blockIdx.x * args.tiles_per_block + w.tile_local;
-        const int per_part = (args.chunks + args.k_splits - 1) / args.k_splits;
-        w.c_begin = w.part * per_part;
-        w.n_chunks = w.tile < args.row_tiles ? max(0, min(per_part, args.chunks - w.c_begin)) : 0;
-        asm volatile("griddepcontrol.wait;\n" ::: "memory");
-        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-        const int slot = blockIdx.y, pairs = args.num_tokens * args.top_k;
-        const bool token_rows_a = args.a_row_map != nullptr;
-        const int num_active = load_cg(args.num_active);
-        const int expert = load_cg(args.active + slot);
-        const int my_id = threadIdx.x < pairs ? load_cg(args.ids + threadIdx.x) : -1;
-        const int pieces = args.chunks * 8, n_pre = token_rows_a ? args.num_tokens * pieces : 0;
-        uint4 pre[2];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int i = threadIdx.x + u * blockDim.x, tok = i / pieces, piece = i - tok * pieces;
-            pre[u] = make_uint4(0, 0, 0, 0);
-            if (i < n_pre && piece * 8 < args.k) pre[u] = load_nc(args.a + tok * args.stride_a + piece * 8);
-        }
-        // Shared memory: activation rows (token rows: indexed by token; else by rank), the zero row, the
-        // K-split partials, then the ids. Stored before the branch on num_active, which ptxas would otherwise
-        // hoist above these loads (even PTX-volatile ones), issuing them in a second round trip.
-        int* ids_s = reinterpret_cast<int*>(xs + (args.max_tokens + 1) * row_words) +
-                     (args.k_splits - 1) * args.tiles_per_block * NT * 128;
-        if (threadIdx.x < pairs) ids_s[threadIdx.x] = my_id - args.first_expert;
-        for (int i = threadIdx.x + blockDim.x; i < pairs; i += blockDim.x)  // blocks of fewer threads than pairs
-            ids_s[i] = load_cg(args.ids + i) - args.first_expert;
-        if (token_rows_a) {
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const int i = threadIdx.x + u * blockDim.x, tok = i / pieces;
-                if (i < n_pre) store_piece(xs, row_words, tok, i - tok * pieces, pre[u]);
-            }
-            for (int i = threadIdx.x + 2 * blockDim.x; i < n_pre; i += blockDim.x) {  // > 2 pieces per thread
-                const int tok = i / pieces, piece = i - tok * pieces;
-                const uint4 v = piece * 8 < args.k ? load_nc(args.a + tok * args.stride_a + piece * 8)
-                                                   : make_uint4(0, 0, 0, 0);
-                store_piece(xs, row_words, tok, piece, v);
-            }
-            for (int i = threadIdx.x; i < args.chunks * 32; i += blockDim.x) xs[args.max_tokens * row_words + i] = 0u;
-        }
-        if (slot >= num_active) return;
-        w.expert = expert;
-        w.row0 = (long long)expert * args.rows_per_group;
-        w.first = ((long long)expert * args.row_tiles + w.tile) * args.chunks + w.c_begin;
-        wp = args.words + w.first * 32 + w.lane;
-        sp = args.scales + w.first * 8 + w.g;
-#pragma unroll
-        for (int j = 0; j < DEPTH; ++j) {
-            if (j < w.n_chunks) {
-                wbuf[j] = load_stream(wp + j * 32);
-                sbuf[j] = __ldg(sp + j * 8);
-            }
-        }
-        __syncthreads();
-        int token[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            w.count = count_and_token(ids_s, pairs, args.top_k, expert, nt * 8 + w.g, token[nt]);
-        w.count = min(min(w.count, args.max_tokens), NT * 8);
-        if (!token_rows_a) {  // A in the masked layout: the expert's first count rows, now that count is known
-            stage_activations(args, xs, row_words, w.count, w.row0);
-            __syncthreads();
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int rank = nt * 8 + w.g;
-            const int row = rank < w.count ? (token_rows_a ? token[nt] : rank) : args.max_tokens;
-            xrow[nt] = reinterpret_cast<const uint2*>(xs + row * row_words) + w.t;
+    for (int j = 0; j < DEPTH; ++j) {
+        if (j < w.n_chunks) {
+            wbuf[j] = load_stream(wp + j * 32);
+            sbuf[j] = __ldg(sp + j * 8);
         }
     }
+    w.count = min(min(__ldcg(args.counts + w.expert), args.max_tokens), NT * 8);
+    stage_activations(args, xs, row_words, max(w.count, 0), w.row0);
+    __syncthreads();
+    const uint2* xrow[NT];
+    token_rows<NT>(args, w, xs, row_words, xrow);
 
     float acc[NT][4];
 #pragma unroll
@@ -632,8 +502,7 @@ Kernel select(int nt, int depth, int kind) {
 void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::Tensor out, torch::Tensor counts,
             torch::Tensor active, torch::Tensor num_active, c10::optional<torch::Tensor> a_row_map,
             int64_t rows_per_group, int64_t n, int64_t k, int64_t max_tokens, int64_t tiles_per_block,
-            int64_t k_splits, int64_t depth, int64_t kind, int64_t chunks_per_piece, bool pdl,
-            c10::optional<torch::Tensor> ids, int64_t first_expert) {
+            int64_t k_splits, int64_t depth, int64_t kind, int64_t chunks_per_piece, bool pdl) {
     TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1 &&
                     a.size(1) == k && k % 32 == 0,
                 "A must be a CUDA bf16 [rows, K] tensor (K a multiple of 32) with unit stride along K");
@@ -665,14 +534,6 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
     TORCH_CHECK(!bulk || (per_part + chunks_per_piece - 1) / chunks_per_piece <= kMaxPieces,
                 "bulk kernel: at most ", kMaxPieces, " pieces per warp");
     if (a_row_map.has_value()) TORCH_CHECK(a_row_map->scalar_type() == at::kInt, "a_row_map must be int32");
-    const bool by_ids = ids.has_value();
-    if (by_ids) {
-        TORCH_CHECK(kind == 0, "routing from ids: ring kernel (kind 0) only");
-        TORCH_CHECK(ids->scalar_type() == at::kInt && ids->dim() == 2 && ids->is_contiguous() &&
-                        ids->size(0) <= max_tokens && ids->size(0) * ids->size(1) <= 64,
-                    "ids must be contiguous int32 [T, top_k], T <= max_tokens, T * top_k <= 64");
-        TORCH_CHECK(!a_row_map.has_value() || a.size(0) >= ids->size(0), "A must hold the T token rows");
-    }
 
     Args args;
     args.a = reinterpret_cast<const __nv_bfloat16*>(a.data_ptr<at::BFloat16>());
@@ -694,17 +555,12 @@ void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::T
     args.tiles_per_block = static_cast<int>(tiles_per_block);
     args.k_splits = static_cast<int>(k_splits);
     args.chunks_per_piece = static_cast<int>(chunks_per_piece);
-    args.ids = by_ids ? ids->data_ptr<int>() : nullptr;
-    args.num_tokens = by_ids ? static_cast<int>(ids->size(0)) : 0;
-    args.top_k = by_ids ? static_cast<int>(ids->size(1)) : 0;
-    args.first_expert = static_cast<int>(first_expert);
 
     const int64_t warps = tiles_per_block * k_splits;
     size_t smem = (static_cast<size_t>(max_tokens + 1) * x_row_words(args.chunks) +
                    static_cast<size_t>(k_splits - 1) * tiles_per_block * nt * 4 * 32) * 4;
     if (bulk) smem += static_cast<size_t>(warps) * (per_part * (512 + 32) + kMaxPieces * 8);
     if (kind == 2) smem += static_cast<size_t>(warps) * depth * 512;
-    if (by_ids) smem += static_cast<size_t>(args.num_tokens) * args.top_k * 4;
     const c10::cuda::CUDAGuard guard(a.device());
     TORCH_CHECK(smem <= static_cast<size_t>(kMaxSmem), "shared memory of ", smem, " bytes: too many tokens or warps");
     static bool raised[64][2][3][2] = {};  // once per device and kernel, before any graph capture uses it

@@ -122,17 +122,12 @@ def build() -> str:
 def grouped_gemm_decode_mxfp4_mma(a: torch.Tensor, packed: dict, out: torch.Tensor, counts: torch.Tensor,
                                   active: torch.Tensor, num_active: torch.Tensor, rows_per_group: int,
                                   max_tokens: int, a_row_map: torch.Tensor | None = None,
-                                  config: dict | None = None, pdl: bool | None = None,
-                                  ids: torch.Tensor | None = None, first_expert: int = 0) -> torch.Tensor:
+                                  config: dict | None = None, pdl: bool | None = None) -> torch.Tensor:
     """a [rows or T, K] bf16 (pair rows of the masked layout, or token rows through `a_row_map`) and the
     `pack_mma_words` experts -> out [E * rows_per_group, N] bf16, rows [e * rows_per_group, + counts[e]) =
     A rows @ W[e]^T for the experts active[:num_active] (other rows untouched). No host sync, no
     allocation: CUDA-graph capturable. pdl: launch with programmatic stream serialization (default: while
-    a graph is being captured on an SM90 device, as kernels.pdl does for the Triton kernels). ids [T, top_k]
-    int32 (the front's global expert ids; this rank's experts from first_expert): each block takes its expert's
-    count and tokens from them in the round trip that reads active[slot], instead of reading counts (and
-    a_row_map) after it; with a_row_map given, A is then the T token rows and a_row_map is not read. Same
-    outputs; the ring kernel (kind 0) only."""
+    a graph is being captured on an SM90 device, as kernels.pdl does for the Triton kernels)."""
     if not 0 < max_tokens <= min(DECODE_MAX_TOKENS, rows_per_group):
         raise ValueError(f"grouped_gemm_decode_mxfp4_mma covers 1..{DECODE_MAX_TOKENS} rows per expert "
                          f"(and rows_per_group {rows_per_group}); got {max_tokens}")
@@ -146,5 +141,5 @@ def grouped_gemm_decode_mxfp4_mma(a: torch.Tensor, packed: dict, out: torch.Tens
     _extension().mxfp4_mma_decode(a, packed["words"], packed["scales"], out, counts, active, num_active,
                                   a_row_map, rows_per_group, packed["n"], packed["k"], max_tokens,
                                   cfg["tiles_per_block"], cfg["k_splits"], cfg["depth"], cfg["kind"],
-                                  cfg["chunks_per_piece"], bool(pdl), ids, first_expert)
+                                  cfg["chunks_per_piece"], bool(pdl))
     return out

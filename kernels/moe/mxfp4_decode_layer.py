@@ -33,9 +33,6 @@ from kernels.pdl import pdl_prologue
 from model.mxfp4 import dequantize_mxfp4
 
 MAX_TOKENS = 16  # the CUDA kernel's two 8-token mma column tiles, and the fused front's limit
-# The GEMMs take each block's routing from the front's ids (False: counts and token_of_row, as before 2026-12-02;
-# bench/decode_ab's "-counts" variants)
-ROUTE_FROM_IDS = True
 BLOCK_C = 128  # output channels per SwiGLU program
 
 
@@ -96,16 +93,12 @@ def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pl
                          f"got layout {plan.layout}, m_cap {plan.rows_per_group}, T {t}")
     rows = plan.num_rows
     h = torch.empty(rows, packed13["n"], dtype=torch.bfloat16, device=x.device)
-    # Routing from the front's ids (ROUTE_FROM_IDS): each block's count and tokens come with its expert id, in one
-    # round trip, instead of counts -> token_of_row -> A one after another (kernels/moe/NOTES.md, 2026-12-02).
-    by_ids = dict(ids=ids, first_expert=first_expert) if ROUTE_FROM_IDS and ids.dtype == torch.int32 else {}
     mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(x, packed13, h, plan.counts, plan.active, plan.num_active, t, t,
-                                             a_row_map=plan.token_of_row, **by_ids)
+                                             a_row_map=plan.token_of_row)
     act = swiglu_bf16(h, plan.row_of_pair, ids, b13, first_expert, alpha, limit,
                       torch.empty(rows, packed2["k"], dtype=torch.bfloat16, device=x.device))
     y = torch.empty(rows, packed2["n"], dtype=torch.bfloat16, device=x.device)
-    mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(act, packed2, y, plan.counts, plan.active, plan.num_active, t, t,
-                                             **by_ids)
+    mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(act, packed2, y, plan.counts, plan.active, plan.num_active, t, t)
     out = torch.empty(t, packed2["n"], dtype=x.dtype, device=x.device)
     return epi.combine(y, plan.row_of_pair, ids, weights, b2, first_expert, out)
 
