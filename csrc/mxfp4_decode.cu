@@ -118,8 +118,10 @@ struct Work {
     long long row0, first;  // first: index of the warp's first chunk in words / 32 and scales / 8
 };
 
-// Routing of this block (after the PDL wait: the plan comes from the previous kernel). num_active and
-// active[slot] are read together (one round trip before the weights); false: nothing to do.
+// Routing of this block (after the PDL wait: the plan comes from the previous kernel); false: nothing to do.
+// In the SASS, ptxas issues active[slot] only after the branch on num_active (two round trips), and counts /
+// a_row_map / A follow one after another; taking all of it in one round trip measured no faster in the decode
+// step (kernels/moe/NOTES.md, "The routing in the GEMM's first round trip").
 __device__ __forceinline__ bool block_work(const Args& args, Work& w) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
