@@ -18,7 +18,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
-- "splits-G-D": fused+pdl with G / D K splits in the FP8 decode GEMMs (gate_up / down) at T <= 4 (default 4 / 4).
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -60,11 +59,6 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense+mxfp4-8": (True, True, True, True, "all", 8),
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8)}
-
-
-# fused+pdl with other K splits of the FP8 decode GEMMs at T <= 4 (gate_up, down): Fp8Experts.decode_splits_override
-SPLITS = {"splits-4-8": (4, 8), "splits-8-8": (8, 8), "splits-4-6": (4, 6)}
-VARIANTS.update({name: VARIANTS["fused+pdl"] for name in SPLITS})
 
 
 class DenseWeights:
@@ -127,9 +121,6 @@ def run(name: str, args) -> dict:
     for variant in args.variants * args.rounds:
         flags = VARIANTS[variant]
         set_variant(h, *flags)
-        for layer in h.model.model.layers:
-            if hasattr(layer.mlp.experts, "decode_splits_override"):
-                layer.mlp.experts.decode_splits_override = SPLITS.get(variant)
         h.graphs = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -69,9 +69,6 @@ class Fp8Experts(nn.Module):
         # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
-        # Decode-kernel K splits of (gate_up, down) where the step splits K (T <= 4): None = both
-        # triton_grouped_gemm.decode_splits(T); bench/decode_ab's "-splits-*" variants set others
-        self.decode_splits_override: tuple[int, int] | None = None
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -233,9 +230,7 @@ class Fp8Experts(nn.Module):
 
         t = ids.shape[0]
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
-        splits_13, splits_2 = (splits, splits) if splits == 1 or self.decode_splits_override is None \
-            else self.decode_splits_override
-        h = self.gemm_output(plan, splits_13, self.w13.shape[1])
+        h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         if self.swiglu_tiles and plan.layout == "contiguous":
@@ -244,7 +239,7 @@ class Fp8Experts(nn.Module):
         else:
             epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
                              fast_div=self.swiglu_fast_div)
-        y = self.gemm_output(plan, splits_2, self.hidden)
+        y = self.gemm_output(plan, splits, self.hidden)
         self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 
