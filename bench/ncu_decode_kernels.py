@@ -6,7 +6,7 @@ on `--copies` weight copies in turn, so no two consecutive calls read the same b
 
     ncu --clock-control none --set full -k regex:'mxfp4|_slab_gemv|_fp8_grouped' -o prof \
         python -m bench.ncu_decode_kernels
-    python -m bench.ncu_decode_kernels --time      # the same launches under CUDA events, no profiler
+    python -m bench.ncu_decode_kernels --time      # the same launches timed (triton do_bench), no profiler
 
 `--config` (JSON) overrides the MXFP4 kernel's mxfp4_cuda.CONFIG; `--only` picks kernels (comma list of
 mxfp4_gate_up, mxfp4_down, fp8_gate_up, fp8_down, slab_qkv, slab_o).
@@ -15,9 +15,12 @@ mxfp4_gate_up, mxfp4_down, fp8_gate_up, fp8_down, slab_qkv, slab_o).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
+
+from bench.moe_common import median_us
 
 D = I = 2880
 EXPERTS = 32
@@ -94,19 +97,9 @@ def main(argv=None) -> int:
     for name, fns in runs.items():
         fns[0]()  # compile / first launch outside the measured calls
         torch.cuda.synchronize()
-        if args.time:
-            flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-            times = []
-            for i in range(20):
-                flush.zero_()  # evict the weights from L2, as ncu's cache control does
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fns[i % len(fns)]()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1e3)
-            times.sort()
-            print(f"{name}: median {times[len(times) // 2]:.2f} us, min {times[0]:.2f} us (cold L2, eager)")
+        if args.time:  # do_bench zeroes a 256 MB buffer before every call: weights cold, as under ncu's cache control
+            us = median_us(lambda copies=itertools.cycle(fns): next(copies)())
+            print(f"{name}: median {us:.2f} us (cold L2, eager)")
         else:
             for i in range(args.calls):
                 fns[(i + 1) % len(fns)]()
