@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="32,128", help="expert counts (20b: 32, 120b: 128)")
     p.add_argument("--depths", default="2,3,4")
     p.add_argument("--blocks-per-sm", default="1,2")
+    p.add_argument("--loads", default="0,1,2")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     print(f"built {fc.build()}", flush=True)
@@ -95,8 +96,8 @@ def _bench(experts, name, w, ws, t, args, dev) -> dict:
     for s in sorted({splits, 1}):
         out_c = out_of(s)
         for depth in [int(x) for x in args.depths.split(",")]:
-            for bps in [int(x) for x in args.blocks_per_sm.split(",")]:
-                cfg = dict(depth=depth, blocks_per_sm=bps)
+            for bps, load in [(int(b), int(ld)) for b in args.blocks_per_sm.split(",") for ld in args.loads.split(",")]:
+                cfg = dict(depth=depth, blocks_per_sm=bps, load=load)
 
                 def run_cuda(c, cfg=cfg, out_c=out_c):
                     plan, a = c
@@ -104,7 +105,7 @@ def _bench(experts, name, w, ws, t, args, dev) -> dict:
                                                 config=cfg)
 
                 us = graph_time_us(run_cuda, sets)[0]
-                key = f"S{s}_d{depth}_b{bps}"
+                key = f"S{s}_d{depth}_b{bps}_l{load}"
                 row["cuda"][key] = us
                 if best is None or us < row["cuda"][best]:
                     best = key

@@ -52,11 +52,21 @@ struct Args {
     int rows_per_group, n, kb, row_tiles, splits, max_tokens, blocks_per_slot;
 };
 
+// LOAD 0: the read-only path, no L1 allocation; 1: the plain path, no L1 allocation; 2: 1 and the L2 fetching
+// the whole 256-byte segment (the next K block of the same rows, which this warp reads next).
+template <int LOAD>
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    if constexpr (LOAD == 0) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else if constexpr (LOAD == 1) {
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+        asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    }
     return v;
 }
 
@@ -101,7 +111,7 @@ __device__ __forceinline__ int warp_units(const Args& args, int it0, int stride,
     return units;
 }
 
-template <int DEPTH>
+template <int DEPTH, int LOAD>
 __global__ void __launch_bounds__(kWarps * 32, 2) fp8_mma_decode_kernel(const Args args) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -125,10 +135,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) fp8_mma_decode_kernel(const Ar
     auto fill = [&](Slot& s) {
         const int tile = issue.tile;
         const uint8_t* p = w_e + (long long)tile * 16 * args.stride_wn + issue.kb * kBlock;
-        s.lo0 = load_stream(p);
-        s.hi0 = load_stream(p + 64);
-        s.lo8 = load_stream(p + 8 * args.stride_wn);
-        s.hi8 = load_stream(p + 8 * args.stride_wn + 64);
+        s.lo0 = load_stream<LOAD>(p);
+        s.hi0 = load_stream<LOAD>(p + 64);
+        s.lo8 = load_stream<LOAD>(p + 8 * args.stride_wn);
+        s.hi8 = load_stream<LOAD>(p + 8 * args.stride_wn + 64);
         s.ws = __ldg(sfw_e + (tile >> 3) * args.sfw_n_stride + issue.kb);
         if (++issue.kb == issue.kb_end) more = issue.set(args, issue.item + stride, items);
     };
@@ -230,17 +240,25 @@ namespace fp8_decode {
 
 using Kernel = void (*)(const Args);
 
-Kernel select(int depth) {
-    if (depth == 2) return fp8_mma_decode_kernel<2>;
-    if (depth == 3) return fp8_mma_decode_kernel<3>;
-    if (depth == 4) return fp8_mma_decode_kernel<4>;
+template <int LOAD>
+Kernel select_depth(int depth) {
+    if (depth == 2) return fp8_mma_decode_kernel<2, LOAD>;
+    if (depth == 3) return fp8_mma_decode_kernel<3, LOAD>;
+    if (depth == 4) return fp8_mma_decode_kernel<4, LOAD>;
+    return nullptr;
+}
+
+Kernel select(int depth, int load) {
+    if (load == 0) return select_depth<0>(depth);
+    if (load == 1) return select_depth<1>(depth);
+    if (load == 2) return select_depth<2>(depth);
     return nullptr;
 }
 
 void launch(torch::Tensor a, torch::Tensor sfa, torch::Tensor w, torch::Tensor sfw, torch::Tensor out,
             torch::Tensor counts, torch::Tensor active, torch::Tensor num_active,
             c10::optional<torch::Tensor> a_row_map, int64_t rows_per_group, int64_t max_tokens,
-            int64_t blocks_per_slot, int64_t depth, bool pdl) {
+            int64_t blocks_per_slot, int64_t depth, int64_t load, bool pdl) {
     const auto fp8 = at::kFloat8_e4m3fn;
     TORCH_CHECK(a.is_cuda() && a.scalar_type() == fp8 && a.dim() == 2 && a.stride(1) == 1,
                 "A must be CUDA float8_e4m3fn [rows, Kp] with unit stride along K");
@@ -273,8 +291,8 @@ void launch(torch::Tensor a, torch::Tensor sfa, torch::Tensor w, torch::Tensor s
                 "1..", kMaxTokens, " tokens per expert");
     if (a_row_map.has_value()) TORCH_CHECK(a_row_map->scalar_type() == at::kInt, "a_row_map must be int32");
     TORCH_CHECK(blocks_per_slot >= 1, "blocks_per_slot >= 1");
-    Kernel kernel = select(static_cast<int>(depth));
-    TORCH_CHECK(kernel != nullptr, "no kernel built for DEPTH ", depth);
+    Kernel kernel = select(static_cast<int>(depth), static_cast<int>(load));
+    TORCH_CHECK(kernel != nullptr, "no kernel built for DEPTH ", depth, ", LOAD ", load);
 
     Args args;
     args.a = reinterpret_cast<const uint8_t*>(a.data_ptr());
@@ -306,9 +324,9 @@ void launch(torch::Tensor a, torch::Tensor sfa, torch::Tensor w, torch::Tensor s
 
     const size_t smem = static_cast<size_t>(kMaxTokens) * (kp + kRowPad) + (kp / kBlock) * kMaxTokens * 4;
     const c10::cuda::CUDAGuard guard(a.device());
-    static bool raised[64][5] = {};  // once per device and kernel, before any graph capture uses it
+    static bool raised[64][5][3] = {};  // once per device and kernel, before any graph capture uses it
     TORCH_CHECK(a.device().index() < 64, "device index");
-    bool& done = raised[a.device().index()][depth];
+    bool& done = raised[a.device().index()][depth][load];
     if (!done) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024));
         done = true;

@@ -23,8 +23,9 @@ import torch
 
 MAX_TOKENS = 8  # one 8-token mma column tile
 WARPS = 8  # warps per block (csrc kWarps)
-# blocks per SM the grid aims at (the kernel's launch bounds allow 2), and the register ring's depth
-CONFIG = dict(blocks_per_sm=2, depth=4)
+# blocks per SM the grid aims at (the kernel's launch bounds allow 2), the register ring's depth, and the weight
+# loads' flavor (csrc LOAD: 0 read-only path, 1 plain, 2 plain + 256-byte L2 fetch)
+CONFIG = dict(blocks_per_sm=2, depth=2, load=0)
 
 
 @functools.cache
@@ -78,5 +79,5 @@ def grouped_gemm_decode_cuda(a, w: torch.Tensor, w_scales: torch.Tensor, out: to
         pdl = pdl_mod.active(a.data)
     bps = blocks_per_slot(a.data.device, active.numel(), w.shape[1], splits, cfg["blocks_per_sm"])
     _extension().fp8_mma_decode(a.data, a.scale_storage, w, w_scales, out, counts, active, num_active, a_row_map,
-                                a.rows_per_group, max_tokens, bps, cfg["depth"], bool(pdl))
+                                a.rows_per_group, max_tokens, bps, cfg["depth"], cfg["load"], bool(pdl))
     return out

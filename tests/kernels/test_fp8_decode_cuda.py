@@ -117,14 +117,14 @@ def test_kernel_matches_twin(weights, shape, t, splits):
     e, n, kp = w.shape
     plan, tokens, masked, row_map = _case(e, kp, t, seed=10 * t + splits)
     assert int((plan.counts == 0).sum()) > 0  # experts without tokens are skipped
-    for depth in (2, 3, 4):
+    for depth, load in ((2, 0), (3, 1), (4, 2)):
         out = _out(e, t, n, splits)
         fc.grouped_gemm_decode_cuda(masked, w, ws, out, plan.counts, plan.active, plan.num_active, t,
-                                    config=dict(depth=depth))
+                                    config=dict(depth=depth, load=load))
         _check(out, w, ws, plan, masked, t)
         out_map = _out(e, t, n, splits)
         fc.grouped_gemm_decode_cuda(tokens, w, ws, out_map, plan.counts, plan.active, plan.num_active, t,
-                                    a_row_map=row_map, config=dict(depth=depth))
+                                    a_row_map=row_map, config=dict(depth=depth, load=load))
         assert torch.equal(out_map.nan_to_num(-1.0), out.nan_to_num(-1.0))  # the same sums, bit for bit
 
 
