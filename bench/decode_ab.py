@@ -18,8 +18,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
-- "cuda-gemm", "fp8-lm-head+cuda-gemm", "fp8-dense+cuda-gemm": the FP8 experts of steps of <= 8 tokens on the CUDA
-  C++ decode GEMM (Fp8Experts.decode_kernel = "cuda", kernels/moe/fp8_decode_cuda.py) instead of the Triton one.
   The bf16 modules are kept and swapped back, so every variant runs the same weights (up to FP8 rounding).
 (Earlier runs of this bench, bench/results/decode_ab_*: front alone, front + KV write, QKV on the
 GEMV too, which was slower than cuBLAS, SwiGLU inside the down GEMM, 2.0x slower and removed:
@@ -54,15 +52,13 @@ from model.config import GptOssConfig
 
 SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
 
-# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens, FP8 decode GEMM)
+# (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens)
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
             "fp8-dense": (True, True, True, True, "all", 0), "fp8-dense-tc": (True, True, True, True, "all-tc", 0),
             "fp8-dense+mxfp4-8": (True, True, True, True, "all", 8),
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
-            "mxfp4-decode-8": (True, True, True, True, "", 8),
-            "cuda-gemm": (True, True, True, True, "", 0, "cuda"), "fp8-lm-head+cuda-gemm": (True, True, True, True, "lm_head", 0, "cuda"),
-            "fp8-dense+cuda-gemm": (True, True, True, True, "all", 0, "cuda")}
+            "mxfp4-decode-8": (True, True, True, True, "", 8)}
 
 
 class DenseWeights:
@@ -89,11 +85,9 @@ class DenseWeights:
                 setattr(layer.self_attn, f"{kind}_proj", m)
 
 
-def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                decode_gemm: str = "triton") -> None:
+def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int) -> None:
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        layer.mlp.experts.decode_kernel = decode_gemm
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4

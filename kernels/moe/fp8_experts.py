@@ -56,8 +56,7 @@ class Fp8Experts(nn.Module):
         self.use_psum = True
         # Decode (masked, T <= 64) GEMMs: our Triton decode kernel also under the deep_gemm backend: on
         # the H200 it beat DeepGEMM's masked GEMM at every decode size measured (20b T=1 44 vs 64 us per
-        # layer, 120b T=64 711 vs 752; bench/results/moe_h200_deep_gemm.json). "deep_gemm" to compare;
-        # "cuda": the CUDA C++ decode GEMM (kernels/moe/fp8_decode_cuda.py) at T <= 8, Triton's above.
+        # layer, 120b T=64 711 vs 752; bench/results/moe_h200_deep_gemm.json). "deep_gemm" to compare.
         self.decode_kernel = "triton"
         # routed_forward fuses router + routing + plan + quantization into one launch where it can
         # (decode_front_triton); False: the unfused launches, to compare
@@ -278,7 +277,7 @@ class Fp8Experts(nn.Module):
     def _decode_kernel_runs(self, backend: str, masked: bool, num_tokens: int) -> bool:
         from kernels.moe.triton_grouped_gemm import DECODE_MAX_TOKENS
 
-        return masked and num_tokens <= DECODE_MAX_TOKENS and (backend == "triton" or self.decode_kernel in ("triton", "cuda"))
+        return masked and num_tokens <= DECODE_MAX_TOKENS and (backend == "triton" or self.decode_kernel == "triton")
 
     def _gemm(self, backend, a, w, s, out, plan, num_tokens: int, a_row_map=None) -> None:
         from kernels.moe import triton_grouped_gemm
@@ -286,14 +285,8 @@ class Fp8Experts(nn.Module):
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
         if self._decode_kernel_runs(backend, masked, num_tokens):
-            from kernels.moe import fp8_decode_cuda
-
-            if self.decode_kernel == "cuda" and num_tokens <= fp8_decode_cuda.MAX_TOKENS and a.data.is_cuda:
-                fp8_decode_cuda.grouped_gemm_decode_cuda(a, w, s, out, plan.counts, plan.active, plan.num_active,
-                                                         num_tokens, a_row_map=a_row_map)
-            else:
-                triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active,
-                                                        num_tokens, a_row_map=a_row_map)
+            triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens,
+                                                    a_row_map=a_row_map)
         elif backend == "deep_gemm":
             from kernels.moe import deep_gemm_ops as dg
 

@@ -225,31 +225,6 @@ def test_layer_matches_bf16_reference(experts20, backend, t):
     assert calc_diff(out, twin) < 5e-4
 
 
-@pytest.mark.parametrize("t", [1, 4, 7])
-def test_layer_on_the_cuda_decode_gemm(experts20, t):
-    """decode_kernel = "cuda" (kernels/moe/fp8_decode_cuda.py at T <= 8): the layer, and the fused-front
-    routed_forward, against the bf16 reference and against the Triton decode GEMM's layer."""
-    fp8, bf16_ref = experts20
-    fp8.backend = "triton"
-    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
-    router_w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
-    router_b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
-    ids, weights = route(torch.nn.functional.linear(x, router_w, router_b), K)
-    outs = {}
-    try:
-        for kernel in ("triton", "cuda"):
-            fp8.decode_kernel = kernel
-            outs[kernel] = (fp8(x, ids, weights), fp8.routed_forward(x, router_w, router_b, K))
-    finally:
-        fp8.decode_kernel = "triton"
-    want = bf16_ref(x, ids, weights)
-    for out in outs["cuda"]:
-        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-        assert calc_diff(out, want) <= 1e-3
-    for cuda, triton_ in zip(outs["cuda"], outs["triton"]):
-        assert calc_diff(cuda, triton_) < 1e-4  # the same FP8 products; sums in another order
-
-
 def test_layer_expert_parallel_and_both_layouts(experts20):
     from kernels.moe.fp8_experts import Fp8Experts
 
