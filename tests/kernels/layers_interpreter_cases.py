@@ -69,6 +69,71 @@ def test_norm_quantized_for_an_fp8_gemm(t, d, with_delta):
     assert torch.equal(rows.scales_rows(), sc)
 
 
+def _pending_combine(t: int, hidden: int, splits: int):
+    """A CombineInputs of t tokens (top-3 of 8 experts, 4 of them local: some pairs off this rank) over y rows
+    (or `splits` fp32 partial sums of them), with the bf16 y it sums to."""
+    from kernels.moe.epilogues_triton import CombineInputs
+
+    k, e_local, first = 3, 4, 2
+    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).int()
+    ids[0, 0] = first + 1 if ids[0, 0] < first or ids[0, 0] >= first + e_local else ids[0, 0]  # one local pair
+    ids[0, 1:] = torch.where(ids[0, 1:] == ids[0, 0], first - 1, ids[0, 1:])  # still distinct
+    weights = torch.softmax(torch.randn(t, k), -1)
+    e = ids.reshape(-1).long() - first
+    row_of_pair = torch.where((e >= 0) & (e < e_local), torch.randperm(t * k), -1).int()
+    y = (torch.randn(t * k, hidden) * 2).bfloat16()
+    if splits > 1:
+        parts = torch.randn(splits, t * k, hidden) * 0.25
+        parts[0] += y.float() - parts.sum(0)
+        y_in = parts
+        y = parts.sum(0).bfloat16()
+    else:
+        y_in = y
+    return CombineInputs(y_in, row_of_pair, ids, weights, torch.randn(e_local, hidden), first, torch.bfloat16), y
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("t,d", [(1, 2880), (9, 200)])
+def test_combine_add_rms_norm_is_the_two_kernels(t, d, splits, quant):
+    """The MoE combine inside the norm's launch: bitwise the combine kernel's rows added and normed by
+    add_rms_norm (bf16 rows or FP8 rows for the next GEMM), and close to the twins."""
+    from kernels.moe import epilogues_triton as epi
+    from kernels.moe import fp8_reference
+    from kernels.moe.epilogues_triton import Fp8Rows
+    from kernels.moe.fp8_quant import padded
+
+    c, y = _pending_combine(t, d, splits)
+    x = (torch.randn(t, d) * 3).bfloat16()
+    w = torch.rand(d) + 0.5
+    rows = (lambda: Fp8Rows.empty(1, t, padded(d), "cpu")) if quant else (lambda: None)
+    got_rows, want_rows = rows(), rows()
+    s, h = triton_ops.combine_add_rms_norm(x, c, w, 1e-5, quant_out=got_rows)
+    delta = c.resolve()
+    want_s, want_h = triton_ops.add_rms_norm(x, delta, w, 1e-5, quant_out=want_rows)
+    assert torch.equal(s, want_s)
+    if quant:
+        assert h is got_rows and want_h is want_rows
+        assert torch.equal(h.data.view(torch.uint8), want_h.data.view(torch.uint8))
+        assert torch.equal(h.scales_rows(), want_h.scales_rows())
+    else:
+        assert torch.equal(h, want_h)
+    twin = fp8_reference.combine(y, c.row_of_pair, c.expert_ids, c.expert_weights, c.bias, c.first_expert,
+                                 torch.bfloat16)
+    torch.testing.assert_close(delta.float(), twin.float(), rtol=2 ** -7, atol=1e-5)
+    twin_s, _ = ref.add_rms_norm(x, twin, w, 1e-5)
+    torch.testing.assert_close(s.float(), twin_s.float(), rtol=2 ** -7, atol=2 ** -6)
+    assert not torch.equal(s, x)  # the combine is in
+
+
+def test_combine_add_rms_norm_rejects_mismatched_rows():
+    c, _ = _pending_combine(4, 64, 1)
+    with pytest.raises(ValueError, match="must match"):
+        triton_ops.combine_add_rms_norm(torch.randn(5, 64).bfloat16(), c, torch.ones(64), 1e-5)
+    with pytest.raises(ValueError, match="must match"):
+        triton_ops.combine_add_rms_norm(torch.randn(4, 64), c, torch.ones(64), 1e-5)  # fp32 rows, bf16 combine
+
+
 @pytest.mark.parametrize("with_cache,v_out", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("t,hq,hkv,dh", [(1, 4, 1, 16), (5, 6, 3, 8)])
 def test_rotary_qkv_adds_the_projection_bias(t, hq, hkv, dh, with_cache, v_out, rotary_block_t):
