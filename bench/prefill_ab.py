@@ -108,17 +108,6 @@ def swiglu_tiles_variants():
     return {"swiglu per pair": mode(False), "swiglu row tiles": mode(True)}
 
 
-def combine_variants():
-    """The MoE combine in its own launch against inside the next residual add + norm (Fp8Experts.defer_combine,
-    what MLPBlock sets without expert parallelism since 2026-12-03; bitwise the same outputs). Eager forwards."""
-    def mode(defer: bool):
-        def apply(h: Harness):
-            h.prefill_graphs = None
-            set_on_experts(h, "defer_combine", defer)
-        return apply
-    return {"combine own launch": mode(False), "combine in the norm": mode(True)}
-
-
 def rotary_tiles_variants():
     """The prefill rotary (+ K/V write) kernel at one token per program against ROTARY_BLOCK_T tokens per program
     (kernels/layers/triton_ops.py; bitwise the same outputs). Eager forwards: compare the kernel sums."""
@@ -196,8 +185,7 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
             "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants,
-            "combine": combine_variants}
+            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants}
 
 
 PROFILED_FORWARDS = 4

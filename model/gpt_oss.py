@@ -151,22 +151,14 @@ class MLPBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True, dtype=dtype, device=device)
         self.experts = experts
-        if parallel.ep_size == 1 and hasattr(experts, "defer_combine"):
-            # nothing between the experts and the next residual add + norm: that norm's launch runs the combine
-            # (kernels/moe/epilogues_triton.CombineInputs; the same bits, one launch and one pass fewer per layer)
-            experts.defer_combine = True
 
-    def forward(self, x: torch.Tensor):
-        """The MLP output [T, D]: a tensor, or with defer_combine set on the experts a combine not yet run that the
-        next norm (kernels/layers.add_rms_norm / rms_norm_fp8) completes."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed_forward = getattr(self.experts, "routed_forward", None)
         if routed_forward is not None:  # experts that fuse the router into their first launch (Fp8Experts)
             out = routed_forward(x, self.router.weight, self.router.bias, self.top_k)
         else:
             expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
             out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
-        if self.parallel.ep_size > 1 and not isinstance(out, torch.Tensor):
-            out = out.resolve()
         return self.parallel.all_reduce_ep(out)
 
 

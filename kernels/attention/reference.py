@@ -46,9 +46,3 @@ def sliding_tile_lists(query_lens: list[int], block_m: int, q_starts: list[int] 
             seq_of_tile.append(b)
             q0_of_tile.append(q0)
     return seq_of_tile, q0_of_tile, starts, list(query_lens)
-
-
-def quantize_heads_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, H, D] -> (e4m3 [T, H, D], fp32 scale per head = amax / 448 over the head's values; x ~= q * scale)."""
-    scale = x.float().abs().amax((0, 2)).clamp_min(1e-12) / 448.0
-    return (x.float() / scale[None, :, None]).to(torch.float8_e4m3fn), scale

@@ -16,25 +16,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return reference.rms_norm(x, weight, eps)
 
 
-def _pending_combine(delta, x: torch.Tensor) -> bool:
-    """Whether delta is the MoE's combine not yet run (kernels/moe/epilogues_triton.CombineInputs) and can run
-    inside the norm's launch (CUDA rows); any other pending combine is resolved by the caller first."""
-    return not isinstance(delta, torch.Tensor) and delta is not None and x.is_cuda and x.dim() == 2
-
-
-def _resolved(delta):
-    return delta if delta is None or isinstance(delta, torch.Tensor) else delta.resolve()
-
-
-def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)); delta_bias: a projection bias its GEMM left out, added to delta first.
-    delta may be a combine not yet run (epilogues_triton.CombineInputs): on CUDA it runs in the norm's launch."""
-    if _pending_combine(delta, x) and delta_bias is None:
-        from kernels.layers import triton_ops
-
-        return triton_ops.combine_add_rms_norm(x.contiguous(), delta, weight, eps)
-    delta = _resolved(delta)
+    """(x + delta, rms_norm(x + delta)); delta_bias: a projection bias its GEMM left out, added to delta first."""
     if x.is_cuda and x.dim() == 2:
         from kernels.layers import triton_ops
 
@@ -42,18 +26,12 @@ def add_rms_norm(x: torch.Tensor, delta, weight: torch.Tensor, eps: float,
     return reference.add_rms_norm(x, delta, weight, eps, delta_bias)
 
 
-def rms_norm_fp8(x: torch.Tensor, delta, weight: torch.Tensor, eps: float, k_padded: int):
+def rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, k_padded: int):
     """The norm of x (+ delta) quantized for an FP8 GEMM: an Fp8Rows [T, k_padded] (per token per 128 channels,
     kernels/moe/fp8_quant.quantize_rows of the bf16 norm), with x + delta first when delta is given:
     (x + delta, rows). On CUDA one launch, the bf16 norm never written."""
     from kernels.moe.epilogues_triton import Fp8Rows
 
-    if _pending_combine(delta, x):
-        from kernels.layers import triton_ops
-
-        return triton_ops.combine_add_rms_norm(x.contiguous(), delta, weight, eps,
-                                               quant_out=Fp8Rows.empty(1, x.shape[0], k_padded, x.device))
-    delta = _resolved(delta)
     if x.is_cuda and x.dim() == 2:
         from kernels.layers import triton_ops
 

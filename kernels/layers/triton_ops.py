@@ -37,14 +37,7 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
             d = (d + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         x = (x.to(tl.float32) + d).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
-    _norm_store(x.to(tl.float32), row, cols, ok, n, eps, w_ptr, out_ptr, stride_out, q_ptr, sf_ptr, stride_q,
-                sf_k_stride, dtype, BLOCK, QUANT, NUM_KB)
-
-
-@triton.jit
-def _norm_store(t, row, cols, ok, n, eps, w_ptr, out_ptr, stride_out, q_ptr, sf_ptr, stride_q, sf_k_stride,
-                dtype: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr):
-    """rms_norm of the fp32 row t [BLOCK] (n valid columns) stored to out, or QUANT: quantized into FP8 rows."""
+    t = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(t * t, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if QUANT:
@@ -60,41 +53,6 @@ def _norm_store(t, row, cols, ok, n, eps, w_ptr, out_ptr, stride_out, q_ptr, sf_
         tl.store(sf_ptr + row + kb * sf_k_stride, scale, mask=kb < NUM_KB)
     else:
         tl.store(out_ptr + row * stride_out + cols, (t * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _combine_add_rms_norm_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, x_ptr, w_ptr, sum_ptr,
-                                 out_ptr, q_ptr, sf_ptr, n, eps, first_expert, stride_y, stride_split, stride_bias,
-                                 stride_x, stride_sum, stride_out, stride_q, sf_k_stride, TOP_K: tl.constexpr,
-                                 SPLITS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                                 NUM_KB: tl.constexpr, PDL: tl.constexpr):
-    # one token per program: the MoE combine of kernels/moe/epilogues_triton._combine_kernel (same slot order,
-    # same roundings: the combined row rounded to the activations' dtype), then _add_rms_norm_kernel's add + norm
-    pdl_prologue(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        r = tl.load(row_of_pair_ptr + pair)
-        if r >= 0:
-            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-            wt = tl.load(weights_ptr + pair).to(tl.float32)
-            y = tl.load(y_ptr + r.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-            if SPLITS > 1:
-                for s in tl.static_range(1, SPLITS):
-                    y += tl.load(y_ptr + s * stride_split + r.to(tl.int64) * stride_y + cols, mask=ok, other=0.0)
-                y = round_to_bf16(y)
-            y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
-            acc += wt * y
-    d = acc.to(dtype).to(tl.float32)
-    x = tl.load(x_ptr + token * stride_x + cols, mask=ok, other=0.0)
-    x = (x.to(tl.float32) + d).to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + token * stride_sum + cols, x, mask=ok)
-    _norm_store(x.to(tl.float32), token, cols, ok, n, eps, w_ptr, out_ptr, stride_out, q_ptr, sf_ptr, stride_q,
-                sf_k_stride, dtype, BLOCK, QUANT, NUM_KB)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -129,33 +87,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             NUM_KB=quant_out.k_blocks if quant_out is not None else 1,
             num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out if delta is None else (s, out)
-
-
-def combine_add_rms_norm(x: torch.Tensor, c, weight: torch.Tensor, eps: float, quant_out=None):
-    """(x + combine(c), rms_norm(x + combine(c))) in one launch, c an epilogues_triton.CombineInputs: bitwise what
-    combine then add_rms_norm give. quant_out: as add_rms_norm's."""
-    t, n = x.shape
-    if x.stride(1) != 1 or c.shape != (t, n) or c.y.stride(-1) != 1 or c.dtype != x.dtype:
-        raise ValueError(f"combine_add_rms_norm: x {tuple(x.shape)} {x.dtype} and the combine's {c.shape} "
-                         f"{c.dtype} rows must match, unit stride")
-    if quant_out is not None and (quant_out.groups != 1 or quant_out.rows_per_group != t
-                                  or quant_out.k_blocks * 128 < n or quant_out.data.stride(1) != 1):
-        raise ValueError(f"combine_add_rms_norm: quant_out must hold {t} rows of >= {n} channels in one group")
-    out = torch.empty_like(x) if quant_out is None else quant_out
-    s = torch.empty_like(x)
-    if t:
-        block = triton.next_power_of_2(n if quant_out is None else quant_out.k_blocks * 128)
-        q, sf = (x, x) if quant_out is None else (quant_out.data, quant_out.scale_storage)
-        splits = c.y.shape[0] if c.y.dim() == 3 else 1
-        _combine_add_rms_norm_kernel[(t,)](
-            c.y, c.row_of_pair, c.expert_ids, c.expert_weights, c.bias, x, weight, s,
-            x if quant_out is not None else out, q, sf, n, eps, c.first_expert, c.y.stride(-2),
-            c.y.stride(0) if splits > 1 else 0, c.bias.stride(0), x.stride(0), s.stride(0),
-            out.stride(0) if quant_out is None else 0, q.stride(0) if quant_out is not None else 0,
-            quant_out.sf_k_stride if quant_out is not None else 0, TOP_K=c.expert_ids.shape[1], SPLITS=splits,
-            BLOCK=block, QUANT=quant_out is not None, NUM_KB=quant_out.k_blocks if quant_out is not None else 1,
-            num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
-    return s, out
 
 
 @triton.jit

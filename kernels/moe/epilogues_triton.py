@@ -6,8 +6,7 @@
   columns, up = odd), clamp, SwiGLU, +1 on up, quantize for GEMM 2 (per pair; swiglu_quant_contiguous:
   the same per row tile of a contiguous layout, the bias loaded once per tile);
 - combine: GEMM-2 row + down bias, times the routing weight, summed over each token's k slots in
-  fp32 (a gather per token: no atomics, a fixed summation order). `CombineInputs` is a combine not yet run,
-  handed to the next residual add + norm, which does it in its own launch (kernels/layers.add_rms_norm).
+  fp32 (a gather per token: no atomics, a fixed summation order).
 
 One program per pair (a pair's row is unique) or per token; each reads its bytes once.
 Scales are written MN-major (`Fp8Rows`), the layout DeepGEMM's SM90 kernels load with TMA, so no
@@ -220,30 +219,6 @@ def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_
             y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
             acc += w * y
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@dataclass
-class CombineInputs:
-    """What `combine` reads, for a consumer that runs it inside its own kernel (the next residual add + norm:
-    kernels/layers/triton_ops.combine_add_rms_norm, the same arithmetic in the same order, so the same bits).
-    `resolve()` runs the combine alone, for any other consumer."""
-
-    y: torch.Tensor  # [rows, D] GEMM-2 output, or [S, rows, D] split-K partial sums (fp32)
-    row_of_pair: torch.Tensor
-    expert_ids: torch.Tensor  # [T, k]
-    expert_weights: torch.Tensor  # [T, k]
-    bias: torch.Tensor  # [E_local, D]
-    first_expert: int
-    dtype: torch.dtype  # of the combined rows (the activations')
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.expert_ids.shape[0], self.y.shape[-1]
-
-    def resolve(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.y.device)
-        return combine(self.y, self.row_of_pair, self.expert_ids, self.expert_weights, self.bias, self.first_expert,
-                       out)
 
 
 def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: Fp8Rows) -> Fp8Rows:

@@ -69,9 +69,6 @@ class Fp8Experts(nn.Module):
         # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
-        # GPU forwards return the combine unrun (epilogues_triton.CombineInputs) for the next residual add + norm to
-        # do in its launch: set by MLPBlock when nothing (no expert-parallel all-reduce) comes in between
-        self.defer_combine = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -211,8 +208,7 @@ class Fp8Experts(nn.Module):
             from kernels.moe import mxfp4_decode_layer
 
             return mxfp4_decode_layer.decode_experts(x.contiguous(), ids, weights, plan, *self._mxfp4_packed(),
-                                                     self.b13, self.b2, self.first_expert, self.alpha, self.limit,
-                                                     defer_combine=self.defer_combine)
+                                                     self.b13, self.b2, self.first_expert, self.alpha, self.limit)
         from kernels.moe import triton_grouped_gemm as tgg
 
         return self._experts_gpu(x, ids, weights, plan, tgg.decode_splits(t), a, backend)
@@ -233,6 +229,7 @@ class Fp8Experts(nn.Module):
         from kernels.moe import epilogues_triton as epi
 
         t = ids.shape[0]
+        out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         h = self.gemm_output(plan, splits, self.w13.shape[1])
         self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
@@ -244,9 +241,6 @@ class Fp8Experts(nn.Module):
                              fast_div=self.swiglu_fast_div)
         y = self.gemm_output(plan, splits, self.hidden)
         self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
-        if self.defer_combine:
-            return epi.CombineInputs(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, x.dtype)
-        out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 
     def plan_step(self, ids: torch.Tensor, backend: str):

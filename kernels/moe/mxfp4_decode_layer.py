@@ -80,8 +80,7 @@ def swiglu_bf16_reference(h: torch.Tensor, bias: torch.Tensor, alpha: float, lim
 
 
 def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, plan, packed13: dict, packed2: dict,
-                   b13: torch.Tensor, b2: torch.Tensor, first_expert: int, alpha: float, limit: float,
-                   defer_combine: bool = False):
+                   b13: torch.Tensor, b2: torch.Tensor, first_expert: int, alpha: float, limit: float) -> torch.Tensor:
     """This rank's experts for x [T, D] bf16 routed by the fused decode front (ids / weights [T, k], its masked
     plan with m_cap = T and token_of_row), from `mxfp4_cuda.pack_mma_words` weights. No host sync, no
     allocation outside torch's caching allocator: CUDA-graph capturable."""
@@ -100,8 +99,6 @@ def decode_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pl
                       torch.empty(rows, packed2["k"], dtype=torch.bfloat16, device=x.device))
     y = torch.empty(rows, packed2["n"], dtype=torch.bfloat16, device=x.device)
     mxfp4_cuda.grouped_gemm_decode_mxfp4_mma(act, packed2, y, plan.counts, plan.active, plan.num_active, t, t)
-    if defer_combine:  # the combine left to the next residual add + norm (epilogues_triton.CombineInputs)
-        return epi.CombineInputs(y, plan.row_of_pair, ids, weights, b2, first_expert, x.dtype)
     out = torch.empty(t, packed2["n"], dtype=x.dtype, device=x.device)
     return epi.combine(y, plan.row_of_pair, ids, weights, b2, first_expert, out)
 

@@ -282,32 +282,3 @@ def test_slab_gemv_in_cuda_graph_replays_bitwise(weights_first):
         src.copy_(torch.randn_like(src))
         graph.replay()
         assert torch.equal(y, step())
-
-
-@pytest.mark.parametrize("quant", [False, True])
-@pytest.mark.parametrize("t,splits", [(1, 4), (1, 1), (64, 1), (4099, 1)])
-def test_combine_add_rms_norm_is_bitwise_the_two_kernels(t, splits, quant):
-    """The MoE combine inside the next norm's launch (gpt-oss shapes: top-4 of 32 experts, D 2880; split-K fp32
-    partials as the decode GEMM leaves them at one token) against the combine kernel then add_rms_norm."""
-    from kernels.layers import triton_ops
-    from kernels.moe.epilogues_triton import CombineInputs, Fp8Rows
-    from kernels.moe.fp8_quant import padded
-
-    k, e, d = 4, 32, 2880
-    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(t)]).int()
-    row_of_pair = torch.randperm(t * k, device=DEV).int()
-    shape = (splits, t * k, d) if splits > 1 else (t * k, d)
-    y = torch.randn(shape, device=DEV).to(torch.float32 if splits > 1 else torch.bfloat16)
-    c = CombineInputs(y, row_of_pair, ids, torch.softmax(torch.randn(t, k, device=DEV), -1),
-                      torch.randn(e, d, device=DEV) * 0.1, 0, torch.bfloat16)
-    x = (torch.randn(t, d, device=DEV) * 4).bfloat16()
-    w = torch.rand(d, device=DEV) + 0.5
-    rows = (lambda: Fp8Rows.empty(1, t, padded(d), DEV)) if quant else (lambda: None)
-    s, h = triton_ops.combine_add_rms_norm(x, c, w, 1e-5, quant_out=rows())
-    want_s, want_h = triton_ops.add_rms_norm(x, c.resolve(), w, 1e-5, quant_out=rows())
-    assert torch.equal(s, want_s)
-    if quant:
-        assert torch.equal(h.data.view(torch.uint8), want_h.data.view(torch.uint8))
-        assert torch.equal(h.scales_rows(), want_h.scales_rows())
-    else:
-        assert torch.equal(h, want_h)

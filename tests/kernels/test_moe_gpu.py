@@ -416,32 +416,3 @@ def test_mxfp4_decode_gemm_matches_twin(t):
     rows = plan.row_of_pair.long()
     tol = 1e-4 if splits > 1 else 2 ** -7  # bf16 output rounding when unsplit
     torch.testing.assert_close(got[rows], want[rows], rtol=tol, atol=tol * float(want[rows].abs().max()))
-
-
-@pytest.mark.parametrize("t", [1, 3, 16, 129, 4096])
-def test_deferred_combine_in_the_next_norm_changes_nothing(experts20, t):
-    """defer_combine (what MLPBlock sets without expert parallelism): the layer returns its combine unrun and the
-    next residual add + norm runs it, bitwise the same residual and normed rows (bf16, and FP8 rows for an FP8
-    QKV) as the combined tensor added and normed, on the decode (fused front) and prefill paths."""
-    from kernels import layers
-    from kernels.moe.epilogues_triton import CombineInputs
-
-    fp8, _ = experts20
-    fp8.backend = backends()[-1]
-    w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
-    b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
-    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
-    residual = torch.randn(t, D, device=DEV, dtype=torch.bfloat16) * 4
-    norm_w = torch.rand(D, device=DEV) + 0.5
-    want = fp8.routed_forward(x, w, b, K)
-    fp8.defer_combine = True
-    try:
-        pending = fp8.routed_forward(x, w, b, K)
-    finally:
-        fp8.defer_combine = False
-    assert isinstance(pending, CombineInputs) and torch.equal(pending.resolve(), want)
-    got, ref_ = layers.add_rms_norm(residual, pending, norm_w, 1e-5), layers.add_rms_norm(residual, want, norm_w, 1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref_))
-    (s, q), (want_s, want_q) = (layers.rms_norm_fp8(residual, d, norm_w, 1e-5, 2944) for d in (pending, want))
-    assert torch.equal(s, want_s) and torch.equal(q.data.view(torch.uint8), want_q.data.view(torch.uint8))
-    assert torch.equal(q.scales_rows(), want_q.scales_rows())

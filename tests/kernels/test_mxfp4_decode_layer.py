@@ -165,12 +165,6 @@ def test_layer_matches_twin_and_beats_fp8_against_the_reference(layer20, t):
     mx_err, fp8_err = calc_diff(got, reference), calc_diff(fp8, reference)
     print(f"T={t}: 1 - cos-like vs the bf16 reference: MXFP4 path {mx_err:.2e}, FP8 path {fp8_err:.2e}")
     assert mx_err < 1e-4 and mx_err < fp8_err / 4
-    m.defer_combine = True  # the combine left to the next norm (MLPBlock without expert parallelism)
-    try:
-        pending = m.routed_forward(x, router_w, router_b, TOP_K)
-    finally:
-        m.defer_combine = False
-    assert not isinstance(pending, torch.Tensor) and torch.equal(pending.resolve(), got)
 
 
 @gpu
