@@ -25,11 +25,14 @@ from bench.moe_common import graph_time_us
 from kernels.layers import fp8_gemv_triton, gemv_triton, slab_gemv_triton
 from kernels.layers.fp8_linear import quantize_weight, reference
 
-SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}
+SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "unembed": (201088, 2880)}
 SLAB_CONFIGS = [dict(BLOCK_N=16, K_SPLIT=1024, num_warps=4), dict(BLOCK_N=16, K_SPLIT=512, num_warps=4),
                 dict(BLOCK_N=32, K_SPLIT=512, num_warps=4), dict(BLOCK_N=16, K_SPLIT=256, num_warps=4),
                 dict(BLOCK_N=32, K_SPLIT=256, num_warps=4), dict(BLOCK_N=32, K_SPLIT=1024, num_warps=8),
-                dict(BLOCK_N=16, K_SPLIT=512, num_warps=2), dict(BLOCK_N=64, K_SPLIT=256, num_warps=4)]
+                dict(BLOCK_N=16, K_SPLIT=512, num_warps=2), dict(BLOCK_N=64, K_SPLIT=256, num_warps=4),
+                # for the unembedding (2026-12-03): larger slabs, more warps
+                dict(BLOCK_N=128, K_SPLIT=256, num_warps=8), dict(BLOCK_N=64, K_SPLIT=512, num_warps=8),
+                dict(BLOCK_N=128, K_SPLIT=128, num_warps=4)]
 CALLS = 48
 ROTATE_BYTES = 200e6
 
@@ -37,7 +40,7 @@ ROTATE_BYTES = 200e6
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/gemv_slab.json")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default="qkv,o", help=f"from {list(SHAPES)}")
     p.add_argument("--tokens", default="1,2,4")
     p.add_argument("--configs", default="all", help="comma-separated indices into SLAB_CONFIGS, or all")
     args = p.parse_args(argv)
