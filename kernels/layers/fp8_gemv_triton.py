@@ -36,6 +36,13 @@ from kernels.pdl import pdl_prologue
 
 QBLOCK = 128  # the quantization block along K (and N for the weights)
 DEFAULT_CONFIG = dict(BLOCK_N=64, waves=2, num_warps=4, num_stages=4)
+# Projections with at least LARGE_N outputs (the unembedding, 201088): 128-row blocks, 4 waves, 3 stages. H200,
+# bench/gemv_sweep (graphs of 50 calls), us at T = 1 / 4 / 16 / 32 / 64: 152.7 / 164.7 / 171.9 / 233.0 / 347.8 against
+# DEFAULT_CONFIG's 179.7 / 184.6 / 189.2 / 244.4 / 390.7 (bench/results/gemv_fp8_h200.json, 2026-11-30; 148.2 vs
+# 178.2 at T = 1 again on 2026-12-03, gemv_fp8_unembed_h200.json). QKV and O (5120 / 2880 outputs) stay on the
+# default, faster there. (Until 2026-12-03 every shape ran the default: the unembedding lost ~30 us a step.)
+LARGE_N = 65536
+LARGE_N_CONFIG = dict(BLOCK_N=128, waves=4, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -73,7 +80,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     -> [T, N] in x's dtype."""
     t, k = x.shape
     n, kp = weight.shape
-    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    cfg = dict(LARGE_N_CONFIG if n >= LARGE_N else DEFAULT_CONFIG, **(config or {}))
     if not 0 < t <= GEMV_MAX_TOKENS or kp % QBLOCK or k > kp or weight_scale.shape != (triton.cdiv(n, QBLOCK), kp // QBLOCK) \
             or (bias is not None and bias.shape != (n,)) or tickets.numel() < triton.cdiv(n, GEMV_MIN_BLOCK_N) \
             or QBLOCK % cfg["BLOCK_N"] or cfg["BLOCK_N"] < GEMV_MIN_BLOCK_N:

@@ -194,7 +194,7 @@ def test_fp8_gemv_matches_twin(t, n, k, with_bias):
     x[0, 0] = 1e6  # beyond fp16: clamped to 65504 by kernel and twin alike
     want = fp8_linear.reference(x, w, sw, b)
     assert fp8_gemv_triton.GEMV_MAX_TOKENS == fp8_linear.GEMV_MAX_TOKENS
-    for cfg in (dict(BLOCK_N=16, waves=4), dict(BLOCK_N=64, waves=1)):
+    for cfg in (dict(BLOCK_N=16, waves=4), dict(BLOCK_N=64, waves=1), fp8_gemv_triton.LARGE_N_CONFIG):
         got = fp8_gemv_triton.fp8_gemv(x, w, sw, b, tickets, cfg)
         assert int(tickets.abs().sum()) == 0  # every block's ticket reset for the next call
         assert got.dtype == torch.bfloat16 and got.shape == (t, n)
