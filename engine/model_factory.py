@@ -249,7 +249,7 @@ def weight_bytes(model: GptOssForCausalLM) -> dict[str, int]:
         n = t.numel() * t.element_size()
         if ".experts." in name:
             experts += n
-        elif not name.endswith("inv_freq"):
+        elif not name.endswith(("inv_freq", "cos_sin")):  # the rotary's tables are no weights
             dense += n
     return {"experts": experts, "dense": dense}
 

@@ -76,7 +76,9 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     if qkv.is_cuda:
         from kernels.layers import triton_ops
 
-        return triton_ops.rotary_qkv(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads,
+        if cos.stride(-1) != 1 or cos.stride() != sin.stride():  # row views of one table (RotaryEmbedding) go as they are
+            cos, sin = cos.contiguous(), sin.contiguous()
+        return triton_ops.rotary_qkv(qkv.contiguous(), cos, sin, num_heads,
                                      num_kv_heads, head_dim, kv_cache, q_out, k_out, v_out, bias)
     if bias is not None:
         qkv = reference.add_bias(qkv, bias)

@@ -114,6 +114,9 @@ def test_rotary_qkv_matches_twin_exactly(t, hq, hkv, dh, dtype, rotary_block_t):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         assert torch.equal(g, w)
+    table = torch.stack((cos, sin), dim=1)  # cos / sin as row views of one [T, 2, Dh/2] table (RotaryEmbedding's)
+    for g, w in zip(triton_ops.rotary_qkv(qkv, table[:, 0], table[:, 1], hq, hkv, dh), want):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
