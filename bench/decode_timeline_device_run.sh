@@ -1,3 +1,6 @@
+#!/usr/bin/env bash
+# One device call (repo root on the GPU machine; carry .whl .jit): bench.decode_timeline at batch 1 with every decode
+# opt-in, 20b (FP8 QKV / O / unembedding, MXFP4 experts up to 8 tokens) and 120b (FP8 QKV / O / unembedding).
 set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
