@@ -69,7 +69,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # precompute (default: on CUDA): cos / sin of every position up to max_position_embeddings as one table
         # [P, 2, Dh/2], the same fp32 ops per element as _compute (so the same bits), and a step gathers its rows in
-        # one launch instead of six (convert, multiply, cos, sin, two scalings: ~9 us of a batch-1 decode step's
+        # one launch instead of six (convert, multiply, cos, sin, two scalings: ~8 us of a batch-1 decode step's
         # chain on the H200). Positions must be below P: the engine's max_model_len is (llm_engine refuses more).
         self.register_buffer("cos_sin", None, persistent=False)
         if inv_freq.is_cuda if precompute is None else precompute:
