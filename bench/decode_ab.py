@@ -49,10 +49,11 @@ import torch
 from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
-from kernels.layers import fp8_linear
+from kernels.layers import fp8_gemv_triton, fp8_linear
 from model.config import GptOssConfig
 
 SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
+LARGE_N = fp8_gemv_triton.LARGE_N  # restored after a -lm-head-64 variant
 
 # (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens[, the FP8
 # unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG])
@@ -92,9 +93,7 @@ class DenseWeights:
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
                 lm_head_large_config: bool = True) -> None:
-    from kernels.layers import fp8_gemv_triton
-
-    fp8_gemv_triton.LARGE_N = 65536 if lm_head_large_config else 1 << 62
+    fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv
