@@ -19,6 +19,7 @@ from torch import nn
 from kernels import layers
 from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
 from kernels.layers.fp8_linear import Fp8Linear
+from kernels.layers.pending_norm import PendingNorm, resolve
 from kernels.moe import TorchExperts, route
 from model.config import GptOssConfig
 from model.parallel import SINGLE, Parallel
@@ -38,6 +39,10 @@ class RMSNorm(nn.Module):
         """(x + delta, norm(x + delta)): a residual add fused with the norm that reads its result (delta_bias: a
         projection's bias its GEMM left out, added to delta first)."""
         return layers.add_rms_norm(x, delta, self.weight, self.eps, delta_bias)
+
+    def pending(self, x: torch.Tensor, delta: torch.Tensor) -> PendingNorm:
+        """norm(x + delta) left to the kernel that reads it (kernels/layers/pending_norm.py)."""
+        return PendingNorm(x, delta, self.weight, self.eps)
 
     def norm_fp8(self, x: torch.Tensor, delta: torch.Tensor | None, k_padded: int):
         """The norm quantized for an FP8 GEMM (Fp8Rows): rows, or (x + delta, rows) when delta is given."""
@@ -167,11 +172,12 @@ class MLPBlock(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True, dtype=dtype, device=device)
         self.experts = experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         routed_forward = getattr(self.experts, "routed_forward", None)
         if routed_forward is not None:  # experts that fuse the router into their first launch (Fp8Experts)
             out = routed_forward(x, self.router.weight, self.router.bias, self.top_k)
         else:
+            x = resolve(x)
             expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
             out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
         return self.parallel.all_reduce_ep(out)
@@ -207,9 +213,10 @@ class TransformerBlock(nn.Module):
         attn = self.self_attn
         if attn.fp8_output(o.shape[0]):  # O's bias added by the norm (one pass fewer over its output)
             x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o, with_bias=False), attn.o_proj.bias)
-        else:
-            x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o))
-        return x, self.mlp(h)
+            return x, self.mlp(h)
+        h = self.post_attention_layernorm.pending(x, attn.project_out(o))  # the MoE front may compute the norm
+        out = self.mlp(h)
+        return h.residual(), out
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -312,6 +312,55 @@ def test_decode_front_matches_twin(t, e, first, num_local, k, hidden):
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
+def bf16_within_a_step(got: torch.Tensor, want: torch.Tensor, max_fraction: float) -> None:
+    """bf16 values equal, except a small fraction one rounding step apart (fp32 sums in another order)."""
+    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert steps.max() <= 1, f"bf16 values differ by {steps.max()} steps"
+    assert (steps > 0).float().mean() <= max_fraction
+
+
+# (T, E, hidden): 20b's batch 1 (one expert block, every program writes), tokens past a power of two, 120b's
+# four expert blocks (only the first writes the norm) at the fused norm's largest batch
+@pytest.mark.parametrize("t,e,hidden", [(1, 32, 300), (3, 12, 260), (4, 128, 136)])
+def test_decode_front_computes_a_pending_norm(t, e, hidden):
+    """decode_front on a PendingNorm: x + delta bit for bit the twin's, the norm within a bf16 step of it, and the
+    routing and FP8 rows those of the twin front on the norm the kernel wrote."""
+    from kernels.layers import reference as layers_ref
+    from kernels.layers.pending_norm import PendingNorm
+    from kernels.moe import decode_front_triton as front
+
+    x, delta = torch.randn(t, hidden).bfloat16() * 4, torch.randn(t, hidden).bfloat16()
+    nw = torch.rand(hidden) + 0.5
+    _, w, b = exact_router_inputs(t, e, hidden)
+    kp = padded(hidden)
+    ticket = front.new_ticket("cpu")
+    pending = PendingNorm(x, delta, nw, 1e-5)
+    ids, weights, plan, a = front.decode_front(pending, w, b, 4, 0, e, kp, ticket)
+    assert int(ticket) == 0
+    want_s, want_h = layers_ref.add_rms_norm(x, delta, nw, 1e-5)
+    assert torch.equal(pending.residual(), want_s)
+    bf16_within_a_step(pending.normed(), want_h, 0.01)
+    want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front(pending.normed(), w, b, 4, 0, e, kp)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
+    fp8_equal_or_adjacent(a.data, want_a, 0.01)
+    torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
+
+
+def test_decode_front_leaves_larger_batches_to_the_norm():
+    """Above NORM_MAX_TOKENS the front takes the norm computed first (the same tokens routed)."""
+    from kernels.layers.pending_norm import PendingNorm
+    from kernels.moe import decode_front_triton as front
+
+    t, e, hidden = front.NORM_MAX_TOKENS + 1, 8, 200
+    x, delta = torch.randn(t, hidden).bfloat16(), torch.randn(t, hidden).bfloat16()
+    _, w, b = exact_router_inputs(t, e, hidden)
+    pending = PendingNorm(x, delta, torch.ones(hidden), 1e-5)
+    ids, _, _, _ = front.decode_front(pending, w, b, 2, 0, e, padded(hidden), front.new_ticket("cpu"))
+    assert torch.equal(ids, ref.decode_front(pending.normed(), w, b, 2, 0, e, padded(hidden))[0])
+
+
 def test_decode_gemm_reads_token_rows_through_the_map():
     """grouped_gemm_decode with a_row_map (token rows) equals the same GEMM over per-pair rows."""
     t, e, hidden, n, k = 3, 4, 256, 128, 2
