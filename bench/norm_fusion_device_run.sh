@@ -7,8 +7,8 @@
 set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
-step tests 110 python3 -m pytest -q -ra -p no:cacheprovider tests/model/test_rotary_table.py tests/kernels/test_layers_gpu.py \
-    tests/kernels/test_moe_gpu.py -k "rotary or pending_norm or fused_front or routed_forward or slab"
+step tests 130 python3 -m pytest -q -ra -p no:cacheprovider tests/model/test_rotary_table.py tests/kernels/test_layers_gpu.py tests/engine/test_triton_precompile_gpu.py \
+    tests/kernels/test_moe_gpu.py -k "rotary or pending_norm or fused_front or routed_forward or slab or shipped"
 tail -n 3 "$OUT/tests.log"
 if [ "${MODEL:-gpt-oss-20b}" = gpt-oss-120b ]; then
     step decode_120b 300 python3 -m bench.decode_ab --models gpt-oss-120b --batches 1,4 --rounds 2 --max-batch 4 \

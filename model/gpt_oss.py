@@ -122,8 +122,11 @@ class AttentionBlock(nn.Module):
         """(q [T, Hq, Dh], k, v [T, Hkv, Dh], kv_written): the QKV projection with q and k rotated (cos/sin cast to
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
-        where q, k, v go (the prefill graphs' static buffers)."""
-        if isinstance(x, torch.Tensor):
+        where q, k, v go (the prefill graphs' static buffers). x may be a PendingNorm (the block's norm, left to the
+        FP8 projection's slab GEMV at 1-2 tokens)."""
+        if isinstance(x, PendingNorm) and not isinstance(self.qkv_proj, Fp8Linear):
+            x = x.normed()  # only the FP8 projection's slab GEMV computes a norm itself
+        if isinstance(x, (torch.Tensor, PendingNorm)):
             qkv, bias = self.qkv_proj(x), None  # [T, (Hq + 2 Hkv) Dh]
         else:  # FP8 rows from the norm (fp8_input): the GEMM alone, its bias added by the rotary kernel
             qkv, bias = self.qkv_proj.gemm(x), self.qkv_proj.bias
@@ -204,9 +207,10 @@ class TransformerBlock(nn.Module):
                 x, h = self.input_layernorm.norm_fp8(x, delta, k_padded)
         elif delta is None:
             h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_and_norm(x, delta)
-        return (x, *self.self_attn.qkv(h, cos, sin, q_out, k_out, v_out))
+        else:  # QKV's slab GEMV may compute the norm
+            h = self.input_layernorm.pending(x, delta)
+        q, k, v, kv_written = self.self_attn.qkv(h, cos, sin, q_out, k_out, v_out)
+        return (h.residual() if isinstance(h, PendingNorm) else x), q, k, v, kv_written
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block from attention's output o on: (residual before the MLP, MLP output)."""
