@@ -66,20 +66,25 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
     else:
         pdl_prologue(PDL)
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+    offs_t = tl.arange(0, BLOCK_T)
+    if NORM:  # x is the residual stream: token t's input is norm(x + delta), its statistics from the whole row
+        inv = tl.zeros([BLOCK_T], dtype=tl.float32)  # (before the weights widen to fp32: fewer live registers)
+        row = tl.arange(0, NORM_BLOCK)
+        for t in tl.static_range(BLOCK_T):
+            s_row = _rounded_sum(x_ptr + t * stride_x, delta_ptr + t * stride_delta, row,
+                                 tl.where(t < num_tokens, k_in, 0))
+            inv = tl.where(offs_t == t, tl.math.rsqrt(tl.sum(s_row * s_row, axis=0) / k_in + eps), inv)
+        nw = tl.load(nw_ptr + offs_k, mask=offs_k < k_in, other=0.0).to(tl.float32)
     w = w.to(tl.float32)
     if HAS_SCALE:  # BLOCK_N divides 128: one scale row per program, one scale per K block
         s = tl.load(sw_ptr + (nb * BLOCK_N // 128) * stride_sw + offs_kb, mask=offs_kb * 128 < k_w, other=0.0)
-    offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for t in tl.static_range(BLOCK_T):
         k_t = tl.where(t < num_tokens, k_in, 0)  # rows past num_tokens read as zeros
-        if NORM:  # x is the residual stream: this token's input is norm(x + delta), nb == 0 writes it and x + delta
-            row = tl.arange(0, NORM_BLOCK)
-            s_row = _rounded_sum(x_ptr + t * stride_x, delta_ptr + t * stride_delta, row, k_t)
-            inv = tl.math.rsqrt(tl.sum(s_row * s_row, axis=0) / k_in + eps)
+        if NORM:  # nb == 0 writes the slice of x + delta and of the norm
             s_t = _rounded_sum(x_ptr + t * stride_x, delta_ptr + t * stride_delta, offs_k, k_t)
-            nw = tl.load(nw_ptr + offs_k, mask=offs_k < k_in, other=0.0).to(tl.float32)
-            xt = round_to_bf16(s_t * inv * nw)
+            inv_t = tl.sum(tl.where(offs_t == t, inv, 0.0), axis=0)
+            xt = round_to_bf16(s_t * inv_t * nw)
             if nb == 0:
                 tl.store(sum_ptr + t * stride_sum + offs_k, s_t.to(tl.bfloat16), mask=offs_k < k_t)
                 tl.store(h_ptr + t * stride_h + offs_k, xt.to(tl.bfloat16), mask=offs_k < k_t)
