@@ -19,6 +19,7 @@ from torch import nn
 from kernels import layers
 from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
 from kernels.layers.fp8_linear import Fp8Linear
+from kernels.layers import pending_norm
 from kernels.layers.pending_norm import PendingNorm, resolve
 from kernels.moe import TorchExperts, route
 from model.config import GptOssConfig
@@ -39,10 +40,6 @@ class RMSNorm(nn.Module):
         """(x + delta, norm(x + delta)): a residual add fused with the norm that reads its result (delta_bias: a
         projection's bias its GEMM left out, added to delta first)."""
         return layers.add_rms_norm(x, delta, self.weight, self.eps, delta_bias)
-
-    def pending(self, x: torch.Tensor, delta: torch.Tensor) -> PendingNorm:
-        """norm(x + delta) left to the kernel that reads it (kernels/layers/pending_norm.py)."""
-        return PendingNorm(x, delta, self.weight, self.eps)
 
     def norm_fp8(self, x: torch.Tensor, delta: torch.Tensor | None, k_padded: int):
         """The norm quantized for an FP8 GEMM (Fp8Rows): rows, or (x + delta, rows) when delta is given."""
@@ -122,11 +119,8 @@ class AttentionBlock(nn.Module):
         """(q [T, Hq, Dh], k, v [T, Hkv, Dh], kv_written): the QKV projection with q and k rotated (cos/sin cast to
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
-        where q, k, v go (the prefill graphs' static buffers). x may be a PendingNorm (the block's norm, left to the
-        FP8 projection's slab GEMV at 1-2 tokens)."""
-        if isinstance(x, PendingNorm) and not isinstance(self.qkv_proj, Fp8Linear):
-            x = x.normed()  # only the FP8 projection's slab GEMV computes a norm itself
-        if isinstance(x, (torch.Tensor, PendingNorm)):
+        where q, k, v go (the prefill graphs' static buffers)."""
+        if isinstance(x, torch.Tensor):
             qkv, bias = self.qkv_proj(x), None  # [T, (Hq + 2 Hkv) Dh]
         else:  # FP8 rows from the norm (fp8_input): the GEMM alone, its bias added by the rotary kernel
             qkv, bias = self.qkv_proj.gemm(x), self.qkv_proj.bias
@@ -160,6 +154,15 @@ class AttentionBlock(nn.Module):
         bias = self.o_proj.bias if first else None
         tickets = self.o_gemv_tickets if self.decode_gemv else None
         return self.parallel.all_reduce_tp(layers.linear(o.reshape(t, -1), self.o_proj.weight, bias, tickets))
+
+    def project_out_onto(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + project_out(o), its per-token partial sums of squares [T, P]) from the O projection's kernel: FP8
+        O on the slab GEMV (1-2 tokens), one rank (no all-reduce between O and the residual add); else None."""
+        t = o.shape[0]
+        if not (pending_norm.FUSION and isinstance(self.o_proj, Fp8Linear) and self.parallel.tp_size == 1
+                and x.dtype == torch.bfloat16):
+            return None
+        return self.o_proj.forward_onto(o.reshape(t, -1), x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.project_out(self.attend(*self.qkv(x, cos, sin)))
@@ -207,10 +210,9 @@ class TransformerBlock(nn.Module):
                 x, h = self.input_layernorm.norm_fp8(x, delta, k_padded)
         elif delta is None:
             h = self.input_layernorm(x)
-        else:  # QKV's slab GEMV may compute the norm
-            h = self.input_layernorm.pending(x, delta)
-        q, k, v, kv_written = self.self_attn.qkv(h, cos, sin, q_out, k_out, v_out)
-        return (h.residual() if isinstance(h, PendingNorm) else x), q, k, v, kv_written
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, delta)
+        return (x, *self.self_attn.qkv(h, cos, sin, q_out, k_out, v_out))
 
     def after_attention(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block from attention's output o on: (residual before the MLP, MLP output)."""
@@ -218,9 +220,12 @@ class TransformerBlock(nn.Module):
         if attn.fp8_output(o.shape[0]):  # O's bias added by the norm (one pass fewer over its output)
             x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o, with_bias=False), attn.o_proj.bias)
             return x, self.mlp(h)
-        h = self.post_attention_layernorm.pending(x, attn.project_out(o))  # the MoE front may compute the norm
-        out = self.mlp(h)
-        return h.residual(), out
+        summed = attn.project_out_onto(o, x)  # x + O(o) and its sums of squares from O's own kernel, where it can
+        if summed is None:
+            x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o))
+            return x, self.mlp(h)
+        h = PendingNorm(*summed, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return h.residual(), self.mlp(h)  # the MoE front computes the norm (or h.normed(), one launch)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.layers import gemv_tickets
-from kernels.layers.pending_norm import PendingNorm
 from kernels.moe.fp8_quant import (BLOCK, FP8, align, dequantize_rows, dequantize_weight_blocks, padded,
                                    quantize_weight_blocks)
 
@@ -151,16 +150,8 @@ class Fp8Linear(nn.Module):
         return triton_grouped_gemm.grouped_gemm(a, self.weight[None], self.weight_scale[None], out,
                                                 self.m_indices[:t], masked=False)
 
-    def forward(self, x: torch.Tensor | PendingNorm, with_bias: bool = True) -> torch.Tensor:
-        """x: rows, or a PendingNorm (the slab GEMV computes the norm itself; every other path has it computed
-        first)."""
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
-        if isinstance(x, PendingNorm):
-            if self._slab_runs(x.x):
-                from kernels.layers import slab_gemv_triton
-
-                return slab_gemv_triton.slab_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
-            x = x.normed()
         if self.quantizes(x.shape[0]):
             from kernels.layers import quantize_rows
             from kernels.layers.reference import add_bias
@@ -181,6 +172,16 @@ class Fp8Linear(nn.Module):
             return fp8_gemv_triton.fp8_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
         w = fp8_gemv_triton.dequantize(self.weight, self.weight_scale, self.in_features, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+    def forward_onto(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(residual + forward(x), its per-token partial sums of squares [T, P]) from the slab GEMV's own epilogue
+        (the producer's half of a PendingNorm), where the slab GEMV runs and the rows are bf16; else None."""
+        if not self._slab_runs(x) or x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16:
+            return None
+        from kernels.layers import slab_gemv_triton
+
+        return slab_gemv_triton.slab_gemv(x, self.weight, self.weight_scale, self.bias, self.gemv_tickets,
+                                          residual=residual.contiguous())
 
     def _slab_runs(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the slab GEMV (CUDA, 1..SLAB_MAX_TOKENS rows, weights up to its size limit)."""

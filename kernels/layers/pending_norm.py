@@ -1,16 +1,21 @@
-"""A residual add + RMSNorm not computed yet, handed to the kernel that reads the norm.
+"""A residual add done by the kernel that produced the block's output, its RMSNorm left to the kernel reading it.
 
-At decode batch 1-2 the norm is a launch of its own on a 2880-wide row (~2.9 us of a 20b step per norm in the
-replayed chain, 48 per step: bench/results/decode_timeline_20b_b1_opt_ins_h200.json) whose only reader is the
-next kernel. A `PendingNorm` carries x (the residual stream), delta (the block's output) and the norm's weight;
-a consumer whose kernel can compute the norm itself (decode_front_triton: the MoE front; slab_gemv_triton: QKV
-on FP8 weights) takes `outputs()` buffers and writes x + delta and the norm there, every program computing the
-row statistics it needs; any other consumer calls `normed()`, the one add_rms_norm launch as before. Either way
-`residual()` is x + delta afterwards.
+At decode batch 1-2 a residual add + RMSNorm is a launch of its own on a 2880-wide row (~2.9 us of the replayed
+20b chain per norm, 48 per step: bench/results/decode_timeline_20b_b1_opt_ins_h200.json) between two kernels
+that could do its work. A consumer cannot compute the norm alone cheaply: each of its programs would read whole
+rows for the statistics (tried 2026-12-03: the MoE front and QKV's slab GEMV each slower by more than the norm
+saved, bench/results/decode_ab_norm_fusion_full_rows_20b_h200.json). So the work is split:
 
-Numerics are the norm's: x + delta rounded to x's dtype, fp32 statistics, the normed row rounded once; a fused
-consumer's sum of squares may add in another order (fp32), so its norm can differ from add_rms_norm's by one
-rounding step of the activations' dtype.
+- the producer (O's slab GEMV, `slab_gemv(..., residual=x)`) finishes each block of output channels by adding
+  the residual x (rounded as add_rms_norm rounds) and writes sum = x + delta and, per token, the partial sums of
+  squares of sum over that block: sq [T, P];
+- the consumer (the MoE front, decode_front_triton) reads its slice of sum and the P partials: each token's
+  statistics in one load, its slice normed as add_rms_norm norms it; it writes the norm for later readers.
+
+A consumer that cannot do this calls `normed()`: the plain norm of sum, one launch, as before. Either way
+`residual()` is x + delta. Numerics are the norm's (x + delta rounded to x's dtype, fp32 statistics, one rounding
+of the normed row) but for the order in which the sum of squares adds up: the norm can differ from add_rms_norm's
+by one rounding step of the activations' dtype.
 """
 
 from __future__ import annotations
@@ -19,48 +24,43 @@ import torch
 
 from kernels import layers
 
-# False: every consumer calls normed() (the separate norm launch), to compare (bench/decode_ab's -no-norm-fusion)
+# False: no producer adds the residual (the separate add + norm launch), to compare (bench/decode_ab's
+# -no-norm-fusion)
 FUSION = True
 
 
 class PendingNorm:
-    def __init__(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-        if x.dim() != 2 or delta.shape != x.shape:
-            raise ValueError(f"PendingNorm: x {tuple(x.shape)} and delta {tuple(delta.shape)} must be the same [T, D]")
-        self.x, self.delta, self.weight, self.eps = x, delta, weight, eps
-        self._sum: torch.Tensor | None = None
+    def __init__(self, summed: torch.Tensor, sq: torch.Tensor, weight: torch.Tensor, eps: float):
+        if summed.dim() != 2 or sq.dim() != 2 or sq.shape[0] != summed.shape[0] or weight.shape != (summed.shape[1],):
+            raise ValueError(f"PendingNorm: sum {tuple(summed.shape)} [T, D], partial sums of squares "
+                             f"{tuple(sq.shape)} [T, P] and weight {tuple(weight.shape)} [D]")
+        self.summed, self.sq, self.weight, self.eps = summed, sq, weight, eps
         self._normed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        return self.x.shape[0]
+        return self.summed.shape[0]
 
     def fusable(self, max_tokens: int) -> bool:
-        """Whether a fused consumer may take it: bf16 rows with unit stride, 1..max_tokens of them, not yet
-        computed (which device its kernel runs on is the consumer's choice)."""
-        return (FUSION and self._normed is None and self.x.dtype == torch.bfloat16
-                and self.delta.dtype == torch.bfloat16 and 0 < self.num_tokens <= max_tokens
-                and self.x.stride(1) == 1 and self.delta.stride(1) == 1)
+        """Whether a consumer's kernel may compute the norm: 1..max_tokens bf16 rows, not yet computed."""
+        return self._normed is None and self.summed.dtype == torch.bfloat16 and 0 < self.num_tokens <= max_tokens
 
-    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum, normed) [T, D] buffers for the fused consumer to write; afterwards they are residual() and
-        normed()."""
+    def output(self) -> torch.Tensor:
+        """A [T, D] buffer for the consuming kernel to write the norm into; normed() returns it afterwards."""
         if self._normed is not None:
-            raise RuntimeError("PendingNorm: already computed")
-        self._sum, self._normed = torch.empty_like(self.x), torch.empty_like(self.x)
-        return self._sum, self._normed
+            raise RuntimeError("PendingNorm: the norm is already computed")
+        self._normed = torch.empty_like(self.summed)
+        return self._normed
 
     def normed(self) -> torch.Tensor:
-        """rms_norm(x + delta), computed here (one launch) unless a consumer has done it."""
+        """rms_norm(x + delta), computed here (one launch) unless a consumer has written it."""
         if self._normed is None:
-            self._sum, self._normed = layers.add_rms_norm(self.x, self.delta, self.weight, self.eps)
+            self._normed = layers.rms_norm(self.summed, self.weight, self.eps)
         return self._normed
 
     def residual(self) -> torch.Tensor:
-        """x + delta: the residual stream after the add (once the norm is computed, by either path)."""
-        if self._sum is None:
-            self.normed()
-        return self._sum
+        """x + delta: the residual stream after the add."""
+        return self.summed
 
 
 def resolve(x) -> torch.Tensor:

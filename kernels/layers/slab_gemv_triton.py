@@ -27,9 +27,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
 from kernels.layers.gemv_triton import finish_split_k
-from kernels.layers.pending_norm import PendingNorm
 from kernels.pdl import pdl_prologue
-from kernels.triton_rounding import round_to_bf16
 
 MAX_TOKENS = 4  # the kernel's limit (BLOCK_T unrolled per token); fp8_linear.SLAB_MAX_TOKENS is where it pays
 QBLOCK = 128  # FP8 scale block along K and N; also the slab's inner K extent
@@ -39,20 +37,12 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, K_SPLIT=256, num_warps=4, weights_first=True)
 
 
 @triton.jit
-def _rounded_sum(x_ptr, delta_ptr, cols, k):
-    """bf16(x + delta) as fp32 at cols (zeros from k on): the residual add, rounded as layers.add_rms_norm does."""
-    x = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
-    return round_to_bf16(x + tl.load(delta_ptr + cols, mask=cols < k, other=0.0).to(tl.float32))
-
-
-@triton.jit
 def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k_in, k_w,
                       stride_x, stride_w, stride_sw, stride_y, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr, SPLIT_K: tl.constexpr,
                       WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr,
-                      delta_ptr, nw_ptr, sum_ptr, h_ptr, eps, stride_delta, stride_sum, stride_h,
-                      NORM: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    # (the norm's arguments come last, so that the shipped Triton manifests' argument indices stay valid)
+                      res_ptr, sq_ptr, stride_res, RESIDUAL: tl.constexpr):
+    # (the residual's arguments come last, as the dense_dtype ones of _add_rms_norm_kernel: see its note)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = split * NKB + tl.arange(0, NKB)  # 128-wide K blocks of this split
@@ -66,47 +56,28 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
     else:
         pdl_prologue(PDL)
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-    offs_t = tl.arange(0, BLOCK_T)
-    if NORM:  # x is the residual stream: token t's input is norm(x + delta), its statistics from the whole row
-        inv = tl.zeros([BLOCK_T], dtype=tl.float32)  # (before the weights widen to fp32: fewer live registers)
-        row = tl.arange(0, NORM_BLOCK)
-        for t in tl.static_range(BLOCK_T):
-            s_row = _rounded_sum(x_ptr + t * stride_x, delta_ptr + t * stride_delta, row,
-                                 tl.where(t < num_tokens, k_in, 0))
-            inv = tl.where(offs_t == t, tl.math.rsqrt(tl.sum(s_row * s_row, axis=0) / k_in + eps), inv)
-        nw = tl.load(nw_ptr + offs_k, mask=offs_k < k_in, other=0.0).to(tl.float32)
     w = w.to(tl.float32)
     if HAS_SCALE:  # BLOCK_N divides 128: one scale row per program, one scale per K block
         s = tl.load(sw_ptr + (nb * BLOCK_N // 128) * stride_sw + offs_kb, mask=offs_kb * 128 < k_w, other=0.0)
+    offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for t in tl.static_range(BLOCK_T):
         k_t = tl.where(t < num_tokens, k_in, 0)  # rows past num_tokens read as zeros
-        if NORM:  # nb == 0 writes the slice of x + delta and of the norm
-            s_t = _rounded_sum(x_ptr + t * stride_x, delta_ptr + t * stride_delta, offs_k, k_t)
-            inv_t = tl.sum(tl.where(offs_t == t, inv, 0.0), axis=0)
-            xt = round_to_bf16(s_t * inv_t * nw)
-            if nb == 0:
-                tl.store(sum_ptr + t * stride_sum + offs_k, s_t.to(tl.bfloat16), mask=offs_k < k_t)
-                tl.store(h_ptr + t * stride_h + offs_k, xt.to(tl.bfloat16), mask=offs_k < k_t)
-        else:
-            xt = tl.load(x_ptr + t * stride_x + offs_k, mask=offs_k < k_t, other=0.0).to(tl.float32)
+        xt = tl.load(x_ptr + t * stride_x + offs_k, mask=offs_k < k_t, other=0.0).to(tl.float32)
         if HAS_SCALE:
             xt = tl.minimum(tl.maximum(xt, -65504.0), 65504.0) * s[:, None]
         yt = tl.sum(tl.sum(w * xt[None, :, :], axis=2), axis=1)
         acc = tl.where(offs_t[None, :] == t, yt[:, None], acc)
     finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
+                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K, res_ptr, sq_ptr, stride_res, RESIDUAL)
 
 
-def slab_gemv(x: torch.Tensor | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-              bias: torch.Tensor | None, tickets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
+              tickets: torch.Tensor, config: dict | None = None, residual: torch.Tensor | None = None):
     """x [T, K] (T <= 4) @ W^T + bias [N] -> [T, N] in x's dtype. W: float8_e4m3 [N, Kp] (K padded to 128s, K <=
-    Kp) with weight_scale [ceil(N/128), Kp/128], or bf16/fp16/fp32 [N, K] with weight_scale None. x may be a
-    PendingNorm (bf16, T <= MAX_TOKENS): the kernel computes the norm first (x.residual() and x.normed() are then its
-    outputs)."""
-    norm = None
-    if isinstance(x, PendingNorm):
-        norm, x = (x, x.x) if x.fusable(MAX_TOKENS) and x.weight.shape == (x.x.shape[1],) else (None, x.normed())
+    Kp) with weight_scale [ceil(N/128), Kp/128], or bf16/fp16/fp32 [N, K] with weight_scale None.
+    residual [T, N] bf16: returns (residual + y, per-token sums of squares of it per BLOCK_N outputs [T, N blocks]),
+    the producer's half of a PendingNorm (kernels/layers/pending_norm.py)."""
     t, k = x.shape
     n, kw = weight.shape
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
@@ -119,29 +90,29 @@ def slab_gemv(x: torch.Tensor | PendingNorm, weight: torch.Tensor, weight_scale:
             and QBLOCK % cfg["BLOCK_N"] == 0
     else:
         ok = ok and kw == k
+    if residual is not None:
+        ok = ok and x.dtype == torch.bfloat16 and residual.shape == (t, n) and residual.dtype == torch.bfloat16 \
+            and residual.stride(1) == 1
     if not ok:
         raise ValueError(f"slab_gemv: x {tuple(x.shape)} (1..{MAX_TOKENS} rows), weight {tuple(weight.shape)} "
                          f"{weight.dtype}, scales {None if weight_scale is None else tuple(weight_scale.shape)}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}")
+                         f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}, residual "
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if norm is not None:
-        sum_out, h_out = norm.outputs()
-        delta, nw = norm.delta, norm.weight
-    else:  # unused pointers
-        sum_out = h_out = delta = nw = x
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     nkb = cfg["K_SPLIT"] // QBLOCK
     splits = triton.cdiv(kw, cfg["K_SPLIT"])
     block_t = triton.next_power_of_2(t)
     partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    _slab_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
+    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    sq = torch.empty(t, n_blocks if residual is not None else 0, dtype=torch.float32, device=x.device)
+    _slab_gemv_kernel[(n_blocks, splits)](
         x, weight, weight_scale if fp8 else weight, bias if bias is not None else weight, y, partial, tickets, t, n, k,
         kw, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
-        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x), delta_ptr=delta, nw_ptr=nw,
-        sum_ptr=sum_out, h_ptr=h_out, eps=norm.eps if norm is not None else 0.0, stride_delta=delta.stride(0),
-        stride_sum=sum_out.stride(0), stride_h=h_out.stride(0), NORM=norm is not None,
-        NORM_BLOCK=triton.next_power_of_2(k))
-    return y
+        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x),
+        res_ptr=residual if residual is not None else y, sq_ptr=sq, stride_res=residual.stride(0) if residual is not None else 0,
+        RESIDUAL=residual is not None)
+    return y if residual is None else (y, sq)

@@ -36,9 +36,6 @@ from kernels.pdl import pdl_prologue
 from kernels.triton_rounding import round_to_bf16
 
 FRONT_MAX_TOKENS = 16
-# Up to this many tokens the front also computes the residual add + norm before it (PendingNorm): every program
-# reads each token's whole row for its statistics, so the cost grows with T
-NORM_MAX_TOKENS = 4
 BLOCK_T = 16  # tl.dot needs 16 rows; decode batches below that are masked
 BLOCK_E = 32  # router rows (experts) per program
 QBLOCK = 128  # channels per program: one quantization block
@@ -51,32 +48,6 @@ def default_num_warps(num_tokens: int, num_experts: int) -> int:
 
 
 @triton.jit
-def _rounded_sum(x_ptr, delta_ptr, num_tokens, hidden, stride_x, stride_delta, toks, cols):
-    """bf16(x + delta) as fp32 over rows toks x columns cols (zeros outside): the residual add, rounded as
-    layers.add_rms_norm rounds it."""
-    ok = (toks < num_tokens)[:, None] & (cols < hidden)[None, :]
-    x = tl.load(x_ptr + toks[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    d = tl.load(delta_ptr + toks[:, None] * stride_delta + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    return round_to_bf16(x + d)
-
-
-@triton.jit
-def _normed_slice(x_ptr, delta_ptr, nw_ptr, eps, num_tokens, hidden, stride_x, stride_delta, toks, cols,
-                  BLOCK_T: tl.constexpr, NORM_BLOCK: tl.constexpr, TAIL_T: tl.constexpr):
-    """rms_norm(x + delta) of rows toks at columns cols, bf16: each token's statistics over its whole row (every
-    program reads the rows; they are a few KB in L2), the slice normed as add_rms_norm norms it."""
-    inv = tl.zeros([BLOCK_T], dtype=tl.float32)
-    row = tl.arange(0, NORM_BLOCK)
-    for t in tl.static_range(TAIL_T):
-        s = _rounded_sum(x_ptr + t * stride_x, delta_ptr + t * stride_delta, num_tokens - t, hidden, 0, 0,
-                         tl.zeros([1], dtype=tl.int32), row)
-        inv = tl.where(toks == t, tl.math.rsqrt(tl.sum(tl.sum(s * s, axis=1), axis=0) / hidden + eps), inv)
-    s = _rounded_sum(x_ptr, delta_ptr, num_tokens, hidden, stride_x, stride_delta, toks, cols)
-    w = tl.load(nw_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    return (s * inv[:, None] * w[None, :]).to(tl.bfloat16)
-
-
-@triton.jit
 def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          ids_ptr, weights_ptr, counts_ptr, active_ptr, row_of_pair_ptr, token_of_row_ptr,
                          a_ptr, sf_ptr, num_tokens, hidden, num_experts, first_expert, num_local,
@@ -84,8 +55,7 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
                          TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr,
-                         delta_ptr, nw_ptr, sum_ptr, h_ptr, eps, stride_delta, stride_sum, stride_h,
-                         NORM: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                         sq_ptr, nw_ptr, h_ptr, eps, num_sq, stride_h, NORM: tl.constexpr, SQ_PAD: tl.constexpr):
     # (the norm's arguments come last, so that the shipped Triton manifests' argument indices stay valid)
     eb, kb = tl.program_id(0), tl.program_id(1)
     toks = tl.arange(0, BLOCK_T)
@@ -98,13 +68,16 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     wb = tl.load(wr_ptr + experts[:, None] * stride_w + kk[None, :], mask=(experts < num_experts)[:, None] & k_ok[None, :],
                  other=0.0)
     pdl_prologue(PDL)
-    if NORM:  # x is the residual stream: the tokens are norm(x + delta), and eb == 0 writes x + delta and the norm
-        xb = _normed_slice(x_ptr, delta_ptr, nw_ptr, eps, num_tokens, hidden, stride_x, stride_delta, toks, kk,
-                           BLOCK_T, NORM_BLOCK, TAIL_T)
+    if NORM:  # x is a residual sum whose norm is pending: the tokens are norm(x), from the producer's partial sums
+        # of squares sq [T, num_sq]; eb == 0 writes the norm (kernels/layers/pending_norm.py)
+        pp = tl.arange(0, SQ_PAD)
+        sq = tl.load(sq_ptr + toks[:, None] * num_sq + pp[None, :], mask=t_ok[:, None] & (pp < num_sq)[None, :],
+                     other=0.0)
+        xs = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(sq, axis=1) / hidden + eps)
+        xb = (xs.to(tl.float32) * inv[:, None] * nw[None, :]).to(tl.bfloat16)
         if eb == 0:
-            s = _rounded_sum(x_ptr, delta_ptr, num_tokens, hidden, stride_x, stride_delta, toks, kk)
-            tl.store(sum_ptr + toks[:, None] * stride_sum + kk[None, :], s.to(tl.bfloat16),
-                     mask=t_ok[:, None] & k_ok[None, :])
             tl.store(h_ptr + toks[:, None] * stride_h + kk[None, :], xb, mask=t_ok[:, None] & k_ok[None, :])
     else:
         xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
@@ -183,12 +156,12 @@ def decode_front(x: torch.Tensor | PendingNorm, router_weight: torch.Tensor, rou
                  first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, MoePlan, Fp8Rows]:
     """x [T, D] bf16, router [E, D] / [E] -> (expert ids [T, k] int32, weights [T, k] fp32, the masked plan
-    with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A). x may be a PendingNorm:
-    up to NORM_MAX_TOKENS tokens the kernel computes the norm too (x.residual() and x.normed() are then its
-    outputs), otherwise the norm runs first."""
+    with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A). x may be a PendingNorm
+    (bf16): the kernel then computes the norm from its residual sum and partial sums of squares, and writes it
+    (x.normed() afterwards)."""
     norm = None
     if isinstance(x, PendingNorm):
-        norm, x = (x, x.x) if x.fusable(NORM_MAX_TOKENS) and x.weight.shape == (x.x.shape[1],) else (None, x.normed())
+        norm, x = (x, x.summed) if x.fusable(FRONT_MAX_TOKENS) else (None, x.normed())
     t, d = x.shape
     e = router_weight.shape[0]
     if not 0 < t <= FRONT_MAX_TOKENS or x.dtype != torch.bfloat16 or router_weight.shape != (e, d) \
@@ -197,10 +170,9 @@ def decode_front(x: torch.Tensor | PendingNorm, router_weight: torch.Tensor, rou
                                f"{tuple(router_weight.shape)}/{tuple(router_bias.shape)}, k={top_k}, Kp={k_padded}")
     x, router_weight = x.contiguous(), router_weight.contiguous()
     if norm is not None:
-        sum_out, h_out = norm.outputs()
-        delta, nw = norm.delta, norm.weight
+        sq, nw, h_out = norm.sq, norm.weight, norm.output()
     else:  # unused pointers
-        sum_out = h_out = delta = nw = x
+        sq = nw = h_out = x
     dev = x.device
     e_blocks = triton.cdiv(e, BLOCK_E)
     e_pad = triton.next_power_of_2(e_blocks * BLOCK_E)  # the tail's logits row (a power of two)
@@ -220,9 +192,9 @@ def decode_front(x: torch.Tensor | PendingNorm, router_weight: torch.Tensor, rou
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
         TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
-        **pdl.launch(x), delta_ptr=delta, nw_ptr=nw, sum_ptr=sum_out, h_ptr=h_out,
-        eps=norm.eps if norm is not None else 0.0, stride_delta=delta.stride(0), stride_sum=sum_out.stride(0),
-        stride_h=h_out.stride(0), NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(d))
+        **pdl.launch(x), sq_ptr=sq, nw_ptr=nw, h_ptr=h_out, eps=norm.eps if norm is not None else 0.0,
+        num_sq=sq.shape[1] if norm is not None else 0, stride_h=h_out.stride(0), NORM=norm is not None,
+        SQ_PAD=triton.next_power_of_2(max(sq.shape[1], 1)) if norm is not None else 1)
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a

@@ -191,8 +191,8 @@ class Fp8Experts(nn.Module):
         """Router + top-k + this layer, as MLPBlock computes them. Decode-sized bf16 batches on the Triton
         decode GEMM take the fused front (decode_front_triton: one launch for router, routing, plan and
         quantization); everything else routes with kernels.moe.route first. x may be a PendingNorm (the block's
-        residual add + norm not yet computed): the fused front computes it at small batches, else it runs first."""
-        rows = x.x if isinstance(x, PendingNorm) else x
+        norm not yet computed, kernels/layers/pending_norm.py): the fused front computes it, else it runs first."""
+        rows = x.summed if isinstance(x, PendingNorm) else x
         backend = resolve_backend(self.backend, rows.device)
         t = rows.shape[0]
         from kernels.moe import decode_front_triton as front
