@@ -26,7 +26,7 @@ from kernels import layers
 
 # False: no producer adds the residual (the separate add + norm launch), to compare (bench/decode_ab's
 # -no-norm-fusion)
-FUSION = True
+FUSION = False
 
 
 class PendingNorm:
