@@ -19,8 +19,6 @@ from torch import nn
 from kernels import layers
 from kernels.attention import AttentionBackend, AttentionBatch, TorchAttentionBackend
 from kernels.layers.fp8_linear import Fp8Linear
-from kernels.layers import pending_norm
-from kernels.layers.pending_norm import PendingNorm, resolve
 from kernels.moe import TorchExperts, route
 from model.config import GptOssConfig
 from model.parallel import SINGLE, Parallel
@@ -155,15 +153,6 @@ class AttentionBlock(nn.Module):
         tickets = self.o_gemv_tickets if self.decode_gemv else None
         return self.parallel.all_reduce_tp(layers.linear(o.reshape(t, -1), self.o_proj.weight, bias, tickets))
 
-    def project_out_onto(self, o: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x + project_out(o), its per-token partial sums of squares [T, P]) from the O projection's kernel: FP8
-        O on the slab GEMV (1-2 tokens), one rank (no all-reduce between O and the residual add); else None."""
-        t = o.shape[0]
-        if not (pending_norm.FUSION and isinstance(self.o_proj, Fp8Linear) and self.parallel.tp_size == 1
-                and x.dtype == torch.bfloat16):
-            return None
-        return self.o_proj.forward_onto(o.reshape(t, -1), x)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.project_out(self.attend(*self.qkv(x, cos, sin)))
 
@@ -178,12 +167,11 @@ class MLPBlock(nn.Module):
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True, dtype=dtype, device=device)
         self.experts = experts
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed_forward = getattr(self.experts, "routed_forward", None)
         if routed_forward is not None:  # experts that fuse the router into their first launch (Fp8Experts)
             out = routed_forward(x, self.router.weight, self.router.bias, self.top_k)
         else:
-            x = resolve(x)
             expert_ids, expert_weights = route(self.router(x), self.top_k)  # [T, k], [T, k]
             out = self.experts(x, expert_ids, expert_weights)  # [T, D], this rank's experts only
         return self.parallel.all_reduce_ep(out)
@@ -219,13 +207,9 @@ class TransformerBlock(nn.Module):
         attn = self.self_attn
         if attn.fp8_output(o.shape[0]):  # O's bias added by the norm (one pass fewer over its output)
             x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o, with_bias=False), attn.o_proj.bias)
-            return x, self.mlp(h)
-        summed = attn.project_out_onto(o, x)  # x + O(o) and its sums of squares from O's own kernel, where it can
-        if summed is None:
+        else:
             x, h = self.post_attention_layernorm.add_and_norm(x, attn.project_out(o))
-            return x, self.mlp(h)
-        h = PendingNorm(*summed, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return h.residual(), self.mlp(h)  # the MoE front computes the norm (or h.normed(), one launch)
+        return x, self.mlp(h)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -164,7 +164,7 @@ class Fp8Linear(nn.Module):
             return x.new_empty(0, self.out_features)
         from kernels.layers import fp8_gemv_triton
 
-        if self._slab_runs(x):
+        if x.shape[0] <= SLAB_MAX_TOKENS and self.weight.numel() <= SLAB_MAX_WEIGHT_BYTES:
             from kernels.layers import slab_gemv_triton
 
             return slab_gemv_triton.slab_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
@@ -172,21 +172,6 @@ class Fp8Linear(nn.Module):
             return fp8_gemv_triton.fp8_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
         w = fp8_gemv_triton.dequantize(self.weight, self.weight_scale, self.in_features, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-    def forward_onto(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(residual + forward(x), its per-token partial sums of squares [T, P]) from the slab GEMV's own epilogue
-        (the producer's half of a PendingNorm), where the slab GEMV runs and the rows are bf16; else None."""
-        if not self._slab_runs(x) or x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16:
-            return None
-        from kernels.layers import slab_gemv_triton
-
-        return slab_gemv_triton.slab_gemv(x, self.weight, self.weight_scale, self.bias, self.gemv_tickets,
-                                          residual=residual.contiguous())
-
-    def _slab_runs(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) runs the slab GEMV (CUDA, 1..SLAB_MAX_TOKENS rows, weights up to its size limit)."""
-        return x.is_cuda and 0 < x.shape[0] <= SLAB_MAX_TOKENS and self.weight.numel() <= SLAB_MAX_WEIGHT_BYTES \
-            and not self.quantizes(x.shape[0])
 
     def extra_repr(self) -> str:
         acts = ", fp8 activations above 64 tokens" if self.fp8_activations else ""

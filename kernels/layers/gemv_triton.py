@@ -24,7 +24,6 @@ import triton.language as tl
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N, gemv_tickets
 from kernels.pdl import pdl_prologue
-from kernels.triton_rounding import round_to_bf16
 
 GEMV_MAX_TOKENS = 16
 MIN_BLOCK_N = GEMV_MIN_BLOCK_N  # tickets are sized for this, so any BLOCK_N >= 16 fits them
@@ -60,20 +59,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_token
 
 @triton.jit
 def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr,
-                   res_ptr=None, sq_ptr=None, stride_res=0, RESIDUAL: tl.constexpr = False):
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr):
     """The split-K GEMVs' epilogue: acc [BLOCK_N, BLOCK_T] holds this program's fp32 sums of y^T. With one
     split, + bias and store; else store the partial, and the last program of the N block (atomic ticket,
-    reset by it) sums the S partials in a fixed order, adds the bias and rounds once. RESIDUAL: y_ptr gets
-    res + y instead (rounded again, as add_rms_norm adds) and sq_ptr [T, N blocks] each token's sum of squares of
-    it over this block (kernels/layers/pending_norm.py)."""
+    reset by it) sums the S partials in a fixed order, adds the bias and rounds once."""
     n_ok = offs_n < n
     out_ok = n_ok[:, None] & (offs_t < num_tokens)[None, :]
     y_ptrs = y_ptr + offs_t[None, :] * stride_y + offs_n[:, None]
     if SPLIT_K == 1:  # the whole K in this program (wide N, e.g. the unembedding): no partial round trip
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        _store_output(acc, y_ptrs, out_ok, res_ptr, sq_ptr, stride_res, nb, offs_n, offs_t, num_tokens, RESIDUAL)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:
         slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
         tl.store(slab + split * n * BLOCK_T, acc, mask=n_ok[:, None])
@@ -86,21 +82,7 @@ def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_
                 total += tl.load(slab + s * n * BLOCK_T, mask=out_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            _store_output(total, y_ptrs, out_ok, res_ptr, sq_ptr, stride_res, nb, offs_n, offs_t, num_tokens, RESIDUAL)
-
-
-@triton.jit
-def _store_output(total, y_ptrs, out_ok, res_ptr, sq_ptr, stride_res, nb, offs_n, offs_t, num_tokens,
-                  RESIDUAL: tl.constexpr):
-    """y = total rounded to y's dtype; RESIDUAL: res + y rounded again (bf16) and its per-token sums of squares."""
-    if RESIDUAL:
-        y = round_to_bf16(total)
-        res = tl.load(res_ptr + offs_t[None, :] * stride_res + offs_n[:, None], mask=out_ok, other=0.0)
-        s = round_to_bf16(res.to(tl.float32) + y)
-        tl.store(y_ptrs, s.to(tl.bfloat16), mask=out_ok)
-        tl.store(sq_ptr + offs_t * tl.num_programs(0) + nb, tl.sum(s * s, axis=0), mask=offs_t < num_tokens)
-    else:
-        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_ok)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 
 new_tickets = gemv_tickets  # per-N-block ticket counters for a projection with N outputs

@@ -40,9 +40,7 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, K_SPLIT=256, num_warps=4, weights_first=True)
 def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k_in, k_w,
                       stride_x, stride_w, stride_sw, stride_y, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr, SPLIT_K: tl.constexpr,
-                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr,
-                      res_ptr, sq_ptr, stride_res, RESIDUAL: tl.constexpr):
-    # (the residual's arguments come last, as the dense_dtype ones of _add_rms_norm_kernel: see its note)
+                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr):
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = split * NKB + tl.arange(0, NKB)  # 128-wide K blocks of this split
@@ -69,15 +67,13 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
         yt = tl.sum(tl.sum(w * xt[None, :, :], axis=2), axis=1)
         acc = tl.where(offs_t[None, :] == t, yt[:, None], acc)
     finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K, res_ptr, sq_ptr, stride_res, RESIDUAL)
+                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
 
 
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
-              tickets: torch.Tensor, config: dict | None = None, residual: torch.Tensor | None = None):
+              tickets: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [T, K] (T <= 4) @ W^T + bias [N] -> [T, N] in x's dtype. W: float8_e4m3 [N, Kp] (K padded to 128s, K <=
-    Kp) with weight_scale [ceil(N/128), Kp/128], or bf16/fp16/fp32 [N, K] with weight_scale None.
-    residual [T, N] bf16: returns (residual + y, per-token sums of squares of it per BLOCK_N outputs [T, N blocks]),
-    the producer's half of a PendingNorm (kernels/layers/pending_norm.py)."""
+    Kp) with weight_scale [ceil(N/128), Kp/128], or bf16/fp16/fp32 [N, K] with weight_scale None."""
     t, k = x.shape
     n, kw = weight.shape
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
@@ -90,14 +86,10 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
             and QBLOCK % cfg["BLOCK_N"] == 0
     else:
         ok = ok and kw == k
-    if residual is not None:
-        ok = ok and x.dtype == torch.bfloat16 and residual.shape == (t, n) and residual.dtype == torch.bfloat16 \
-            and residual.stride(1) == 1
     if not ok:
         raise ValueError(f"slab_gemv: x {tuple(x.shape)} (1..{MAX_TOKENS} rows), weight {tuple(weight.shape)} "
                          f"{weight.dtype}, scales {None if weight_scale is None else tuple(weight_scale.shape)}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}, residual "
-                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}")
+                         f"{None if bias is None else tuple(bias.shape)}, {tickets.numel()} tickets, {cfg}")
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -106,13 +98,9 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
     block_t = triton.next_power_of_2(t)
     partial = torch.empty(splits if splits > 1 else 0, n, block_t, dtype=torch.float32, device=x.device)
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    sq = torch.empty(t, n_blocks if residual is not None else 0, dtype=torch.float32, device=x.device)
-    _slab_gemv_kernel[(n_blocks, splits)](
+    _slab_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale if fp8 else weight, bias if bias is not None else weight, y, partial, tickets, t, n, k,
         kw, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
-        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x),
-        res_ptr=residual if residual is not None else y, sq_ptr=sq, stride_res=residual.stride(0) if residual is not None else 0,
-        RESIDUAL=residual is not None)
-    return y if residual is None else (y, sq)
+        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
+    return y

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.layers.pending_norm import PendingNorm
 from kernels.moe.epilogues_triton import Fp8Rows
 from kernels.moe.routing_triton import MoePlan
 from kernels.pdl import pdl_prologue
@@ -54,9 +53,8 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          stride_x, stride_w, stride_a, sf_k_stride,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
-                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr,
-                         sq_ptr, nw_ptr, h_ptr, eps, num_sq, stride_h, NORM: tl.constexpr, SQ_PAD: tl.constexpr):
-    # (the norm's arguments come last, so that the shipped Triton manifests' argument indices stay valid)
+                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     eb, kb = tl.program_id(0), tl.program_id(1)
     toks = tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
@@ -64,23 +62,9 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = kb * 128 + tl.arange(0, 128)
     k_ok = kk < hidden
-    # the router weights are no predecessor's output (constant inside a CUDA graph): loaded before the PDL wait
+    xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
     wb = tl.load(wr_ptr + experts[:, None] * stride_w + kk[None, :], mask=(experts < num_experts)[:, None] & k_ok[None, :],
                  other=0.0)
-    pdl_prologue(PDL)
-    if NORM:  # x is a residual sum whose norm is pending: the tokens are norm(x), from the producer's partial sums
-        # of squares sq [T, num_sq]; eb == 0 writes the norm (kernels/layers/pending_norm.py)
-        pp = tl.arange(0, SQ_PAD)
-        sq = tl.load(sq_ptr + toks[:, None] * num_sq + pp[None, :], mask=t_ok[:, None] & (pp < num_sq)[None, :],
-                     other=0.0)
-        xs = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        inv = tl.math.rsqrt(tl.sum(sq, axis=1) / hidden + eps)
-        xb = (xs.to(tl.float32) * inv[:, None] * nw[None, :]).to(tl.bfloat16)
-        if eb == 0:
-            tl.store(h_ptr + toks[:, None] * stride_h + kk[None, :], xb, mask=t_ok[:, None] & k_ok[None, :])
-    else:
-        xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
     xa = xb.to(tl.float32)
     if DOT_BF16:  # tensor cores: exact bf16 products, fp32 sums
         acc = tl.dot(xb, tl.trans(wb))
@@ -152,16 +136,11 @@ def new_ticket(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def decode_front(x: torch.Tensor | PendingNorm, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int,
+def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int,
                  first_expert: int, num_local: int, k_padded: int, ticket: torch.Tensor, num_warps: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, MoePlan, Fp8Rows]:
     """x [T, D] bf16, router [E, D] / [E] -> (expert ids [T, k] int32, weights [T, k] fp32, the masked plan
-    with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A). x may be a PendingNorm
-    (bf16): the kernel then computes the norm from its residual sum and partial sums of squares, and writes it
-    (x.normed() afterwards)."""
-    norm = None
-    if isinstance(x, PendingNorm):
-        norm, x = (x, x.summed) if x.fusable(FRONT_MAX_TOKENS) else (None, x.normed())
+    with m_cap = T and token_of_row, the token rows [T, Kp] fp8 of the gate_up GEMM's A)."""
     t, d = x.shape
     e = router_weight.shape[0]
     if not 0 < t <= FRONT_MAX_TOKENS or x.dtype != torch.bfloat16 or router_weight.shape != (e, d) \
@@ -169,10 +148,6 @@ def decode_front(x: torch.Tensor | PendingNorm, router_weight: torch.Tensor, rou
         raise DecodeFrontError(f"decode_front: x {tuple(x.shape)} {x.dtype} (1..{FRONT_MAX_TOKENS} bf16 rows), router "
                                f"{tuple(router_weight.shape)}/{tuple(router_bias.shape)}, k={top_k}, Kp={k_padded}")
     x, router_weight = x.contiguous(), router_weight.contiguous()
-    if norm is not None:
-        sq, nw, h_out = norm.sq, norm.weight, norm.output()
-    else:  # unused pointers
-        sq = nw = h_out = x
     dev = x.device
     e_blocks = triton.cdiv(e, BLOCK_E)
     e_pad = triton.next_power_of_2(e_blocks * BLOCK_E)  # the tail's logits row (a power of two)
@@ -192,9 +167,7 @@ def decode_front(x: torch.Tensor | PendingNorm, router_weight: torch.Tensor, rou
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
         TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
-        **pdl.launch(x), sq_ptr=sq, nw_ptr=nw, h_ptr=h_out, eps=norm.eps if norm is not None else 0.0,
-        num_sq=sq.shape[1] if norm is not None else 0, stride_h=h_out.stride(0), NORM=norm is not None,
-        SQ_PAD=triton.next_power_of_2(max(sq.shape[1], 1)) if norm is not None else 1)
+        **pdl.launch(x))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a

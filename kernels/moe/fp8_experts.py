@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.layers.pending_norm import PendingNorm, resolve
 from kernels.moe import fp8_reference
 from kernels.moe.fp8_quant import (BLOCK, FP8, Fp8LayoutError, align, dequantize_weight_blocks,
                                    mxfp4_to_fp8_blocks, padded, quantize_weight_blocks)
@@ -190,25 +189,21 @@ class Fp8Experts(nn.Module):
                        top_k: int) -> torch.Tensor:
         """Router + top-k + this layer, as MLPBlock computes them. Decode-sized bf16 batches on the Triton
         decode GEMM take the fused front (decode_front_triton: one launch for router, routing, plan and
-        quantization); everything else routes with kernels.moe.route first. x may be a PendingNorm (the block's
-        norm not yet computed, kernels/layers/pending_norm.py): the fused front computes it, else it runs first."""
-        rows = x.summed if isinstance(x, PendingNorm) else x
-        backend = resolve_backend(self.backend, rows.device)
-        t = rows.shape[0]
+        quantization); everything else routes with kernels.moe.route first."""
+        backend = resolve_backend(self.backend, x.device)
+        t = x.shape[0]
         from kernels.moe import decode_front_triton as front
 
-        if not self.fused_front or backend == "torch" or rows.dtype != torch.bfloat16 \
-                or not 0 < t <= front.FRONT_MAX_TOKENS or not self._decode_kernel_runs(backend, t <= self.masked_max_tokens, t):
+        if not self.fused_front or backend == "torch" or x.dtype != torch.bfloat16 or not 0 < t <= front.FRONT_MAX_TOKENS \
+                or not self._decode_kernel_runs(backend, t <= self.masked_max_tokens, t):
             from kernels.moe import route
 
-            x = resolve(x)
             logits = torch.nn.functional.linear(x, router_weight, router_bias)
             return self(x, *route(logits, top_k))
-        if self.front_ticket.device != rows.device:
-            raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {rows.device}")
+        if self.front_ticket.device != x.device:
+            raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {x.device}")
         ids, weights, plan, a = front.decode_front(x, router_weight, router_bias, top_k, self.first_expert,
                                                    self.num_local, self.w13.shape[2], self.front_ticket)
-        x = resolve(x)  # the norm the front wrote (or computed before it)
         if self._mxfp4 is not None and t <= self.mxfp4_max_tokens and x.is_cuda:
             from kernels.moe import mxfp4_decode_layer
 

@@ -373,34 +373,3 @@ def test_jump_forward_rows_compute_what_a_recompute_does(gpu_model):
         recompute = gpu_model.full_logits(p + tokens[:-1]).float()[len(p) - 1:].log_softmax(-1)
         diffs = sorted(abs(lp.logprob - recompute[j, t].item()) for j, (lp, t) in enumerate(zip(out.logprobs, tokens)))
         assert diffs[len(diffs) // 2] < 0.5, (out.request_id, diffs)
-
-
-def test_norm_left_to_the_moe_front_generates_what_the_separate_norm_does(monkeypatch):
-    # FP8 dense layers, one sequence (decode steps of 1 token, through the decode graphs): O's slab GEMV adds the
-    # residual and the MoE front computes the norm (kernels/layers/pending_norm.py) against the separate
-    # add + norm launch, same random weights: identical greedy tokens, and the fused path taken.
-    from kernels.layers import fp8_linear, pending_norm
-
-    produced = []
-    onto = fp8_linear.Fp8Linear.forward_onto
-    monkeypatch.setattr(fp8_linear.Fp8Linear, "forward_onto",
-                        lambda self, x, r: (lambda out: produced.append(out is not None) or out)(onto(self, x, r)))
-
-    def generate(fusion: bool) -> list[int]:
-        monkeypatch.setattr(pending_norm, "FUSION", fusion)
-        model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=4,
-                            max_kv_len=2048, cuda_graph=True)
-        with torch.no_grad():
-            model.lm_head.weight[:16] *= 8
-        quantize_dense_fp8(model)
-        llm = LLMEngine(model, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=2048,
-                                            num_full_pages=256, num_sliding_pages=128, cuda_graphs=True))
-        prompt = torch.randint(0, 2048, (130,), generator=torch.Generator().manual_seed(3)).tolist()
-        req = GenerateRequest("r0", prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-        return llm.generate([req])[0].output_ids
-
-    fused = generate(True)
-    assert any(produced), "O's slab GEMV never added the residual"
-    produced.clear()
-    assert generate(False) == fused
-    assert not produced

@@ -233,27 +233,6 @@ def test_slab_gemv_matches_twins(t, n, k, with_bias):
         torch.testing.assert_close(got.float(), want16, rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (2, 130, 520), (4, 64, 1000)])
-def test_slab_gemv_adds_the_residual(t, n, k):
-    """slab_gemv(..., residual=r): r + y bit for bit torch's add of the plain call's y, and per BLOCK_N outputs each
-    token's sum of squares of it (one and several K splits)."""
-    from kernels.layers import fp8_linear, slab_gemv_triton
-
-    x, r = torch.randn(t, k).bfloat16(), torch.randn(t, n).bfloat16() * 4
-    w, sw = fp8_linear.quantize_weight(torch.randn(n, k) * k ** -0.5)
-    b = torch.randn(n).bfloat16()
-    tickets = fp8_linear.gemv_tickets(n, "cpu")
-    for cfg in (dict(BLOCK_N=16, K_SPLIT=128), dict(BLOCK_N=64, K_SPLIT=2048)):
-        y = slab_gemv_triton.slab_gemv(x, w, sw, b, tickets, cfg)
-        summed, sq = slab_gemv_triton.slab_gemv(x, w, sw, b, tickets, cfg, residual=r)
-        assert int(tickets.abs().sum()) == 0
-        assert torch.equal(summed, r + y)
-        blocks = -(-n // cfg["BLOCK_N"])
-        want = torch.nn.functional.pad(summed.float() ** 2, (0, blocks * cfg["BLOCK_N"] - n)).view(t, blocks, -1).sum(-1)
-        assert sq.shape == (t, blocks)
-        torch.testing.assert_close(sq, want, rtol=1e-5, atol=1e-6)
-
-
 def test_slab_gemv_rejects_what_it_cannot_run():
     from kernels.layers import fp8_linear, slab_gemv_triton
 

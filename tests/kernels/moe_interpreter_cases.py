@@ -312,60 +312,6 @@ def test_decode_front_matches_twin(t, e, first, num_local, k, hidden):
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
-def bf16_within_a_step(got: torch.Tensor, want: torch.Tensor, max_fraction: float) -> None:
-    """bf16 values equal, except a small fraction one rounding step apart (fp32 sums in another order)."""
-    steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-    assert steps.max() <= 1, f"bf16 values differ by {steps.max()} steps"
-    assert (steps > 0).float().mean() <= max_fraction
-
-
-def pending_norm_of(summed: torch.Tensor, weight: torch.Tensor, block: int):
-    """A PendingNorm of summed as a producer with `block`-channel blocks leaves it (sums of squares per block)."""
-    from kernels.layers.pending_norm import PendingNorm
-
-    t, d = summed.shape
-    blocks = -(-d // block)
-    sq = torch.nn.functional.pad(summed.float() ** 2, (0, blocks * block - d)).view(t, blocks, -1).sum(-1)
-    return PendingNorm(summed, sq, weight, 1e-5)
-
-
-# (T, E, hidden): 20b's batch 1 (one expert block, every program writes the norm), tokens past a power of two,
-# 120b's four expert blocks (only the first writes it), the front's largest batch
-@pytest.mark.parametrize("t,e,hidden", [(1, 32, 300), (3, 12, 260), (4, 128, 136), (16, 8, 200)])
-def test_decode_front_computes_a_pending_norm(t, e, hidden):
-    """decode_front on a PendingNorm: the norm within a bf16 step of the twin's, and routing and FP8 rows those of
-    the twin front on the norm the kernel wrote."""
-    from kernels.layers import reference as layers_ref
-    from kernels.moe import decode_front_triton as front
-
-    summed, nw = torch.randn(t, hidden).bfloat16() * 4, torch.rand(hidden) + 0.5
-    _, w, b = exact_router_inputs(t, e, hidden)
-    kp = padded(hidden)
-    ticket = front.new_ticket("cpu")
-    pending = pending_norm_of(summed, nw, 64)
-    ids, weights, plan, a = front.decode_front(pending, w, b, 4, 0, e, kp, ticket)
-    assert int(ticket) == 0
-    bf16_within_a_step(pending.normed(), layers_ref.rms_norm(summed, nw, 1e-5), 0.01)
-    want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front(pending.normed(), w, b, 4, 0, e, kp)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
-    assert torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
-    fp8_equal_or_adjacent(a.data, want_a, 0.01)
-    torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
-
-
-def test_decode_front_leaves_larger_batches_to_the_norm():
-    """Above FRONT_MAX_TOKENS the layer routes the norm computed first (PendingNorm.normed)."""
-    from kernels.moe import decode_front_triton as front
-
-    t, e, hidden = front.FRONT_MAX_TOKENS + 1, 8, 200
-    pending = pending_norm_of(torch.randn(t, hidden).bfloat16(), torch.ones(hidden), 64)
-    experts = Fp8Experts.from_torch_experts(random_experts(e, hidden, 136), backend="triton")
-    _, w, b = exact_router_inputs(t, e, hidden)
-    got = experts.routed_forward(pending, w, b, 2)
-    assert torch.equal(got, experts.routed_forward(pending.normed(), w, b, 2))
-
-
 def test_decode_gemm_reads_token_rows_through_the_map():
     """grouped_gemm_decode with a_row_map (token rows) equals the same GEMM over per-pair rows."""
     t, e, hidden, n, k = 3, 4, 256, 128, 2

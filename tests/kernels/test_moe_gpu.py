@@ -307,37 +307,6 @@ def test_routed_forward_matches_route_then_experts(experts20, t):
     assert calc_diff(got, want) < 1e-6
 
 
-@pytest.mark.parametrize("t,e", [(1, E20), (2, E20), (2, 128)])
-def test_fused_front_computes_the_pending_norm(t, e):
-    """The front on a PendingNorm that O's slab GEMV produced (20b / 120b expert counts, 2880 channels): the norm
-    within a bf16 step of add_rms_norm's, and routing, plan and FP8 rows those of the front on the norm it wrote."""
-    from kernels import layers
-    from kernels.layers import fp8_linear, slab_gemv_triton
-    from kernels.layers.pending_norm import PendingNorm
-    from kernels.moe import decode_front_triton as front
-
-    wo, so = fp8_linear.quantize_weight(torch.randn(D, 4096, device=DEV) * 0.02)
-    bo = torch.randn(D, device=DEV).bfloat16()
-    tickets = fp8_linear.gemv_tickets(D, DEV)
-    o = torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16)
-    x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16) * 4
-    nw = torch.rand(D, device=DEV) + 0.5
-    w = torch.randn(e, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
-    b = torch.randn(e, device=DEV, dtype=torch.bfloat16) * 0.1
-    ticket = front.new_ticket(DEV)
-    pending = PendingNorm(*slab_gemv_triton.slab_gemv(o, wo, so, bo, tickets, residual=x), nw, 1e-5)
-    got = front.decode_front(pending, w, b, K, 0, e, padded(D), ticket)
-    want_s, want_h = layers.add_rms_norm(x, slab_gemv_triton.slab_gemv(o, wo, so, bo, tickets), nw, 1e-5)
-    assert torch.equal(pending.residual(), want_s)
-    steps = (pending.normed().view(torch.int16).int() - want_h.view(torch.int16).int()).abs()
-    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01
-    want = front.decode_front(pending.normed(), w, b, K, 0, e, padded(D), ticket)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(got[2].row_of_pair, want[2].row_of_pair) and torch.equal(got[2].counts, want[2].counts)
-    assert torch.equal(got[3].data.view(torch.uint8), want[3].data.view(torch.uint8))
-    assert torch.equal(got[3].scales_rows(), want[3].scales_rows())
-
-
 @pytest.mark.parametrize("t", [129, 4096])
 def test_swiglu_by_row_tiles_changes_nothing(experts20, t):
     """Fp8Experts.swiglu_tiles (prefill SwiGLU + quantization by row tiles of the contiguous layout): the
