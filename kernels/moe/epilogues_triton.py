@@ -28,10 +28,6 @@ from kernels.triton_rounding import round_to_bf16
 
 # TMA needs the MN-major scale rows 16-byte aligned: 4 fp32 (DeepGEMM's get_tma_aligned_size).
 SCALE_ROW_ALIGN = 4
-# The per-pair epilogues (SwiGLU + quant, combine, mxfp4_decode_layer's swiglu_bf16) load a pair's expert id (and
-# routing weight) in the same round trip as its row instead of after the branch on the row: one dependent global
-# round trip fewer per call. False: the old order, to compare (bench/decode_ab's -serial-ids variants).
-IDS_FIRST = True
 
 
 @dataclass
@@ -144,19 +140,14 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
                          inter, stride_h, stride_split, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
                          NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
-                         FAST_DIV: tl.constexpr = False, IDS_FIRST: tl.constexpr = True):
+                         FAST_DIV: tl.constexpr = False):
     pdl_prologue(PDL)
     # grid (pairs, k-block groups). Output column j comes from gate 2j and up 2j+1: each k-block reads
     # its 256 interleaved inputs as one contiguous run and splits them in registers.
     pair = tl.program_id(0)
     row = tl.load(row_of_pair_ptr + pair)
-    if IDS_FIRST:  # the expert id in the row's round trip (its address needs no row): bias and h load together
-        e_first = tl.load(ids_ptr + pair)
     if row >= 0:
-        if IDS_FIRST:
-            e = e_first.to(tl.int32) - first_expert
-        else:
-            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+        e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
         kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
         src = kb[:, None] * 256 + tl.arange(0, 256)[None, :]  # interleaved (gate, up) inputs
         ok_src = src < 2 * inter
@@ -208,8 +199,7 @@ def _kb_per_program(pairs: int, num_kb: int) -> int:
 @triton.jit
 def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr,
                     hidden, stride_y, stride_split, stride_bias, stride_out, first_expert,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
-                    IDS_FIRST: tl.constexpr = True):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -218,16 +208,9 @@ def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
         row = tl.load(row_of_pair_ptr + pair)
-        if IDS_FIRST:  # expert id and weight in the row's round trip (their addresses need no row)
-            e_first = tl.load(ids_ptr + pair)
-            w_first = tl.load(weights_ptr + pair)
         if row >= 0:
-            if IDS_FIRST:
-                e = e_first.to(tl.int32) - first_expert
-                w = w_first.to(tl.float32)
-            else:
-                e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-                w = tl.load(weights_ptr + pair).to(tl.float32)
+            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+            w = tl.load(weights_ptr + pair).to(tl.float32)
             y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
             if SPLITS > 1:
                 for s in tl.static_range(1, SPLITS):
@@ -274,7 +257,7 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
             h.shape[-1] // 2, h.stride(-2), h.stride(0) if splits > 1 else 0, out.data.stride(0), bias.stride(0),
             first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
             NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4,
-            **pdl.launch(h), IDS_FIRST=IDS_FIRST)
+            **pdl.launch(h))
     return out
 
 
@@ -312,5 +295,5 @@ def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
             y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
             y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
-            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out), IDS_FIRST=IDS_FIRST)
+            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out))
     return out

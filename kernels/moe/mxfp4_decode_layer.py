@@ -38,20 +38,14 @@ BLOCK_C = 128  # output channels per SwiGLU program
 
 @triton.jit
 def _swiglu_bf16_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, out_ptr, inter, stride_h, stride_out,
-                        stride_bias, first_expert, alpha, limit, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                        IDS_FIRST: tl.constexpr = True):
+                        stride_bias, first_expert, alpha, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     # grid (pairs, channel blocks): output channel c comes from gate 2c and up 2c + 1, one contiguous run
     # of 2 * BLOCK inputs split in registers
     pair = tl.program_id(0)
     row = tl.load(row_of_pair_ptr + pair)
-    if IDS_FIRST:  # the expert id in the row's round trip (epilogues_triton.IDS_FIRST)
-        e_first = tl.load(ids_ptr + pair)
     if row >= 0:
-        if IDS_FIRST:
-            e = e_first.to(tl.int32) - first_expert
-        else:
-            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+        e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
         src = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
         ok = src < 2 * inter
         h = tl.load(h_ptr + row.to(tl.int64) * stride_h + src, mask=ok, other=0.0).to(tl.float32)
@@ -68,8 +62,6 @@ def swiglu_bf16(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Te
                 first_expert: int, alpha: float, limit: float, out: torch.Tensor) -> torch.Tensor:
     """GEMM-1 rows h [rows, 2I] bf16 (gate, up interleaved) + bias [E_local, 2I] fp32 -> out [rows, I] bf16 =
     clamped SwiGLU computed in fp32, rounded once; only the rows of this rank's pairs are written."""
-    from kernels.moe import epilogues_triton as epi
-
     inter = h.shape[1] // 2
     if h.dim() != 2 or out.shape != (h.shape[0], inter) or bias.shape[1] != 2 * inter:
         raise ValueError(f"swiglu_bf16: h {tuple(h.shape)}, out {tuple(out.shape)} and bias {tuple(bias.shape)} "
@@ -78,8 +70,7 @@ def swiglu_bf16(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Te
     if p:
         _swiglu_bf16_kernel[(p, triton.cdiv(inter, BLOCK_C))](
             h, row_of_pair, expert_ids, bias, out, inter, h.stride(0), out.stride(0), bias.stride(0),
-            first_expert, float(alpha), float(limit), BLOCK=BLOCK_C, num_warps=2, **pdl.launch(h),
-            IDS_FIRST=epi.IDS_FIRST)
+            first_expert, float(alpha), float(limit), BLOCK=BLOCK_C, num_warps=2, **pdl.launch(h))
     return out
 
 

@@ -312,33 +312,6 @@ def test_decode_front_matches_twin(t, e, first, num_local, k, hidden):
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
-def test_epilogues_load_ids_first_or_after_the_row_alike(monkeypatch):
-    """epilogues_triton.IDS_FIRST (the expert id and weight loaded with the pair's row) changes no output bit of the
-    SwiGLU + quant, the bf16 SwiGLU or the combine, with an expert-parallel slice (pairs of other ranks' experts)."""
-    from kernels.moe import mxfp4_decode_layer as mdl
-
-    t, k, e, first, hidden, inter = 3, 2, 6, 2, 200, 136
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
-    weights = torch.rand(t, k)
-    plan = rt.plan_masked(ids, first, 3, t)
-    rows = 3 * t
-    h = torch.randn(rows, 2 * inter).bfloat16()
-    b13, b2 = torch.randn(3, 2 * inter), torch.randn(3, hidden)
-    y = torch.randn(rows, hidden).bfloat16()
-    outs = []
-    for ids_first in (True, False):
-        monkeypatch.setattr(epi, "IDS_FIRST", ids_first)
-        a = epi.Fp8Rows.empty(3, t, inter, "cpu")
-        a.data.view(torch.uint8).zero_()
-        a.scale_storage.zero_()  # rows no pair maps to stay unwritten: zeros on both sides
-        epi.swiglu_quant(h, plan.row_of_pair, ids, b13, first, 1.702, 7.0, a)
-        act = mdl.swiglu_bf16(h, plan.row_of_pair, ids, b13, first, 1.702, 7.0, torch.zeros(rows, inter).bfloat16())
-        out = epi.combine(y, plan.row_of_pair, ids, weights, b2, first, torch.empty(t, hidden).bfloat16())
-        outs.append((a.data.view(torch.uint8), a.scale_storage, act, out))
-    for got, want in zip(*outs):
-        assert torch.equal(got, want)
-
-
 def test_decode_gemm_reads_token_rows_through_the_map():
     """grouped_gemm_decode with a_row_map (token rows) equals the same GEMM over per-pair rows."""
     t, e, hidden, n, k = 3, 4, 256, 128, 2
