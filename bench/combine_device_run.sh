@@ -5,11 +5,11 @@
 set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
-step tests 50 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_moe_gpu.py -k "combine or routed or fused_front"
+step tests 40 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_moe_gpu.py -k "combine_without or routed_forward"
 tail -n 2 "$OUT/tests.log"
-step decode_20b 110 python3 -m bench.decode_ab --models gpt-oss-20b --batches 1,4 --rounds 2 --max-batch 4 \
+step decode_20b 50 python3 -m bench.decode_ab --models gpt-oss-20b --batches 1,4 --rounds 2 --max-batch 4 \
     --variants fp8-dense+mxfp4-8-branchy-combine,fp8-dense+mxfp4-8 --out "$OUT/decode_ab_combine_20b_h200.json"
-step decode_120b 80 python3 -m bench.decode_ab --models gpt-oss-120b --batches 1,4 --rounds 2 --max-batch 4 \
+step decode_120b 40 python3 -m bench.decode_ab --models gpt-oss-120b --batches 1,4 --rounds 2 --max-batch 4 \
     --variants fp8-dense-branchy-combine,fp8-dense --out "$OUT/decode_ab_combine_120b_h200.json"
 echo "---- summary"
 grep -hE "ms/step" "$OUT"/decode_*.log
