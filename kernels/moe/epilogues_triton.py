@@ -227,21 +227,20 @@ def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_
                 y = round_to_bf16(y)
             y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok & live, other=0.0)
             acc = tl.where(live, acc + w * y, acc)
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-        return
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        row = tl.load(row_of_pair_ptr + pair)
-        if row >= 0:
-            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-            w = tl.load(weights_ptr + pair).to(tl.float32)
-            y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-            if SPLITS > 1:
-                for s in tl.static_range(1, SPLITS):
-                    y += tl.load(y_ptr + s * stride_split + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0)
-                y = round_to_bf16(y)
-            y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
-            acc += w * y
+    else:
+        for j in tl.static_range(TOP_K):
+            pair = token * TOP_K + j
+            row = tl.load(row_of_pair_ptr + pair)
+            if row >= 0:
+                e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
+                w = tl.load(weights_ptr + pair).to(tl.float32)
+                y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+                if SPLITS > 1:
+                    for s in tl.static_range(1, SPLITS):
+                        y += tl.load(y_ptr + s * stride_split + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0)
+                    y = round_to_bf16(y)
+                y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
+                acc += w * y
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
