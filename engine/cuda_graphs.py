@@ -65,6 +65,8 @@ def pad_decode_batch(batch: AttentionBatch, size: int) -> AttentionBatch:
     pad = size - batch.num_seqs
     if pad < 0:
         raise CudaGraphError(f"a step of {batch.num_seqs} sequences does not fit a bucket of {size}")
+    if pad == 0:  # (its query_start_loc is already 0 .. size: no device arange)
+        return batch
     qsl = torch.arange(size + 1, dtype=batch.query_start_loc.dtype, device=batch.query_start_loc.device)
     return AttentionBatch(qsl, [1] * size, _pad_group(batch.full, pad),
                           _pad_group(batch.sliding, pad) if batch.sliding is not None else None, is_decode=True)

@@ -50,21 +50,61 @@ class StepArrays:
     sample_rows: list[int]
 
     def to_inputs(self, device) -> StepInputs:
+        """The step's device tensors: on CUDA from one pinned buffer in one copy (`upload`)."""
         query_lens = np.diff(self.query_start_loc).tolist()
+        (ids, positions, qsl, logits_indices, full_tables, full_lens, full_slots, sliding_tables, sliding_lens,
+         sliding_slots) = upload(device, [self.input_ids, self.positions, self.query_start_loc, self.logits_indices,
+                                          self.full_tables, self.full_lens, self.full_slots, self.sliding_tables,
+                                          self.sliding_lens, self.sliding_slots])
         attention = AttentionBatch(
-            query_start_loc=to_device(device, self.query_start_loc),
+            query_start_loc=qsl,
             query_lens_cpu=query_lens,
-            full=_group_meta(self.full_tables, self.full_lens, self.full_slots, device),
-            sliding=_group_meta(self.sliding_tables, self.sliding_lens, self.sliding_slots, device),
+            full=KVGroupMeta(full_tables, full_lens, full_slots, self.full_lens.tolist()),
+            sliding=KVGroupMeta(sliding_tables, sliding_lens, sliding_slots, self.sliding_lens.tolist()),
             is_decode=all(n == 1 for n in query_lens),
         )
-        return StepInputs(to_device(device, self.input_ids), to_device(device, self.positions), attention,
-                          to_device(device, self.logits_indices), list(self.sample_rows), self)
+        return StepInputs(ids, positions, attention, logits_indices, list(self.sample_rows), self)
 
 
 def to_device(device, array: np.ndarray) -> torch.Tensor:
     """A host array on `device` (an asynchronous copy where the device allows)."""
     return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+UPLOAD_ALIGN = 64  # bytes between arrays in an upload: Triton specializes pointers on 16-byte alignment
+
+
+def upload(device, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    """Host arrays as tensors on `device`. On CUDA in one copy: packed into one pinned buffer (`pack`), copied
+    asynchronously into one device buffer and viewed back per array (`unpack`): one copy per step instead of one
+    per array, and none from pageable memory, which CUDA may stage synchronously with the host (the H200 trace of
+    an engine decode step, bench.engine_step_profile 2026-12-03, had ten pageable copies per step). The pinned
+    block returns to torch's caching host allocator only once its copy has run. Elsewhere each array is
+    torch.from_numpy(...).to(device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [to_device(device, a) for a in arrays]
+    host, offsets = pack(arrays, pin=True)
+    return unpack(host.to(device, non_blocking=True), arrays, offsets)
+
+
+def pack(arrays: list[np.ndarray], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """(one uint8 host tensor holding every array, each at a UPLOAD_ALIGN-aligned byte offset; the offsets)."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // UPLOAD_ALIGN) * UPLOAD_ALIGN
+    host = torch.empty(max(total, UPLOAD_ALIGN), dtype=torch.uint8, pin_memory=pin)
+    flat = host.numpy()
+    for a, off in zip(arrays, offsets):
+        flat[off: off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return host, offsets
+
+
+def unpack(buffer: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+    """Views of a packed uint8 buffer (on any device) with the arrays' dtypes and shapes."""
+    return [buffer[off: off + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
+            for a, off in zip(arrays, offsets)]
 
 
 def _tables(rows: list) -> np.ndarray:
@@ -74,11 +114,6 @@ def _tables(rows: list) -> np.ndarray:
         if len(row):
             tables[b, : len(row)] = row
     return tables
-
-
-def _group_meta(tables: np.ndarray, kv_lens: np.ndarray, slots: np.ndarray, device) -> KVGroupMeta:
-    return KVGroupMeta(block_tables=to_device(device, tables), kv_lens=to_device(device, kv_lens),
-                       slot_mapping=to_device(device, slots), kv_lens_cpu=kv_lens.tolist())
 
 
 def _chunk_slots(pages, first_page: int, start: int, end: int, bs: int) -> list[int]:

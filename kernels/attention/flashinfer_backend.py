@@ -46,6 +46,7 @@ from kernels.attention.gpu_plan import StepBuffers, decode_num_splits, flashinfe
 from kernels.attention.kv_cache import PagedKVCache, is_fp8
 from kernels.attention.kv_write import write_kv
 from kernels.attention.metadata import AttentionBatch
+from kernels.attention.plan_fill_triton import fill_decode_buffers
 from kernels.attention.sliding_prefill_triton import (SlidingPrefillConfig, SlidingTiles, plan_tiles,
                                                       single_query_config, sliding_prefill)
 
@@ -164,9 +165,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         num_seqs = batch.num_seqs
         if batch.num_tokens != num_seqs:
             raise ValueError("a decode batch has exactly one new token per sequence; plan it as prefill instead")
+        # one launch for both kinds' tables, lengths and slots (plan_fill_triton; StepBuffers.fill is its twin)
+        fill_decode_buffers([(buffers, batch.group(sliding)) for sliding, buffers in self.decode_buffers.items()],
+                            num_seqs)
         for sliding, buffers in self.decode_buffers.items():
             meta = batch.group(sliding)
-            buffers.fill(meta, num_seqs)
             if sliding:
                 longest = self.sliding_window
             else:

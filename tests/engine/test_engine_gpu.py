@@ -97,3 +97,19 @@ def test_async_engine_thread_runs_on_the_engine_device(tiny_dir):
         engine.shutdown()
     assert seen == [torch.device(device).index]
     assert ids == expected
+
+
+def test_one_copy_upload_on_the_gpu_gives_back_every_array():
+    """engine/step_arrays.upload on CUDA: one pinned buffer, one copy, views with each array's dtype, shape, values."""
+    import numpy as np
+
+    from engine.step_arrays import upload
+
+    rng = np.random.default_rng()
+    arrays = [rng.integers(-2**40, 2**40, 9), np.zeros(0, dtype=np.int64), rng.integers(0, 2**31 - 1, (5, 3), dtype=np.int32),
+              rng.integers(0, 7, 1, dtype=np.int32)]
+    got = upload("cuda", arrays)
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # one device buffer
+    for a, t in zip(arrays, got):
+        assert t.is_cuda and tuple(t.shape) == a.shape and t.data_ptr() % 16 == 0
+        assert np.array_equal(t.cpu().numpy(), a)

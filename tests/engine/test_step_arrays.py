@@ -163,3 +163,34 @@ def test_sampling_batch_reuse_gives_the_same_samples(make_engine, monkeypatch):
     got, want = run_to_end(reuse), run_to_end(rebuild)
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
     assert carried["n"] > 10
+
+
+def test_pack_and_unpack_give_back_every_array():
+    """The one-copy upload's packing (engine/step_arrays.upload): arrays of awkward sizes, empty ones among them,
+    come back with their dtypes, shapes and values, each on an aligned offset of one buffer."""
+    import torch
+
+    from engine.step_arrays import UPLOAD_ALIGN, pack, unpack
+
+    rng = np.random.default_rng()
+    arrays = [rng.integers(-2**40, 2**40, 7), np.zeros(0, dtype=np.int64), rng.integers(0, 2**31 - 1, (3, 5), dtype=np.int32),
+              rng.integers(0, 9, 1, dtype=np.int32), rng.integers(0, 2**31 - 1, (1, 1), dtype=np.int32).T,
+              rng.integers(-5, 5, 13).astype(np.int64)[::2]]  # the last two not contiguous as given
+    host, offsets = pack(arrays)
+    assert host.dtype == torch.uint8 and all(o % UPLOAD_ALIGN == 0 for o in offsets)
+    for a, t in zip(arrays, unpack(host, arrays, offsets)):
+        assert t.dtype == torch.from_numpy(a[:0].reshape(-1)).dtype and tuple(t.shape) == a.shape
+        assert np.array_equal(t.numpy(), a)
+        assert t.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+
+
+def test_to_inputs_on_cpu_keeps_the_host_arrays_values(make_engine):
+    engine = make_engine()
+    engine.add_request(request("a", random_prompt(37, seed=1), greedy(2)))
+    out = engine.scheduler.schedule()
+    arrays = build_step_arrays(out.scheduled, BLOCK)
+    inputs = arrays.to_inputs("cpu")
+    assert np.array_equal(inputs.input_ids.numpy(), arrays.input_ids)
+    assert np.array_equal(inputs.attention.full.block_tables.numpy(), arrays.full_tables)
+    assert np.array_equal(inputs.attention.sliding.slot_mapping.numpy(), arrays.sliding_slots)
+    assert inputs.attention.full.kv_lens_cpu == arrays.full_lens.tolist()

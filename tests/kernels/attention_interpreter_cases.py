@@ -14,6 +14,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from tests.kernels.interpreter import fresh_seed  # noqa: E402,F401  (autouse fixture)
+from kernels.attention.gpu_plan import StepBuffers  # noqa: E402
+from kernels.attention.metadata import KVGroupMeta  # noqa: E402
+from kernels.attention.plan_fill_triton import fill_decode_buffers  # noqa: E402
 from kernels.attention.reference import gather_pages, sink_attention  # noqa: E402
 from kernels.attention.sliding_prefill_triton import (SlidingPrefillConfig, plan_tiles,  # noqa: E402
                                                       single_query_config, sliding_prefill)
@@ -124,3 +127,38 @@ def test_sink_rescale_kernel_matches_torch(n):
         out, lse, sinks, dest, n, out.stride(0), out.stride(1), dest.stride(0), lse.stride(0), HEADS=h, D=d, BLOCK_T=4)
     want = out * torch.sigmoid(lse - sinks[:, None]).t()[..., None]
     torch.testing.assert_close(dest, want, atol=1e-6, rtol=1e-6)
+
+
+def _step_meta(n: int, cols: int) -> KVGroupMeta:
+    lens = torch.randint(1, 4096, (n,), dtype=torch.int32)
+    return KVGroupMeta(block_tables=torch.randint(0, 50_000, (n, cols), dtype=torch.int32), kv_lens=lens,
+                       slot_mapping=torch.randint(0, 800_000, (n,), dtype=torch.int64), kv_lens_cpu=lens.tolist())
+
+
+@pytest.mark.parametrize("kinds", [1, 2])
+def test_fill_decode_buffers_is_step_buffers_fill(kinds):
+    """One launch for every kind equals StepBuffers.fill per kind, stale rows included, over consecutive steps of
+    awkward sizes (tables wider than one inner step of columns among them)."""
+    caps = [(7, 1500, 7), (9, 40, 12)][:kinds]  # (max_batch, max_blocks, max_tokens) per kind
+    ours = [StepBuffers.allocate(b, c, t, "cpu") for b, c, t in caps]
+    for bufs in ours:  # stale contents from an earlier step
+        bufs.block_tables.random_(0, 1000)
+        bufs.kv_lens.random_(0, 1000)
+        bufs.slot_mapping.random_(0, 1000)
+    twins = [StepBuffers(o.block_tables.clone(), o.kv_lens.clone(), o.slot_mapping.clone()) for o in ours]
+    for n in (7, 3, 1, 5):
+        metas = [_step_meta(n, random.randint(1, c)) for _, c, _ in caps]
+        fill_decode_buffers(list(zip(ours, metas)), n)
+        for twin, meta in zip(twins, metas):
+            twin.fill(meta, n)
+        for o, t in zip(ours, twins):
+            assert torch.equal(o.block_tables, t.block_tables)
+            assert torch.equal(o.kv_lens, t.kv_lens) and torch.equal(o.slot_mapping, t.slot_mapping)
+
+
+def test_fill_decode_buffers_refuses_what_does_not_fit():
+    bufs = StepBuffers.allocate(2, 3, 2, "cpu")
+    with pytest.raises(ValueError, match="max_batch"):
+        fill_decode_buffers([(bufs, _step_meta(3, 1))], 3)
+    with pytest.raises(ValueError, match="sequences has"):
+        fill_decode_buffers([(bufs, _step_meta(2, 1))], 1)

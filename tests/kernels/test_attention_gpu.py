@@ -373,3 +373,27 @@ def test_dense_sink_prefill_matches_reference(backend, n):
     except RuntimeError as exc:  # this torch build has no such kernel for these shapes
         pytest.skip(f"torch {backend} SDPA unavailable: {str(exc).splitlines()[0][:120]}")
     assert rel_err(out, reference(q, k, v, sinks, None)) < BF16_TOL
+
+
+def test_fill_decode_buffers_on_the_gpu_is_step_buffers_fill():
+    """The one-launch decode plan fill against StepBuffers.fill (torch ops) over consecutive steps."""
+    from kernels.attention.gpu_plan import StepBuffers
+    from kernels.attention.plan_fill_triton import fill_decode_buffers
+
+    caps = [(16, 2100, 16), (16, 12, 16)]
+    ours = [StepBuffers.allocate(*c, "cuda") for c in caps]
+    for b in ours:
+        b.block_tables.random_(0, 1000), b.kv_lens.random_(0, 1000), b.slot_mapping.random_(0, 1000)
+    twins = [StepBuffers(b.block_tables.clone(), b.kv_lens.clone(), b.slot_mapping.clone()) for b in ours]
+    for n in (13, 1, 16, 5):
+        metas = []
+        for _, cols, _ in caps:
+            lens = torch.randint(1, 30_000, (n,), dtype=torch.int32)
+            metas.append(KVGroupMeta(torch.randint(0, 90_000, (n, random.randint(1, cols)), dtype=torch.int32).cuda(),
+                                     lens.cuda(), torch.randint(0, 10**6, (n,)).cuda(), lens.tolist()))
+        fill_decode_buffers(list(zip(ours, metas)), n)
+        for t, m in zip(twins, metas):
+            t.fill(m, n)
+        for o, t in zip(ours, twins):
+            assert torch.equal(o.block_tables, t.block_tables) and torch.equal(o.kv_lens, t.kv_lens)
+            assert torch.equal(o.slot_mapping, t.slot_mapping)
