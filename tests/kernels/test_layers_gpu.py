@@ -282,3 +282,46 @@ def test_slab_gemv_in_cuda_graph_replays_bitwise(weights_first):
         src.copy_(torch.randn_like(src))
         graph.replay()
         assert torch.equal(y, step())
+
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_slab_qkv_rotary_is_bitwise_the_gemv_then_the_rotary_kernel(t, kv_dtype):
+    """gpt-oss's QKV shape (64 / 8 heads of 64, K 2880): q, k, v and the paged cache from the fused tail equal the
+    slab GEMV followed by the rotary kernel, eagerly and replayed in a CUDA graph (PDL) on fresh inputs."""
+    from kernels.layers import fp8_linear, slab_gemv_triton, triton_ops
+
+    hq, hkv, dh = 64, 8, 64
+    n = (hq + 2 * hkv) * dh
+    w, sw = fp8_linear.quantize_weight(torch.randn(n, 2880, device=DEV) * 0.02)
+    b = torch.randn(n, device=DEV).bfloat16()
+    tickets = fp8_linear.gemv_tickets(n, DEV)
+    x = torch.randn(t, 2880, device=DEV).bfloat16()
+    table = torch.randn(t, 2, dh // 2, device=DEV)
+    pages = [torch.zeros(40, 16, hkv, dh, device=DEV).to(kv_dtype) for _ in range(4)]
+    slots = torch.tensor([37, 602][:t], device=DEV)
+
+    def apart():
+        qkv = slab_gemv_triton.slab_gemv(x, w, sw, b, tickets)
+        return triton_ops.rotary_qkv(qkv, table[:, 0], table[:, 1], hq, hkv, dh, (pages[0], pages[1], slots))
+
+    def fused():
+        return slab_gemv_triton.slab_qkv_rotary(x, w, sw, b, tickets, table[:, 0], table[:, 1], hq, hkv, dh,
+                                                (pages[2], pages[3], slots))
+
+    def check(a, f):
+        for u, v in zip(a, f):
+            assert torch.equal(u, v)
+        for u, v in ((pages[0], pages[2]), (pages[1], pages[3])):
+            assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+
+    check(apart(), fused())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        table.copy_(torch.randn_like(table))
+        graph.replay()
+        check(apart(), out)
+    assert int(tickets.abs().sum()) == 0
