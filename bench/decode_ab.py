@@ -17,8 +17,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   decode experts of steps of <= 8 tokens too;
 - "...-lm-head-64": the FP8 unembedding GEMV on the 64-row default config of QKV / O (what ran before
   2026-12-03) instead of fp8_gemv_triton.LARGE_N_CONFIG;
-- "...-rotary-apart": the rotary kernel after the FP8 QKV slab GEMV (before 2026-12-03) instead of in its split-K
-  tail (fp8_linear.FUSED_QKV_ROTARY);
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
@@ -58,8 +56,7 @@ SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc v
 LARGE_N = fp8_gemv_triton.LARGE_N  # restored after a -lm-head-64 variant
 
 # (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens[, the FP8
-# unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG[, the rotary in the FP8 QKV slab
-# GEMV's tail: default True, fp8_linear.FUSED_QKV_ROTARY]])
+# unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG])
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
             "fp8-dense": (True, True, True, True, "all", 0), "fp8-dense-tc": (True, True, True, True, "all-tc", 0),
@@ -67,9 +64,7 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8),
             "fp8-dense+mxfp4-8-lm-head-64": (True, True, True, True, "all", 8, False),
-            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False),
-            "fp8-dense+mxfp4-8-rotary-apart": (True, True, True, True, "all", 8, True, False),
-            "fp8-dense-rotary-apart": (True, True, True, True, "all", 0, True, False)}
+            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False)}
 
 
 class DenseWeights:
@@ -97,9 +92,8 @@ class DenseWeights:
 
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                lm_head_large_config: bool = True, qkv_rotary: bool = True) -> None:
+                lm_head_large_config: bool = True) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
-    fp8_linear.FUSED_QKV_ROTARY = qkv_rotary
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv

@@ -118,16 +118,11 @@ class AttentionBlock(nn.Module):
         x's dtype first, as the reference does). Where the backend offers its cache (kv_destination), the rotary
         kernel also writes k/v there (one launch instead of two) and kv_written is True. q_out / k_out / v_out:
         where q, k, v go (the prefill graphs' static buffers)."""
-        dest = self.backend.kv_destination(self.layer)
-        if isinstance(x, torch.Tensor) and isinstance(self.qkv_proj, Fp8Linear) and q_out is None and k_out is None \
-                and v_out is None:  # FP8 QKV at 1-2 tokens: the rotary in the GEMV's tail, one launch (or None)
-            fused = self.qkv_proj.qkv_rotary(x, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest)
-            if fused is not None:
-                return (*fused, dest is not None)
         if isinstance(x, torch.Tensor):
             qkv, bias = self.qkv_proj(x), None  # [T, (Hq + 2 Hkv) Dh]
         else:  # FP8 rows from the norm (fp8_input): the GEMM alone, its bias added by the rotary kernel
             qkv, bias = self.qkv_proj.gemm(x), self.qkv_proj.bias
+        dest = self.backend.kv_destination(self.layer)
         q, k, v = layers.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, dest, q_out,
                                     k_out, v_out, bias)
         return q, k, v, dest is not None

@@ -46,9 +46,6 @@ GEMV_MAX_TOKENS = 64  # the FP8 GEMV's limit: one [BLOCK_N, 128] x [128, BLOCK_T
 # only projections up to 64 MB take it (H200 2026-12-02, bench/results/gemv_slab_v1_h200.json).
 SLAB_MAX_TOKENS = 2
 SLAB_MAX_WEIGHT_BYTES = 64 << 20
-# QKV at those sizes with the rotary (and the K/V cache write) in the slab GEMV's split-K tail (`qkv_rotary`): one
-# launch instead of two. False: the rotary kernel after the GEMV (bench/decode_ab's "-rotary-apart" variants).
-FUSED_QKV_ROTARY = True
 FP16_MAX = 65504.0
 
 
@@ -175,22 +172,6 @@ class Fp8Linear(nn.Module):
             return fp8_gemv_triton.fp8_gemv(x, self.weight, self.weight_scale, bias, self.gemv_tickets)
         w = fp8_gemv_triton.dequantize(self.weight, self.weight_scale, self.in_features, x.dtype)
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-    def qkv_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int, kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
-        """For the QKV projection: (q, k, v) as forward(x) then kernels.layers.rotary_qkv(..., kv_cache) give them,
-        from one launch (slab_gemv_triton.slab_qkv_rotary), where the slab GEMV serves x and FUSED_QKV_ROTARY; else
-        None (the caller runs the two)."""
-        t = x.shape[0]
-        if not (FUSED_QKV_ROTARY and x.is_cuda and x.dim() == 2 and 0 < t <= SLAB_MAX_TOKENS
-                and self.weight.numel() <= SLAB_MAX_WEIGHT_BYTES and not self.quantizes(t)):
-            return None
-        from kernels.layers import slab_gemv_triton
-
-        if cos.stride(-1) != 1 or cos.stride() != sin.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
-        return slab_gemv_triton.slab_qkv_rotary(x, self.weight, self.weight_scale, self.bias, self.gemv_tickets, cos,
-                                                sin, num_heads, num_kv_heads, head_dim, kv_cache)
 
     def extra_repr(self) -> str:
         acts = ", fp8 activations above 64 tokens" if self.fp8_activations else ""

@@ -233,45 +233,6 @@ def test_slab_gemv_matches_twins(t, n, k, with_bias):
         torch.testing.assert_close(got.float(), want16, rtol=2 ** -7, atol=1e-3)
 
 
-# (T, Hq, Hkv, Dh, K): gpt-oss's head dim and smaller ones, K with a partial last split; cache kinds
-@pytest.mark.parametrize("t,hq,hkv,dh,k", [(1, 8, 2, 64, 700), (2, 6, 3, 32, 520), (2, 4, 1, 16, 300)])
-@pytest.mark.parametrize("cache", [None, "bf16", "fp8"])
-def test_slab_qkv_rotary_is_the_gemv_then_the_rotary_kernel(t, hq, hkv, dh, k, cache):
-    """The rotary in the slab GEMV's split-K tail: q, k, v, the projection's output and the paged cache bitwise
-    what slab_gemv followed by the rotary kernel give (slot -1 skipped), cos / sin as row views of one table."""
-    from kernels.layers import fp8_linear, slab_gemv_triton
-
-    n = (hq + 2 * hkv) * dh
-    x = (torch.randn(t, k) * 3).bfloat16()
-    w, sw = fp8_linear.quantize_weight(torch.randn(n, k) * k ** -0.5)
-    b = torch.randn(n).bfloat16()
-    tickets = fp8_linear.gemv_tickets(n, "cpu")
-    angles = torch.rand(t, dh // 2) * 50
-    table = torch.stack((angles.cos() * 1.2, angles.sin() * 1.2), dim=1)
-    cos, sin = table[:, 0], table[:, 1]
-    caches = []
-    for _ in range(2):
-        if cache is None:
-            caches.append(None)
-            continue
-        dtype = torch.bfloat16 if cache == "bf16" else torch.float8_e4m3fn
-        kc = torch.full((3, 4, hkv, dh), 9.0).to(dtype)
-        slots = torch.tensor([5, -1, 7][:t] if t > 1 else [10])
-        caches.append((kc, kc.clone(), slots))
-    cfg = dict(K_SPLIT=256)
-    qkv = slab_gemv_triton.slab_gemv(x, w, sw, b, tickets, dict(cfg, BLOCK_N=dh))
-    want = triton_ops.rotary_qkv(qkv, cos, sin, hq, hkv, dh, caches[0])
-    got = slab_gemv_triton.slab_qkv_rotary(x, w, sw, b, tickets, cos, sin, hq, hkv, dh, caches[1], cfg)
-    assert int(tickets.abs().sum()) == 0
-    for g, wt in zip(got, want):
-        assert g.shape == wt.shape and g.dtype == wt.dtype and torch.equal(g, wt)
-    if cache is not None:
-        for a, c in zip(caches[0][:2], caches[1][:2]):
-            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
-    with pytest.raises(ValueError, match="K split"):  # one split leaves no tail to do it in
-        slab_gemv_triton.slab_qkv_rotary(x, w, sw, b, tickets, cos, sin, hq, hkv, dh, None, dict(K_SPLIT=1024))
-
-
 def test_slab_gemv_rejects_what_it_cannot_run():
     from kernels.layers import fp8_linear, slab_gemv_triton
 
