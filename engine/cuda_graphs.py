@@ -149,10 +149,8 @@ class DecodeGraphs:
         if size is None:
             raise CudaGraphError(f"a decode step of {batch.num_seqs} sequences exceeds the largest captured "
                                  f"bucket ({self.max_batch}); capture larger buckets or lower max_num_seqs")
-        self.model.backend.plan(pad_decode_batch(batch, size))
-        n = batch.num_seqs
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
+        # the token ids and positions go into the graph's inputs with the attention plan's copies (one launch)
+        self.model.backend.plan(pad_decode_batch(batch, size), ((input_ids, self.input_ids), (positions, self.positions)))
         return size
 
     def release(self) -> None:

@@ -141,7 +141,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B] fp32
     seed_lo: torch.Tensor  # [B] int64, low / high 32 bits of the request seed
     seed_hi: torch.Tensor
-    step: torch.Tensor  # [B] int64: tokens the request has generated before this one
+    step: torch.Tensor  # [B] int64: tokens the request had generated before this one when the batch was built
     all_greedy: bool
     any_greedy: bool
     any_sort: bool  # some sampled row uses top-k or top-p
@@ -158,17 +158,24 @@ class SamplingBatch:
     # Token constraints (None: no row has one this step): [B, ceil(V / 32)] int32 packed allowed-id masks,
     # all ones in unconstrained rows.
     allowed: torch.Tensor | None = None
+    steps_since_built: int = 0  # next_step calls since: what `current_step` adds to `step`
 
     @property
     def penalized(self) -> bool:
         return self.history is not None
 
+    def current_step(self) -> torch.Tensor:
+        """[B] int64: tokens each request has generated before the one sampled now (the noise's counter)."""
+        return self.step + self.steps_since_built if self.steps_since_built else self.step
+
     def next_step(self) -> "SamplingBatch":
-        """The same rows one token later (every row sampled once since): only `step` moves, on the device.
-        Not for penalized or constrained batches: their history or masks follow the token just sampled."""
+        """The same rows one token later (every row sampled once since). The step counters move on the host and
+        are added on the device only where noise is drawn (`current_step`): an all-greedy batch launches
+        nothing for them. Not for penalized or constrained batches: their history or masks follow the token just
+        sampled."""
         if self.penalized or self.allowed is not None:
             raise ValueError("a penalized or constrained batch is rebuilt every step (from host state)")
-        return dataclasses.replace(self, step=self.step + 1)
+        return dataclasses.replace(self, steps_since_built=self.steps_since_built + 1)
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int],
@@ -268,6 +275,15 @@ class Sampler:
         self.vocab_size = vocab_size
         self.penalty_exempt_from = penalty_exempt_from
         self.token_hash = hash32(torch.arange(vocab_size, dtype=torch.int64, device=device))
+        self.row_argmax = None  # the greedy pick on CUDA: one Triton launch (kernels/sampling/argmax_triton.py)
+        if torch.device(device).type == "cuda":
+            from kernels.sampling.argmax_triton import RowArgmax
+
+            self.row_argmax = RowArgmax(device)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits.argmax(dim=-1), on CUDA by RowArgmax (the same indices)."""
+        return self.row_argmax(logits) if self.row_argmax is not None and logits.is_cuda else logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -278,7 +294,7 @@ class Sampler:
             logits = logits + per_token_sums(batch.bias_ids, batch.bias_values, logits.shape[1])
         if batch.allowed is not None:
             logits = logits.masked_fill(~unpack_bitmask(batch.allowed, logits.shape[1]), float("-inf"))
-        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
+        greedy_ids = self.argmax(logits) if batch.any_greedy else None
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
@@ -289,14 +305,14 @@ class Sampler:
                 cand = cand.masked_fill(~_keep_sorted(cand, batch.top_k, batch.top_p), float("-inf"))
                 if batch.any_min_p:
                     cand = _apply_min_p(cand, batch.min_p)
-                u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, self.token_hash[cand_ids])
+                u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.current_step(), self.token_hash[cand_ids])
                 pick = (cand - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)
                 token_ids = cand_ids.gather(1, pick)[:, 0]
             else:
                 if batch.any_sort or batch.any_min_p:
                     tempered = filter_logits(tempered, batch.top_k, batch.top_p, batch.min_p,
                                              sort=batch.any_sort, use_min_p=batch.any_min_p)
-                u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, self.token_hash)
+                u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.current_step(), self.token_hash)
                 token_ids = (tempered - torch.log(-torch.log(u))).argmax(dim=-1)
             if greedy_ids is not None:
                 token_ids = torch.where(batch.temperature > 0, token_ids, greedy_ids)

@@ -31,10 +31,18 @@ class AttentionBackend:
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         self.kv_cache = kv_cache
 
-    def plan(self, batch: AttentionBatch) -> None:
+    def plan(self, batch: AttentionBatch, rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
+        """Plan `batch`. rows: (src, dst) pairs of 1-D tensors of one dtype to copy now, dst[:len(src)] = src (the
+        decode graphs' token ids and positions: the GPU backend copies them in its decode plan's one launch)."""
         if batch.has_cache and self.kv_cache is None:
             raise RuntimeError("batch carries paging metadata but no KV cache is bound")
         self.batch = batch
+        self.copy_rows(rows)
+
+    @staticmethod
+    def copy_rows(rows) -> None:
+        for src, dst in rows:
+            dst[: src.numel()].copy_(src, non_blocking=True)
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_is_sliding[layer] else None

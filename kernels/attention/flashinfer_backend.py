@@ -151,23 +151,24 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def plan(self, batch: AttentionBatch) -> None:
-        super().plan(batch)
+    def plan(self, batch: AttentionBatch, rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
+        decode = batch.is_decode and batch.has_cache
+        super().plan(batch, () if decode else rows)
         self.mixed = None
         self.step_ragged = False
         self._pending_ragged_plan = None
-        if batch.is_decode and batch.has_cache:
-            self._plan_decode(batch)
+        if decode:
+            self._plan_decode(batch, rows)
         else:
             self._plan_prefill(batch)
 
-    def _plan_decode(self, batch: AttentionBatch) -> None:
+    def _plan_decode(self, batch: AttentionBatch, rows=()) -> None:
         num_seqs = batch.num_seqs
         if batch.num_tokens != num_seqs:
             raise ValueError("a decode batch has exactly one new token per sequence; plan it as prefill instead")
         # one launch for both kinds' tables, lengths and slots (plan_fill_triton; StepBuffers.fill is its twin)
         fill_decode_buffers([(buffers, batch.group(sliding)) for sliding, buffers in self.decode_buffers.items()],
-                            num_seqs)
+                            num_seqs, rows)
         for sliding, buffers in self.decode_buffers.items():
             meta = batch.group(sliding)
             if sliding:

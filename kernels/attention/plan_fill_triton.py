@@ -6,7 +6,8 @@ between the CUDA-graph replays (bench.engine_step_profile, H200 2026-12-03: 8 de
 an arange per step). This kernel does what those do, for every kind in one grid: row r < n copies the step's
 table row (its `cols` columns; columns past them keep stale pages, which the kernels never read past
 ceil(kv_len / page)), kv_len and slot; rows n .. capacity get kv_len 0 and slot -1 (rows a larger captured graph
-still covers must do nothing). Twin: StepBuffers.fill.
+still covers must do nothing). The same launch can copy two more 1-D arrays (the decode graphs' token ids and
+positions, two more device-to-device copies otherwise). Twin: StepBuffers.fill (and Tensor.copy_).
 """
 
 from __future__ import annotations
@@ -42,9 +43,16 @@ def _fill_group(src_t, src_l, src_s, dst_t, dst_l, dst_s, row, n, cols, stride_s
 @triton.jit
 def _fill_kernel(src_t0, src_l0, src_s0, dst_t0, dst_l0, dst_s0, cols0, stride_src0, stride_dst0, rows_cap0,
                  slots_cap0, src_t1, src_l1, src_s1, dst_t1, dst_l1, dst_s1, cols1, stride_src1, stride_dst1,
-                 rows_cap1, slots_cap1, n, BLOCK_C: tl.constexpr):
+                 rows_cap1, slots_cap1, n, src_r0, dst_r0, len_r0, src_r1, dst_r1, len_r1, NUM_ROWS: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
     row, kind = tl.program_id(0), tl.program_id(1)
-    if kind == 0:
+    if kind == 0:  # the plain row copies (`rows`) ride on the first kind's programs
+        if NUM_ROWS > 0:
+            if row < len_r0:
+                tl.store(dst_r0 + row, tl.load(src_r0 + row))
+        if NUM_ROWS > 1:
+            if row < len_r1:
+                tl.store(dst_r1 + row, tl.load(src_r1 + row))
         _fill_group(src_t0, src_l0, src_s0, dst_t0, dst_l0, dst_s0, row, n, cols0, stride_src0, stride_dst0,
                     rows_cap0, slots_cap0, BLOCK_C)
     else:
@@ -52,12 +60,20 @@ def _fill_kernel(src_t0, src_l0, src_s0, dst_t0, dst_l0, dst_s0, cols0, stride_s
                     rows_cap1, slots_cap1, BLOCK_C)
 
 
-def fill_decode_buffers(pairs: list[tuple[StepBuffers, KVGroupMeta]], num_seqs: int) -> None:
+def fill_decode_buffers(pairs: list[tuple[StepBuffers, KVGroupMeta]], num_seqs: int,
+                        rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> None:
     """Each (buffers, step meta) pair as StepBuffers.fill(meta, num_seqs) does it (a decode step: one token per
-    sequence), all in one launch. One or two pairs."""
-    if not 1 <= len(pairs) <= 2:
-        raise ValueError(f"fill_decode_buffers takes one or two layer kinds, got {len(pairs)}")
-    args, rows = [], 0
+    sequence), all in one launch. One or two pairs. rows: up to two (src, dst) pairs of 1-D tensors of one dtype,
+    dst[:len(src)] = src in the same launch (the decode graphs' token ids and positions)."""
+    if not 1 <= len(pairs) <= 2 or len(rows) > 2:
+        raise ValueError(f"fill_decode_buffers takes one or two layer kinds and at most two row copies, got "
+                         f"{len(pairs)} and {len(rows)}")
+    for src, dst in rows:
+        if src.dim() != 1 or dst.dim() != 1 or src.dtype != dst.dtype or src.numel() > dst.numel() \
+                or src.stride(0) != 1 or dst.stride(0) != 1:
+            raise ValueError(f"a row copy needs contiguous 1-D tensors of one dtype, the source no longer: got "
+                             f"{tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+    args, grid_rows = [], 0
     for buffers, meta in pairs:
         batch, cols = meta.block_tables.shape
         max_batch, max_blocks = buffers.block_tables.shape
@@ -73,8 +89,12 @@ def fill_decode_buffers(pairs: list[tuple[StepBuffers, KVGroupMeta]], num_seqs: 
         args.append((meta.block_tables, meta.kv_lens, meta.slot_mapping, buffers.block_tables, buffers.kv_lens,
                      buffers.slot_mapping, cols, meta.block_tables.stride(0), buffers.block_tables.stride(0),
                      max_batch, buffers.slot_mapping.numel()))
-        rows = max(rows, max_batch, buffers.slot_mapping.numel())
+        grid_rows = max(grid_rows, max_batch, buffers.slot_mapping.numel())
     kinds = len(args)
     if kinds == 1:
         args.append(args[0])
-    _fill_kernel[(rows, kinds)](*args[0], *args[1], num_seqs, BLOCK_C=BLOCK_C, num_warps=4)
+    copies = [(src, dst, src.numel()) for src, dst in rows]
+    grid_rows = max([grid_rows] + [c[2] for c in copies])
+    copies += [(args[0][1], args[0][1], 0)] * (2 - len(copies))  # (unused)
+    _fill_kernel[(grid_rows, kinds)](*args[0], *args[1], num_seqs, *copies[0], *copies[1], NUM_ROWS=len(rows),
+                                     BLOCK_C=BLOCK_C, num_warps=4)

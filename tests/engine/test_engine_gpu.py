@@ -113,3 +113,26 @@ def test_one_copy_upload_on_the_gpu_gives_back_every_array():
     for a, t in zip(arrays, got):
         assert t.is_cuda and tuple(t.shape) == a.shape and t.data_ptr() % 16 == 0
         assert np.array_equal(t.cpu().numpy(), a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_on_the_gpu_is_torch_argmax(dtype):
+    """The sampler's greedy pick (kernels/sampling/argmax_triton.py) against torch.argmax on CUDA: gpt-oss's
+    vocabulary and an awkward one, ties across chunks, NaNs, an all -inf row, +inf; replayed in a CUDA graph."""
+    from kernels.sampling.argmax_triton import RowArgmax
+    from tests.kernels.sampling_common import awkward_rows
+
+    argmax = RowArgmax("cuda")
+    for vocab in (VOCAB, 5001):
+        for rows in (1, 7, 64):
+            x = awkward_rows(rows, vocab, dtype).cuda()
+            assert torch.equal(argmax(x), x.argmax(dim=-1))
+    x = awkward_rows(5, VOCAB, dtype).cuda()
+    graph = torch.cuda.CUDAGraph()
+    argmax(x)
+    with torch.cuda.graph(graph):
+        out = argmax(x)
+    for _ in range(3):
+        x.copy_(awkward_rows(5, VOCAB, dtype))
+        graph.replay()
+        assert torch.equal(out, x.argmax(dim=-1))

@@ -130,7 +130,7 @@ def test_top_k_candidate_path_picks_what_the_full_vocabulary_path_picks(vocab):
     got = Sampler(vocab, "cpu")(logits, batch).token_ids
     tempered = logits / batch.temperature.clamp(min=1e-9)[:, None]
     full = filter_logits(tempered, batch.top_k, batch.top_p, batch.min_p)
-    u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.step, hash32(torch.arange(vocab)))
+    u = uniform_noise(batch.seed_lo, batch.seed_hi, batch.current_step(), hash32(torch.arange(vocab)))
     want = (full - torch.log(-torch.log(u))).argmax(dim=-1)
     want[5] = logits[5].argmax()
     assert got.tolist() == want.tolist()

@@ -146,14 +146,20 @@ def test_fill_decode_buffers_is_step_buffers_fill(kinds):
         bufs.kv_lens.random_(0, 1000)
         bufs.slot_mapping.random_(0, 1000)
     twins = [StepBuffers(o.block_tables.clone(), o.kv_lens.clone(), o.slot_mapping.clone()) for o in ours]
-    for n in (7, 3, 1, 5):
+    ids, positions = torch.randint(0, 99, (16,)), torch.randint(0, 99, (16,))  # the graphs' inputs: rows copied too
+    for n, copies in ((7, 2), (3, 0), (1, 1), (5, 2)):
         metas = [_step_meta(n, random.randint(1, c)) for _, c, _ in caps]
-        fill_decode_buffers(list(zip(ours, metas)), n)
+        rows = [(torch.randint(0, 2**40, (m,)), dst) for m, dst in ((n, ids), (12, positions))][:copies]
+        want_ids, want_positions = ids.clone(), positions.clone()
+        for (src, _), want in zip(rows, (want_ids, want_positions)):
+            want[:src.numel()] = src
+        fill_decode_buffers(list(zip(ours, metas)), n, tuple(rows))
         for twin, meta in zip(twins, metas):
             twin.fill(meta, n)
         for o, t in zip(ours, twins):
             assert torch.equal(o.block_tables, t.block_tables)
             assert torch.equal(o.kv_lens, t.kv_lens) and torch.equal(o.slot_mapping, t.slot_mapping)
+        assert torch.equal(ids, want_ids) and torch.equal(positions, want_positions)
 
 
 def test_fill_decode_buffers_refuses_what_does_not_fit():
@@ -162,3 +168,5 @@ def test_fill_decode_buffers_refuses_what_does_not_fit():
         fill_decode_buffers([(bufs, _step_meta(3, 1))], 3)
     with pytest.raises(ValueError, match="sequences has"):
         fill_decode_buffers([(bufs, _step_meta(2, 1))], 1)
+    with pytest.raises(ValueError, match="row copy"):  # a source longer than its destination
+        fill_decode_buffers([(bufs, _step_meta(2, 1))], 2, ((torch.zeros(5, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)),))

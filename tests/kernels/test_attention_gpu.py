@@ -391,7 +391,10 @@ def test_fill_decode_buffers_on_the_gpu_is_step_buffers_fill():
             lens = torch.randint(1, 30_000, (n,), dtype=torch.int32)
             metas.append(KVGroupMeta(torch.randint(0, 90_000, (n, random.randint(1, cols)), dtype=torch.int32).cuda(),
                                      lens.cuda(), torch.randint(0, 10**6, (n,)).cuda(), lens.tolist()))
-        fill_decode_buffers(list(zip(ours, metas)), n)
+        ids = torch.zeros(16, dtype=torch.int64, device="cuda")
+        src = torch.randint(0, 2**40, (n,), device="cuda")
+        fill_decode_buffers(list(zip(ours, metas)), n, ((src, ids),))
+        assert torch.equal(ids[:n], src) and not ids[n:].any()
         for t, m in zip(twins, metas):
             t.fill(m, n)
         for o, t in zip(ours, twins):
