@@ -40,7 +40,10 @@ def _fill_group(src_t, src_l, src_s, dst_t, dst_l, dst_s, row, n, cols, stride_s
             tl.store(dst + c, tl.load(src + c, mask=c < cols), mask=c < cols)
 
 
-@triton.jit
+# The step's table widths, batch and row counts change from step to step: specializing on them ("divisible by 16 /
+# equal to 1 / other") would compile new variants mid-run (a decode step crossing a 16-page width did: 2.106 against
+# 1.716 ms per token through the engine on the H200, 2026-12-03, before this list).
+@triton.jit(do_not_specialize=["cols0", "stride_src0", "cols1", "stride_src1", "n", "len_r0", "len_r1"])
 def _fill_kernel(src_t0, src_l0, src_s0, dst_t0, dst_l0, dst_s0, cols0, stride_src0, stride_dst0, rows_cap0,
                  slots_cap0, src_t1, src_l1, src_s1, dst_t1, dst_l1, dst_s1, cols1, stride_src1, stride_dst1,
                  rows_cap1, slots_cap1, n, src_r0, dst_r0, len_r0, src_r1, dst_r1, len_r1, NUM_ROWS: tl.constexpr,
