@@ -17,8 +17,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   decode experts of steps of <= 8 tokens too;
 - "...-lm-head-64": the FP8 unembedding GEMV on the 64-row default config of QKV / O (what ran before
   2026-12-03) instead of fp8_gemv_triton.LARGE_N_CONFIG;
-- "...-branch-free-combine": the MoE combine without a branch per (token, expert) pair (masked loads, so the pairs'
-  rows can stream together: epilogues_triton.COMBINE_BRANCH_FREE on; not yet measured, 2026-12-03);
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
@@ -52,15 +50,13 @@ from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from kernels.layers import fp8_gemv_triton, fp8_linear
-from kernels.moe import epilogues_triton
 from model.config import GptOssConfig
 
 SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
 LARGE_N = fp8_gemv_triton.LARGE_N  # restored after a -lm-head-64 variant
 
 # (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens[, the FP8
-# unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG[, the combine without a branch
-# per pair: default False, epilogues_triton.COMBINE_BRANCH_FREE]])
+# unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG])
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
             "fp8-dense": (True, True, True, True, "all", 0), "fp8-dense-tc": (True, True, True, True, "all-tc", 0),
@@ -68,9 +64,7 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8),
             "fp8-dense+mxfp4-8-lm-head-64": (True, True, True, True, "all", 8, False),
-            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False),
-            "fp8-dense+mxfp4-8-branch-free-combine": (True, True, True, True, "all", 8, True, True),
-            "fp8-dense-branch-free-combine": (True, True, True, True, "all", 0, True, True)}
+            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False)}
 
 
 class DenseWeights:
@@ -98,9 +92,8 @@ class DenseWeights:
 
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                lm_head_large_config: bool = True, branch_free_combine: bool = False) -> None:
+                lm_head_large_config: bool = True) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
-    epilogues_triton.COMBINE_BRANCH_FREE = branch_free_combine
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv

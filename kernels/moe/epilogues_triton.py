@@ -28,11 +28,6 @@ from kernels.triton_rounding import round_to_bf16
 
 # TMA needs the MN-major scale rows 16-byte aligned: 4 fp32 (DeepGEMM's get_tma_aligned_size).
 SCALE_ROW_ALIGN = 4
-# True: the combine loads each token's k pairs without a branch per pair (masked loads), so that their rows can
-# stream together instead of one pair's loads after the previous pair's sum; bitwise the same outputs (interpreter
-# test). Off until measured on the H200 (2026-12-03: no device time was left): `bash bench/combine_device_run.sh`
-# runs its GPU test and bench/decode_ab's -branch-free-combine variants against the default.
-COMBINE_BRANCH_FREE = False
 
 
 @dataclass
@@ -204,43 +199,29 @@ def _kb_per_program(pairs: int, num_kb: int) -> int:
 @triton.jit
 def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr,
                     hidden, stride_y, stride_split, stride_bias, stride_out, first_expert,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
-                    BRANCH_FREE: tl.constexpr = False):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if BRANCH_FREE:  # every pair's loads in one basic block (masked where the pair is another rank's): the k
-        # pairs' rows stream together instead of one pair's round trip after the other; the same fp32 operations
-        for j in tl.static_range(TOP_K):
-            pair = token * TOP_K + j
-            row = tl.load(row_of_pair_ptr + pair)
-            live = (cols * 0 + row) >= 0  # [BLOCK_H]: a block mask (the interpreter takes no scalar in one)
-            e = tl.where(row >= 0, tl.load(ids_ptr + pair).to(tl.int32) - first_expert, 0)
-            w = tl.load(weights_ptr + pair).to(tl.float32)
-            src = y_ptr + tl.maximum(row, 0).to(tl.int64) * stride_y + cols
-            y = tl.load(src, mask=ok & live, other=0.0).to(tl.float32)
-            if SPLITS > 1:
-                for s in tl.static_range(1, SPLITS):
-                    y += tl.load(src + s * stride_split, mask=ok & live, other=0.0)
-                y = round_to_bf16(y)
-            y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok & live, other=0.0)
-            acc = tl.where(live, acc + w * y, acc)
-    else:
-        for j in tl.static_range(TOP_K):
-            pair = token * TOP_K + j
-            row = tl.load(row_of_pair_ptr + pair)
-            if row >= 0:
-                e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-                w = tl.load(weights_ptr + pair).to(tl.float32)
-                y = tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-                if SPLITS > 1:
-                    for s in tl.static_range(1, SPLITS):
-                        y += tl.load(y_ptr + s * stride_split + row.to(tl.int64) * stride_y + cols, mask=ok, other=0.0)
-                    y = round_to_bf16(y)
-                y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok, other=0.0)
-                acc += w * y
+    # every pair's loads in one basic block (masked where the pair is another rank's, row -1): the k pairs' rows
+    # stream together instead of one pair's round trip after the previous one's branch (H200 2026-12-03, replayed
+    # b = 1 steps: 20b 1.775 -> 1.751 ms, 120b 2.735 -> 2.714; kernels/moe/NOTES.md). Fixed pair order, fp32.
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        row = tl.load(row_of_pair_ptr + pair)
+        live = (cols * 0 + row) >= 0  # [BLOCK_H]: a block mask (the interpreter takes no scalar in one)
+        e = tl.where(row >= 0, tl.load(ids_ptr + pair).to(tl.int32) - first_expert, 0)
+        w = tl.load(weights_ptr + pair).to(tl.float32)
+        src = y_ptr + tl.maximum(row, 0).to(tl.int64) * stride_y + cols
+        y = tl.load(src, mask=ok & live, other=0.0).to(tl.float32)
+        if SPLITS > 1:
+            for s in tl.static_range(1, SPLITS):
+                y += tl.load(src + s * stride_split, mask=ok & live, other=0.0)
+            y = round_to_bf16(y)
+        y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok & live, other=0.0)
+        acc = tl.where(live, acc + w * y, acc)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -318,5 +299,5 @@ def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
             y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
             y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
-            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out), BRANCH_FREE=COMBINE_BRANCH_FREE)
+            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out))
     return out

@@ -312,24 +312,6 @@ def test_decode_front_matches_twin(t, e, first, num_local, k, hidden):
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_combine_without_branches_is_bitwise_the_branchy_one(monkeypatch, splits):
-    """epilogues_triton.COMBINE_BRANCH_FREE changes no output bit, with an expert-parallel slice (pairs of other
-    ranks' experts, rows -1) and split-K partials."""
-    t, k, e, first, hidden = 5, 4, 8, 2, 300
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int()
-    weights = torch.rand(t, k)
-    plan = rt.plan_masked(ids, first, 4, t)
-    y = torch.randn(4 * t, hidden).bfloat16() if splits == 1 else torch.randn(splits, 4 * t, hidden)
-    b2 = torch.randn(4, hidden)
-    outs = []
-    for branch_free in (True, False):
-        monkeypatch.setattr(epi, "COMBINE_BRANCH_FREE", branch_free)
-        outs.append(epi.combine(y, plan.row_of_pair, ids, weights, b2, first, torch.empty(t, hidden).bfloat16()))
-    assert (plan.row_of_pair < 0).any() and (plan.row_of_pair >= 0).any()
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_decode_gemm_reads_token_rows_through_the_map():
     """grouped_gemm_decode with a_row_map (token rows) equals the same GEMM over per-pair rows."""
     t, e, hidden, n, k = 3, 4, 256, 128, 2

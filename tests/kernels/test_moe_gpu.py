@@ -416,23 +416,3 @@ def test_mxfp4_decode_gemm_matches_twin(t):
     rows = plan.row_of_pair.long()
     tol = 1e-4 if splits > 1 else 2 ** -7  # bf16 output rounding when unsplit
     torch.testing.assert_close(got[rows], want[rows], rtol=tol, atol=tol * float(want[rows].abs().max()))
-
-
-@pytest.mark.parametrize("t,splits", [(1, 1), (1, 4), (3, 2), (16, 1)])
-def test_combine_without_branches_is_bitwise_the_branchy_one(t, splits, monkeypatch):
-    """epilogues_triton.COMBINE_BRANCH_FREE on the H200 (20b width, an expert-parallel slice, split-K partials):
-    the same output bits as the combine with one branch per pair."""
-    from kernels.moe import epilogues_triton as epi
-    from kernels.moe import routing_triton as rt
-
-    ids = torch.stack([torch.randperm(E20, device=DEV)[:K] for _ in range(t)]).int()
-    weights = torch.rand(t, K, device=DEV)
-    plan = rt.plan_masked(ids, 8, 16, t)
-    y = (torch.randn(16 * t, D, device=DEV).bfloat16() if splits == 1
-         else torch.randn(splits, 16 * t, D, device=DEV))
-    b2 = torch.randn(16, D, device=DEV)
-    outs = []
-    for branch_free in (True, False):
-        monkeypatch.setattr(epi, "COMBINE_BRANCH_FREE", branch_free)
-        outs.append(epi.combine(y, plan.row_of_pair, ids, weights, b2, 8, torch.empty(t, D, device=DEV).bfloat16()))
-    assert torch.equal(outs[0], outs[1])
