@@ -73,9 +73,10 @@ def fill_decode_buffers(pairs: list[tuple[StepBuffers, KVGroupMeta]], num_seqs: 
                          f"{len(pairs)} and {len(rows)}")
     for src, dst in rows:
         if src.dim() != 1 or dst.dim() != 1 or src.dtype != dst.dtype or src.numel() > dst.numel() \
-                or src.stride(0) != 1 or dst.stride(0) != 1:
-            raise ValueError(f"a row copy needs contiguous 1-D tensors of one dtype, the source no longer: got "
+                or dst.stride(0) != 1:
+            raise ValueError(f"a row copy needs 1-D tensors of one dtype into a contiguous one no shorter: got "
                              f"{tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+    rows = tuple((src if src.stride(0) == 1 else src.contiguous(), dst) for src, dst in rows)
     args, grid_rows = [], 0
     for buffers, meta in pairs:
         batch, cols = meta.block_tables.shape

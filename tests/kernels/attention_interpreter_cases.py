@@ -149,7 +149,7 @@ def test_fill_decode_buffers_is_step_buffers_fill(kinds):
     ids, positions = torch.randint(0, 99, (16,)), torch.randint(0, 99, (16,))  # the graphs' inputs: rows copied too
     for n, copies in ((7, 2), (3, 0), (1, 1), (5, 2)):
         metas = [_step_meta(n, random.randint(1, c)) for _, c, _ in caps]
-        rows = [(torch.randint(0, 2**40, (m,)), dst) for m, dst in ((n, ids), (12, positions))][:copies]
+        rows = [(torch.randint(0, 2**40, (2 * m,))[::2], dst) for m, dst in ((n, ids), (12, positions))][:copies]
         want_ids, want_positions = ids.clone(), positions.clone()
         for (src, _), want in zip(rows, (want_ids, want_positions)):
             want[:src.numel()] = src
