@@ -37,10 +37,6 @@ class AttentionBackend:
         if batch.has_cache and self.kv_cache is None:
             raise RuntimeError("batch carries paging metadata but no KV cache is bound")
         self.batch = batch
-        self.copy_rows(rows)
-
-    @staticmethod
-    def copy_rows(rows) -> None:
         for src, dst in rows:
             dst[: src.numel()].copy_(src, non_blocking=True)
 

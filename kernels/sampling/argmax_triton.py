@@ -2,9 +2,9 @@
 
 torch's argmax over one row of gpt-oss's 201,088 logits is a single-block reduction plus a memset for its
 semaphores: 8.0 us + 0.9 us on the H200, both between the decode step's CUDA-graph replays (bench.engine_step_profile,
-2026-12-03), the largest item there. Here programs of BLOCK logits each reduce a chunk to (value, first index, NaN
-seen), and the last program of a row to finish (an atomic ticket per row, reset by it) reduces the row's chunks in
-order. Same result as torch.argmax(dim=-1): the first index of the largest value, or of the first NaN when the row
+2026-12-03), the largest item there. Here programs of BLOCK logits each reduce a chunk to (value, first index; the
+value NaN where the chunk has one), and the last program of a row to finish (an atomic ticket per row, reset by it)
+picks among the row's chunks the same way. Same result as torch.argmax(dim=-1): the first index of the largest value, or of the first NaN when the row
 has one (torch treats NaN as the largest); a row of -inf gives index 0. Twin: torch.argmax.
 """
 
@@ -19,7 +19,7 @@ BLOCK = 4096  # logits per program: 50 programs per row of 201,088
 
 @triton.jit
 def _chunk_pick(v, idx, ok):
-    """(value, first index, any NaN) of the valid entries of v: NaN wins, then the largest value, then the first."""
+    """(value, first index) of the valid entries of v: NaN wins, then the largest value, then the first."""
     nan = (v != v) & ok
     any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
     finite = tl.where(ok & ~nan, v, float("-inf"))
@@ -27,36 +27,30 @@ def _chunk_pick(v, idx, ok):
     big = 2147483647
     first_nan = tl.min(tl.where(nan, idx, big), axis=0)
     first_best = tl.min(tl.where(ok & (finite == best), idx, big), axis=0)
-    return tl.where(any_nan, float("nan"), best), tl.where(any_nan, first_nan, first_best), any_nan
+    return tl.where(any_nan, float("nan"), best), tl.where(any_nan, first_nan, first_best)
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, part_n_ptr, tickets_ptr, vocab, stride_x,
+def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, tickets_ptr, vocab, stride_x,
                    CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = offs < vocab
     v = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    best, first, any_nan = _chunk_pick(v, offs, ok)
+    best, first = _chunk_pick(v, offs, ok)
     part = row * CHUNKS + chunk
-    tl.store(part_v_ptr + part, best)
+    tl.store(part_v_ptr + part, best)  # NaN where the chunk has one
     tl.store(part_i_ptr + part, first)
-    tl.store(part_n_ptr + part, any_nan.to(tl.int32))
     tl.debug_barrier()
     ticket = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel")
-    if ticket == CHUNKS - 1:  # the row's last chunk: reduce its chunks (in index order)
+    if ticket == CHUNKS - 1:  # the row's last chunk: the same pick over its chunks (their indices grow with them)
         tl.store(tickets_ptr + row, 0)
         c = tl.arange(0, CHUNKS_POW2)
         c_ok = c < CHUNKS
         pv = tl.load(part_v_ptr + row * CHUNKS + c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
         pi = tl.load(part_i_ptr + row * CHUNKS + c, mask=c_ok, other=0, cache_modifier=".cg")
-        pn = tl.load(part_n_ptr + row * CHUNKS + c, mask=c_ok, other=0, cache_modifier=".cg") > 0
-        any_nan = tl.max(pn.to(tl.int32), axis=0) > 0
-        big = 2147483647
-        best = tl.max(tl.where(c_ok & ~pn, pv, float("-inf")), axis=0)
-        pick_best = tl.min(tl.where(c_ok & ~pn & (pv == best), pi, big), axis=0)
-        pick_nan = tl.min(tl.where(pn, pi, big), axis=0)
-        tl.store(out_ptr + row, tl.where(any_nan, pick_nan, pick_best).to(tl.int64))
+        _, pick = _chunk_pick(pv, pi, c_ok)
+        tl.store(out_ptr + row, pick.to(tl.int64))
 
 
 class RowArgmax:
@@ -78,8 +72,7 @@ class RowArgmax:
         chunks = triton.cdiv(vocab, BLOCK)
         part_v = torch.empty(rows * chunks, dtype=torch.float32, device=logits.device)
         part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
-        part_n = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
-        _argmax_kernel[(rows, chunks)](logits, out, part_v, part_i, part_n, self.tickets, vocab, logits.stride(0),
+        _argmax_kernel[(rows, chunks)](logits, out, part_v, part_i, self.tickets, vocab, logits.stride(0),
                                        CHUNKS=chunks, CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK=BLOCK,
                                        num_warps=4)
         return out
