@@ -307,23 +307,39 @@ def run_sliding_triton(n, q, k, v, table, sinks, keys, values, results, window: 
     lens = torch.tensor([n], dtype=torch.int32, device=DEV)
     tail = 256
     ref = sink_attention(q[-tail:], keys, values, sinks, SCALE, window)
+    # K/V sources of the sliding layer: bf16 pages, fp8 pages (read up to bf16; the reference then sees the fp8
+    # values), the step's own rows (kv_rows: K contiguous, V a strided view as in the QKV output)
+    qkv = torch.empty(n, HQ + 2 * HKV, D, device=DEV, dtype=torch.bfloat16)
+    qkv[:, HQ + HKV:] = values
+    sources = {"pages": (k, v, False, ref), "rows": (keys.contiguous(), qkv[:, HQ + HKV:], True, ref)}
+    if window:
+        k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        ref8 = sink_attention(q[-tail:], gather_pages(k8, table[0].long(), n).to(q.dtype),
+                              gather_pages(v8, table[0].long(), n).to(q.dtype), sinks, SCALE, window)
+        sources["fp8 pages"] = (k8, v8, False, ref8)
     for config in SWEEP_CONFIGS if window else FULL_CONFIGS:
         tiles = plan_tiles([n], table, lens, config.block_m)
         out = torch.empty_like(q)
+        for source, (k_src, v_src, rows, want) in sources.items():
+            if source != "pages" and config not in SWEEP_CONFIGS[:3]:
+                continue  # the other sources at the leading shapes only
 
-        def run():
-            sliding_prefill(q, k, v, sinks, SCALE, window or 1 << 20, tiles, out, config)
+            def run():
+                sliding_prefill(q, k_src, v_src, sinks, SCALE, window or 1 << 20, tiles, out, config, kv_rows=rows)
 
-        run()
-        err = rel_err(out[-tail:], ref)
-        us = timed(run)
-        name = f"triton{'' if window else ' full'} {config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
-        moved = 2 * q.numel() * q.element_size() + 2 * n * HKV * D * 2  # q + out, K + V once
-        tflops = prefill_flops(n, window) / (us * 1e-6) / 1e12
-        results["prefill"].append({"backend": name, "tokens": n, "window": window, "us": us, "err": err,
-                                   "tflops": tflops, "gbps": moved / (us * 1e-6) / 1e9})
-        print(f"prefill {name} N={n} window={window}: {us:.1f}us {tflops:.1f} TFLOP/s {moved / us / 1e3:.0f} GB/s "
-              f"err {err:.1e}", flush=True)
+            run()
+            err = rel_err(out[-tail:], want)
+            us = timed(run)
+            name = (f"triton{'' if window else ' full'} {config.block_m}/{config.block_n}/{config.num_warps}/"
+                    f"{config.num_stages}{f' tail {config.tail_n}' if config.tail_n else ''}"
+                    f"{'' if source == 'pages' else ', ' + source}")
+            moved = 2 * q.numel() * q.element_size() + 2 * n * HKV * D * 2  # q + out, K + V once
+            tflops = prefill_flops(n, window) / (us * 1e-6) / 1e12
+            results["prefill"].append({"backend": name, "tokens": n, "window": window, "us": us, "err": err,
+                                       "tflops": tflops, "gbps": moved / (us * 1e-6) / 1e9, "source": source,
+                                       "config": config.__dict__})
+            print(f"prefill {name} N={n} window={window}: {us:.1f}us {tflops:.1f} TFLOP/s {moved / us / 1e3:.0f} "
+                  f"GB/s err {err:.1e}", flush=True)
 
 
 def run_ragged(n, q, keys, values, sinks, workspace, backends, results):

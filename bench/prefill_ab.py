@@ -20,6 +20,9 @@ Variant sets:
   (EngineConfig.dense_dtype="fp8_e4m3", DeepGEMM's FP8 GEMM), both under prefill graphs captured per variant.
 - `defer-plan`: the full layers' ragged plan up front in plan() or at the step's first full layer
   (FlashInferAttentionBackend.defer_ragged_plan), with bf16 and with FP8 QKV / O, under prefill graphs.
+- `sliding-rows`: the sliding layers of whole prompts over the K/V pages or over the step's own k / v rows
+  (FlashInferAttentionBackend.sliding_rows, the default), under prefill graphs captured for each (the rows
+  setting keeps every layer's k / v rows in the graphs' buffers).
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -174,6 +177,30 @@ def defer_plan_variants():
             "fp8 dense, plan up front": mode("fp8", False), "fp8 dense, plan deferred": mode("fp8", True)}
 
 
+def sliding_rows_variants():
+    """The sliding kernel over the pages / over the step's k / v rows, each under its own prefill graphs, with
+    the keys past two whole 64-key steps in one 64-key step or in 16-key steps (SlidingPrefillConfig.tail_n)."""
+    from kernels.attention.sliding_prefill_triton import SlidingPrefillConfig
+
+    def mode(rows: bool, tail_n: int):
+        def apply(h: Harness):
+            h.model.backend.sliding_rows = rows
+            h.model.backend.sliding_prefill_config = SlidingPrefillConfig(tail_n=tail_n)
+            h.prefill_graphs = h.graph_sets[rows]
+        return apply
+    return {"pages": mode(False, 0), "pages, tail 16": mode(False, 16), "rows": mode(True, 0),
+            "rows, tail 16": mode(True, 16)}
+
+
+def capture_row_graphs(h: Harness, buckets: list[int]) -> dict:
+    h.graph_sets, seconds = {}, {}
+    for rows in (False, True):
+        h.model.backend.sliding_rows = rows
+        seconds["rows" if rows else "pages"] = h.capture_prefill_graphs(buckets, pdl=True)
+        h.graph_sets[rows] = h.prefill_graphs
+    return seconds
+
+
 def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
     h.dense_weights, h.graph_sets, seconds = DenseSwap(h), {}, {}
     for key in ("bf16", "fp8"):
@@ -185,7 +212,8 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
             "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
-            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants}
+            "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants,
+            "sliding-rows": sliding_rows_variants}
 
 
 PROFILED_FORWARDS = 4
@@ -232,9 +260,12 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (max_num_batched_tokens)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="bench/results/prefill_ab.json")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e4m3")
+    p.add_argument("--dense-dtype", default="auto", help="QKV / O weights: auto (bf16) or fp8_e4m3")
     args = p.parse_args(argv)
     lens = [int(x) for x in args.lens.split(",")]
-    h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0)
+    h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(lens) + 64, 10.0,
+                kv_cache_dtype=args.kv_cache_dtype, dense_dtype=args.dense_dtype)
     variants = VARIANTS[args.variants]()
     capture = {}
     buckets = sorted({min(args.chunk, n - s) for n in lens for s in range(0, n, args.chunk)})
@@ -244,6 +275,9 @@ def main(argv=None) -> int:
     elif args.variants in ("fp8-dense", "defer-plan"):
         capture = capture_dense_graphs(h, buckets)
         print(f"prefill graphs captured per dense dtype (s): {capture}", flush=True)
+    elif args.variants == "sliding-rows":
+        capture = capture_row_graphs(h, buckets)
+        print(f"prefill graphs captured per sliding K/V source (s): {capture}", flush=True)
     rows = []
     for n in lens:
         walls = {name: [] for name in variants}

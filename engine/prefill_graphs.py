@@ -75,11 +75,13 @@ class PrefillGraphs:
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.slots = {kind: torch.full((top,), -1, dtype=torch.int64, device=device) for kind in kinds}
         self.q = torch.zeros(top, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
-        # the full layers' k / v rows as the rotary kernel leaves them: what the backend's ragged prefill reads
-        # in steps whose prompts have no cached prefix (sliding layers leave them alone)
+        # k / v rows as the rotary kernel leaves them: what the backend's ragged full layers (and, with its
+        # sliding_rows, the sliding kernel) read in steps whose prompts have no cached prefix; the layers that do
+        # not read them leave them alone
         self.k_rows, self.v_rows = (torch.zeros(top, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
                                     for _ in range(2))
-        self.full_layers = [not model.config.is_sliding(i) for i in range(self.num_layers)]
+        sliding_rows = getattr(model.backend, "sliding_rows", False)
+        self.row_layers = [sliding_rows or not model.config.is_sliding(i) for i in range(self.num_layers)]
         self.attn_out = torch.zeros(top, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -111,15 +113,15 @@ class PrefillGraphs:
         else:
             x, delta = m.layers[i - 1].after_attention(state["x"], self.attn_out[:size])
         if i < self.num_layers:
-            rows = (self.k_rows[:size], self.v_rows[:size]) if self.full_layers[i] else (None, None)
+            rows = (self.k_rows[:size], self.v_rows[:size]) if self.row_layers[i] else (None, None)
             state["x"] = m.layers[i].attention_inputs(x, delta, state["cos"], state["sin"], self.q[:size], *rows)[0]
         else:
             self.hidden[:size].copy_(m.final_norm(x, delta))
 
     def _attend(self, i: int, t: int) -> None:
-        """Layer i's attention over the step's T real rows; their K/V are in the cache already (and, for a full
-        layer, in the k / v row buffers)."""
-        k, v = (self.k_rows[:t], self.v_rows[:t]) if self.full_layers[i] else (None, None)
+        """Layer i's attention over the step's T real rows; their K/V are in the cache already (and, for the
+        row layers, in the k / v row buffers)."""
+        k, v = (self.k_rows[:t], self.v_rows[:t]) if self.row_layers[i] else (None, None)
         self.model.model.layers[i].self_attn.attend(self.q[:t], k, v, True, out=self.attn_out[:t])
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> tuple[int, int]:

@@ -115,6 +115,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.full_ragged_wrapper = flashinfer_ops.sink_prefill_ragged_wrapper(
             self.workspace, -1, self.prefill_backend, head_dim) if False in kinds else None
         self.step_ragged = False  # this step's full layers run the ragged kernel
+        # Sliding layers of steps whose sequences have no keys before the step's: the Triton sliding kernel reads
+        # K/V from the step's own k / v rows instead of the pages (no page-table reads; bf16 even over an fp8
+        # cache, as the ragged full layers attend). False: always the pages (bench/prefill_ab --variants
+        # sliding-rows compares). Prefill graphs read it when captured: they then keep every layer's k / v rows.
+        self.sliding_rows = True
+        self.step_sliding_rows = False
         # The ragged plan (FlashInfer's C++ scheduler, ~0.8-1 ms of host time at 4k-8k tokens) made when the step
         # reaches its first full layer instead of in plan(): the GPU then runs the embedding and layer 0 meanwhile
         # instead of idling. False: planned up front (bench/prefill_ab --variants defer-plan compares).
@@ -156,6 +162,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().plan(batch, () if decode else rows)
         self.mixed = None
         self.step_ragged = False
+        self.step_sliding_rows = False
         self._pending_ragged_plan = None
         if decode:
             self._plan_decode(batch, rows)
@@ -211,6 +218,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 meta = batch.group(sliding)
                 if sliding and self.sliding_prefill == "triton":
                     self.sliding_tiles = self._plan_sliding_tiles(meta, lens, starts, multi, single)
+                    self.step_sliding_rows = self.sliding_rows and list(meta.kv_lens_cpu) == list(lens)
                     continue
                 page_size = self.kv_cache.block_size
                 tables = meta.block_tables if pick is None else meta.block_tables[pick]
@@ -346,8 +354,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._plan_ragged(indptr)
             return flashinfer_ops.run_sink_prefill_ragged(self.full_ragged_wrapper, q, k, v, sinks, self.scale, out)
         if sliding and self.sliding_tiles is not None:  # every sequence of the step, in place: no gathers
+            rows = self.step_sliding_rows and k is not None and v is not None  # every key is one of the step's rows
+            keys, values = (k, v) if rows else (k_cache, v_cache)
             for tiles, config in self.sliding_tiles:
-                sliding_prefill(q, k_cache, v_cache, sinks, self.scale, self.sliding_window, tiles, out, config)
+                sliding_prefill(q, keys, values, sinks, self.scale, self.sliding_window, tiles, out, config, kv_rows=rows)
             return out
         m = self.mixed
         if m is not None:

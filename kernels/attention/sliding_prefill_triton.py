@@ -42,6 +42,9 @@ class SlidingPrefillConfig:
     block_n: int = 64  # keys per inner step
     num_warps: int = 8
     num_stages: int = 3
+    # keys past the last whole block_n step in steps of tail_n (0: one more block_n step). A 16-query tile of a
+    # 128 window sees 143 keys: 2 x 64 + 16 computed instead of 3 x 64.
+    tail_n: int = 0
 
 
 def single_query_config(group: int) -> SlidingPrefillConfig:
@@ -52,7 +55,8 @@ def single_query_config(group: int) -> SlidingPrefillConfig:
 
 
 # the launch shapes bench/attention times (and tests/kernels/test_attention_gpu.py checks)
-SWEEP_CONFIGS = [SlidingPrefillConfig(), SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 64, 4, 3),
+SWEEP_CONFIGS = [SlidingPrefillConfig(), SlidingPrefillConfig(tail_n=16), SlidingPrefillConfig(16, 64, 4, 3, tail_n=16),
+                 SlidingPrefillConfig(16, 64, 4, 2), SlidingPrefillConfig(16, 64, 4, 3),
                  SlidingPrefillConfig(8, 64, 4, 3), SlidingPrefillConfig(8, 64, 8, 3), SlidingPrefillConfig(16, 64, 8, 4),
                  SlidingPrefillConfig(32, 64, 8, 3), SlidingPrefillConfig(16, 32, 4, 3), SlidingPrefillConfig(4, 64, 4, 3)]
 
@@ -114,12 +118,14 @@ def _sliding_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, sinks_ptr,
     tile_seq_ptr, tile_q0_ptr, q_start_ptr, q_len_ptr, block_tables_ptr, kv_lens_ptr,
     stride_qt, stride_qh,  # q [T, Hq, D], unit stride in D
-    stride_kb, stride_kt, stride_kh,  # cache [num_blocks, PAGE, Hkv, D]; K and V share strides
+    stride_kb, stride_kt, stride_kh,  # cache [num_blocks, PAGE, Hkv, D], K and V alike (KV_ROWS: k rows [T, Hkv, D])
     stride_bt,  # block_tables [B, max_blocks]
     stride_ot, stride_oh,  # out [T, Hq, D]
     scale_log2,  # softmax scale * log2(e)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+    stride_vt, stride_vh,  # KV_ROWS: v's strides (k's are stride_kt / stride_kh)
+    KV_ROWS: tl.constexpr, TAIL_N: tl.constexpr,
 ):
     pdl_prologue(PDL)
     tile = tl.program_id(0)
@@ -148,9 +154,21 @@ def _sliding_prefill_kernel(
     hi = tl.minimum(first + BLOCK_M, kv_len)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_kh
-    for n0 in range(lo, hi, BLOCK_N):
+    row0 = q_start + n_q - kv_len  # KV_ROWS: the row of key 0 (callers guarantee every key seen is a step row)
+    v_head_off = kv_head * stride_vh
+    if TAIL_N:
+        whole_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    else:
+        whole_hi = hi
+    for n0 in range(lo, whole_hi, BLOCK_N):
         m_i, l_i, acc = paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, q_pos, m_i, l_i, acc, scale_log2,
-                                           stride_kb, stride_kt, offs_d, PAGE, BLOCK_N, WINDOW, True)
+                                           stride_kb, stride_kt, offs_d, PAGE, BLOCK_N, WINDOW, True,
+                                           KV_ROWS, row0, stride_vt, v_head_off)
+    if TAIL_N:
+        for n0 in range(whole_hi, hi, TAIL_N):
+            m_i, l_i, acc = paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, q_pos, m_i, l_i, acc,
+                                               scale_log2, stride_kb, stride_kt, offs_d, PAGE, TAIL_N, WINDOW, True,
+                                               KV_ROWS, row0, stride_vt, v_head_off)
 
     o = acc / l_i[:, None]
     out_rows = (q_start + qi).to(tl.int64) * stride_ot + heads * stride_oh
@@ -167,13 +185,28 @@ def sliding_prefill(
     tiles: SlidingTiles,
     out: torch.Tensor,  # [T, Hq, D]
     config: SlidingPrefillConfig | None = None,
+    kv_rows: bool = False,
 ) -> torch.Tensor:
+    """kv_rows: k_cache / v_cache are instead the step's k / v rows [T, Hkv, D] (v may be a strided view), row
+    for row with q; only for tiles whose sequences have no keys before this step's (kv_lens == query counts)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    _, page, num_kv_heads, _ = k_cache.shape
+    if kv_rows:
+        if k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[0] != q.shape[0] \
+                or v_cache.stride(-1) != 1:
+            raise ValueError(f"kv_rows: k / v must be [T, Hkv, D] rows of q's T = {q.shape[0]}, got "
+                             f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        page, num_kv_heads = 1, k_cache.shape[1]
+        stride_kb, (stride_kt, stride_kh), (stride_vt, stride_vh) = 0, k_cache.stride()[:2], v_cache.stride()[:2]
+    else:
+        _, page, num_kv_heads, _ = k_cache.shape
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError("sliding_prefill needs K/V caches of identical layout")
+        stride_kb, stride_kt, stride_kh = k_cache.stride()[:3]
+        stride_vt = stride_vh = 0
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not divide into {num_kv_heads} kv heads")
-    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("sliding_prefill needs unit stride in head_dim and K/V caches of identical layout")
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("sliding_prefill needs unit stride in head_dim")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     config = config or SlidingPrefillConfig()
@@ -183,12 +216,13 @@ def sliding_prefill(
             q, k_cache, v_cache, out, sinks,
             tiles.tile_seq, tiles.tile_q0, tiles.q_start, tiles.q_len, tiles.block_tables, tiles.kv_lens,
             q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            stride_kb, stride_kt, stride_kh,
             tiles.block_tables.stride(0),
             out.stride(0), out.stride(1),
             scale * LOG2E,
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE=page,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, WINDOW=window,
+            stride_vt=stride_vt, stride_vh=stride_vh, KV_ROWS=kv_rows, TAIL_N=config.tail_n,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q),
         )
     return out

@@ -44,13 +44,15 @@ def paged(keys: list[torch.Tensor], values: list[torch.Tensor], page: int, dtype
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("hq,hkv,d,window,block_m,block_n", [
-    (16, 2, 32, 9, 4, 16),  # the window spans pages and tiles
-    (6, 2, 16, 128, 16, 64),  # GROUP 3 padded to 4
-    (8, 8, 16, 5, 16, 16),  # GROUP 1
-    (16, 2, 32, 1 << 20, 8, 16),  # a window past every sequence: full causal (bench/attention --full-triton)
+@pytest.mark.parametrize("hq,hkv,d,window,block_m,block_n,tail_n", [
+    (16, 2, 32, 9, 4, 16, 0),  # the window spans pages and tiles
+    (6, 2, 16, 128, 16, 64, 0),  # GROUP 3 padded to 4
+    (6, 2, 16, 128, 16, 64, 16),  # the keys past two whole steps in 16-key steps
+    (8, 8, 16, 5, 16, 16, 0),  # GROUP 1
+    (16, 2, 32, 1 << 20, 8, 16, 0),  # a window past every sequence: full causal (bench/attention --full-triton)
+    (16, 2, 32, 1 << 20, 8, 64, 16),  # ... with several tail steps after the whole ones
 ])
-def test_sliding_prefill_matches_twin(hq, hkv, d, window, block_m, block_n, kv_dtype):
+def test_sliding_prefill_matches_twin(hq, hkv, d, window, block_m, block_n, tail_n, kv_dtype):
     page = 4
     # (visible kv length, new queries): a fresh prompt, chunks after a cached prefix, a single query,
     # a table that starts mid-sequence (only the window's pages kept)
@@ -64,7 +66,7 @@ def test_sliding_prefill_matches_twin(hq, hkv, d, window, block_m, block_n, kv_d
     k_pool, v_pool, tables = paged(keys, values, page, kv_dtype)
     q = (torch.randn(sum(n for _, n in shapes), hq, d)).bfloat16()
     kv_lens = torch.tensor([kv_len for kv_len, _ in shapes], dtype=torch.int32)
-    config = SlidingPrefillConfig(block_m=block_m, block_n=block_n)
+    config = SlidingPrefillConfig(block_m=block_m, block_n=block_n, tail_n=tail_n)
     tiles = plan_tiles([n for _, n in shapes], tables, kv_lens, block_m)
     out = torch.full_like(q, float("nan"))
     sliding_prefill(q, k_pool, v_pool, sinks, scale, window, tiles, out, config)
@@ -78,6 +80,42 @@ def test_sliding_prefill_matches_twin(hq, hkv, d, window, block_m, block_n, kv_d
         err = ((got - want).norm() / want.norm()).item()
         assert err < 5e-3, f"sequence {b}: relative error {err}"
         row += n
+
+
+@pytest.mark.parametrize("window,tail_n", [(9, 0), (128, 16), (1 << 20, 16)])
+def test_sliding_prefill_over_the_step_rows_matches_pages(window, tail_n):
+    """Fresh prompts (every key one of the step's rows): kv_rows reads K from k rows and V from a strided view of
+    QKV-shaped rows, as the backend passes them; the twin agrees, and the paged launch over the same keys gives
+    the same values up to accumulation order."""
+    hq, hkv, d, page = 6, 2, 16, 4
+    lens = [37, 5, 140, 1]
+    scale = d ** -0.5
+    sinks = torch.randn(hq) * 2
+    keys = [torch.randn(n, hkv, d).bfloat16() for n in lens]
+    values = [torch.randn(n, hkv, d).bfloat16() for n in lens]
+    k_pool, v_pool, tables = paged(keys, values, page, torch.bfloat16)
+    k_rows = torch.cat(keys)
+    qkv = torch.randn(sum(lens), hq + 2 * hkv, d).bfloat16()
+    qkv[:, hq + hkv:] = torch.cat(values)
+    v_rows = qkv[:, hq + hkv:]  # strided, as the rotary kernel leaves v
+    q = torch.randn(sum(lens), hq, d).bfloat16()
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    config = SlidingPrefillConfig(block_m=8, block_n=32, tail_n=tail_n)
+    tiles = plan_tiles(lens, tables, kv_lens, config.block_m)
+    got = sliding_prefill(q, k_rows, v_rows, sinks, scale, window, tiles, torch.full_like(q, float("nan")), config,
+                          kv_rows=True)
+    over_pages = sliding_prefill(q, k_pool, v_pool, sinks, scale, window, tiles, torch.full_like(q, float("nan")),
+                                 config)
+    torch.testing.assert_close(got.float(), over_pages.float(), rtol=1e-2, atol=1e-2)
+    row = 0
+    for b, n in enumerate(lens):
+        want = sink_attention(q[row:row + n].float(), keys[b].float(), values[b].float(), sinks, scale, window)
+        err = ((got[row:row + n].float() - want).norm() / want.norm()).item()
+        assert err < 5e-3, f"sequence {b}: relative error {err}"
+        row += n
+    with pytest.raises(ValueError, match="kv_rows"):
+        sliding_prefill(q, k_rows[:-1], v_rows[:-1], sinks, scale, window, tiles, torch.empty_like(q), config,
+                        kv_rows=True)
 
 
 @pytest.mark.parametrize("hq,hkv", [(16, 2), (6, 2)])
