@@ -42,6 +42,9 @@ ENABLED = True
 # (20b TTFT off / all launches / capture only: 1k 32.9 / 34.1 / 31.6 ms, 8k 85.8 / 86.4 / 93.6 ms,
 # Triton grouped GEMMs, H200 2026-11-30, bench/results/pdl_prefill_ab_h200.json).
 CAPTURE_ONLY = True
+# Kernels whose first loads include weights (no predecessor's output: the router's rows, a norm's scale) issue those
+# loads before the wait, so they arrive while the predecessor finishes; False: after it, to compare (bench/decode_ab).
+EARLY_WEIGHTS = True
 _CAPABLE: dict = {}
 
 

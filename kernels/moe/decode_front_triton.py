@@ -53,18 +53,23 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          stride_x, stride_w, stride_a, sf_k_stride,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
-                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr,
+                         EARLY_W: tl.constexpr):
     eb, kb = tl.program_id(0), tl.program_id(1)
-    toks = tl.arange(0, BLOCK_T)
-    t_ok = toks < num_tokens
-    # ---- 1. one [T, 32-expert] slice of the logits over channels [kb*128, +128); token rows of A
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = kb * 128 + tl.arange(0, 128)
     k_ok = kk < hidden
+    w_ptrs = wr_ptr + experts[:, None] * stride_w + kk[None, :]
+    w_mask = (experts < num_experts)[:, None] & k_ok[None, :]
+    if EARLY_W:  # the router's rows are no predecessor's output: loaded before the PDL wait (kernels/pdl.py)
+        wb = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    pdl_prologue(PDL)
+    toks = tl.arange(0, BLOCK_T)
+    t_ok = toks < num_tokens
+    # ---- 1. one [T, 32-expert] slice of the logits over channels [kb*128, +128); token rows of A
     xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-    wb = tl.load(wr_ptr + experts[:, None] * stride_w + kk[None, :], mask=(experts < num_experts)[:, None] & k_ok[None, :],
-                 other=0.0)
+    if not EARLY_W:
+        wb = tl.load(w_ptrs, mask=w_mask, other=0.0)
     xa = xb.to(tl.float32)
     if DOT_BF16:  # tensor cores: exact bf16 products, fp32 sums
         acc = tl.dot(xb, tl.trans(wb))
@@ -166,8 +171,8 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         x.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
-        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
-        **pdl.launch(x))
+        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, EARLY_W=pdl.EARLY_WEIGHTS,
+        num_warps=num_warps or default_num_warps(t, e), **pdl.launch(x))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a
