@@ -2,7 +2,8 @@
 # One device call (repo root on the GPU machine; carry .whl .jit .dg_src), 2026-12-03: the sliding-window prefill
 # kernel over the step's own k / v rows and with 16-key tail steps (kernels/attention/sliding_prefill_triton.py).
 #  1. GPU tests: attention (the kernel's launch shapes incl. the tails, the backend over bf16 / fp8 caches and fresh
-#     prompts, which take the rows), the prefill graphs' replay against their eager pieces, the Triton argmax;
+#     prompts, which take the rows), the prefill graphs' replay against their eager pieces, the Triton argmax, the
+#     decode front and the norms (their weights loaded before the PDL wait);
 #  2. bench.attention --prefill-only at 4k / 8k: the kernel over bf16 pages, fp8 pages and rows, per launch shape;
 #  3. bench.prefill_ab --variants sliding-rows (pages / rows, tail or not, each under its own prefill graphs) on
 #     120b 8k and 20b 4k with FP8 QKV / O, ROUNDS rounds (default 3), with DeepGEMM when it is there.
@@ -14,8 +15,9 @@ if [ "${NO_TESTS:-0}" != 1 ]; then
     step tests 170 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_attention_gpu.py \
         "tests/engine/test_e2e_gpu.py::test_prefill_graphs_replay_what_their_pieces_do_eagerly"
     tail -3 "$OUT/tests.log"
-    step tests_argmax 60 python3 -m pytest -q -ra -p no:cacheprovider tests/engine/test_engine_gpu.py -k argmax
-    tail -2 "$OUT/tests_argmax.log"
+    step tests_more 90 python3 -m pytest -q -ra -p no:cacheprovider tests/engine/test_engine_gpu.py \
+        tests/kernels/test_moe_gpu.py tests/kernels/test_layers_gpu.py -k "argmax or front or norm"
+    tail -2 "$OUT/tests_more.log"
 fi
 step attention 120 python3 -m bench.attention --prefill-only --prefill-lens "${ATTN_LENS:-4096,8192}" \
     --out "$OUT/attention_sliding_rows_h200.json"
