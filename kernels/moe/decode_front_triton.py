@@ -61,8 +61,11 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     k_ok = kk < hidden
     w_ptrs = wr_ptr + experts[:, None] * stride_w + kk[None, :]
     w_mask = (experts < num_experts)[:, None] & k_ok[None, :]
-    if EARLY_W:  # the router's rows are no predecessor's output: loaded before the PDL wait (kernels/pdl.py)
+    cols = tl.arange(0, E_PAD)
+    c_ok = cols < num_experts
+    if EARLY_W:  # the router's rows and bias are no predecessor's output: loaded before the PDL wait (kernels/pdl.py)
         wb = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        bias = tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)  # for whichever program routes
     pdl_prologue(PDL)
     toks = tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
@@ -89,13 +92,13 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
         # the tail works on next_pow2(T) rows, not the dot's 16: its per-thread work is what it costs
         tt = tl.arange(0, TAIL_T)
         tt_ok = tt < num_tokens
-        cols = tl.arange(0, E_PAD)
-        c_ok = cols < num_experts
         logits = tl.zeros([TAIL_T, E_PAD], dtype=tl.float32)
         for s in tl.static_range(NUM_KB):  # fixed order: the same sum whichever program came last
             logits += tl.load(partial_ptr + s * BLOCK_T * E_PAD + tt[:, None] * E_PAD + cols[None, :],
                               mask=tt_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
-        logits = round_to_bf16(logits + tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :])
+        if not EARLY_W:
+            bias = tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+        logits = round_to_bf16(logits + bias[None, :])
         logits = tl.where(c_ok[None, :], logits, -float("inf"))
         # top-k in one pass (ties to the lower expert id), then the softmax over the k in fp32
         jj = tl.arange(0, BLOCK_J)
