@@ -15,8 +15,6 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   "fp8-dense-tc": without the slab GEMV (the tensor-core FP8 GEMV at every decode size: before 2026-12-02, measured
   slower than fp8-lm-head, kernels/layers/NOTES.md); "fp8-dense+mxfp4-8", "fp8-dense-tc+mxfp4-8": with the MXFP4
   decode experts of steps of <= 8 tokens too;
-- "...-late-weights": the router's and the norms' weights loaded after the PDL wait (kernels/pdl.py EARLY_WEIGHTS
-  off), as before 2026-12-03;
 - "...-lm-head-64": the FP8 unembedding GEMV on the 64-row default config of QKV / O (what ran before
   2026-12-03) instead of fp8_gemv_triton.LARGE_N_CONFIG;
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
@@ -58,8 +56,7 @@ SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc v
 LARGE_N = fp8_gemv_triton.LARGE_N  # restored after a -lm-head-64 variant
 
 # (fused front, KV write in the rotary kernel, O GEMV, PDL, FP8 dense weights, MXFP4 decode tokens[, the FP8
-# unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG[, weights loaded before the PDL
-# wait: default True, pdl.EARLY_WEIGHTS]])
+# unembedding GEMV's large-N config: default True, fp8_gemv_triton.LARGE_N_CONFIG])
 VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True, True, False, "", 0),
             "fused+pdl": (True, True, True, True, "", 0), "fp8-lm-head": (True, True, True, True, "lm_head", 0),
             "fp8-dense": (True, True, True, True, "all", 0), "fp8-dense-tc": (True, True, True, True, "all-tc", 0),
@@ -67,9 +64,7 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8),
             "fp8-dense+mxfp4-8-lm-head-64": (True, True, True, True, "all", 8, False),
-            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False),
-            "fp8-dense-late-weights": (True, True, True, True, "all", 0, True, False),
-            "fp8-dense+mxfp4-8-late-weights": (True, True, True, True, "all", 8, True, False)}
+            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False)}
 
 
 class DenseWeights:
@@ -97,9 +92,8 @@ class DenseWeights:
 
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                lm_head_large_config: bool = True, early_weights: bool = True) -> None:
+                lm_head_large_config: bool = True) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
-    pdl.EARLY_WEIGHTS = early_weights
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv

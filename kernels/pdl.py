@@ -4,9 +4,11 @@ In a CUDA graph a kernel still starts only after its predecessor has fully drain
 have been scheduled: at batch 1 a decode step is ~300 dependent launches of a few us each, and that
 ramp is a large part of each small kernel's time. Launched with PDL, a kernel's blocks may be
 scheduled while its predecessor finishes. Every kernel taking part starts with `pdl_prologue`:
-griddepcontrol.wait (the predecessor grid complete, its writes visible) before it touches any memory,
-then griddepcontrol.launch_dependents (the next kernel may be scheduled now). Because the wait comes
-first, nothing is read or written early: only the launch latency overlaps.
+griddepcontrol.wait (the predecessor grid complete, its writes visible) before it touches any memory
+that an earlier kernel of the step writes, then griddepcontrol.launch_dependents (the next kernel may be
+scheduled now). Only loads of memory no kernel of the step writes may come before the wait: weights
+(the slab GEMV's slabs, the router's rows in the decode front, a norm's scale), which then arrive while
+the predecessor finishes; nothing is written early.
 
 `launch(t)` gives the launch options and the kernel's PDL flag for tensors on `t`'s device: on when
 ENABLED, the device is SM90+ and this Triton has the GDC intrinsics; off elsewhere (CPU, the
@@ -42,9 +44,6 @@ ENABLED = True
 # (20b TTFT off / all launches / capture only: 1k 32.9 / 34.1 / 31.6 ms, 8k 85.8 / 86.4 / 93.6 ms,
 # Triton grouped GEMMs, H200 2026-11-30, bench/results/pdl_prefill_ab_h200.json).
 CAPTURE_ONLY = True
-# Kernels whose first loads include weights (no predecessor's output: the router's rows, a norm's scale) issue those
-# loads before the wait, so they arrive while the predecessor finishes; False: after it, to compare (bench/decode_ab).
-EARLY_WEIGHTS = True
 _CAPABLE: dict = {}
 
 

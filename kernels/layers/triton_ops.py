@@ -22,15 +22,16 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
                          stride_x, stride_delta, stride_sum, stride_out,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                          bias_ptr, q_ptr, sf_ptr, stride_q, sf_k_stride,
-                         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr,
-                         EARLY_W: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_KB: tl.constexpr):
     # (the dense_dtype arguments come last, so that the shipped Triton manifests' argument indices stayed valid:
     # engine/triton_manifests, their "extended" note)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
-    if EARLY_W:  # the norm's scale is no predecessor's output: loaded before the PDL wait (kernels/pdl.py)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    # the norm's scale is no predecessor's output: loaded before the PDL wait, it arrives while the predecessor
+    # finishes (with the decode front's router rows: b = 1 steps 20b 1.847 -> 1.798 ms, 120b 2.708 -> 2.641;
+    # kernels/layers/NOTES.md)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     pdl_prologue(PDL)
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -42,8 +43,6 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, n, eps,
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
     t = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(t * t, axis=0) / n + eps)
-    if not EARLY_W:
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if QUANT:
         # the normed row (rounded to the activations' dtype, as the bf16 output would be) quantized per 128
         # channels for an FP8 GEMM: scale = max(amax, 1e-4) / 448, IEEE divisions (fp8_quant.quantize_rows);
@@ -88,7 +87,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             stride_q=q.stride(0) if quant_out is not None else 0,
             sf_k_stride=quant_out.sf_k_stride if quant_out is not None else 0,
             HAS_BIAS=delta_bias is not None, QUANT=quant_out is not None,
-            NUM_KB=quant_out.k_blocks if quant_out is not None else 1, EARLY_W=pdl.EARLY_WEIGHTS,
+            NUM_KB=quant_out.k_blocks if quant_out is not None else 1,
             num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out if delta is None else (s, out)
 

@@ -53,8 +53,7 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
                          stride_x, stride_w, stride_a, sf_k_stride,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, E_PAD: tl.constexpr,
                          NUM_KB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_L: tl.constexpr,
-                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr,
-                         EARLY_W: tl.constexpr):
+                         TAIL_T: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
     eb, kb = tl.program_id(0), tl.program_id(1)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = kb * 128 + tl.arange(0, 128)
@@ -63,16 +62,15 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
     w_mask = (experts < num_experts)[:, None] & k_ok[None, :]
     cols = tl.arange(0, E_PAD)
     c_ok = cols < num_experts
-    if EARLY_W:  # the router's rows and bias are no predecessor's output: loaded before the PDL wait (kernels/pdl.py)
-        wb = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        bias = tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)  # for whichever program routes
+    # the router's rows and bias are no predecessor's output: loaded before the PDL wait, they arrive while the
+    # predecessor (the post-attention norm) finishes (kernels/moe/NOTES.md, "Weights before the PDL wait")
+    wb = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    bias = tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)  # for whichever program routes
     pdl_prologue(PDL)
     toks = tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
     # ---- 1. one [T, 32-expert] slice of the logits over channels [kb*128, +128); token rows of A
     xb = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-    if not EARLY_W:
-        wb = tl.load(w_ptrs, mask=w_mask, other=0.0)
     xa = xb.to(tl.float32)
     if DOT_BF16:  # tensor cores: exact bf16 products, fp32 sums
         acc = tl.dot(xb, tl.trans(wb))
@@ -96,8 +94,6 @@ def _decode_front_kernel(x_ptr, wr_ptr, br_ptr, partial_ptr, ticket_ptr,
         for s in tl.static_range(NUM_KB):  # fixed order: the same sum whichever program came last
             logits += tl.load(partial_ptr + s * BLOCK_T * E_PAD + tt[:, None] * E_PAD + cols[None, :],
                               mask=tt_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
-        if not EARLY_W:
-            bias = tl.load(br_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
         logits = round_to_bf16(logits + bias[None, :])
         logits = tl.where(c_ok[None, :], logits, -float("inf"))
         # top-k in one pass (ties to the lower expert id), then the softmax over the k in fp32
@@ -174,8 +170,8 @@ def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
         x.stride(0), router_weight.stride(0), a.data.stride(0), a.sf_k_stride,
         TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, NUM_KB=num_kb,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_L=triton.next_power_of_2(max(num_local, 2)),
-        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, EARLY_W=pdl.EARLY_WEIGHTS,
-        num_warps=num_warps or default_num_warps(t, e), **pdl.launch(x))
+        TAIL_T=triton.next_power_of_2(t), DOT_BF16=x.is_cuda, num_warps=num_warps or default_num_warps(t, e),
+        **pdl.launch(x))
     plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local * t, t, active=active,
                    num_active=counts[num_local:], token_of_row=token_of_row)
     return ids, weights, plan, a

@@ -21,14 +21,13 @@ def norm_spec(block: int = 4096, has_delta: bool = True, name: str = "kernels.la
     """An add_rms_norm specialization in Triton's serialized form (what a bf16 launch at D = 2880 records)."""
     args = ["x_ptr", "delta_ptr", "w_ptr", "sum_ptr", "out_ptr", "n", "eps", "stride_x", "stride_delta",
             "stride_sum", "stride_out", "HAS_DELTA", "BLOCK", "PDL", "bias_ptr", "q_ptr", "sf_ptr", "stride_q",
-            "sf_k_stride", "HAS_BIAS", "QUANT", "NUM_KB", "EARLY_W"]
+            "sf_k_stride", "HAS_BIAS", "QUANT", "NUM_KB"]
     types = ["*bf16", "*bf16", "*fp32", "*bf16", "*bf16", "i32", "fp32", "i32", "i32", "i32", "i32", "constexpr",
-             "constexpr", "constexpr", "*bf16", "*bf16", "*bf16", "i32", "i32", "constexpr", "constexpr", "constexpr",
-             "constexpr"]
+             "constexpr", "constexpr", "*bf16", "*bf16", "*bf16", "i32", "i32", "constexpr", "constexpr", "constexpr"]
     div16 = (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 14, 15, 16, 17, 18)
     return {"name": name, "signature": dict(zip(args, types)),
-            "constant_keys": [[11], [12], [13], [19], [20], [21], [22]],
-            "constant_vals": [has_delta, block, False, False, False, 1, True],
+            "constant_keys": [[11], [12], [13], [19], [20], [21]],
+            "constant_vals": [has_delta, block, False, False, False, 1],
             "attrs_keys": [[i] for i in div16], "attrs_vals": [DIV16] * len(div16),
             "options": {"num_warps": 4, "num_stages": 3}}
 
