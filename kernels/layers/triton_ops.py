@@ -107,7 +107,6 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
                        HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WRITE_CACHE: tl.constexpr,
                        V_OUT: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
                        bias_ptr, HAS_BIAS: tl.constexpr):  # (last: see _add_rms_norm_kernel)
-    pdl_prologue(PDL)
     # heads [0, Hq) are q, [Hq, Hq + Hkv) k (both rotated), [Hq + Hkv, Hq + 2 Hkv) v (copied to the cache and,
     # with V_OUT, to contiguous rows); a program takes BLOCK_T tokens x BLOCK_H heads: [BLOCK_T, BLOCK_H, HALF].
     # HAS_BIAS: the projection's bias, which its GEMM left out, is added to every head first (rounded), and v
@@ -118,8 +117,14 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
     t_ok = token < num_tokens
     ok = t_ok & (heads < num_heads + (2 if WRITE_CACHE or V_OUT or HAS_BIAS else 1) * num_kv_heads)
     dtype = q_ptr.dtype.element_ty
+    # cos / sin (gathered at the step's start) and the slots (a step input) come from kernels at least two back,
+    # complete by now (kernels/pdl.py): loaded before the wait (b = 1 steps 20b 1.799 -> 1.784 ms, 120b 2.664 ->
+    # 2.645; kernels/layers/NOTES.md). qkv is the predecessor's output: after it.
     c = _round(tl.load(cos_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
     s = _round(tl.load(sin_ptr + token * stride_cos + d, mask=t_ok, other=0.0), dtype)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + token, mask=t_ok, other=-1)  # [BLOCK_T, 1, 1]
+    pdl_prologue(PDL)
     src = qkv_ptr + token * stride_t + heads * (2 * HALF) + d
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
@@ -147,7 +152,6 @@ def _rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, v
         tl.store(src, x1.to(dtype), mask=row_v)
         tl.store(src + HALF, x2.to(dtype), mask=row_v)
     if WRITE_CACHE:  # each token's k (rotated) and v rows into its paged-cache slot; slot -1: padding
-        slot = tl.load(slot_ptr + token, mask=t_ok, other=-1)  # [BLOCK_T, 1, 1]
         live = ok & (slot >= 0)
         page_row = (tl.maximum(slot, 0) // PAGE) * stride_cb + (tl.maximum(slot, 0) % PAGE) * stride_ct
         is_v = live & ~is_q & ~is_k
