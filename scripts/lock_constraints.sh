@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
-# Re-resolves pyproject.toml's test environment in a scratch venv and writes constraints.txt (the versions
-# `make install` then uses). Each line carries the resolving Python's version as a marker, so other Pythons
-# resolve freely. Run `make test` afterwards: the file is only worth committing once the suite passes with it.
+# Re-resolves pyproject.toml's test environment in a scratch venv (`make install` without constraints) and writes
+# constraints.txt (the versions `make install` then uses). Each line carries the resolving Python's version as a
+# marker, so other Pythons resolve freely. Run `make test` afterwards: the file is only worth committing once the
+# suite passes with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-TORCH=${TORCH:-torch==2.13.0}
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-"$PY" -m venv "$scratch/venv"
-"$scratch/venv/bin/pip" install -q --upgrade pip
-"$scratch/venv/bin/pip" install -q "$TORCH"
-"$scratch/venv/bin/pip" install -q -e ".[test]"
+make -s install VENV="$scratch/venv" CONSTRAINTS= ${PY:+PY="$PY"} ${TORCH:+TORCH="$TORCH"}
 pyver=$("$scratch/venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 {
   echo "# Versions the test suite passed with on a fresh machine (python $pyver, the CPU build of torch): \`make install\`"
