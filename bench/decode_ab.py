@@ -64,7 +64,11 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-tc+mxfp4-8": (True, True, True, True, "all-tc", 8), "mxfp4-decode": (True, True, True, True, "", 16),
             "mxfp4-decode-8": (True, True, True, True, "", 8),
             "fp8-dense+mxfp4-8-lm-head-64": (True, True, True, True, "all", 8, False),
-            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False)}
+            "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False),
+            "fp8-dense-late-routing": (True, True, True, True, "all", 0, True, False, False),
+            "fp8-dense-late-epilogues": (True, True, True, True, "all", 0, True, False, True),
+            "fp8-dense-late-down": (True, True, True, True, "all", 0, True, True, False),
+            "fp8-dense+mxfp4-8-late-routing": (True, True, True, True, "all", 8, True, False, False)}
 
 
 class DenseWeights:
@@ -92,8 +96,9 @@ class DenseWeights:
 
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                lm_head_large_config: bool = True) -> None:
+                lm_head_large_config: bool = True, early_epilogues: bool = True, early_down: bool = True) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
+    pdl.EARLY_EPILOGUES, pdl.EARLY_DOWN_ROUTING = early_epilogues, early_down
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv

@@ -46,6 +46,9 @@ ENABLED = True
 # (20b TTFT off / all launches / capture only: 1k 32.9 / 34.1 / 31.6 ms, 8k 85.8 / 86.4 / 93.6 ms,
 # Triton grouped GEMMs, H200 2026-11-30, bench/results/pdl_prefill_ab_h200.json).
 CAPTURE_ONLY = True
+# A/B switches (branch early-routing): the MoE epilogues' plan and bias rows, and the down GEMM's plan, before the wait
+EARLY_EPILOGUES = True
+EARLY_DOWN_ROUTING = True
 _CAPABLE: dict = {}
 
 

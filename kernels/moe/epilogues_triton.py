@@ -140,23 +140,35 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
                          inter, stride_h, stride_split, stride_a, stride_bias, first_expert, alpha, limit,
                          rows_per_group, sf_group_stride, sf_k_stride,
                          NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
-                         FAST_DIV: tl.constexpr = False):
-    pdl_prologue(PDL)
+                         FAST_DIV: tl.constexpr = False, EARLY: tl.constexpr = False):
     # grid (pairs, k-block groups). Output column j comes from gate 2j and up 2j+1: each k-block reads
     # its 256 interleaved inputs as one contiguous run and splits them in registers.
+    # EARLY: the plan (row_of_pair, ids: written by the routing kernels, at least two launches back, so complete
+    # under PDL, kernels/pdl.py) and the bias rows load before the wait; only h, the GEMM's output, after it.
     pair = tl.program_id(0)
-    row = tl.load(row_of_pair_ptr + pair)
-    if row >= 0:
+    kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
+    src = kb[:, None] * 256 + tl.arange(0, 256)[None, :]  # interleaved (gate, up) inputs
+    ok_src = src < 2 * inter
+    if EARLY:
+        row = tl.load(row_of_pair_ptr + pair)
         e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
-        kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
-        src = kb[:, None] * 256 + tl.arange(0, 256)[None, :]  # interleaved (gate, up) inputs
-        ok_src = src < 2 * inter
+        live = (src * 0 + row) >= 0  # a block mask (the interpreter takes no scalar in one)
+        bias = tl.load(bias_ptr + tl.where(row >= 0, e, 0).to(tl.int64) * stride_bias + src, mask=ok_src & live,
+                       other=0.0)
+    pdl_prologue(PDL)
+    if not EARLY:
+        row = tl.load(row_of_pair_ptr + pair)
+    if row >= 0:
+        if not EARLY:
+            e = tl.load(ids_ptr + pair).to(tl.int32) - first_expert
         h = tl.load(h_ptr + row.to(tl.int64) * stride_h + src, mask=ok_src, other=0.0).to(tl.float32)
         if SPLITS > 1:  # split-K partial sums of the decode GEMM, rounded as its unsplit bf16 output is
             for s in tl.static_range(1, SPLITS):
                 h += tl.load(h_ptr + s * stride_split + row.to(tl.int64) * stride_h + src, mask=ok_src, other=0.0)
             h = round_to_bf16(h)
-        h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)
+        if not EARLY:
+            bias = tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)
+        h += bias
         col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
         q, scale = swiglu_quant_rows(h, col < inter, alpha, limit, BLOCK_KB, FAST_DIV)
         tl.store(a_ptr + row.to(tl.int64) * stride_a + col, q, mask=kb[:, None] < NUM_KB)
@@ -199,28 +211,47 @@ def _kb_per_program(pairs: int, num_kb: int) -> int:
 @triton.jit
 def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_ptr,
                     hidden, stride_y, stride_split, stride_bias, stride_out, first_expert,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+                    BLOCK_J: tl.constexpr = 4, EARLY: tl.constexpr = False):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # EARLY: the token's plan rows, expert ids and weights (written by the routing kernels, four launches back, so
+    # complete under PDL, kernels/pdl.py) and its pairs' bias rows load before the wait, as [BLOCK_J(, BLOCK_H)]
+    # blocks each pair's values are picked from (a masked sum of one term: exact); only y, the GEMM's output, after.
+    if EARLY:
+        jj = tl.arange(0, BLOCK_J)
+        j_ok = jj < TOP_K
+        rows_j = tl.load(row_of_pair_ptr + token * TOP_K + jj, mask=j_ok, other=-1)
+        e_j = tl.where(rows_j >= 0, tl.load(ids_ptr + token * TOP_K + jj, mask=j_ok, other=0).to(tl.int32) - first_expert, 0)
+        w_j = tl.load(weights_ptr + token * TOP_K + jj, mask=j_ok, other=0.0).to(tl.float32)
+        bias_j = tl.load(bias_ptr + e_j.to(tl.int64)[:, None] * stride_bias + cols[None, :],
+                         mask=(rows_j >= 0)[:, None] & ok[None, :], other=0.0).to(tl.float32)
+    pdl_prologue(PDL)
     # every pair's loads in one basic block (masked where the pair is another rank's, row -1): the k pairs' rows
     # stream together instead of one pair's round trip after the previous one's branch (H200 2026-12-03, replayed
     # b = 1 steps: 20b 1.775 -> 1.751 ms, 120b 2.735 -> 2.714; kernels/moe/NOTES.md). Fixed pair order, fp32.
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
-        row = tl.load(row_of_pair_ptr + pair)
+        if EARLY:
+            row = tl.sum(tl.where(jj == j, rows_j, 0), axis=0)
+            w = tl.sum(tl.where(jj == j, w_j, 0.0), axis=0)
+            b = tl.sum(tl.where((jj == j)[:, None], bias_j, 0.0), axis=0)
+        else:
+            row = tl.load(row_of_pair_ptr + pair)
+            e = tl.where(row >= 0, tl.load(ids_ptr + pair).to(tl.int32) - first_expert, 0)
+            w = tl.load(weights_ptr + pair).to(tl.float32)
         live = (cols * 0 + row) >= 0  # [BLOCK_H]: a block mask (the interpreter takes no scalar in one)
-        e = tl.where(row >= 0, tl.load(ids_ptr + pair).to(tl.int32) - first_expert, 0)
-        w = tl.load(weights_ptr + pair).to(tl.float32)
         src = y_ptr + tl.maximum(row, 0).to(tl.int64) * stride_y + cols
         y = tl.load(src, mask=ok & live, other=0.0).to(tl.float32)
         if SPLITS > 1:
             for s in tl.static_range(1, SPLITS):
                 y += tl.load(src + s * stride_split, mask=ok & live, other=0.0)
             y = round_to_bf16(y)
-        y += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok & live, other=0.0)
+        if not EARLY:
+            b = tl.load(bias_ptr + e.to(tl.int64) * stride_bias + cols, mask=ok & live, other=0.0)
+        y += b
         acc = tl.where(live, acc + w * y, acc)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -260,8 +291,8 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
             h, row_of_pair, expert_ids, bias, out.data, out.scale_storage,
             h.shape[-1] // 2, h.stride(-2), h.stride(0) if splits > 1 else 0, out.data.stride(0), bias.stride(0),
             first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
-            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4,
-            **pdl.launch(h))
+            NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, FAST_DIV=fast_div, EARLY=pdl.EARLY_EPILOGUES,
+            num_warps=1 if kbp == 1 else 4, **pdl.launch(h))
     return out
 
 
@@ -299,5 +330,6 @@ def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
             y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
             y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
-            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out))
+            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, BLOCK_J=triton.next_power_of_2(k), EARLY=pdl.EARLY_EPILOGUES,
+            num_warps=4, **pdl.launch(out))
     return out

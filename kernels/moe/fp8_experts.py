@@ -240,7 +240,7 @@ class Fp8Experts(nn.Module):
             epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
                              fast_div=self.swiglu_fast_div)
         y = self.gemm_output(plan, splits, self.hidden)
-        self._gemm(backend, a2, self.w2, self.s2, y, plan, t)
+        self._gemm(backend, a2, self.w2, self.s2, y, plan, t, plan_written_before_predecessor=True)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 
     def plan_step(self, ids: torch.Tensor, backend: str):
@@ -279,14 +279,16 @@ class Fp8Experts(nn.Module):
 
         return masked and num_tokens <= DECODE_MAX_TOKENS and (backend == "triton" or self.decode_kernel == "triton")
 
-    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int, a_row_map=None) -> None:
+    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int, a_row_map=None,
+              plan_written_before_predecessor: bool = False) -> None:
         from kernels.moe import triton_grouped_gemm
 
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
         if self._decode_kernel_runs(backend, masked, num_tokens):
             triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens,
-                                                    a_row_map=a_row_map)
+                                                    a_row_map=a_row_map,
+                                                    plan_written_before_predecessor=plan_written_before_predecessor)
         elif backend == "deep_gemm":
             from kernels.moe import deep_gemm_ops as dg
 

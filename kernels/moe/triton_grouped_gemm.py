@@ -112,14 +112,23 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
-                                    PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                                    PDL: tl.constexpr, EARLY_ROUTING: tl.constexpr = False):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
-    if slot < tl.load(num_active_ptr):
-        expert = tl.load(active_ptr + slot)
+    # EARLY_ROUTING (the down GEMM): the plan comes from the front, three launches back and so complete under PDL
+    # (kernels/pdl.py): read before the wait. The gate_up GEMM's predecessor is the front itself: after it.
+    if EARLY_ROUTING:
+        n_active = tl.load(num_active_ptr)
+        expert = tl.where(slot < n_active, tl.load(active_ptr + slot), 0)  # slots past n_active hold stale ids
         count = tl.load(counts_ptr + expert)
+    pdl_prologue(PDL)
+    if not EARLY_ROUTING:
+        n_active = tl.load(num_active_ptr)
+    if slot < n_active:
+        if not EARLY_ROUTING:
+            expert = tl.load(active_ptr + slot)
+            count = tl.load(counts_ptr + expert)
         kb_per_split: tl.constexpr = (NUM_KB + SPLIT_K - 1) // SPLIT_K
         kb0 = split * kb_per_split
         offs_t = tl.arange(0, BLOCK_T)
@@ -175,13 +184,16 @@ def _decode_launch(config: dict | None, out: torch.Tensor, n: int, active: torch
 
 def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
                         counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
-                        config: dict | None = None, a_row_map: torch.Tensor | None = None) -> torch.Tensor:
+                        config: dict | None = None, a_row_map: torch.Tensor | None = None,
+                        plan_written_before_predecessor: bool = False) -> torch.Tensor:
     """Masked-layout grouped GEMM for decode: out rows [e * m_cap, e * m_cap + counts[e]) = A @ W[e]^T for
     the experts active[:num_active] (`routing_triton.plan_masked`). `max_tokens` >= every count
     (the step's T); one program row per possible active expert, len(active) of them.
     `out` [rows, N] gets the products; `out` [S, rows, N] (fp32) gets S partial sums over K splits.
     With `a_row_map` [rows] (decode_front_triton's token_of_row) A is one group of T token rows (T = the
-    layout's m_cap) and layout row r reads A row a_row_map[r]; out rows stay the layout's."""
+    layout's m_cap) and layout row r reads A row a_row_map[r]; out rows stay the layout's.
+    plan_written_before_predecessor: counts / active / num_active come from a kernel before this launch's
+    predecessor (the down GEMM), so under PDL they are read before the wait."""
     e, n, kp = w.shape
     if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
         raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
@@ -197,5 +209,6 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
-        A_ROW_MAP=a_row_map is not None, **cfg, **pdl.launch(out))
+        A_ROW_MAP=a_row_map is not None, EARLY_ROUTING=plan_written_before_predecessor and pdl.EARLY_DOWN_ROUTING,
+        **cfg, **pdl.launch(out))
     return out

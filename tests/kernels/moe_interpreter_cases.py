@@ -214,9 +214,10 @@ def test_grouped_gemm(masked):
     torch.testing.assert_close(out[valid].float(), want[valid].float(), rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("max_tokens,counts,splits", [(1, [0, 1, 0, 1, 1], 2), (19, [5, 0, 19, 3, 0], 1),
                                                      (64, [64, 2, 0, 0, 40], 1), (4, [4, 0, 3, 0, 1], 3)])
-def test_grouped_gemm_decode(max_tokens, counts, splits):
+def test_grouped_gemm_decode(max_tokens, counts, splits, early):
     """The decode kernel (active experts only, swapped dot) against the twin; rows past each count untouched."""
     e_local, n, k = len(counts), 200, 384
     w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, k) * 0.05)
@@ -235,7 +236,8 @@ def test_grouped_gemm_decode(max_tokens, counts, splits):
         out = torch.full((a.data.shape[0], n), float("nan"), dtype=torch.bfloat16)
     else:
         out = torch.full((splits, a.data.shape[0], n), float("nan"))
-    tgg.grouped_gemm_decode(a, w, w_scales, out, counts, active, num_active, max_tokens, config={"BLOCK_N": 32})
+    tgg.grouped_gemm_decode(a, w, w_scales, out, counts, active, num_active, max_tokens, config={"BLOCK_N": 32},
+                            plan_written_before_predecessor=early)  # early: the plan read before the PDL wait
     if splits > 1:  # K = 384 is 3 blocks: with 2 splits, 2 + 1; with 3, one each
         out = out.sum(0)
     want = ref.grouped_gemm(a.data, a.scales_rows(), w, w_scales, expert_of_row)
