@@ -200,6 +200,7 @@ def test_full_layers_of_fresh_prompts_ragged_or_paged(ragged, kv_dtype, defer):
     batch = world.batch()
     backend.plan(batch)
     assert backend.step_ragged == ragged
+    assert backend.step_sliding_rows  # fresh prompts: the sliding kernel reads the step's k / v rows
     assert (backend._pending_ragged_plan is not None) == (ragged and defer)
     gen = torch.Generator(device=DEV).manual_seed(22)
     k, v = world.new_kv()
@@ -214,7 +215,7 @@ def test_full_layers_of_fresh_prompts_ragged_or_paged(ragged, kv_dtype, defer):
     continued = PagedWorld([0, 300], [129, 50], page=16, seed=23, kv_dtype=kv_dtype)
     backend.bind_cache(continued.cache)
     backend.plan(continued.batch())
-    assert not backend.step_ragged
+    assert not backend.step_ragged and not backend.step_sliding_rows
 
 
 @pytest.mark.parametrize("decode,sliding_prefill", [(True, "triton"), (False, "triton"), (False, "flashinfer")])
