@@ -49,6 +49,7 @@ CAPTURE_ONLY = True
 # A/B switches (branch early-routing): the MoE epilogues' plan and bias rows, and the down GEMM's plan, before the wait
 EARLY_EPILOGUES = True
 EARLY_DOWN_ROUTING = True
+EARLY_ATTENTION_PLAN = True  # the split decode kernel's lengths, sinks and first page ids
 _CAPABLE: dict = {}
 
 

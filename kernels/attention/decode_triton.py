@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.attention.paged_softmax_triton import paged_softmax_step
+from kernels.attention.paged_softmax_triton import paged_softmax_step, paged_tile_rows, softmax_tile
 from kernels.pdl import pdl_prologue
 
 LOG2E = 1.4426950408889634
@@ -46,6 +46,19 @@ def default_decode_config(num_splits: int, window: int | None) -> DecodeConfig:
     return DecodeConfig(64, 4, 3) if window else DecodeConfig(128, 4, 2)
 
 
+@triton.jit
+def _split_range(kv_lens_ptr, seq, split, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(kv_len, lo, hi): the keys [lo, hi) split `split` of sequence `seq` attends."""
+    kv_len = tl.load(kv_lens_ptr + seq)
+    start = 0
+    if WINDOW > 0:
+        start = tl.maximum(kv_len - WINDOW, 0)
+    # Splits are whole tiles, so only the last tile of a split needs masking work.
+    per_split = tl.cdiv(tl.cdiv(kv_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    return kv_len, lo, tl.minimum(lo + per_split, kv_len)
+
+
 # stride_bt (a step's block-table width) is not specialized on: why, at sliding_prefill_triton.py's kernel
 @triton.jit(do_not_specialize=["stride_bt"])
 def _sink_decode_split_kernel(
@@ -59,37 +72,44 @@ def _sink_decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,  # WINDOW 0: full causal
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    EARLY_PLAN: tl.constexpr = False,
 ):
-    pdl_prologue(PDL)
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
-
-    kv_len = tl.load(kv_lens_ptr + seq)
-    start = 0
-    if WINDOW > 0:
-        start = tl.maximum(kv_len - WINDOW, 0)
-    # Splits are whole tiles, so only the last tile of a split needs masking work.
-    per_split = tl.cdiv(tl.cdiv(kv_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, kv_len)
-
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_kh
+    # EARLY_PLAN: the lengths and page tables are step inputs (written before the graph) and the sinks weights, so
+    # under PDL they and the first tile's page ids load before the wait (kernels/pdl.py); q and the K/V rows (the
+    # step's own token is the predecessor's write) after it.
+    if EARLY_PLAN:
+        kv_len, lo, hi = _split_range(kv_lens_ptr, seq, split, WINDOW, NUM_SPLITS, BLOCK_N)
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+        offs_n0, n_ok0, rows0 = paged_tile_rows(table, head_off, lo, hi, stride_kb, stride_kt, PAGE, BLOCK_N)
+    pdl_prologue(PDL)
+    if not EARLY_PLAN:
+        kv_len, lo, hi = _split_range(kv_lens_ptr, seq, split, WINDOW, NUM_SPLITS, BLOCK_N)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
+    if not EARLY_PLAN:
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
     first = split == 0
     m_i = tl.where(first, sink, float("-inf"))
     l_i = tl.where(first, 1.0, 0.0) + tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
 
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kv_head * stride_kh
-    for n0 in range(lo, hi, BLOCK_N):
+    n_start = lo
+    if EARLY_PLAN:
+        if lo < hi:  # the first tile, its page ids from before the wait
+            m_i, l_i, acc = softmax_tile(q, k_ptr, v_ptr, offs_n0, n_ok0, rows0, rows0, m_i, m_i, l_i, acc, scale_log2,
+                                         offs_d, 0, False)
+        n_start = lo + BLOCK_N
+    for n0 in range(n_start, hi, BLOCK_N):
         m_i, l_i, acc = paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, m_i, m_i, l_i, acc, scale_log2,
                                            stride_kb, stride_kt, offs_d, PAGE, BLOCK_N, 0, False)
 
@@ -174,7 +194,7 @@ def sink_decode(
         out.stride(0), out.stride(1),
         scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=config.block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
+        BLOCK_N=config.block_n, NUM_SPLITS=num_splits, WINDOW=window or 0, EARLY_PLAN=pdl.EARLY_ATTENTION_PLAN,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q),
     )
     if num_splits > 1:

@@ -18,20 +18,18 @@ import triton.language as tl
 
 
 @triton.jit
-def paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, q_pos, m_i, l_i, acc, scale_log2,
-                       stride_kb, stride_kt, offs_d,
-                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PER_ROW_MASK: tl.constexpr,
-                       KV_ROWS: tl.constexpr = False, row0=0, stride_vt=0, v_head_off=0):
+def paged_tile_rows(table, head_off, n0, hi, stride_kb, stride_kt, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(key indices, in range, row offsets into the cache) of the tile of keys [n0, n0 + BLOCK_N) below hi."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
-    if KV_ROWS:  # key j is row row0 + j of k (stride_kt, head_off) and of v (stride_vt, v_head_off)
-        tok = (row0 + offs_n).to(tl.int64)
-        rows = tok * stride_kt + head_off
-        v_rows = tok * stride_vt + v_head_off
-    else:
-        page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0)
-        rows = page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kt + head_off
-        v_rows = rows
+    page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0)
+    return offs_n, n_ok, page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_kt + head_off
+
+
+@triton.jit
+def softmax_tile(q, k_ptr, v_ptr, offs_n, n_ok, rows, v_rows, q_pos, m_i, l_i, acc, scale_log2, offs_d,
+                 WINDOW: tl.constexpr, PER_ROW_MASK: tl.constexpr):
+    """The online-softmax update over one tile of keys whose K / V rows are at `rows` / `v_rows`."""
     k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * scale_log2
     if PER_ROW_MASK:
@@ -46,3 +44,21 @@ def paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, q_pos, m_i, l_i
     v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def paged_softmax_step(q, k_ptr, v_ptr, table, head_off, n0, hi, q_pos, m_i, l_i, acc, scale_log2,
+                       stride_kb, stride_kt, offs_d,
+                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PER_ROW_MASK: tl.constexpr,
+                       KV_ROWS: tl.constexpr = False, row0=0, stride_vt=0, v_head_off=0):
+    if KV_ROWS:  # key j is row row0 + j of k (stride_kt, head_off) and of v (stride_vt, v_head_off)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        tok = (row0 + offs_n).to(tl.int64)
+        rows = tok * stride_kt + head_off
+        v_rows = tok * stride_vt + v_head_off
+    else:
+        offs_n, n_ok, rows = paged_tile_rows(table, head_off, n0, hi, stride_kb, stride_kt, PAGE, BLOCK_N)
+        v_rows = rows
+    return softmax_tile(q, k_ptr, v_ptr, offs_n, n_ok, rows, v_rows, q_pos, m_i, l_i, acc, scale_log2, offs_d,
+                        WINDOW, PER_ROW_MASK)

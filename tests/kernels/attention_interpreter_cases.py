@@ -208,3 +208,34 @@ def test_fill_decode_buffers_refuses_what_does_not_fit():
         fill_decode_buffers([(bufs, _step_meta(2, 1))], 1)
     with pytest.raises(ValueError, match="row copy"):  # a source longer than its destination
         fill_decode_buffers([(bufs, _step_meta(2, 1))], 2, ((torch.zeros(5, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)),))
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("window,splits,block_n", [(None, 1, 16), (None, 4, 16), (9, 1, 8), (9, 2, 8)])
+def test_sink_decode_matches_twin(window, splits, block_n, early, monkeypatch):
+    """The split decode kernel (one new token per sequence) against the fp32 twin, with its plan and first tile's
+    page ids read before or after the PDL wait (pdl.EARLY_ATTENTION_PLAN; the interpreter runs no PDL, so this checks
+    the two orders compute the same); lengths that leave splits empty and tables starting mid-sequence."""
+    from kernels import pdl
+    from kernels.attention.decode_triton import DecodeConfig, sink_decode, split_scratch
+
+    monkeypatch.setattr(pdl, "EARLY_ATTENTION_PLAN", early)
+    hq, hkv, d, page = 8, 2, 16, 4
+    lens = [1, 5, 37, 70]
+    keys = [torch.randn(n, hkv, d) for n in lens]
+    values = [torch.randn(n, hkv, d) for n in lens]
+    k_pool, v_pool, tables = paged(keys, values, page, torch.bfloat16)
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    sinks = torch.randn(hq) * 2
+    scale = d ** -0.5
+    part_o, part_lse = split_scratch(len(lens), hq, splits, d, "cpu")
+    out = torch.full_like(q, float("nan"))
+    sink_decode(q, k_pool, v_pool, tables, torch.tensor(lens, dtype=torch.int32), sinks, scale, window, splits, out,
+                part_o, part_lse, DecodeConfig(block_n, 4, 2))
+    for b, n in enumerate(lens):
+        pages = tables[b, :-(-n // page)].long()
+        k = gather_pages(k_pool, pages, n).float()
+        v = gather_pages(v_pool, pages, n).float()
+        want = sink_attention(q[b:b + 1].float(), k, v, sinks, scale, window)
+        err = ((out[b:b + 1].float() - want).norm() / want.norm()).item()
+        assert err < 5e-3, f"sequence {b}: relative error {err}"
