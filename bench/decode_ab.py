@@ -69,7 +69,8 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-late-epilogues": (True, True, True, True, "all", 0, True, False, True),
             "fp8-dense-late-down": (True, True, True, True, "all", 0, True, True, False),
             "fp8-dense+mxfp4-8-late-routing": (True, True, True, True, "all", 8, True, False, False),
-            "fp8-dense-late-attention": (True, True, True, True, "all", 0, True, True, True, False)}
+            "fp8-dense-late-attention": (True, True, True, True, "all", 0, True, True, True, False),
+            "fp8-dense-late-slab": (True, True, True, True, "all", 0, True, True, True, True, False)}
 
 
 class DenseWeights:
@@ -98,10 +99,10 @@ class DenseWeights:
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
                 lm_head_large_config: bool = True, early_epilogues: bool = True, early_down: bool = True,
-                early_attention: bool = True) -> None:
+                early_attention: bool = True, early_slab: bool = True) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
     pdl.EARLY_EPILOGUES, pdl.EARLY_DOWN_ROUTING = early_epilogues, early_down
-    pdl.EARLY_ATTENTION_PLAN = early_attention
+    pdl.EARLY_ATTENTION_PLAN, pdl.EARLY_SLAB_CONSTANTS = early_attention, early_slab
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv

@@ -50,6 +50,7 @@ CAPTURE_ONLY = True
 EARLY_EPILOGUES = True
 EARLY_DOWN_ROUTING = True
 EARLY_ATTENTION_PLAN = True  # the split decode kernel's lengths, sinks and first page ids
+EARLY_SLAB_CONSTANTS = True  # the slab GEMV's weight scales and bias
 _CAPABLE: dict = {}
 
 

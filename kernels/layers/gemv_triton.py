@@ -59,16 +59,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_token
 
 @triton.jit
 def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr,
+                   bias=None):
     """The split-K GEMVs' epilogue: acc [BLOCK_N, BLOCK_T] holds this program's fp32 sums of y^T. With one
     split, + bias and store; else store the partial, and the last program of the N block (atomic ticket,
-    reset by it) sums the S partials in a fixed order, adds the bias and rounds once."""
+    reset by it) sums the S partials in a fixed order, adds the bias and rounds once. `bias`: the block's
+    bias [BLOCK_N] fp32 already loaded (e.g. before the PDL wait), else it is read from b_ptr here."""
     n_ok = offs_n < n
     out_ok = n_ok[:, None] & (offs_t < num_tokens)[None, :]
     y_ptrs = y_ptr + offs_t[None, :] * stride_y + offs_n[:, None]
     if SPLIT_K == 1:  # the whole K in this program (wide N, e.g. the unembedding): no partial round trip
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            if bias is None:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            else:
+                acc += bias[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:
         slab = partial_ptr + offs_n[:, None] * BLOCK_T + offs_t[None, :]  # partial [S, N, BLOCK_T]
@@ -81,7 +86,10 @@ def finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_
             for s in tl.static_range(SPLIT_K):  # fixed order
                 total += tl.load(slab + s * n * BLOCK_T, mask=out_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+                if bias is None:
+                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+                else:
+                    total += bias[:, None]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
 
 

@@ -40,7 +40,7 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, K_SPLIT=256, num_warps=4, weights_first=True)
 def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k_in, k_w,
                       stride_x, stride_w, stride_sw, stride_y, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr, SPLIT_K: tl.constexpr,
-                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr):
+                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr, EARLY_CONSTANTS: tl.constexpr = False):
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = split * NKB + tl.arange(0, NKB)  # 128-wide K blocks of this split
@@ -48,6 +48,13 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
     n_ok = offs_n < n
     w_ptrs = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_w + offs_k[None, :, :]
     w_ok = n_ok[:, None, None] & (offs_k < k_w)[None, :, :]
+    s_ptrs = sw_ptr + (nb * BLOCK_N // 128) * stride_sw + offs_kb  # BLOCK_N divides 128: one scale row, one per K block
+    bias = None
+    if EARLY_CONSTANTS:  # the weights' block scales and the bias are no kernel's output: before the wait too
+        if HAS_SCALE:
+            s = tl.load(s_ptrs, mask=offs_kb * 128 < k_w, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if WEIGHTS_FIRST:
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
         pdl_prologue(PDL)
@@ -55,8 +62,8 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
         pdl_prologue(PDL)
         w = tl.load(w_ptrs, mask=w_ok, other=0.0)
     w = w.to(tl.float32)
-    if HAS_SCALE:  # BLOCK_N divides 128: one scale row per program, one scale per K block
-        s = tl.load(sw_ptr + (nb * BLOCK_N // 128) * stride_sw + offs_kb, mask=offs_kb * 128 < k_w, other=0.0)
+    if HAS_SCALE and not EARLY_CONSTANTS:
+        s = tl.load(s_ptrs, mask=offs_kb * 128 < k_w, other=0.0)
     offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for t in tl.static_range(BLOCK_T):
@@ -67,7 +74,7 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
         yt = tl.sum(tl.sum(w * xt[None, :, :], axis=2), axis=1)
         acc = tl.where(offs_t[None, :] == t, yt[:, None], acc)
     finish_split_k(acc, partial_ptr, tickets_ptr, b_ptr, y_ptr, nb, split, offs_n, offs_t, n, num_tokens, stride_y,
-                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K)
+                   HAS_BIAS, BLOCK_N, BLOCK_T, SPLIT_K, bias)
 
 
 def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -102,5 +109,6 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
         x, weight, weight_scale if fp8 else weight, bias if bias is not None else weight, y, partial, tickets, t, n, k,
         kw, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
-        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
+        WEIGHTS_FIRST=cfg["weights_first"], EARLY_CONSTANTS=pdl.EARLY_SLAB_CONSTANTS, num_warps=cfg["num_warps"],
+        **pdl.launch(x))
     return y
