@@ -10,13 +10,22 @@ import pytest
 from engine import triton_precompile as tp
 
 # kernel -> global loads it issues before the wait: the norm's scale; the router's rows and bias; cos, sin, slots
-EARLY_LOADS = {"_add_rms_norm_kernel": 1, "_decode_front_kernel": 2, "_rotary_qkv_kernel": 3}
+EARLY_LOADS = {"_add_rms_norm_kernel": 1, "_decode_front_kernel": 2, "_rotary_qkv_kernel": 3,
+               # branch early-routing: the epilogues' plan + bias rows, the down GEMM's plan, the split decode's plan
+               "_swiglu_quant_kernel": 3, "_combine_kernel": 4, "_fp8_grouped_gemm_decode_kernel": 3,
+               "_sink_decode_split_kernel": 3}
+# constexprs an entry must have (the down GEMM's launch, not gate_up's)
+NEEDS = {"_fp8_grouped_gemm_decode_kernel": {"EARLY_ROUTING": True}}
 
 
 def pdl_entry(short: str) -> dict:
     manifest = tp.Manifest.load(tp.MANIFEST_DIR / "gpt-oss-20b.tp1.ep1.sm90.json")
     for spec in manifest.specializations:
-        if spec["name"].endswith("." + short) and spec["options"].get("launch_pdl"):
+        if not (spec["name"].endswith("." + short) and spec["options"].get("launch_pdl")):
+            continue
+        names = tp.resolve_kernel(spec["name"]).arg_names
+        consts = {names[k[0]]: v for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+        if all(consts.get(a) == v for a, v in NEEDS.get(short, {}).items()):
             return spec
     raise AssertionError(f"no PDL launch of {short} in the shipped manifest")
 
