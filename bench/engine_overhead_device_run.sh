@@ -4,7 +4,7 @@
 # graphs-vs-eager test; bench.engine_step_profile (each of MODELS, default 20b, with every decode opt-in); the end-to-end
 # engine run at batch 1 (bench.e2e --engine-runs b1) of the same configuration.
 #   MODELS="gpt-oss-20b gpt-oss-120b" NO_TESTS=1 PROFILE=0 bash bench/engine_overhead_device_run.sh
-#   (120b: FP8 QKV / O / unembedding; PROFILE=0 skips bench.engine_step_profile; PREFILL_LENS, default 1024: the
+#   (120b: FP8 QKV / O / unembedding; PROFILE=0 skips bench.engine_step_profile, E2E=0 the bench.e2e run; PREFILL_LENS, default 1024: the
 #   prompt lengths bench.e2e times first; DG_USE=1 with .dg_src carried: DeepGEMM's prefill GEMMs)
 set -u
 DEVICE_START=$(date +%s)
@@ -24,9 +24,9 @@ for MODEL in ${MODELS:-gpt-oss-20b}; do
     TAG=${MODEL#gpt-oss-}
     [ "${PROFILE:-1}" = 1 ] && step esp_$TAG 200 python3 -m bench.engine_step_profile --model "$MODEL" $(opts $MODEL) \
         --out "$OUT/engine_step_profile_${TAG}_h200.json" && tail -c 1200 "$OUT/esp_$TAG.log"
-    step e2e_$TAG 330 python3 -m bench.e2e --device cuda --models "$MODEL" --prefill-lens "${PREFILL_LENS:-1024}" --contexts 1024 \
+    [ "${E2E:-1}" = 1 ] && step e2e_$TAG 330 python3 -m bench.e2e --device cuda --models "$MODEL" --prefill-lens "${PREFILL_LENS:-1024}" --contexts 1024 \
         --max-batch 1 --engine-runs b1 --model-share 1.0 --headroom-gb 6 --budget-s 300 $(opts $MODEL) \
         --out "$OUT/e2e_h200_${TAG}_b1.json"
-    grep -E "engine run|decode b=1|Error" "$OUT/e2e_$TAG.log" | tail -4
+    [ -f "$OUT/e2e_$TAG.log" ] && grep -E "engine run|decode b=1|Error" "$OUT/e2e_$TAG.log" | tail -4
 done
 pack_jit_cache

@@ -80,8 +80,7 @@ class PrefillGraphs:
         # not read them leave them alone
         self.k_rows, self.v_rows = (torch.zeros(top, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
                                     for _ in range(2))
-        sliding_rows = getattr(model.backend, "sliding_rows", False)
-        self.row_layers = [sliding_rows or not model.config.is_sliding(i) for i in range(self.num_layers)]
+        self.row_layers = [model.backend.sliding_rows or not model.config.is_sliding(i) for i in range(self.num_layers)]
         self.attn_out = torch.zeros(top, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}

@@ -27,6 +27,9 @@ class AttentionBackend:
         # While engine/prefill_graphs.py captures (or runs its pieces eagerly): per layer kind, fixed slot
         # buffers that kv_destination hands out instead of the planned step's slot mapping.
         self.graph_slots: dict[bool, torch.Tensor] | None = None
+        # Whether the sliding layers of prompt steps without cached keys read K/V from the step's own k / v rows
+        # (forward's k, v) rather than the cache: prefill graphs then keep those rows for every layer.
+        self.sliding_rows = False
 
     def bind_cache(self, kv_cache: PagedKVCache | None) -> None:
         self.kv_cache = kv_cache
