@@ -4,12 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch (the dev machines keep a copy on disk); GPU hosts install their own torch first.
 TORCH ?= torch==2.13.0
+# The versions the suite last passed with (scripts/lock_constraints.sh sets it empty to re-resolve freely).
+CONSTRAINTS ?= constraints.txt
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[test]"
 	touch $@
 
 .PHONY: install run generate test bench-engine
