@@ -70,7 +70,9 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-late-down": (True, True, True, True, "all", 0, True, True, False),
             "fp8-dense+mxfp4-8-late-routing": (True, True, True, True, "all", 8, True, False, False),
             "fp8-dense-late-attention": (True, True, True, True, "all", 0, True, True, True, False),
-            "fp8-dense-late-slab": (True, True, True, True, "all", 0, True, True, True, True, False)}
+            "fp8-dense-late-slab": (True, True, True, True, "all", 0, True, True, True, True, False),
+            "fp8-dense-all-late": (True, True, True, True, "all", 0, True, False, False, False, False),
+            "fp8-dense-down-slab": (True, True, True, True, "all", 0, True, False, True, False, True)}
 
 
 class DenseWeights:

@@ -47,9 +47,9 @@ ENABLED = True
 # Triton grouped GEMMs, H200 2026-11-30, bench/results/pdl_prefill_ab_h200.json).
 CAPTURE_ONLY = True
 # A/B switches (branch early-routing): the MoE epilogues' plan and bias rows, and the down GEMM's plan, before the wait
-EARLY_EPILOGUES = True
+EARLY_EPILOGUES = False  # measured slower early (decode_ab_early_routing_h200)
 EARLY_DOWN_ROUTING = True
-EARLY_ATTENTION_PLAN = True  # the split decode kernel's lengths, sinks and first page ids
+EARLY_ATTENTION_PLAN = False  # measured slower early; # the split decode kernel's lengths, sinks and first page ids
 EARLY_SLAB_CONSTANTS = True  # the slab GEMV's weight scales and bias
 _CAPABLE: dict = {}
 
