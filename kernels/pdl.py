@@ -8,9 +8,9 @@ griddepcontrol.wait (the predecessor grid complete, its writes visible) before i
 that an earlier kernel of the step writes, then griddepcontrol.launch_dependents (the next kernel may be
 scheduled now). Only loads of memory that the predecessor does not write may come before the wait:
 weights (the slab GEMV's slabs, the router's rows in the decode front, a norm's scale), and what a kernel
-two or more back wrote (the rotary kernel's cos / sin and slots): every kernel waits before it triggers,
-so when a kernel starts, all but its predecessor are complete. Those loads then arrive while the
-predecessor finishes; nothing is written early.
+two or more back wrote (the rotary kernel's cos / sin and slots, the down GEMM's expert plan): every
+kernel waits before it triggers, so when a kernel starts, all but its predecessor are complete. Those
+loads then arrive while the predecessor finishes; nothing is written early.
 
 `launch(t)` gives the launch options and the kernel's PDL flag for tensors on `t`'s device: on when
 ENABLED, the device is SM90+ and this Triton has the GDC intrinsics; off elsewhere (CPU, the

@@ -62,7 +62,7 @@ def slab_spec(scaled_with_bias: bool) -> dict:
     consts = {"HAS_SCALE": scaled_with_bias, "HAS_BIAS": scaled_with_bias, "BLOCK_T": 16, "BLOCK_N": 64, "NKB": 2,
               "SPLIT_K": 12, "WEIGHTS_FIRST": True, "PDL": True}
     signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in args}
-    ptrs = [[i] for i, a in enumerate(args) if a in types or a.startswith("stride") and a != "stride_y"]
+    ptrs = [[i] for i, a in enumerate(args) if a in types]  # 16-byte aligned, as torch allocates
     options = dict(pdl_entry("_add_rms_norm_kernel")["options"], num_warps=4, num_stages=3, launch_pdl=True)
     return {"name": "kernels.layers.slab_gemv_triton._slab_gemv_kernel", "signature": signature,
             "constant_keys": [[args.index(a)] for a in consts], "constant_vals": list(consts.values()),
