@@ -32,6 +32,7 @@ from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
 from kernels.layers.fp8_linear import GEMV_MAX_TOKENS
 from kernels.layers.gemv_triton import finish_split_k, num_sms, num_splits
+from kernels.moe import fp8_quant
 from kernels.pdl import pdl_prologue
 
 QBLOCK = 128  # the quantization block along K (and N for the weights)
@@ -46,7 +47,7 @@ LARGE_N_CONFIG = dict(BLOCK_N=128, waves=4, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k,
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k, k_w,
                      stride_x, stride_w, stride_sw, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
                      SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
@@ -61,7 +62,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_pt
     kb0 = split * KB_PER_SPLIT
     for kb in range(kb0, tl.minimum(kb0 + KB_PER_SPLIT, NUM_KB)):
         offs_k = kb * 128 + tl.arange(0, 128)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        # columns from k_w on (the zero K padding, unless fp8_quant.READ_K_PADDING) are not read
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                    mask=n_ok[:, None] & (offs_k < k_w)[None, :], other=0.0)
         xv = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_k[:, None], mask=t_ok[None, :] & (offs_k < k)[:, None],
                      other=0.0).to(tl.float32)  # x^T block [128, BLOCK_T]; K padding reads as zeros
         xh = tl.minimum(tl.maximum(xv, -65504.0), 65504.0).to(tl.float16)
@@ -95,7 +98,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,
-        x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        kp if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per // QBLOCK, SPLIT_K=splits,
         DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

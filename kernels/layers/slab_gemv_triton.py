@@ -13,6 +13,7 @@ is, so the products are those of fp8_linear.reference and only the fp32 summatio
 weights: the products of F.linear's, fp32 sums. The split-K tail is the other GEMVs' (`finish_split_k`:
 fixed-order sum of the partials, bias, one rounding).
 
+Weight columns past x's K (the FP8 weights' zero padding to 128s) are not read (fp8_quant.READ_K_PADDING).
 WEIGHTS_FIRST issues the slab's loads before the PDL wait: weights are no predecessor's output (they never
 change inside a CUDA graph), so only x waits for the previous kernel.
 Twins: fp8_linear.reference (FP8), torch.nn.functional.linear (bf16).
@@ -27,6 +28,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.layers import GEMV_MIN_BLOCK_N
 from kernels.layers.gemv_triton import finish_split_k
+from kernels.moe import fp8_quant
 from kernels.pdl import pdl_prologue
 
 MAX_TOKENS = 4  # the kernel's limit (BLOCK_T unrolled per token); fp8_linear.SLAB_MAX_TOKENS is where it pays
@@ -106,7 +108,7 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _slab_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale if fp8 else weight, bias if bias is not None else weight, y, partial, tickets, t, n, k,
-        kw, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
+        kw if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
         WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
     return y

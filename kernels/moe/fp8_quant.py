@@ -24,6 +24,10 @@ BLOCK = 128
 # DeepGEMM's per_token_cast_to_fp8 floors the amax the same way: an all-zero block (K padding) gets
 # a tiny finite scale instead of 0/0.
 AMAX_FLOOR = 1e-4
+# The decode kernels that stream FP8 weights of K padded to 128s (the MoE decode GEMM, the slab and FP8 GEMVs)
+# skip the zero columns past the real K (2880 of 2944: 2.2% of their bytes; the products are the same). True
+# reads them as before 2026-12-03: for bench/decode_ab's same-process comparison only.
+READ_K_PADDING = False
 
 
 class Fp8LayoutError(ValueError):

@@ -108,7 +108,7 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
 
 @triton.jit
 def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, active_ptr, num_active_ptr,
-                                    a_row_map_ptr, rows_per_group, n, stride_a, stride_bg, stride_bn, stride_d,
+                                    a_row_map_ptr, rows_per_group, n, k_valid, stride_a, stride_bg, stride_bn, stride_d,
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
@@ -148,8 +148,9 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
-            b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
+            k_ok = tl.arange(0, BLOCK_K) < k_valid - kb * BLOCK_K  # K padding (zeros) at or past k_valid: not read
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
             sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
             sb = tl.load(sfb_ptrs + kb)
             acc += tl.dot(b, a) * (sb * sa[None, :])
@@ -185,7 +186,7 @@ def _decode_launch(config: dict | None, out: torch.Tensor, n: int, active: torch
 def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
                         counts: torch.Tensor, active: torch.Tensor, num_active: torch.Tensor, max_tokens: int,
                         config: dict | None = None, a_row_map: torch.Tensor | None = None,
-                        plan_written_before_predecessor: bool = False) -> torch.Tensor:
+                        plan_written_before_predecessor: bool = False, k_valid: int | None = None) -> torch.Tensor:
     """Masked-layout grouped GEMM for decode: out rows [e * m_cap, e * m_cap + counts[e]) = A @ W[e]^T for
     the experts active[:num_active] (`routing_triton.plan_masked`). `max_tokens` >= every count
     (the step's T); one program row per possible active expert, len(active) of them.
@@ -193,19 +194,24 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
     With `a_row_map` [rows] (decode_front_triton's token_of_row) A is one group of T token rows (T = the
     layout's m_cap) and layout row r reads A row a_row_map[r]; out rows stay the layout's.
     plan_written_before_predecessor: counts / active / num_active come from a kernel before this launch's
-    predecessor (the down GEMM), so under PDL they are read before the wait."""
+    predecessor (the down GEMM), so under PDL they are read before the wait.
+    k_valid: the real K (<= Kp); weight and A columns from it on are the zero padding and are not read (the
+    products are the same: those columns multiply to zero either way). None reads all Kp columns."""
     e, n, kp = w.shape
     if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
         raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
                          f"K must match and W's scales must be [E, ceil(N/128), K/128]")
     if a_row_map is not None and a.groups != 1:
         raise ValueError(f"a_row_map needs A as one group of token rows, got {a.groups} groups")
+    if k_valid is not None and not kp - BLOCK < k_valid <= kp:
+        raise ValueError(f"k_valid {k_valid} must lie in the last 128-column block of Kp {kp}")
     if max_tokens > DECODE_MAX_TOKENS or max_tokens > a.rows_per_group:
         raise ValueError(f"grouped_gemm_decode covers up to {DECODE_MAX_TOKENS} rows per expert (and m_cap {a.rows_per_group}); got {max_tokens}")
     cfg, splits, grid = _decode_launch(config, out, n, active)
     _fp8_grouped_gemm_decode_kernel[grid](
         a.data, a.scale_storage, w, w_scales, out, counts, active, num_active,
-        a_row_map if a_row_map is not None else counts, a.rows_per_group, n, a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
+        a_row_map if a_row_map is not None else counts, a.rows_per_group, n, kp if k_valid is None else k_valid,
+        a.data.stride(0), w.stride(0), w.stride(1), out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,

@@ -233,6 +233,30 @@ def test_slab_gemv_matches_twins(t, n, k, with_bias):
         torch.testing.assert_close(got.float(), want16, rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("gemv", ["slab", "tensor-core"])
+def test_fp8_gemvs_do_not_read_the_k_padding(gemv, monkeypatch):
+    """The FP8 weights' columns past x's K (zero padding to 128s) are not read: poisoned with NaN codes they change
+    nothing, bit for bit; read (fp8_quant.READ_K_PADDING, the old behaviour) the NaN comes through."""
+    from kernels.layers import fp8_gemv_triton, fp8_linear, slab_gemv_triton
+    from kernels.moe import fp8_quant
+
+    t, n, k = 2, 130, 300  # Kp 384: 84 padding columns
+    x = (torch.randn(t, k) * 4).bfloat16()
+    w, sw = fp8_linear.quantize_weight(torch.randn(n, k) * k ** -0.5)
+    b = torch.randn(n).bfloat16()
+    tickets = fp8_linear.gemv_tickets(n, "cpu")
+    poisoned = w.clone()
+    poisoned.view(torch.uint8)[:, k:] = 0x7F  # e4m3fn NaN
+    run = (lambda w_: slab_gemv_triton.slab_gemv(x, w_, sw, b, tickets)) if gemv == "slab" else \
+        (lambda w_: fp8_gemv_triton.fp8_gemv(x, w_, sw, b, tickets))
+    clean = run(w)
+    assert torch.isfinite(clean).all()
+    assert torch.equal(run(poisoned), clean)
+    monkeypatch.setattr(fp8_quant, "READ_K_PADDING", True)
+    assert torch.equal(run(w), clean)  # reading the zeros gives the same products
+    assert run(poisoned).isnan().all()
+
+
 def test_slab_gemv_rejects_what_it_cannot_run():
     from kernels.layers import fp8_linear, slab_gemv_triton
 

@@ -246,6 +246,38 @@ def test_grouped_gemm_decode(max_tokens, counts, splits, early):
     assert out[~valid].isnan().all()
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_grouped_gemm_decode_skips_the_k_padding(splits):
+    """Weight and A columns from k_valid on (the zero padding to 128s) are not read: poisoned with NaN codes they
+    change nothing, bit for bit; with k_valid None (all Kp columns read) the NaN comes through."""
+    e_local, n, k, t = 3, 96, 300, 2  # Kp 384: 84 padding columns in the last block
+    w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, k) * 0.05)
+    counts = torch.tensor([2, 0, 1], dtype=torch.int32)
+    active = torch.tensor([2, 0, 99], dtype=torch.int32)
+    num_active = torch.tensor([2], dtype=torch.int32)
+    a = epi.Fp8Rows.empty(e_local, t, w.shape[2], "cpu")
+    a.data.zero_()
+    a.data[:, :k].copy_((torch.randn(a.data.shape[0], k) * 50).to(FP8))
+    a.scale_storage.copy_(torch.rand(a.scale_storage.shape) + 0.5)
+
+    def run(w_, a_, k_valid):
+        out = torch.zeros((splits, a.data.shape[0], n) if splits > 1 else (a.data.shape[0], n),
+                          dtype=torch.float32 if splits > 1 else torch.bfloat16)
+        return tgg.grouped_gemm_decode(a_, w_, w_scales, out, counts, active, num_active, t, config={"BLOCK_N": 32},
+                                       k_valid=k_valid)
+
+    clean = run(w, a, k)
+    assert torch.equal(run(w, a, None), clean)  # reading the zeros gives the same products
+    w_bad = w.clone()
+    w_bad.view(torch.uint8)[:, :, k:] = 0x7F  # e4m3fn NaN
+    a_bad = epi.Fp8Rows(a.data.clone(), a.scale_storage, a.rows_per_group)
+    a_bad.data.view(torch.uint8)[:, k:] = 0x7F
+    assert torch.equal(run(w_bad, a_bad, k), clean)
+    assert run(w_bad, a, None).isnan().any()
+    with pytest.raises(ValueError, match="k_valid"):
+        run(w, a, 200)  # not in the last block
+
+
 def random_experts(e: int, hidden: int, inter: int) -> TorchExperts:
     """fp32 TorchExperts with weights at a unit-output scale and small biases."""
     te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)
