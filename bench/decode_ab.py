@@ -18,8 +18,8 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "...-lm-head-64": the FP8 unembedding GEMV on the 64-row default config of QKV / O (what ran before
   2026-12-03) instead of fp8_gemv_triton.LARGE_N_CONFIG;
 - "fp8-dense-read-k-padding": fp8-dense with the FP8 weights' zero K padding read by the decode kernels (before
-  2026-12-03; kernels.moe.fp8_quant.READ_K_PADDING); "fp8-dense-down-n32" / "fp8-dense-n32": the MoE decode GEMM
-  on 32-row weight tiles for down / both projections (Fp8Experts.decode_configs; default 64);
+  2026-12-03; kernels.moe.fp8_quant.READ_K_PADDING). (The MoE decode GEMM on 32-row weight tiles, down only or both
+  projections, was a variant of 2026-12-03 too: 3-7% slower, bench/results/decode_ab_k_padding_h200.)
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
   ("mxfp4-decode-8": steps of <= 8 tokens).
@@ -69,13 +69,9 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "mxfp4-decode-8": (True, True, True, True, "", 8),
             "fp8-dense+mxfp4-8-lm-head-64": (True, True, True, True, "all", 8, False),
             "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False),
-            "fp8-dense-read-k-padding": (True, True, True, True, "all", 0),
-            "fp8-dense-down-n32": (True, True, True, True, "all", 0),
-            "fp8-dense-n32": (True, True, True, True, "all", 0)}
-# Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING, the decode GEMMs' launch configs
-TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
-          "fp8-dense-down-n32": dict(down={"BLOCK_N": 32}),
-          "fp8-dense-n32": dict(gate_up={"BLOCK_N": 32}, down={"BLOCK_N": 32})}
+            "fp8-dense-read-k-padding": (True, True, True, True, "all", 0)}
+# Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING
+TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True)}
 
 
 class DenseWeights:
@@ -103,13 +99,11 @@ class DenseWeights:
 
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                lm_head_large_config: bool = True, read_k_padding: bool = False, gate_up: dict | None = None,
-                down: dict | None = None) -> None:
+                lm_head_large_config: bool = True, read_k_padding: bool = False) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
     fp8_quant.READ_K_PADDING = read_k_padding
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
-        layer.mlp.experts.decode_configs = {"gate_up": gate_up, "down": down}
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4

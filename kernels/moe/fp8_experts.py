@@ -58,9 +58,6 @@ class Fp8Experts(nn.Module):
         # the H200 it beat DeepGEMM's masked GEMM at every decode size measured (20b T=1 44 vs 64 us per
         # layer, 120b T=64 711 vs 752; bench/results/moe_h200_deep_gemm.json). "deep_gemm" to compare.
         self.decode_kernel = "triton"
-        # launch-config overrides of the Triton decode GEMM per projection ("gate_up", "down"; None: its
-        # DECODE_CONFIG), for bench/decode_ab
-        self.decode_configs: dict[str, dict | None] = {"gate_up": None, "down": None}
         # routed_forward fuses router + routing + plan + quantization into one launch where it can
         # (decode_front_triton); False: the unfused launches, to compare
         self.fused_front = True
@@ -289,10 +286,9 @@ class Fp8Experts(nn.Module):
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
         if self._decode_kernel_runs(backend, masked, num_tokens):
-            proj = "gate_up" if w is self.w13 else "down"
-            k = self.hidden if proj == "gate_up" else self.intermediate  # the real K of this GEMM (Kp = w.shape[2])
+            k = self.hidden if w is self.w13 else self.intermediate  # the real K of this GEMM (Kp = w.shape[2])
             triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens,
-                                                    config=self.decode_configs[proj], a_row_map=a_row_map,
+                                                    a_row_map=a_row_map,
                                                     plan_written_before_predecessor=plan_written_before_predecessor,
                                                     k_valid=None if fp8_quant.READ_K_PADDING else k)
         elif backend == "deep_gemm":
