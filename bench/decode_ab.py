@@ -18,7 +18,8 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "...-lm-head-64": the FP8 unembedding GEMV on the 64-row default config of QKV / O (what ran before
   2026-12-03) instead of fp8_gemv_triton.LARGE_N_CONFIG;
 - "fp8-dense-read-k-padding": fp8-dense with the FP8 weights' zero K padding read by the decode kernels (before
-  2026-12-03; kernels.moe.fp8_quant.READ_K_PADDING). (The MoE decode GEMM on 32-row weight tiles, down only or both
+  2026-12-03; kernels.moe.fp8_quant.READ_K_PADDING); "fp8-dense-splits-2" / "-3": the MoE decode GEMM's K split in
+  2 / 3 at 2-4 tokens (default 4). (The MoE decode GEMM on 32-row weight tiles, down only or both
   projections, was a variant of 2026-12-03 too: 3-7% slower, bench/results/decode_ab_k_padding_h200.)
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
   (kernels/moe/mxfp4_decode_layer.py); with it in the list the random experts are drawn as MXFP4 for every variant
@@ -53,7 +54,7 @@ from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from kernels.layers import fp8_gemv_triton, fp8_linear
-from kernels.moe import fp8_quant
+from kernels.moe import fp8_quant, triton_grouped_gemm
 from model.config import GptOssConfig
 
 SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
@@ -69,9 +70,14 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "mxfp4-decode-8": (True, True, True, True, "", 8),
             "fp8-dense+mxfp4-8-lm-head-64": (True, True, True, True, "all", 8, False),
             "fp8-dense-lm-head-64": (True, True, True, True, "all", 0, False),
-            "fp8-dense-read-k-padding": (True, True, True, True, "all", 0)}
-# Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING
-TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True)}
+            "fp8-dense-read-k-padding": (True, True, True, True, "all", 0),
+            "fp8-dense-splits-2": (True, True, True, True, "all", 0),
+            "fp8-dense-splits-3": (True, True, True, True, "all", 0)}
+# Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING, the MoE decode GEMM's K splits
+# by step size (triton_grouped_gemm.SPLITS_BY_TOKENS)
+TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
+          "fp8-dense-splits-2": dict(splits={2: 2, 3: 2, 4: 2}),
+          "fp8-dense-splits-3": dict(splits={2: 3, 3: 3, 4: 3})}
 
 
 class DenseWeights:
@@ -99,9 +105,10 @@ class DenseWeights:
 
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
-                lm_head_large_config: bool = True, read_k_padding: bool = False) -> None:
+                lm_head_large_config: bool = True, read_k_padding: bool = False, splits: dict | None = None) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
     fp8_quant.READ_K_PADDING = read_k_padding
+    triton_grouped_gemm.SPLITS_BY_TOKENS = dict(splits or {})
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.self_attn.decode_gemv = gemv

@@ -43,6 +43,7 @@ from bench.moe_common import (BF16_EXPERT_BYTES, COPY_TBPS, DEV, FLOP_PER_PAIR, 
                               TOP_K, D, I, MODELS, calc_diff, graph_time_us)
 from bench.moe_gemm import bench_decode_gemm, bench_dense, bench_grouped_gemm
 from kernels.moe import deep_gemm_ops
+from kernels.moe import triton_grouped_gemm as tgg
 from kernels.moe.epilogues_triton import Fp8Rows, dispatch_quant
 from kernels.moe.fp8_experts import Fp8Experts
 from kernels.moe.fp8_quant import quantize_weight_blocks
@@ -328,14 +329,17 @@ def main() -> None:
     parser.add_argument("--load-bench", default=None, help="folder for the checkpoint load-time comparison")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,gemm,decode,dense")
     parser.add_argument("--probe", action="store_true", help="only check that deep_gemm works here (exit 0/1)")
+    parser.add_argument("--decode-splits", default="", help="T:S,...: the decode GEMM's K splits S at T tokens "
+                        "(triton_grouped_gemm.SPLITS_BY_TOKENS; default its rule)")
     args = parser.parse_args()
     if args.probe:
         raise SystemExit(probe_deep_gemm())
+    tgg.SPLITS_BY_TOKENS = {int(t): int(n) for t, n in (kv.split(":") for kv in args.decode_splits.split(",") if kv)}
     shard = tuple(int(v) for v in args.warmup_shard.split("/")) if args.warmup_shard else None
     skip = set(filter(None, args.skip.split(",")))
     result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "deep_gemm": deep_gemm_ops.available() or deep_gemm_ops.why_unavailable(),
-              "torch": torch.__version__}
+              "torch": torch.__version__, "decode_splits": tgg.SPLITS_BY_TOKENS or "default"}
     result["grouped_gemm"] = [] if "gemm" in skip else bench_grouped_gemm(shard)
     result["decode_gemm"] = [] if "decode" in skip else bench_decode_gemm(shard)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else None

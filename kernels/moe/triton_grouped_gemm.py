@@ -165,10 +165,16 @@ DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
 
 
+# decode_splits by step size, overriding its rule (bench/decode_ab and bench/moe A/Bs)
+SPLITS_BY_TOKENS: dict[int, int] = {}
+
+
 def decode_splits(num_tokens: int) -> int:
     """K splits of the decode GEMM at T tokens. At T=1 one program's 23 serial 128-deep steps took ~14 us
     whatever the tile (a fixed cost: doubling N added 7.5 us, H200 2026-11-30); splitting K shortens the
     chain. Partial sums go out in fp32 [splits, rows, N] and the next stage adds them (no atomics)."""
+    if num_tokens in SPLITS_BY_TOKENS:
+        return SPLITS_BY_TOKENS[num_tokens]
     return 4 if num_tokens <= 4 else 1
 
 
