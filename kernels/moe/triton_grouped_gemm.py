@@ -172,10 +172,12 @@ SPLITS_BY_TOKENS: dict[int, int] = {}
 def decode_splits(num_tokens: int) -> int:
     """K splits of the decode GEMM at T tokens. At T=1 one program's 23 serial 128-deep steps took ~14 us
     whatever the tile (a fixed cost: doubling N added 7.5 us, H200 2026-11-30); splitting K shortens the
-    chain. Partial sums go out in fp32 [splits, rows, N] and the next stage adds them (no atomics)."""
+    chain. Partial sums go out in fp32 [splits, rows, N] and the next stage adds them (no atomics).
+    2-4 tokens (2-16 active experts, twice the programs or more) split in 2: 1.02x at b = 2 for 120b against 4 splits,
+    3 splits slower (H200 2026-12-03, bench/results/decode_ab_small_t_splits_h200)."""
     if num_tokens in SPLITS_BY_TOKENS:
         return SPLITS_BY_TOKENS[num_tokens]
-    return 4 if num_tokens <= 4 else 1
+    return 4 if num_tokens <= 1 else 2 if num_tokens <= 4 else 1
 
 
 def _decode_launch(config: dict | None, out: torch.Tensor, n: int, active: torch.Tensor) -> tuple[dict, int, tuple]:
