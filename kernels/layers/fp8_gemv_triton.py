@@ -98,7 +98,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, partial, tickets, t, n, k,
-        kp if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        kp if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per // QBLOCK, SPLIT_K=splits,
         DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

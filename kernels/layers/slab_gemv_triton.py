@@ -108,7 +108,8 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _slab_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         x, weight, weight_scale if fp8 else weight, bias if bias is not None else weight, y, partial, tickets, t, n, k,
-        kw if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0, y.stride(0), HAS_SCALE=fp8,
+        kw if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0,
+        y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
         WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
     return y
