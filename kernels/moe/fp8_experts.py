@@ -231,7 +231,7 @@ class Fp8Experts(nn.Module):
         t = ids.shape[0]
         out = torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         h = self.gemm_output(plan, splits, self.w13.shape[1])
-        self._gemm(backend, a, self.w13, self.s13, h, plan, t, a_row_map=plan.token_of_row)
+        self._gemm(backend, a, self.w13, self.s13, h, plan, t, self.hidden, a_row_map=plan.token_of_row)
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         if self.swiglu_tiles and plan.layout == "contiguous":
             epi.swiglu_quant_contiguous(h, plan.m_indices, self.b13, self.alpha, self.limit, a2,
@@ -240,7 +240,7 @@ class Fp8Experts(nn.Module):
             epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
                              fast_div=self.swiglu_fast_div)
         y = self.gemm_output(plan, splits, self.hidden)
-        self._gemm(backend, a2, self.w2, self.s2, y, plan, t, plan_written_before_predecessor=True)
+        self._gemm(backend, a2, self.w2, self.s2, y, plan, t, self.intermediate, plan_written_before_predecessor=True)
         return epi.combine(y, plan.row_of_pair, ids, weights, self.b2, self.first_expert, out)
 
     def plan_step(self, ids: torch.Tensor, backend: str):
@@ -279,14 +279,14 @@ class Fp8Experts(nn.Module):
 
         return masked and num_tokens <= DECODE_MAX_TOKENS and (backend == "triton" or self.decode_kernel == "triton")
 
-    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int, a_row_map=None,
+    def _gemm(self, backend, a, w, s, out, plan, num_tokens: int, k: int, a_row_map=None,
               plan_written_before_predecessor: bool = False) -> None:
+        """out = the grouped GEMM of A with W (K = k real columns of w.shape[2]) on the plan's layout."""
         from kernels.moe import fp8_quant, triton_grouped_gemm
 
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
         if self._decode_kernel_runs(backend, masked, num_tokens):
-            k = self.hidden if w is self.w13 else self.intermediate  # the real K of this GEMM (Kp = w.shape[2])
             triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens,
                                                     a_row_map=a_row_map,
                                                     plan_written_before_predecessor=plan_written_before_predecessor,
