@@ -74,8 +74,10 @@ class Replica:
 def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "GPTOSS_CACHE_DIR": os.environ["GPTOSS_CACHE_DIR"]}})
-    yield
-    ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def test_rank_workers_as_ray_actors_in_a_placement_group(ray_cluster, tmp_path):

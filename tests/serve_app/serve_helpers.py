@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 from ray import serve
@@ -21,19 +23,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ray(num_cpus: int = 8, http_port: int | None = None, **init_kwargs) -> int:
+class RayPorts(NamedTuple):
+    http: int
+    metrics: int | None  # Ray's Prometheus export, when asked for
+
+
+def start_ray(num_cpus: int = 8, http_port: int | None = None, export_metrics: bool = False,
+              attempts: int = 2, **init_kwargs) -> RayPorts:
     """A local Ray instance with Serve's HTTP proxy on a free port (other test runs may hold :8000).
-    Replicas see this checkout (PYTHONPATH, for test-defined deployments) and the test cache folder."""
+    Replicas see this checkout (PYTHONPATH, for test-defined deployments) and the test cache folder.
+
+    Ports are picked right before Ray binds them (a port picked at import time can be some other
+    connection's by the time the fixture runs). A start whose Ray processes die before they run (the
+    proxy worker once exited during start-up on CI) is stopped whole and tried again with fresh ports;
+    any other failure, or the last attempt's, is raised - after stopping the Ray it started, so one
+    failed fixture does not fail every later ray.init in the session."""
     env = {"PYTHONPATH": str(ROOT), "GPTOSS_CACHE_DIR": os.environ["GPTOSS_CACHE_DIR"]}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, **init_kwargs)
-    port = http_port or free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return port
+    for attempt in range(1, attempts + 1):
+        ports = RayPorts(http_port or free_port(), free_port() if export_metrics else None)
+        metrics = {"_metrics_export_port": ports.metrics} if export_metrics else {}
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
+                     **metrics, **init_kwargs)
+            serve.start(http_options={"host": "127.0.0.1", "port": ports.http})
+            return ports
+        except ray.exceptions.RayActorError as e:  # a Ray process died before it ran
+            stop_ray()
+            if attempt == attempts:
+                raise
+            print(f"start_ray: attempt {attempt} of {attempts} failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0]}); starting a fresh Ray", file=sys.stderr)
+        except BaseException:
+            stop_ray()
+            raise
+    raise AssertionError("unreachable")
 
 
 def stop_ray() -> None:
-    serve.shutdown()
-    ray.shutdown()
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):

@@ -72,11 +72,13 @@ def test_prompt_of_finds_the_generate_request():
 @pytest.fixture(scope="module")
 def two_decode_replicas():
     start_ray()
-    serve.run(build_app({"max_context": "1024", "kv_cache_memory_gib": "0.0625", "disaggregated": "false",
-                         "decode.num_replicas": "2", "decode.graceful_shutdown_timeout_s": "1",
-                         "enable_prefix_caching": "true", "prefix_routing": "true"}), name=APP, route_prefix="/pr")
-    yield serve.get_deployment_handle(DECODE_NAME, APP)
-    stop_ray()
+    try:
+        serve.run(build_app({"max_context": "1024", "kv_cache_memory_gib": "0.0625", "disaggregated": "false",
+                             "decode.num_replicas": "2", "decode.graceful_shutdown_timeout_s": "1",
+                             "enable_prefix_caching": "true", "prefix_routing": "true"}), name=APP, route_prefix="/pr")
+        yield serve.get_deployment_handle(DECODE_NAME, APP)
+    finally:
+        stop_ray()
 
 
 def test_a_growing_conversation_stays_on_the_replica_with_its_pages(two_decode_replicas):

@@ -31,10 +31,12 @@ ARGS = {  # no max_context: the ingress asks the decode deployment for the engin
 
 @pytest.fixture(scope="module")
 def http_port():
-    port = start_ray()
-    serve.run(build_app(ARGS), name=APP, route_prefix="/")
-    yield port
-    stop_ray()
+    port = start_ray().http
+    try:
+        serve.run(build_app(ARGS), name=APP, route_prefix="/")
+        yield port
+    finally:
+        stop_ray()
 
 
 class Load:

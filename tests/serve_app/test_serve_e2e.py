@@ -52,15 +52,21 @@ ARGS = {
     "ingress.conversation_start_date": "2026-11-29",
 }
 CONFIG = ServeAppConfig.from_args(ARGS)
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def http_port():
-    port = start_ray(_metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
-    serve.run(build_app(ARGS), name=APP, route_prefix="/")
-    yield port
-    stop_ray()
+def ray_ports():
+    ports = start_ray(export_metrics=True, _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        serve.run(build_app(ARGS), name=APP, route_prefix="/")
+        yield ports
+    finally:
+        stop_ray()
+
+
+@pytest.fixture(scope="module")
+def http_port(ray_ports):
+    return ray_ports.http
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +310,7 @@ def test_failed_prefill_or_transfer_falls_back_to_local_prefill(http_port, refer
     serve.delete("faulty")
 
 
-def test_engine_metrics_reach_prometheus(http_port, reference):
+def test_engine_metrics_reach_prometheus(ray_ports, reference):
     # A request whose prediction is its own output: the decode replica verifies (and accepts) drafts.
     sampling = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = random_prompt(20, 5)
@@ -321,7 +327,7 @@ def test_engine_metrics_reach_prometheus(http_port, reference):
     accepted = re.compile(r'ray_gptoss_draft_tokens(_total)?\{[^}]*kind="accepted"')  # (m-1's, once exported)
 
     def scrape() -> str | None:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{ray_ports.metrics}/metrics", timeout=10).read().decode()
         return text if all(name in text for name in wanted) and accepted.search(text) else None
 
     text = wait_until(scrape, 30, "engine metrics in Ray's Prometheus export", interval_s=1)

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 
 from serve_app.config import ServeAppConfig
 from serve_app.placement import STRATEGY, ReplicaResources, start_rank_workers
-from tests.serve_app.serve_helpers import ROOT, deployment_status, wait_until
+from tests.serve_app.serve_helpers import ROOT, deployment_status, stop_ray, wait_until
 
 
 @ray.remote
@@ -50,14 +50,15 @@ class ReplicaProbe:
 def cluster():
     env = {"PYTHONPATH": str(ROOT), "GPTOSS_CACHE_DIR": os.environ["GPTOSS_CACHE_DIR"]}
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    nodes = [c.add_node(num_cpus=4, num_gpus=4) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address, runtime_env={"env_vars": env})
-    serve.start(proxy_location="Disabled")
-    yield nodes
-    serve.shutdown()
-    ray.shutdown()
-    c.shutdown()
+    try:
+        nodes = [c.add_node(num_cpus=4, num_gpus=4) for _ in range(2)]
+        c.wait_for_nodes()
+        ray.init(address=c.address, runtime_env={"env_vars": env})
+        serve.start(proxy_location="Disabled")
+        yield nodes
+    finally:
+        stop_ray()  # (a failed start must not leave Ray initialized for the next module)
+        c.shutdown()
 
 
 def test_four_gpu_replica_lands_whole_on_one_node(cluster):
