@@ -306,6 +306,19 @@ class BlockManager:
         """Live sliding pages of one decoding sequence at most (the window may straddle a page edge)."""
         return cdiv(self.sliding_window - 1, self.block_size) + 1
 
+    def too_small_for(self, max_model_len: int) -> str | None:
+        """Why one max_model_len sequence cannot fit the pools alone (a long request would never run: a
+        deadlock), in the engine config's terms; None when it fits."""
+        bs = self.block_size
+        if self.full is not None and self.full.num_pages < cdiv(max_model_len, bs):
+            return (f"the full-layer pool has {self.full.num_pages} pages of {bs} tokens, fewer than one max_model_len="
+                    f"{max_model_len} sequence needs ({cdiv(max_model_len, bs)}): raise kv_cache_bytes "
+                    f"(or num_full_pages) or lower max_model_len")
+        if self.sliding is not None and self.sliding.num_pages < self.sliding_pages_per_decode():
+            return (f"the sliding-layer pool has {self.sliding.num_pages} pages; one sequence needs "
+                    f"{self.sliding_pages_per_decode()} to cover the window: raise num_sliding_pages")
+        return None
+
     def usage(self) -> dict[str, int]:
         out = {}
         for pool in (self.full, self.sliding):
