@@ -5,6 +5,7 @@ The ingress imports this module only (no torch): token ids go in, token deltas c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
@@ -97,38 +98,61 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """vocab_size: the engine's, to check logit_bias ids against (None: not checked)."""
+        """vocab_size: the engine's, to check token ids against (None: not checked). Strict about types: these
+        params also come from Python callers (Serve handles, the engine API), and a wrong type that got past
+        here would fail the step of every request batched with this one."""
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {why}", param)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        ids_below = f"[0, {vocab_size or 'vocab'})"
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be a non-negative integer, got {self.top_k!r}")
-        if not 0 <= self.min_p < 1:
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+            raise bad("top_k", f"must be a non-negative integer below 2**31, got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p < 1:
             raise bad("min_p", f"must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a sequence of non-negative token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+            if not (_is_real(value) and -2 <= value <= 2):
                 raise bad(name, f"must be between -2 and 2, got {value!r}")
+        if not isinstance(self.logit_bias, (tuple, list)) or not all(
+                isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in self.logit_bias):
+            raise bad("logit_bias", f"must be a sequence of (token id, bias) pairs, got {self.logit_bias!r}"[:300])
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"takes up to {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
-            if not isinstance(token, int) or token < 0 or (vocab_size is not None and token >= vocab_size):
-                raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size or 'vocab'}), got {token!r}")
-            if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise bad("logit_bias", f"keys must be token ids in {ids_below}, got {token!r}")
+            if not (_is_real(bias) and -100 <= bias <= 100):
                 raise bad("logit_bias", f"values must be between -100 and 100, got {bias!r} for token {token}")
         if self.constraint is not None and not callable(getattr(self.constraint, "start", None)):
             raise bad("constraint", f"must be a ConstraintSpec (with start(vocab_size)), got {self.constraint!r}")
-        if self.prediction and (not set(map(type, self.prediction)) <= {int} or min(self.prediction) < 0
-                                or (vocab_size is not None and max(self.prediction) >= vocab_size)):
-            raise bad("prediction", f"must be token ids in [0, {vocab_size or 'vocab'})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+        if not isinstance(self.prediction, (tuple, list)) or (self.prediction and (
+                not set(map(type, self.prediction)) <= {int} or min(self.prediction) < 0
+                or (vocab_size is not None and max(self.prediction) >= vocab_size))):
+            raise bad("prediction", f"must be token ids in {ids_below}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be an integer between 0 and 20, got {self.logprobs!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or float that is not a bool (NaN passes here; the range checks refuse it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass

@@ -21,6 +21,15 @@ BAD_REQUESTS = [
     ("prompt_ids", [1, -2], SamplingParams()),
     ("prompt_ids", [1, True], SamplingParams()),  # a bool is not a token id
     ("prompt_ids", [1, 2.0], SamplingParams()),
+    # wrong types from Python callers: before typed checks these raised TypeError here, or were accepted and then
+    # failed the whole step (StepFailedError) of every request batched with them
+    *[(field, random_prompt(4, 0), SamplingParams(**{field: value})) for field, value in [
+        ("seed", "x"), ("seed", 1.5), ("seed", True), ("top_k", True), ("top_k", 2**64), ("top_k", 2.0),
+        ("stop_token_ids", 5), ("stop_token_ids", ("a",)), ("stop_token_ids", (-1,)), ("logprobs", True),
+        ("logprobs", 1.5), ("logprobs", "3"), ("temperature", "x"), ("temperature", None), ("temperature", float("inf")),
+        ("temperature", float("nan")), ("top_p", None), ("min_p", "x"), ("max_tokens", True), ("ignore_eos", "yes"),
+        ("presence_penalty", True), ("logit_bias", None), ("logit_bias", ((1, 2, 3),)), ("logit_bias", "x"),
+        ("logit_bias", ((1, "a"),)), ("prediction", 5), ("prediction", (1, "a"))]],
 ]
 
 
