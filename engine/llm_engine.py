@@ -148,6 +148,8 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError for a request this engine can never run. Reads no mutable state."""
+        if not isinstance(request, GenerateRequest):
+            raise InvalidRequestError(f"expected a GenerateRequest, got {type(request).__name__}")
         request.validate(self.vocab_size, self.max_model_len)
 
     def _new_sequence(self, request: GenerateRequest, seed: int | None, prefill_only: bool) -> Sequence:

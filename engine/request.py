@@ -165,8 +165,12 @@ class GenerateRequest:
         """Raise InvalidRequestError unless an engine of this vocabulary and context can run the request."""
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {self.request_id!r}", "request_id")
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}", "sampling")
         self.sampling.validate(vocab_size)
         ids = self.prompt_ids
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(ids).__name__}", "prompt_ids")
         if not ids:
             raise InvalidRequestError("prompt_ids is empty: send at least one token", "prompt_ids")
         # exact ints (not bool) in the vocabulary, by C-level passes: 32k ids 3.79 -> 1.40 ms (CPU, 2026-11-30)

@@ -5,7 +5,7 @@ import pytest
 from engine.config import EngineConfig, EngineConfigError
 from engine.kv_payload import KVPayloadError
 from engine.llm_engine import LLMEngine, RequestStateError, UnknownRequestError
-from engine.request import InvalidRequestError, SamplingParams
+from engine.request import GenerateRequest, InvalidRequestError, SamplingParams
 from tests.engine.engine_testlib import VOCAB, greedy, random_prompt, request, run_to_end
 
 BAD_REQUESTS = [
@@ -21,6 +21,10 @@ BAD_REQUESTS = [
     ("prompt_ids", [1, -2], SamplingParams()),
     ("prompt_ids", [1, True], SamplingParams()),  # a bool is not a token id
     ("prompt_ids", [1, 2.0], SamplingParams()),
+    ("prompt_ids", "abc", SamplingParams()),
+    ("prompt_ids", None, SamplingParams()),
+    ("sampling", random_prompt(4, 0), None),
+    ("sampling", random_prompt(4, 0), {"max_tokens": 3}),
     # wrong types from Python callers: before typed checks these raised TypeError here, or were accepted and then
     # failed the whole step (StepFailedError) of every request batched with them
     *[(field, random_prompt(4, 0), SamplingParams(**{field: value})) for field, value in [
@@ -40,9 +44,12 @@ def test_bad_requests_raise_typed_errors_and_the_engine_keeps_serving(make_engin
     engine.step()
     for i, (param, prompt, sampling) in enumerate(BAD_REQUESTS):
         with pytest.raises(InvalidRequestError) as err:
-            engine.add_request(request(f"bad{i}", prompt, sampling))
+            engine.add_request(GenerateRequest(f"bad{i}", prompt, sampling))
         assert err.value.param == param, (i, str(err.value))
         assert f"bad{i}" not in engine.seqs
+    for not_a_request in (None, {"request_id": "d", "prompt_ids": [1]}):
+        with pytest.raises(InvalidRequestError, match="expected a GenerateRequest"):
+            engine.add_request(not_a_request)
     with pytest.raises(InvalidRequestError, match="already running") as err:
         engine.add_request(request("good", random_prompt(3, 2), greedy(2)))
     assert err.value.param == "request_id"
