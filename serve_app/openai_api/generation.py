@@ -237,7 +237,10 @@ class BackendRequest:
                     log.exception("request %s: backend abort failed", self.request_id)
             aclose = getattr(self._stream, "aclose", None)
             if aclose is not None:
-                await aclose()
+                try:
+                    await aclose()
+                except Exception:  # aborted above already: the close only releases the stream's own resources
+                    log.exception("request %s: closing the backend stream failed", self.request_id)
 
     async def _next_delta(self) -> TokenDelta | None:
         try:
@@ -411,7 +414,7 @@ class GenerationGroup:
         await asyncio.gather(*(gen.start() for gen in self.gens))
 
     async def close(self) -> None:
-        for gen in self.gens:
+        for gen in self.gens:  # each one, even if an earlier close fails (BackendRequest.close logs, never raises)
             await gen.close()
 
     def usage(self) -> dict[str, int]:

@@ -125,5 +125,9 @@ async def interleave(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes
             else:
                 yield item
     finally:
+        # the readers must have stopped before anyone closes the streams they read (closing a running async
+        # generator raises), so cancel them and wait, shielded from the cancellation that may have brought us here
         for task in tasks:
             task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import httpx
 import pytest
 
@@ -26,6 +29,44 @@ def test_stream_disconnect_aborts(server, backend, path, body):
         assert next(line for line in lines if line.startswith("data: "))
     # leaving the block closed the connection mid-stream
     assert wait_for_abort(backend) == backend.requests[-1].request_id
+
+
+def wait_for_aborts(backend, ids: set[str]) -> None:
+    deadline = time.monotonic() + 10
+    while set(backend.aborted) != ids and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(backend.aborted) == ids
+
+
+CHAT_N = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION_N = {"model": MODEL, "prompt": "Hi"}
+
+
+@pytest.mark.parametrize("path,body,n", [("/v1/chat/completions", CHAT_N, 2), ("/v1/chat/completions", CHAT_N, 3),
+                                         ("/v1/completions", COMPLETION_N, 3)])
+def test_stream_disconnect_aborts_every_choice(server, backend, caplog, path, body, n):
+    """n > 1 streams its choices interleaved, one engine request each: a client that leaves aborts them all,
+    and closing them logs no error (their readers were still running when the stream closed: "aclose():
+    asynchronous generator is already running" stopped the close at the first choice, leaving the rest)."""
+    for _ in range(n):
+        backend.push(SLOW, chunk=1, delay_s=0.02)
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True, "n": n}, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    wait_for_aborts(backend, {req.request_id for req in backend.requests[-n:]})
+    time.sleep(0.2)  # (the close's log lines, if any, come after the aborts)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+
+
+def test_non_stream_disconnect_aborts_every_choice(server, backend, caplog):
+    for _ in range(3):
+        backend.push(SLOW, chunk=1, delay_s=0.02)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT_N, "n": 3}, timeout=httpx.Timeout(30, read=0.5))
+    wait_for_aborts(backend, {req.request_id for req in backend.requests[-3:]})
+    time.sleep(0.2)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
 
 
 def test_non_stream_disconnect_aborts(server, backend):
