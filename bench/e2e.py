@@ -39,6 +39,7 @@ import torch
 from bench import e2e_costs as costs
 from bench.e2e_engine_runs import engine_runs
 from engine.cuda_graphs import DecodeGraphs, default_buckets
+from engine.memory_budget import activation_bytes
 from engine.model_factory import build_model
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
 from kernels.attention.kv_cache import KV_CACHE_DTYPES, is_fp8, resolve_kv_dtype
@@ -304,7 +305,11 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
                   + [i + o for i, o, _ in THROUGHPUT.values()])  # engine runs hold whole requests
     model_deadline = clock.left() * args.model_share  # build and capture count against it
     t_model = time.perf_counter()
-    h = Harness(name, config, device, args.max_batch, max_ctx, args.headroom_gb, args.checkpoint, args.kv_cache_dtype,
+    # the KV pool leaves the headroom asked, and never less than the engine's own estimate of its largest step
+    # (engine/memory_budget.py; the prefill graphs of 8k-token chunks next to 512 decode rows: 120b ran out of a
+    # fixed 4 GB at capture on 2026-12-04)
+    headroom = max(args.headroom_gb, activation_bytes(config, args.prefill_chunk, args.max_batch) / 2**30)
+    h = Harness(name, config, device, args.max_batch, max_ctx, headroom, args.checkpoint, args.kv_cache_dtype,
                 args.lm_head_dtype, args.mxfp4_decode_max_tokens, args.dense_dtype)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
@@ -368,7 +373,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
         free, total = torch.cuda.mem_get_info(device)
         r["memory_gb"] = {"total": total / 2**30, "free_now": free / 2**30,
                           "peak_allocated": torch.cuda.max_memory_allocated(device) / 2**30,
-                          "headroom_asked": args.headroom_gb}
+                          "headroom_asked": args.headroom_gb, "headroom_used": headroom}
     if args.engine_runs and clock.left() > 60 and time.perf_counter() - t_model < model_deadline:
         engine_runs(h, r, args, clock, save, THROUGHPUT)
     save()

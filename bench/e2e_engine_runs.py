@@ -42,14 +42,18 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
         return
     h.release()
     device = h.device
-    budget = DEFAULT_CPU_BUDGET
+    # CUDA: the pool takes what is free but the headroom, and never what the engine's own estimate of its largest
+    # step needs (engine/memory_budget.py: a fixed 4 GB left 120b at 512 requests x 8k chunks ~0.5 GB short at
+    # prefill-graph capture on 2026-12-04); CPU: a fixed pool
+    budget, fraction = DEFAULT_CPU_BUDGET, 0.9
     if device.type == "cuda":
-        budget = int(torch.cuda.mem_get_info(device)[0] - args.headroom_gb * 2**30)
+        free = torch.cuda.mem_get_info(device)[0]
+        budget, fraction = None, max(1e-3, 1 - args.headroom_gb * 2**30 / free)
     longest = max([scenarios[s][0] + scenarios[s][1] for s in estimates] + [B1_IN + B1_OUT])
     max_seqs = max([p["batch"] for p in estimates.values()] + [1])
     config = EngineConfig(device=str(device), max_num_seqs=max_seqs,
                           max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
-                          kv_cache_bytes=budget, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda",
+                          kv_cache_bytes=budget, gpu_memory_fraction=fraction, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda",
                           prefill_graphs=None if args.prefill_graphs else False,
                           lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
                           dense_dtype=args.dense_dtype)
