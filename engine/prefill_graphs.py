@@ -2,7 +2,7 @@
 
 An eager prefill forward launches ~14 kernels per layer from Python (a Triton launch ~13 us of host
 time, DeepGEMM's grouped GEMM ~35 us): 20b at 1k tokens measured 12.5 ms of GPU kernels in 30.7 ms of
-wall time (at 4k-8k the GPU was already busy: README, "Piecewise prefill graphs"). Attention is the one
+wall time (at 4k-8k the GPU was already busy: bench/RESULTS.md, "Piecewise prefill graphs"). Attention is the one
 part of a step whose launch depends on the step's shape beyond its token count (FlashInfer plans per
 sequence on the host), so it stays eager and everything between two attention calls is replayed:
 

@@ -106,7 +106,7 @@ def default_prefill() -> DeploymentSettings:
     # autoscaling target), but it accepts many more and queues them in its engine (first come, first served,
     # batched into its steps). Refused requests wait in the caller's Serve router, which retries after 0, 25,
     # 50, ... 500 ms: with 16 here, 32 concurrent chats on the tiny CPU model had TTFT p50 1,050-1,350 ms
-    # against 740-890 ms with 64 (three runs each, 2026-11-30, README "The Serve app on GPUs").
+    # against 740-890 ms with 64 (three runs each, 2026-11-30, bench/RESULTS.md, "The Serve app on GPUs").
     return DeploymentSettings(max_ongoing_requests=64, autoscaling=AutoscalingSettings(target_ongoing_requests=4))
 
 
@@ -231,7 +231,7 @@ class ServeAppConfig(_Settings):
     stream_coalescing: bool = Field(
         True, description="A request's tokens that queue up while its replica is busy leave in one message "
                           "(Ray streaming item, SSE chunk) instead of one per engine step: fewer messages per "
-                          "token under load, the same tokens (bench.serve_load; README, The Serve app on GPUs).")
+                          "token under load, the same tokens (bench.serve_load; bench/RESULTS.md, The Serve app on GPUs).")
     warm_up: bool = Field(
         True, description="Before a replica takes traffic, run four short requests through its engine (a prompt, a "
                           "prefix-cache hit in a mixed step, the sampler's paths, drafts; engine/warm_up.py), so the "
@@ -242,7 +242,7 @@ class ServeAppConfig(_Settings):
         True, description="Run prompts on the prefill deployment and move their KV to decode: decode steps "
                           "never wait behind a prompt chunk. False: no prefill deployment; decode replicas run "
                           "prompts themselves (more tokens per GPU, longer token gaps under prompt bursts: "
-                          "README, bench.disaggregated_load).")
+                          "bench/RESULTS.md, bench.disaggregated_load).")
     kv_transport: Literal["auto", "object_store", "cuda_ipc"] = Field(
         "auto", description="How KV moves prefill -> decode. object_store: Ray's object store (host memory, "
                             "any node). cuda_ipc: GPU memory mapped between processes of one node, falling "

@@ -11,7 +11,7 @@ the size limit (above it NCCL's bandwidth wins) and the fallback.
 
 Bytes per call per rank: it writes B x 2880 x 2 and reads world x that. Capturable in CUDA graphs (no
 host sync). Multicast (NVLS) is not used: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stays set.
-Measured on 2x H200 (2026-11-30, README "Tensor and expert parallelism"): in a 120b TP2/EP2 decode graph
+Measured on 2x H200 (2026-11-30, bench/RESULTS.md, "Tensor and expert parallelism on 2x H200"): in a 120b TP2/EP2 decode graph
 9.5 us a call against NCCL's 15.4 us on that instance (step sums 1,124 -> 696 us), the same tokens; the
 default `all_reduce="auto"` picks it where every rank sees the group's GPUs (engine/distributed/worker.py).
 """

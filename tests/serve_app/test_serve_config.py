@@ -200,7 +200,7 @@ def test_cluster_yaml_passes_rays_own_validation():
     starts = [cmd for key in ("head_start_ray_commands", "worker_start_ray_commands") for cmd in prepared[key]
               if "ray start" in cmd]
     assert len(starts) == 2 and all("RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 " in cmd
-                                    for cmd in starts)  # the HTTP front end and data plane the README measured
+                                    for cmd in starts)  # the HTTP front end and data plane bench/RESULTS.md measured
     # A typo is caught by the same validation.
     broken = copy.deepcopy(raw)
     broken["available_node_types"]["h200"]["min_wrokers"] = 1
