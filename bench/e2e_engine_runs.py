@@ -53,7 +53,8 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     max_seqs = max([p["batch"] for p in estimates.values()] + [1])
     config = EngineConfig(device=str(device), max_num_seqs=max_seqs,
                           max_num_batched_tokens=max(args.prefill_chunk, max_seqs), max_model_len=longest,
-                          kv_cache_bytes=budget, gpu_memory_fraction=fraction, kv_cache_dtype=args.kv_cache_dtype, cuda_graphs=device.type == "cuda",
+                          kv_cache_bytes=budget, gpu_memory_fraction=fraction, kv_cache_dtype=args.kv_cache_dtype,
+                          cuda_graphs=device.type == "cuda",
                           prefill_graphs=None if args.prefill_graphs else False,
                           lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
                           dense_dtype=args.dense_dtype)
