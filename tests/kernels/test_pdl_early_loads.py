@@ -78,3 +78,42 @@ def test_slab_gemv_reads_its_scales_and_bias_before_the_wait(tmp_path, monkeypat
     before, after = ptx_around_the_wait(slab_spec(True))
     assert before >= plain_before + 2, f"{before} global loads before the wait (plain launch: {plain_before})"
     assert after >= 1  # the activations
+
+
+def gdc_order(spec: dict) -> list[str]:
+    """The griddepcontrol instructions of the entry's sm_90 PTX, in order."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src, options = tp.source_and_options(spec)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return [line.strip().rstrip(";").split()[0] for line in ptx.splitlines() if "griddepcontrol." in line]
+
+
+def test_early_trigger_launches_dependents_before_the_wait(tmp_path, monkeypatch):
+    """PDL = 2 (pdl.launch with trigger_first under EARLY_TRIGGER) puts launch_dependents ahead of the wait; the
+    plain PDL launch keeps the wait first."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    spec = pdl_entry("_add_rms_norm_kernel")
+    names = tp.resolve_kernel(spec["name"]).arg_names
+    key = [names.index("PDL")]
+    assert gdc_order(spec) == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    early = dict(spec, constant_vals=[2 if k == key else v for k, v in zip(spec["constant_keys"], spec["constant_vals"])])
+    assert gdc_order(early) == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+
+
+def test_launch_gives_the_early_constexpr_only_when_asked(monkeypatch):
+    import torch
+
+    from kernels import pdl
+
+    t = torch.zeros(1)
+    monkeypatch.setattr(pdl, "active", lambda _: True)
+    monkeypatch.setattr(pdl, "EARLY_TRIGGER", True)
+    assert pdl.launch(t, trigger_first=True) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.launch(t) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "EARLY_TRIGGER", False)
+    assert pdl.launch(t, trigger_first=True) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "active", lambda _: False)
+    assert pdl.launch(t, trigger_first=True) == {"PDL": False}
