@@ -16,14 +16,6 @@ loads then arrive while the predecessor finishes; nothing is written early.
 ENABLED, the device is SM90+ and this Triton has the GDC intrinsics; off elsewhere (CPU, the
 interpreter), and only while a CUDA graph is being captured unless CAPTURE_ONLY is False. Set
 ENABLED = False to compare (bench/decode_ab.py).
-
-Early trigger (`launch(t, trigger_first=True)` with EARLY_TRIGGER on): the kernel calls launch_dependents *before*
-its wait, so its successor's blocks may be scheduled (and issue their loads of weights) while this kernel still
-waits on its own predecessor. The successor may then start before this kernel's predecessor has finished, so a
-kernel may take it only if its successor's loads before the wait read nothing that kernel might still be writing:
-weights, step inputs written before the first launch of the step, or (the down GEMM's plan) the output of a
-kernel that finished before this kernel's own blocks could start. The decode MoE GEMMs never trigger early: the
-down GEMM reads the front's plan before its wait, which is safe only while the gate_up GEMM triggers after it.
 """
 
 from __future__ import annotations
@@ -49,8 +41,6 @@ except ImportError:  # an older Triton: PDL stays off
         pass
 
 ENABLED = True
-# launch_dependents before griddepcontrol.wait in the kernels launched with trigger_first (see above)
-EARLY_TRIGGER = False
 # Only launches being captured into a CUDA graph use PDL by default: that is where kernels run back to
 # back (decode); eager prefill is host-bound at small sizes, and PDL there measured within noise
 # (20b TTFT off / all launches / capture only: 1k 32.9 / 34.1 / 31.6 ms, 8k 85.8 / 86.4 / 93.6 ms,
@@ -61,10 +51,7 @@ _CAPABLE: dict = {}
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    if PDL == 2:  # early trigger: the successor may be scheduled before this kernel's predecessor finished
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -79,13 +66,10 @@ def active(t: torch.Tensor) -> bool:
     return _CAPABLE[t.device]
 
 
-def launch(t: torch.Tensor, trigger_first: bool = False) -> dict:
-    """Keyword arguments for a kernel launch on `t`'s device: the PDL constexpr, and launch_pdl when on.
-    trigger_first: the kernel may trigger its successor before its own wait (EARLY_TRIGGER; see the module's
-    docstring for when that is safe); the constexpr is then 2."""
-    if not active(t):
-        return {"PDL": False}
-    return {"PDL": 2 if trigger_first and EARLY_TRIGGER else True, "launch_pdl": True}
+def launch(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch on `t`'s device: the PDL constexpr, and launch_pdl when on."""
+    on = active(t)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @contextlib.contextmanager

@@ -175,11 +175,11 @@ def sink_decode(
         scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=config.block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q, trigger_first=True),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_q_heads, batch)](
             part_o, part_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **pdl.launch(q, trigger_first=True),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1, **pdl.launch(q),
         )
     return out

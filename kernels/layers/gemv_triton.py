@@ -133,5 +133,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ticke
         x, weight, bias if bias is not None else weight, y, partial, tickets, t, n, k, per,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=splits, DOT_BF16=x.is_cuda and x.dtype == torch.bfloat16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x, trigger_first=True))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y

@@ -111,5 +111,5 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
         kw if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0,
         y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
-        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x, trigger_first=True))
+        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
     return y

@@ -88,7 +88,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             sf_k_stride=quant_out.sf_k_stride if quant_out is not None else 0,
             HAS_BIAS=delta_bias is not None, QUANT=quant_out is not None,
             NUM_KB=quant_out.k_blocks if quant_out is not None else 1,
-            num_warps=8 if block >= 4096 else 4, **pdl.launch(x, trigger_first=True))
+            num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out if delta is None else (s, out)
 
 
@@ -212,5 +212,5 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
                                  HALF=head_dim // 2, BLOCK_T=block_t, BLOCK_H=block_h, WRITE_CACHE=write,
                                  V_OUT=v_out is not None, PAGE=k_cache.shape[1] if write else 1,
                                  bias_ptr=qkv if bias is None else bias, HAS_BIAS=bias is not None, num_warps=4,
-                                 **pdl.launch(qkv, trigger_first=True))
+                                 **pdl.launch(qkv))
     return q, k, v

@@ -261,7 +261,7 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
             h.shape[-1] // 2, h.stride(-2), h.stride(0) if splits > 1 else 0, out.data.stride(0), bias.stride(0),
             first_expert, float(alpha), float(limit), out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
             NUM_KB=out.k_blocks, BLOCK_KB=kbp, SPLITS=splits, FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4,
-            **pdl.launch(h, trigger_first=True))
+            **pdl.launch(h))
     return out
 
 
@@ -299,5 +299,5 @@ def combine(y: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.Tensor
         _combine_kernel[(t, triton.cdiv(out.shape[1], block_h))](
             y, row_of_pair, expert_ids, expert_weights, bias, out, out.shape[1], y.stride(-2),
             y.stride(0) if splits > 1 else 0, bias.stride(0), out.stride(0), first_expert,
-            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out, trigger_first=True))
+            TOP_K=k, BLOCK_H=block_h, SPLITS=splits, num_warps=4, **pdl.launch(out))
     return out

@@ -112,8 +112,7 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
-                                    PDL: tl.constexpr, EARLY_ROUTING: tl.constexpr = False,
-                                    PRE_TILE: tl.constexpr = False):
+                                    PDL: tl.constexpr, EARLY_ROUTING: tl.constexpr = False):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,13 +122,6 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         n_active = tl.load(num_active_ptr)
         expert = tl.where(slot < n_active, tl.load(active_ptr + slot), 0)  # slots past n_active hold stale ids
         count = tl.load(counts_ptr + expert)
-        if PRE_TILE:  # the split's first weight tile too (weights and the plan are both final before the wait)
-            kb_first = split * ((NUM_KB + SPLIT_K - 1) // SPLIT_K)
-            offs_n0 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k0 = kb_first * BLOCK_K + tl.arange(0, BLOCK_K)
-            live = (offs_n0 < n) & ((offs_n0 * 0 + slot) < n_active)  # (vector masks: the interpreter's rule)
-            b_first = tl.load(b_ptr + expert.to(tl.int64) * stride_bg + offs_n0[:, None].to(tl.int64) * stride_bn
-                              + offs_k0[None, :], mask=live[:, None] & (offs_k0 < k_valid)[None, :], other=0.0)
     pdl_prologue(PDL)
     if not EARLY_ROUTING:
         n_active = tl.load(num_active_ptr)
@@ -155,17 +147,7 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
         sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        kb_start = kb0
-        if PRE_TILE:  # the loop's first step on the tile loaded before the wait (same order of additions)
-            ok0 = (tl.arange(0, BLOCK_K) < k_valid - kb0 * BLOCK_K) & ((tl.arange(0, BLOCK_K) * 0 + kb0) < NUM_KB)
-            a = tl.load(a_ptrs, mask=t_ok[None, :] & ok0[:, None], other=0.0)
-            sa = tl.load(sfa_ptrs + tl.minimum(kb0, NUM_KB - 1) * sfa_k_stride, mask=t_ok, other=0.0)
-            sb = tl.load(sfb_ptrs + tl.minimum(kb0, NUM_KB - 1))
-            acc += tl.dot(b_first, a) * (sb * sa[None, :])
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-            kb_start += 1
-        for kb in range(kb_start, tl.minimum(kb0 + kb_per_split, NUM_KB)):
+        for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
             k_ok = tl.arange(0, BLOCK_K) < k_valid - kb * BLOCK_K  # K padding (zeros) at or past k_valid: not read
             b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
@@ -181,10 +163,6 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
 # H200, bench/moe.py decode section (2026-11-30): see kernels/moe/NOTES.md.
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
-# The down GEMM (plan_written_before_predecessor) also loads each program's first weight tile before the PDL wait
-# (an A/B of bench/decode_ab, "...-down-tile"; paired with kernels/pdl.py's early trigger, under which the SwiGLU
-# lets the down GEMM's programs in while the gate_up GEMM finishes)
-DOWN_TILE_BEFORE_WAIT = False
 
 
 # decode_splits by step size, overriding its rule (bench/decode_ab and bench/moe A/Bs)
@@ -246,5 +224,5 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
         A_ROW_MAP=a_row_map is not None, EARLY_ROUTING=plan_written_before_predecessor,
-        PRE_TILE=plan_written_before_predecessor and DOWN_TILE_BEFORE_WAIT, **cfg, **pdl.launch(out))
+        **cfg, **pdl.launch(out))
     return out

@@ -278,33 +278,6 @@ def test_grouped_gemm_decode_skips_the_k_padding(splits):
         run(w, a, 200)  # not in the last block
 
 
-@pytest.mark.parametrize("splits,k,t", [(1, 384, 1), (4, 300, 1), (4, 640, 3), (2, 300, 4)])
-def test_decode_gemm_first_tile_before_the_wait_changes_nothing(splits, k, t, monkeypatch):
-    """DOWN_TILE_BEFORE_WAIT (the down GEMM's first weight tile per program loaded before the PDL wait, the loop's
-    first step peeled onto it): bitwise the plain launch, with K padding read or not, a split with no K block
-    (K = 300 is 3 blocks: the 4th split of 4 is empty) and unused slots."""
-    e_local, n = 5, 96
-    w, w_scales = quantize_weight_blocks(torch.randn(e_local, n, k) * 0.05)
-    counts = torch.tensor([t, 0, 1, 0, t], dtype=torch.int32)
-    active = torch.tensor([4, 0, 2, 99, 99], dtype=torch.int32)
-    num_active = torch.tensor([3], dtype=torch.int32)
-    a = epi.Fp8Rows.empty(e_local, t, w.shape[2], "cpu")
-    a.data.zero_()
-    a.data[:, :k].copy_((torch.randn(a.data.shape[0], k) * 50).to(FP8))
-    a.scale_storage.copy_(torch.rand(a.scale_storage.shape) + 0.5)
-
-    def run(pre: bool, k_valid):
-        monkeypatch.setattr(tgg, "DOWN_TILE_BEFORE_WAIT", pre)
-        out = torch.full((splits, a.data.shape[0], n) if splits > 1 else (a.data.shape[0], n), float("nan"),
-                         dtype=torch.float32 if splits > 1 else torch.bfloat16)
-        return tgg.grouped_gemm_decode(a, w, w_scales, out, counts, active, num_active, t, config={"BLOCK_N": 32},
-                                       k_valid=k_valid, plan_written_before_predecessor=True)
-
-    for k_valid in (k, None):
-        plain = run(False, k_valid)
-        assert torch.equal(run(True, k_valid).nan_to_num(7.0), plain.nan_to_num(7.0))  # NaN: rows no count reaches
-
-
 def random_experts(e: int, hidden: int, inter: int) -> TorchExperts:
     """fp32 TorchExperts with weights at a unit-output scale and small biases."""
     te = TorchExperts(e, 0, hidden, inter, 1.702, 7.0, torch.float32)
