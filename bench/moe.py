@@ -287,9 +287,9 @@ def stage_breakdown(layer: Layer, x, ids, weights, backend: str) -> dict:
     stages = {
         "plan": lambda: m.plan_step(ids, backend),
         "dispatch_quant": lambda: epi.dispatch_quant(x, plan.row_of_pair, k, a),
-        "gemm_gate_up": lambda: m._gemm(backend, a, m.w13, m.s13, h, plan, t),
+        "gemm_gate_up": lambda: m._gemm(backend, a, m.w13, m.s13, h, plan, t, m.hidden),
         "swiglu_quant": lambda: epi.swiglu_quant(h, plan.row_of_pair, ids, m.b13, 0, 1.702, 7.0, a2),
-        "gemm_down": lambda: m._gemm(backend, a2, m.w2, m.s2, y, plan, t),
+        "gemm_down": lambda: m._gemm(backend, a2, m.w2, m.s2, y, plan, t, m.intermediate),
         "combine": lambda: epi.combine(y, plan.row_of_pair, ids, weights, m.b2, 0, out),
     }
     result = {}
