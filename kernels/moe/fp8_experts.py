@@ -202,8 +202,14 @@ class Fp8Experts(nn.Module):
             return self(x, *route(logits, top_k))
         if self.front_ticket.device != x.device:
             raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {x.device}")
-        ids, weights, plan, a = front.decode_front(x, router_weight, router_bias, top_k, self.first_expert,
-                                                   self.num_local, self.w13.shape[2], self.front_ticket)
+        from kernels.moe import decode_front_cuda
+
+        if t == 1 and decode_front_cuda.ENABLED and decode_front_cuda.supports(x, router_weight, top_k, self.w13.shape[2]):
+            ids, weights, plan, a = decode_front_cuda.decode_front(x, router_weight, router_bias, top_k,
+                                                                   self.first_expert, self.num_local, self.w13.shape[2])
+        else:
+            ids, weights, plan, a = front.decode_front(x, router_weight, router_bias, top_k, self.first_expert,
+                                                       self.num_local, self.w13.shape[2], self.front_ticket)
         if self._mxfp4 is not None and t <= self.mxfp4_max_tokens and x.is_cuda:
             from kernels.moe import mxfp4_decode_layer
 

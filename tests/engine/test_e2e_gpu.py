@@ -141,8 +141,13 @@ def random_decode_batch(lens: list[int], window: int, device="cuda") -> Attentio
                           is_decode=True)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,cuda_front", [(torch.bfloat16, False), (torch.float8_e4m3fn, False),
+                                                  (torch.bfloat16, True)])
+def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype, cuda_front, monkeypatch):
+    # cuda_front: single-sequence steps route through kernels/moe/decode_front_cuda.py, in the graphs and eagerly
+    from kernels.moe import decode_front_cuda
+
+    monkeypatch.setattr(decode_front_cuda, "ENABLED", cuda_front)
     cfg = gpu_model.config
     sliding = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
     kv = PagedKVCache.allocate(sliding, 1024, 128, BS, 2, 64, kv_dtype, "cuda")

@@ -1,0 +1,74 @@
+"""The MoE decode front of one token as one 8-CTA cluster (csrc/decode_front.cu, sm_90a): router GEMV + bias ->
+top-k softmax -> masked plan -> the token's FP8 row of A, the outputs of decode_front_triton.decode_front at T = 1.
+
+Each warp owns whole router rows (loaded before the PDL wait) so a logit is one warp's dot; the cluster's 64
+warps hand their logits to CTA 0 through distributed shared memory and one cluster barrier, and one warp routes:
+no global partial sums, fence, ticket or re-read as in the Triton front. ENABLED (off until measured faster:
+kernels/moe/NOTES.md) makes Fp8Experts.routed_forward take it for single-token steps on CUDA.
+
+Numerics: logits are exact-product fp32 sums in this kernel's order (equal to the Triton front's whenever the
+sums are exact, e.g. on coarse-grid inputs), then the same bias add and bf16 rounding, top-k (ties to the lower
+id), softmax (ex2.approx, IEEE division) and quantization (IEEE divisions, satfinite e4m3) instructions.
+Built on first use with torch's cpp_extension (needs nvcc; ~1 min).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from kernels import pdl
+from kernels.moe.epilogues_triton import Fp8Rows
+from kernels.moe.routing_triton import MoePlan
+
+ENABLED = False
+MAX_EXPERTS = 128
+MAX_HIDDEN = 3072
+MAX_TOP_K = 8
+
+
+@functools.cache
+def _extension():
+    from torch.utils.cpp_extension import load
+
+    src = Path(__file__).resolve().parents[2] / "csrc" / "decode_front.cu"
+    build = Path(os.environ.get("DECODE_FRONT_CUDA_BUILD_DIR", Path.home() / ".cache" / "gpt_oss_serve" / "decode_front"))
+    build.mkdir(parents=True, exist_ok=True)
+    return load(name="decode_front_ext", sources=[str(src)], build_directory=str(build),
+                extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "-O3"], extra_cflags=["-O3"],
+                verbose=False)
+
+
+def supports(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, k_padded: int) -> bool:
+    """Whether this kernel runs the step: one bf16 token on an SM90+ GPU, shapes within its limits."""
+    e, d = router_weight.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape == (1, d) and router_weight.dtype == torch.bfloat16
+            and e <= MAX_EXPERTS and d % 8 == 0 and d <= MAX_HIDDEN and 0 < top_k <= min(MAX_TOP_K, e)
+            and k_padded % 128 == 0 and d <= k_padded <= 64 * 128
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def decode_front(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int,
+                 first_expert: int, num_local: int, k_padded: int) -> tuple[torch.Tensor, torch.Tensor, MoePlan, Fp8Rows]:
+    """x [1, D] bf16, router [E, D] / [E] bf16 -> (ids [1, k] int32, weights [1, k] fp32, the masked plan with
+    m_cap = 1 and token_of_row, the token's row [1, Kp] fp8 of the gate_up GEMM's A): decode_front_triton's."""
+    if not supports(x, router_weight, top_k, k_padded) or router_bias.shape != router_weight.shape[:1]:
+        raise ValueError(f"decode_front_cuda: x {tuple(x.shape)} {x.dtype}, router {tuple(router_weight.shape)} "
+                         f"{router_weight.dtype}, k={top_k}, Kp={k_padded}: outside this kernel's range")
+    dev = x.device
+    ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(1, top_k, dtype=torch.float32, device=dev)
+    counts = torch.empty(num_local + 1, dtype=torch.int32, device=dev)  # last: number of active experts
+    active = torch.empty(max(1, min(top_k, num_local)), dtype=torch.int32, device=dev)
+    row_of_pair = torch.empty(top_k, dtype=torch.int32, device=dev)
+    token_of_row = torch.empty(num_local, dtype=torch.int32, device=dev)
+    a = Fp8Rows.empty(1, 1, k_padded, dev)
+    _extension().front(x.contiguous(), router_weight.contiguous(), router_bias.contiguous(), ids, weights, counts,
+                       active, row_of_pair, token_of_row, a.data, a.scale_storage, a.sf_k_stride, first_expert,
+                       num_local, pdl.active(x))
+    plan = MoePlan("masked", row_of_pair, counts[:num_local], num_local, 1, active=active,
+                   num_active=counts[num_local:], token_of_row=token_of_row)
+    return ids, weights, plan, a

@@ -1,0 +1,106 @@
+"""The one-token MoE decode front as one CUDA cluster (kernels/moe/decode_front_cuda.py) on the GPU: against the
+twin and bit for bit against the Triton front on coarse-grid inputs (exact sums: any summation order routes
+alike), the token's FP8 row bitwise the Triton front's on gaussian inputs, the layer through it against cuBLAS
+router + route, and CUDA graphs with and without PDL equal to eager calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+from kernels.moe import decode_front_cuda as cuda_front  # noqa: E402
+from kernels.moe import decode_front_triton as triton_front  # noqa: E402
+from kernels.moe import fp8_reference as ref  # noqa: E402
+from kernels.moe.fp8_quant import padded  # noqa: E402
+from kernels.moe.reference import route  # noqa: E402
+from tests.kernels.test_moe_gpu import (D, DEV, E20, K, calc_diff, exact_router_inputs,  # noqa: E402,F401
+                                        experts20, fp8_codes_close)
+
+
+def both_fronts(x, w, b, first, num_local):
+    got = cuda_front.decode_front(x, w, b, K, first, num_local, padded(D))
+    want = triton_front.decode_front(x, w, b, K, first, num_local, padded(D), triton_front.new_ticket(DEV))
+    return got, want
+
+
+@pytest.mark.parametrize("e,first,num_local", [(32, 0, 32), (128, 0, 128), (128, 32, 32), (128, 96, 32)])
+def test_cuda_front_matches_twin_and_triton_front(e, first, num_local):
+    for _ in range(3):  # fresh inputs (each call overwrites every output it owns)
+        x, w, b = exact_router_inputs(1, e)
+        (ids, weights, plan, a), (t_ids, t_weights, t_plan, t_a) = both_fronts(x, w, b, first, num_local)
+        want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front(x, w, b, K, first, num_local,
+                                                                                     padded(D))
+        assert torch.equal(ids, want_ids) and torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
+        used = want_tok >= 0
+        assert torch.equal(plan.token_of_row[used], want_tok[used])
+        torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+        assert plan.active[:int(plan.num_active)].tolist() == torch.nonzero(counts).flatten().tolist()
+        fp8_codes_close(a.data, want_a)
+        torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
+        # and the Triton front's outputs, bit for bit (the weights: the same instructions, the sum's order aside)
+        assert torch.equal(ids, t_ids) and torch.equal(plan.counts, t_plan.counts)
+        assert torch.equal(plan.row_of_pair, t_plan.row_of_pair) and int(plan.num_active) == int(t_plan.num_active)
+        n = int(plan.num_active)
+        assert torch.equal(plan.active[:n], t_plan.active[:n])
+        assert torch.equal(plan.token_of_row[used], t_plan.token_of_row[used])
+        torch.testing.assert_close(weights, t_weights, rtol=2e-7, atol=0)
+        assert torch.equal(a.data.view(torch.uint8), t_a.data.view(torch.uint8))
+        assert torch.equal(a.scales_rows(), t_a.scales_rows())
+
+
+def test_cuda_front_quantizes_gaussian_tokens_as_the_triton_front():
+    x = torch.randn(1, D, device=DEV, dtype=torch.bfloat16) * 3
+    w = torch.randn(128, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
+    b = torch.randn(128, device=DEV, dtype=torch.bfloat16) * 0.1
+    (_, _, _, a), (_, _, _, t_a) = both_fronts(x, w, b, 0, 128)
+    assert torch.equal(a.data.view(torch.uint8), t_a.data.view(torch.uint8))
+    assert torch.equal(a.scales_rows(), t_a.scales_rows())
+
+
+def test_routed_forward_through_the_cuda_front(experts20, monkeypatch):
+    """The layer with the CUDA front against cuBLAS router + route + the same layer (gaussian inputs: a logit may
+    round one bf16 step apart, as for the Triton front)."""
+    fp8, _ = experts20
+    monkeypatch.setattr(cuda_front, "ENABLED", True)
+    w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
+    b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
+    for _ in range(3):
+        x = torch.randn(1, D, device=DEV, dtype=torch.bfloat16)
+        got = fp8.routed_forward(x, w, b, K)
+        assert calc_diff(got, fp8(x, *route(torch.nn.functional.linear(x, w, b), K))) < 1e-6
+
+
+def test_cuda_front_in_graphs_with_and_without_pdl(experts20, monkeypatch):
+    """routed_forward at one token captured with PDL and without: replays on fresh inputs equal the eager call
+    and each other, bit for bit (a launch reading its input early would see the last replay's token)."""
+    from kernels import pdl
+
+    fp8, _ = experts20
+    monkeypatch.setattr(cuda_front, "ENABLED", True)
+    w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
+    b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
+    src = torch.randn(1, D, device=DEV, dtype=torch.bfloat16)
+    norm_w = torch.rand(D, device=DEV) + 0.5
+
+    def chain():  # the front reads what a Triton kernel (the norm, a PDL launch) wrote just before it
+        from kernels import layers
+
+        return fp8.routed_forward(layers.rms_norm(src, norm_w, 1e-5), w, b, K)
+
+    graphs, outs = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        chain()
+        graphs[on] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[on]):
+            outs[on] = chain()
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    for _ in range(4):
+        src.copy_(torch.randn_like(src))
+        eager = chain()
+        for on in (False, True):
+            graphs[on].replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[on], eager), f"PDL {on}"
