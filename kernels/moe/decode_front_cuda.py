@@ -48,6 +48,7 @@ def supports(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, k_padded:
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape == (1, d) and router_weight.dtype == torch.bfloat16
             and e <= MAX_EXPERTS and d % 8 == 0 and d <= MAX_HIDDEN and 0 < top_k <= min(MAX_TOP_K, e)
             and k_padded % 128 == 0 and d <= k_padded <= 64 * 128
+            and x.data_ptr() % 16 == 0 and router_weight.data_ptr() % 16 == 0  # 16-byte vector loads
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
