@@ -15,8 +15,6 @@ Built on first use with torch's cpp_extension (needs nvcc; ~1 min).
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import torch
 
@@ -32,14 +30,9 @@ MAX_TOP_K = 8
 
 @functools.cache
 def _extension():
-    from torch.utils.cpp_extension import load
+    from kernels import cuda_extension
 
-    src = Path(__file__).resolve().parents[2] / "csrc" / "decode_front.cu"
-    build = Path(os.environ.get("DECODE_FRONT_CUDA_BUILD_DIR", Path.home() / ".cache" / "gpt_oss_serve" / "decode_front"))
-    build.mkdir(parents=True, exist_ok=True)
-    return load(name="decode_front_ext", sources=[str(src)], build_directory=str(build),
-                extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "-O3"], extra_cflags=["-O3"],
-                verbose=False)
+    return cuda_extension.load("decode_front.cu", "decode_front_ext", "DECODE_FRONT_CUDA_BUILD_DIR", "decode_front")
 
 
 def supports(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, k_padded: int) -> bool:

@@ -24,8 +24,6 @@ The model uses it through `mxfp4_decode_layer.py` when `EngineConfig.mxfp4_decod
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import torch
 
@@ -104,14 +102,9 @@ def pack_mma_words(blocks: torch.Tensor, scales: torch.Tensor) -> dict:
 @functools.cache
 def _extension():
     """Build (first call, ~1 min) and load csrc/mxfp4_decode.cu for sm_90a."""
-    from torch.utils.cpp_extension import load
+    from kernels import cuda_extension
 
-    src = Path(__file__).resolve().parents[2] / "csrc" / "mxfp4_decode.cu"
-    build = Path(os.environ.get("MXFP4_CUDA_BUILD_DIR", Path.home() / ".cache" / "gpt_oss_serve" / "mxfp4_cuda"))
-    build.mkdir(parents=True, exist_ok=True)
-    return load(name="mxfp4_decode_ext", sources=[str(src)], build_directory=str(build),
-                extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "-O3"],
-                extra_cflags=["-O3"], verbose=False)
+    return cuda_extension.load("mxfp4_decode.cu", "mxfp4_decode_ext", "MXFP4_CUDA_BUILD_DIR", "mxfp4_cuda")
 
 
 def build() -> str:

@@ -12,11 +12,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from kernels.moe import decode_front_cuda as cuda_front  # noqa: E402
 from kernels.moe import decode_front_triton as triton_front  # noqa: E402
-from kernels.moe import fp8_reference as ref  # noqa: E402
 from kernels.moe.fp8_quant import padded  # noqa: E402
 from kernels.moe.reference import route  # noqa: E402
-from tests.kernels.test_moe_gpu import (D, DEV, E20, K, calc_diff, exact_router_inputs,  # noqa: E402,F401
-                                        experts20, fp8_codes_close)
+from tests.kernels.test_moe_gpu import (D, DEV, E20, K, assert_front_matches_twin,  # noqa: E402,F401
+                                        calc_diff, exact_router_inputs, experts20)
 
 
 def both_fronts(x, w, b, first, num_local):
@@ -30,15 +29,7 @@ def test_cuda_front_matches_twin_and_triton_front(e, first, num_local):
     for _ in range(3):  # fresh inputs (each call overwrites every output it owns)
         x, w, b = exact_router_inputs(1, e)
         (ids, weights, plan, a), (t_ids, t_weights, t_plan, t_a) = both_fronts(x, w, b, first, num_local)
-        want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front(x, w, b, K, first, num_local,
-                                                                                     padded(D))
-        assert torch.equal(ids, want_ids) and torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
-        used = want_tok >= 0
-        assert torch.equal(plan.token_of_row[used], want_tok[used])
-        torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
-        assert plan.active[:int(plan.num_active)].tolist() == torch.nonzero(counts).flatten().tolist()
-        fp8_codes_close(a.data, want_a)
-        torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
+        used = assert_front_matches_twin(x, w, b, first, num_local, ids, weights, plan, a)
         # and the Triton front's outputs, bit for bit (the weights: the same instructions, the sum's order aside)
         assert torch.equal(ids, t_ids) and torch.equal(plan.counts, t_plan.counts)
         assert torch.equal(plan.row_of_pair, t_plan.row_of_pair) and int(plan.num_active) == int(t_plan.num_active)

@@ -283,6 +283,11 @@ def test_decode_front_matches_twin(t, e, first, num_local):
     for _ in range(3):  # the ticket is reset for the next call
         ids, weights, plan, a = front.decode_front(x, w, b, K, first, num_local, padded(D), ticket)
     assert int(ticket) == 0
+    assert_front_matches_twin(x, w, b, first, num_local, ids, weights, plan, a)
+
+
+def assert_front_matches_twin(x, w, b, first, num_local, ids, weights, plan, a) -> torch.Tensor:
+    """A decode front's outputs against fp8_reference.decode_front's; returns the mask of token_of_row's used rows."""
     want_ids, want_w, counts, rows, want_tok, want_a, want_sa = ref.decode_front(x, w, b, K, first, num_local, padded(D))
     assert torch.equal(ids, want_ids) and torch.equal(plan.counts, counts) and torch.equal(plan.row_of_pair, rows)
     used = want_tok >= 0
@@ -291,6 +296,7 @@ def test_decode_front_matches_twin(t, e, first, num_local):
     assert plan.active[:int(plan.num_active)].tolist() == torch.nonzero(counts).flatten().tolist()
     fp8_codes_close(a.data, want_a)
     torch.testing.assert_close(a.scales_rows(), want_sa, rtol=1e-6, atol=0)
+    return used
 
 
 @pytest.mark.parametrize("t", [1, 3, 16])
