@@ -56,7 +56,7 @@ from bench.e2e import Harness
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from kernels import pdl
 from kernels.layers import fp8_gemv_triton, fp8_linear
-from kernels.moe import decode_front_cuda, fp8_quant, triton_grouped_gemm
+from kernels.moe import fp8_quant, triton_grouped_gemm
 from model.config import GptOssConfig
 
 SLAB_MAX_TOKENS = fp8_linear.SLAB_MAX_TOKENS  # restored after an fp8-dense-tc variant
@@ -81,7 +81,7 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense+mxfp4-8-cuda-front": (True, True, True, True, "all", 8),
             "fused+pdl-cuda-front": (True, True, True, True, "", 0)}
 # Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING, the MoE decode GEMM's K splits
-# by step size (triton_grouped_gemm.SPLITS_BY_TOKENS), kernels.moe.decode_front_cuda.ENABLED
+# by step size (triton_grouped_gemm.SPLITS_BY_TOKENS), each MoE layer's cuda_front (the model's decode_front otherwise: off)
 TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
           "fp8-dense-splits-4": dict(splits={2: 4, 3: 4, 4: 4}),
           "fp8-dense-splits-3": dict(splits={2: 3, 3: 3, 4: 3}),
@@ -118,11 +118,11 @@ def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp
                 lm_head_large_config: bool = True, read_k_padding: bool = False, splits: dict | None = None,
                 cuda_front: bool = False) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
-    decode_front_cuda.ENABLED = cuda_front
     fp8_quant.READ_K_PADDING = read_k_padding
     triton_grouped_gemm.SPLITS_BY_TOKENS = dict(splits or {})
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
+        layer.mlp.experts.cuda_front = cuda_front
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4
@@ -150,8 +150,10 @@ def run(name: str, args) -> dict:
     device = torch.device("cuda")
     # any MXFP4 variant: random experts drawn as MXFP4 and converted to FP8, so every variant computes one model
     mxfp4 = max(VARIANTS[v][5] for v in args.variants)
+    # the CUDA front built (while the weights are drawn) only when a variant runs it; each variant sets it per layer
+    front = "cuda" if any(TWEAKS.get(v, {}).get("cuda_front") for v in args.variants) else "triton"
     h = Harness(name, config, device, args.max_batch, max([args.ctx + 64] + args.prefill_lens), args.headroom_gb,
-                mxfp4_decode_max_tokens=mxfp4)
+                mxfp4_decode_max_tokens=mxfp4, decode_front=front)
     out = {"variants": {}}
     for variant in args.variants * args.rounds:
         flags = VARIANTS[variant]

@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="replays profiled; the median step is reported")
     p.add_argument("--headroom-gb", type=float, default=10.0)
     p.add_argument("--dense-dtype", default="auto", help="EngineConfig.dense_dtype (fp8_e4m3: the FP8 QKV / O)")
+    p.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"), help="EngineConfig.decode_front")
     p.add_argument("--lm-head-dtype", default="auto", help="EngineConfig.lm_head_dtype")
     p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, help="EngineConfig.mxfp4_decode_max_tokens")
     p.add_argument("--out", default="bench/results/decode_timeline.json")
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     h = Harness(args.model, GptOssConfig.preset(args.model), device, max(args.batch, 1), args.ctx + 64, args.headroom_gb,
                 lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
-                dense_dtype=args.dense_dtype)
+                dense_dtype=args.dense_dtype, decode_front=args.decode_front)
     attn = h.decode_batch(args.batch, args.ctx)
     ids = torch.zeros(args.batch, dtype=torch.long, device=device)
     pos = torch.full((args.batch,), args.ctx, dtype=torch.long, device=device)

@@ -124,7 +124,7 @@ class Harness:
 
     def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float,
                  checkpoint: str | None = None, kv_cache_dtype: str = "auto", lm_head_dtype: str = "auto",
-                 mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto"):
+                 mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto", decode_front: str = "auto"):
         t0 = time.perf_counter()
         self.name, self.config, self.device = name, config, device
         # weights: the checkpoint folder when given (HF layout; MXFP4 / bf16 / FP8-converted experts),
@@ -133,7 +133,7 @@ class Harness:
                                  checkpoint=checkpoint, random_weights=checkpoint is None, max_batch=max_batch,
                                  max_kv_len=max_ctx + 2 * BLOCK, cuda_graph=device.type == "cuda",
                                  lm_head_dtype=lm_head_dtype, mxfp4_decode_max_tokens=mxfp4_decode_max_tokens,
-                                 dense_dtype=dense_dtype)
+                                 dense_dtype=dense_dtype, decode_front=decode_front)
         _sync(device)
         self.build_s = time.perf_counter() - t0
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.model.dtype)
@@ -310,7 +310,7 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     # fixed 4 GB at capture on 2026-12-04)
     headroom = max(args.headroom_gb, activation_bytes(config, args.prefill_chunk, args.max_batch) / 2**30)
     h = Harness(name, config, device, args.max_batch, max_ctx, headroom, args.checkpoint, args.kv_cache_dtype,
-                args.lm_head_dtype, args.mxfp4_decode_max_tokens, args.dense_dtype)
+                args.lm_head_dtype, args.mxfp4_decode_max_tokens, args.dense_dtype, args.decode_front)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
@@ -435,6 +435,9 @@ def main(argv=None) -> int:
     p.add_argument("--dense-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                    help="QKV / O weights: the model's dtype, or FP8 128x128 blocks with FP8 activations in steps "
                         "above 64 tokens (EngineConfig.dense_dtype; opt-in, not exact)")
+    p.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"),
+                   help="MoE front of single-token decode steps (EngineConfig.decode_front; auto: the CUDA cluster "
+                        "front for routers of >= 128 experts)")
     p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
                    help="random weights drawn as MXFP4 (FP8 converted from them) and decode steps of <= T tokens on the "
                         "CUDA MXFP4 GEMM (EngineConfig.mxfp4_decode_max_tokens); 0: FP8 experts only")

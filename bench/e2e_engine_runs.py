@@ -31,6 +31,11 @@ DEFAULT_CPU_BUDGET = 256 * 2**20
 B1_IN, B1_OUT = 1024, 256
 
 
+def uses_cuda_front(engine: LLMEngine) -> bool:
+    """Whether the engine's model routes single-token steps through the CUDA cluster front (decode_front)."""
+    return any(getattr(m, "cuda_front", False) for m in engine.model.modules())
+
+
 def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
     """Run each scenario in `args.engine_runs` (name -> (in_len, out_len, mean ctx)) whose estimate is in
     r["throughput"], at the estimate's batch; results in r["engine_runs"]. Frees the harness's KV pool and
@@ -57,7 +62,7 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
                           cuda_graphs=device.type == "cuda",
                           prefill_graphs=None if args.prefill_graphs else False,
                           lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
-                          dense_dtype=args.dense_dtype)
+                          dense_dtype=args.dense_dtype, decode_front=args.decode_front)
     t0 = time.perf_counter()
     engine = LLMEngine(h.model, config)
     runs = r.setdefault("engine_runs", [])
@@ -109,6 +114,7 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
                  "output_tokens": tokens, "output_tok_s": tokens / wall, "total_tok_s": (tokens + batch * in_len) / wall,
                  "estimate_output_tok_s": estimate["output_tok_s"], "kv_cache_dtype": args.kv_cache_dtype,
                  "lm_head_dtype": args.lm_head_dtype, "dense_dtype": args.dense_dtype,
+                 "decode_front": "cuda" if uses_cuda_front(engine) else "triton",
                  "mxfp4_decode_max_tokens": args.mxfp4_decode_max_tokens,
                  "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps,
                  "method": "measured: LLMEngine.generate over the batch, all requests at once", **setup}
@@ -148,6 +154,7 @@ def single_request(engine: LLMEngine, h, device, setup: dict, name: str = "b1") 
     timed.pop("output_ids")
     point = {"scenario": name, "requests": 1, **timed, "kv_cache_dtype": engine.config.kv_cache_dtype,
              "lm_head_dtype": engine.config.lm_head_dtype, "dense_dtype": engine.config.dense_dtype,
+             "decode_front": "cuda" if uses_cuda_front(engine) else "triton",
              "mxfp4_decode_max_tokens": engine.config.mxfp4_decode_max_tokens,
              "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps - ahead,
              "method": "measured: one request through LLMEngine.step (host work included)", **setup}

@@ -170,7 +170,7 @@ def cmd_generate(args) -> int:
                           kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
                           device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           lm_head_dtype=args.lm_head_dtype, dense_dtype=args.dense_dtype, all_reduce=args.all_reduce,
-                          mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
+                          mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens, decode_front=args.decode_front,
                           enable_prefix_caching=args.prefix_caching,
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
                      help="decode steps of <= T tokens read the checkpoint's MXFP4 experts (CUDA kernel; keeps both "
                           "copies); 0: off")
+    gen.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"),
+                     help="MoE front of single-token decode steps: cuda (one cluster kernel, built with nvcc), triton; "
+                          "auto: cuda for routers of >= 128 experts on SM90+")
     gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                      help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
     gen.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),

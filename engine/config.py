@@ -8,6 +8,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")  # = kernels.attention.kv_cache.KV_CACHE_DTYPES (no torch here)
 LM_HEAD_DTYPES = ("auto", "fp8_e4m3")
 DENSE_DTYPES = ("auto", "fp8_e4m3")
+DECODE_FRONTS = ("auto", "triton", "cuda")
 ALL_REDUCES = ("auto", "nccl", "symm_mem")
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
@@ -52,6 +53,12 @@ class EngineConfig:
     # 1.02-1.07x at batch 1-8, 0.73x at 16 (kernels/moe/NOTES.md): 8 is the useful value. Activations stay bf16
     # there instead of FP8 (the MoE output 50x closer to the bf16 reference's).
     mxfp4_decode_max_tokens: int = 0
+    # The MoE front of single-token decode steps (router GEMV, top-k, plan, the token's FP8 row): "triton" (one
+    # Triton launch, kernels/moe/decode_front_triton.py), "cuda" (one 8-CTA cluster, kernels/moe/
+    # decode_front_cuda.py: built with nvcc while the weights load, 85 s unless prebuilt, scripts/
+    # prebuild_cuda_kernels.py), "auto": cuda for routers of >= 128 experts on SM90+ with the FP8 MoE (120b batch-1
+    # steps 1.02x on the H200; 20b's 32 experts 0.99x), Triton when the build fails (logged).
+    decode_front: str = "auto"
     seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
     # Kernels (engine/model_factory.py): auto = GPU kernels on CUDA, the pure-torch twins on CPU.
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
@@ -130,6 +137,12 @@ class EngineConfig:
                                     f"got {self.mxfp4_decode_max_tokens!r}")
         if self.dense_dtype not in DENSE_DTYPES:
             raise EngineConfigError(f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
+        if self.decode_front not in DECODE_FRONTS:
+            raise EngineConfigError(f"decode_front must be one of {DECODE_FRONTS}, got {self.decode_front!r}")
+        if self.decode_front == "cuda" and (not self.device.startswith("cuda") or self.moe_backend == "torch"):
+            raise EngineConfigError("decode_front='cuda' runs a CUDA kernel of the FP8 MoE: it needs device 'cuda' or "
+                                    f"'cuda:N' and moe_backend 'auto' or 'fp8'; got device {self.device!r}, moe_backend "
+                                    f"{self.moe_backend!r}")
         if self.mxfp4_decode_max_tokens and (not self.device.startswith("cuda") or self.moe_backend == "torch"):
             raise EngineConfigError("mxfp4_decode_max_tokens > 0 needs device 'cuda' or 'cuda:N' and the FP8 MoE "
                                     f"(moe_backend 'auto' or 'fp8'); got device {self.device!r}, moe_backend "

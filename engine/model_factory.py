@@ -14,12 +14,13 @@ Triton FP8 grouped GEMMs for the MoE) and the pure-torch twins on CPU.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import torch
 
-from engine.config import DENSE_DTYPES, LM_HEAD_DTYPES
+from engine.config import DECODE_FRONTS, DENSE_DTYPES, LM_HEAD_DTYPES
 from model.config import GptOssConfig
 from model.gpt_oss import GptOssForCausalLM
 from model.parallel import SINGLE, Parallel
@@ -29,6 +30,8 @@ MOE_BACKENDS = ("auto", "torch", "fp8")
 # DeepGEMM where a build works here (deep_gemm_ops.available() runs a probe GEMM), else Triton. The
 # prebuilt sgl-deep-gemm wheels fail on torch 2.11; a from-source build works (kernels/moe/NOTES.md).
 FP8_KERNELS = "auto"
+
+log = logging.getLogger(__name__)
 
 
 class ModelFactoryError(ValueError):
@@ -129,12 +132,14 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
                 random_weights: bool = False, seed: int = 0, parallel: Parallel = SINGLE,
                 max_batch: int = 256, max_kv_len: int | None = None, cuda_graph: bool = False,
                 progress: bool = False, lm_head_dtype: str = "auto",
-                mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto") -> GptOssForCausalLM:
+                mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto",
+                decode_front: str = "auto") -> GptOssForCausalLM:
     """The model on `device` with resolved backends, from `checkpoint` or (random_weights=True) random;
     lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8), dense_dtype="fp8_e4m3"
     QKV and O (quantize_dense_fp8);
     mxfp4_decode_max_tokens > 0 keeps the MXFP4 experts too, for decode steps of up to that many tokens
-    (EngineConfig.mxfp4_decode_max_tokens)."""
+    (EngineConfig.mxfp4_decode_max_tokens); decode_front picks the MoE front of single-token steps
+    (EngineConfig.decode_front), its CUDA extension building while the weights load."""
     if (checkpoint is None) == (not random_weights):
         raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
     if lm_head_dtype not in LM_HEAD_DTYPES:
@@ -148,13 +153,57 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
                                     f"MoE's experts: it needs a CUDA device and moe_backend 'fp8' (got {device}, {moe})")
         check_mxfp4_copy_fits(config, parallel, torch.cuda.mem_get_info(torch.device(device))[0], dense_dtype,
                               lm_head_dtype)
+    front_build = _start_decode_front(decode_front, config, torch.device(device), attention_backend, moe_backend)
     model = _build(config, device, dtype, attention_backend, moe_backend, checkpoint, seed, parallel, max_batch,
                    max_kv_len, cuda_graph, progress, mxfp4_decode_max_tokens)
+    if front_build is not None:
+        _use_decode_front(model, decode_front, front_build)
     if lm_head_dtype == "fp8_e4m3":
         quantize_lm_head_fp8(model)
     if dense_dtype == "fp8_e4m3":
         quantize_dense_fp8(model)
     return model
+
+
+def _start_decode_front(choice: str, config: GptOssConfig, device: torch.device, attention_backend: str,
+                        moe_backend: str):
+    """The CUDA front's build (a future) when `choice` resolves to it for this model and device, else None."""
+    from kernels.moe import decode_front_cuda
+
+    if choice not in DECODE_FRONTS:
+        raise ModelFactoryError(f"decode_front must be one of {DECODE_FRONTS}, got {choice!r}")
+    _, moe = resolve_backends(attention_backend, moe_backend, device)
+    if choice == "cuda" and (device.type != "cuda" or moe != "fp8"):
+        raise ModelFactoryError(f"decode_front='cuda' runs a CUDA kernel of the FP8 MoE: it needs a CUDA device and "
+                                f"moe_backend 'fp8' (got {device}, {moe})")
+    if not decode_front_cuda.wanted(choice, config.num_local_experts, device, moe):
+        return None
+    why = decode_front_cuda.model_outside_range(config.num_local_experts, config.hidden_size,
+                                                config.num_experts_per_tok, device)
+    if why is not None:
+        if choice == "cuda":
+            raise ModelFactoryError(f"decode_front='cuda': {why}; use decode_front='triton'")
+        return None
+    return decode_front_cuda.build_in_background()
+
+
+def _use_decode_front(model: GptOssForCausalLM, choice: str, build) -> None:
+    """Wait for the CUDA front's build; on success every FP8 MoE layer takes it at one token. A failed build
+    raises for decode_front='cuda' and falls back to the Triton front (logged) for 'auto'."""
+    from kernels.moe.fp8_experts import Fp8Experts
+
+    try:
+        build.result()
+    except Exception as e:  # a compiler error, no nvcc / ninja: the Triton front serves instead
+        if choice == "cuda":
+            raise ModelFactoryError(f"decode_front='cuda': building kernels/moe/decode_front_cuda.py's extension "
+                                    f"failed ({type(e).__name__}: {e}); use decode_front='triton'") from e
+        log.warning("decode_front auto: the CUDA front did not build (%s: %s); single-token steps take the Triton "
+                    "front", type(e).__name__, str(e)[:500])
+        return
+    for module in model.modules():
+        if isinstance(module, Fp8Experts):
+            module.cuda_front = True
 
 
 def check_mxfp4_copy_fits(config: GptOssConfig, parallel: Parallel, free_bytes: int, dense_dtype: str = "auto",
@@ -265,7 +314,8 @@ def random_for_engine(model_config: GptOssConfig, config, parallel: Parallel = S
         model_config, config.device, resolve_dtype(config.dtype, model_config), config.attention_backend,
         config.moe_backend, random_weights=True, seed=seed, parallel=parallel, max_batch=config.max_num_seqs,
         max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, lm_head_dtype=config.lm_head_dtype,
-        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype))
+        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype,
+        decode_front=config.decode_front))
 
 
 def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
@@ -278,7 +328,8 @@ def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, pro
         mc, config.device, resolve_dtype(config.dtype, mc), config.attention_backend, config.moe_backend,
         checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs, max_kv_len=config.max_model_len,
         cuda_graph=config.cuda_graphs, progress=progress, lm_head_dtype=config.lm_head_dtype,
-        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype))
+        mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype,
+        decode_front=config.decode_front))
 
 
 def _with_precompile(model_config: GptOssConfig, config, parallel: Parallel, build):

@@ -165,6 +165,11 @@ class ServeAppConfig(_Settings):
                                     "0: never. Keeps both copies of the experts (~10 GB more for 20b; 120b does not "
                                     "fit one GPU so); needs an original MXFP4 checkpoint. Decode replicas only (and replicas running "
                                     "both phases); ignored on CPU replicas.")
+    decode_front: Literal["auto", "triton", "cuda"] = Field(
+        "auto", description="The MoE front of single-token decode steps (router, top-k, plan, FP8 row). cuda: one "
+                            "8-CTA cluster (built with nvcc while the weights load, 85 s unless the node prebuilt it: "
+                            "cluster.yaml); triton: one Triton launch; auto: cuda for routers of >= 128 experts (120b: "
+                            "batch-1 steps 1.02x on the H200) on GPU replicas, Triton when the build fails.")
     all_reduce: Literal["auto", "nccl", "symm_mem"] = Field(
         "auto", description="The ranks' sums in a TP/EP replica; symm_mem: a one-shot all-reduce over symmetric "
                             "memory for decode-sized tensors (<= 256 KiB), NCCL above; auto: symm_mem where every "
@@ -371,6 +376,7 @@ class ServeAppConfig(_Settings):
             lm_head_dtype=self.lm_head_dtype,
             dense_dtype=self.dense_dtype,
             mxfp4_decode_max_tokens=mxfp4,
+            decode_front=self.decode_front if device != "cpu" else "auto",
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",

@@ -3,17 +3,20 @@ top-k softmax -> masked plan -> the token's FP8 row of A, the outputs of decode_
 
 Each warp owns whole router rows (loaded before the PDL wait) so a logit is one warp's dot; the cluster's 64
 warps hand their logits to CTA 0 through distributed shared memory and one cluster barrier, and one warp routes:
-no global partial sums, fence, ticket or re-read as in the Triton front. ENABLED (off until measured faster:
-kernels/moe/NOTES.md) makes Fp8Experts.routed_forward take it for single-token steps on CUDA.
+no global partial sums, fence, ticket or re-read as in the Triton front. A layer's `Fp8Experts.cuda_front` makes
+routed_forward take it for single-token steps on CUDA; engine/model_factory.py sets it from EngineConfig.decode_front
+(`wanted`: auto = routers of at least AUTO_MIN_EXPERTS experts, where it measured faster; kernels/moe/NOTES.md).
 
 Numerics: logits are exact-product fp32 sums in this kernel's order (equal to the Triton front's whenever the
 sums are exact, e.g. on coarse-grid inputs), then the same bias add and bf16 rounding, top-k (ties to the lower
 id), softmax (ex2.approx, IEEE division) and quantization (IEEE divisions, satfinite e4m3) instructions.
-Built on first use with torch's cpp_extension (needs nvcc; ~1 min).
+Built with torch's cpp_extension (needs nvcc and ninja; 85 s on the H200 node, then loaded from the build folder):
+`build_in_background()` while a model loads, `scripts/prebuild_cuda_kernels.py` where nodes are set up.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import torch
@@ -22,7 +25,9 @@ from kernels import pdl
 from kernels.moe.epilogues_triton import Fp8Rows
 from kernels.moe.routing_triton import MoePlan
 
-ENABLED = False
+# auto turns it on for routers of at least this many experts: 120b's 128 measured 1.02x per batch-1 step, 20b's
+# 32 0.99x (half the warps idle in the dot; H200, 2026-12-04, kernels/moe/NOTES.md)
+AUTO_MIN_EXPERTS = 128
 MAX_EXPERTS = 128
 MAX_HIDDEN = 3072
 MAX_TOP_K = 8
@@ -33,6 +38,37 @@ def _extension():
     from kernels import cuda_extension
 
     return cuda_extension.load("decode_front.cu", "decode_front_ext", "DECODE_FRONT_CUDA_BUILD_DIR", "decode_front")
+
+
+def build_in_background() -> concurrent.futures.Future:
+    """Start building (or loading) the extension in a thread; the compile runs in nvcc / ninja subprocesses, so a
+    model can load meanwhile. The future's result() is the module, or raises what the build raised."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode_front_build")
+    future = pool.submit(_extension)
+    pool.shutdown(wait=False)
+    return future
+
+
+def wanted(choice: str, num_experts: int, device: torch.device, moe_backend: str) -> bool:
+    """Whether a model's single-token decode steps should take this front: choice "cuda" always (the caller
+    refuses devices it cannot run on), "triton" never, "auto" on SM90+ CUDA devices with the FP8 MoE and a
+    router of at least AUTO_MIN_EXPERTS (and at most MAX_EXPERTS) experts."""
+    if choice not in ("auto", "triton", "cuda"):
+        raise ValueError(f"decode front must be 'auto', 'triton' or 'cuda', got {choice!r}")
+    if choice != "auto":
+        return choice == "cuda"
+    return (device.type == "cuda" and moe_backend == "fp8" and AUTO_MIN_EXPERTS <= num_experts
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def model_outside_range(num_experts: int, hidden: int, top_k: int, device: torch.device) -> str | None:
+    """Why a model or device cannot take this front (None: it can)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return f"it needs an SM90+ CUDA device, got {device}"
+    if not (num_experts <= MAX_EXPERTS and hidden % 8 == 0 and hidden <= MAX_HIDDEN and 0 < top_k <= MAX_TOP_K):
+        return (f"{num_experts} experts, hidden {hidden}, top-{top_k} are outside its range (<= {MAX_EXPERTS} experts, "
+                f"hidden a multiple of 8 up to {MAX_HIDDEN}, top-k <= {MAX_TOP_K})")
+    return None
 
 
 def supports(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, k_padded: int) -> bool:

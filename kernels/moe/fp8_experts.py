@@ -61,6 +61,9 @@ class Fp8Experts(nn.Module):
         # routed_forward fuses router + routing + plan + quantization into one launch where it can
         # (decode_front_triton); False: the unfused launches, to compare
         self.fused_front = True
+        # single-token steps' front as one CUDA cluster (decode_front_cuda; set by engine/model_factory.py from
+        # EngineConfig.decode_front, its extension built before the first step)
+        self.cuda_front = False
         # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
         # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
         self.swiglu_fast_div: bool | None = None
@@ -204,7 +207,7 @@ class Fp8Experts(nn.Module):
             raise Fp8LayoutError(f"experts on {self.front_ticket.device}, activations on {x.device}")
         from kernels.moe import decode_front_cuda
 
-        if t == 1 and decode_front_cuda.ENABLED and decode_front_cuda.supports(x, router_weight, top_k, self.w13.shape[2]):
+        if t == 1 and self.cuda_front and decode_front_cuda.supports(x, router_weight, top_k, self.w13.shape[2]):
             ids, weights, plan, a = decode_front_cuda.decode_front(x, router_weight, router_bias, top_k,
                                                                    self.first_expert, self.num_local, self.w13.shape[2])
         else:

@@ -145,9 +145,9 @@ def random_decode_batch(lens: list[int], window: int, device="cuda") -> Attentio
                                                   (torch.bfloat16, True)])
 def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype, cuda_front, monkeypatch):
     # cuda_front: single-sequence steps route through kernels/moe/decode_front_cuda.py, in the graphs and eagerly
-    from kernels.moe import decode_front_cuda
-
-    monkeypatch.setattr(decode_front_cuda, "ENABLED", cuda_front)
+    for m in gpu_model.modules():
+        if isinstance(m, Fp8Experts):
+            monkeypatch.setattr(m, "cuda_front", cuda_front)
     cfg = gpu_model.config
     sliding = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
     kv = PagedKVCache.allocate(sliding, 1024, 128, BS, 2, 64, kv_dtype, "cuda")
@@ -180,24 +180,28 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype, cuda_front, 
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("kv_cache_dtype,fp8,mxfp4", [("auto", "", 0), ("fp8_e4m3", "", 0), ("auto", "lm_head", 0),
-                                                   ("auto", "dense", 0), ("auto", "", 4)])
-def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8, mxfp4, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype,fp8,mxfp4,front", [
+    ("auto", "", 0, "auto"), ("fp8_e4m3", "", 0, "auto"), ("auto", "lm_head", 0, "auto"), ("auto", "dense", 0, "auto"),
+    ("auto", "", 4, "auto"), ("auto", "dense", 0, "cuda")])
+def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8, mxfp4, front, monkeypatch):
     # The engine's own graph paths (ModelRunner.execute -> DecodeGraphs, and PrefillGraphs for the prompts)
     # against the same engine without graphs, same random weights: identical greedy tokens for a mixed
     # batch. Both backends are built for graphs (split counts fixed by batch size): a backend planned per
     # step picks other split counts, which changes the summation order and, on this tiny model, flipped a
     # near-tie on the H200. mxfp4: experts drawn as MXFP4, decode steps of <= 4 tokens on the CUDA MXFP4 GEMM.
-    # fp8 "dense": QKV / O in FP8 (dense_dtype), the 130- and 700-token prompts on FP8 activations.
-    from kernels.moe import mxfp4_decode_layer
+    # fp8 "dense": QKV / O in FP8 (dense_dtype), the 130- and 700-token prompts on FP8 activations. front "cuda":
+    # decode_front='cuda', single-sequence steps' MoE front as one CUDA cluster (auto leaves 8 experts on Triton).
+    from kernels.moe import decode_front_cuda, mxfp4_decode_layer
 
-    mxfp4_calls = []
-    run_mxfp4 = mxfp4_decode_layer.decode_experts
+    mxfp4_calls, front_calls = [], []
+    run_mxfp4, run_front = mxfp4_decode_layer.decode_experts, decode_front_cuda.decode_front
     monkeypatch.setattr(mxfp4_decode_layer, "decode_experts", lambda *a: mxfp4_calls.append(a[0].shape[0]) or run_mxfp4(*a))
+    monkeypatch.setattr(decode_front_cuda, "decode_front", lambda *a: front_calls.append(a[0].shape[0]) or run_front(*a))
 
     def engine(graphs: bool, prefill_graphs: bool) -> LLMEngine:
         model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=8,
-                            max_kv_len=2048, cuda_graph=True, mxfp4_decode_max_tokens=mxfp4)
+                            max_kv_len=2048, cuda_graph=True, mxfp4_decode_max_tokens=mxfp4, decode_front=front)
+        assert all(m.cuda_front == (front == "cuda") for m in model.modules() if isinstance(m, Fp8Experts))
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
         if fp8 == "lm_head":  # lm_head_dtype="fp8_e4m3": the FP8 GEMV in the graphs and for the prompts' last tokens
@@ -230,6 +234,8 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
             assert "eager" not in paths, paths  # every step replayed one kind of graph
     # eager decode steps of 3 sequences (and the graphs' capture at buckets 1-4) went through the MXFP4 layer
     assert (3 in mxfp4_calls and max(mxfp4_calls) <= 4) if mxfp4 else not mxfp4_calls, mxfp4_calls
+    # the first request's single-sequence steps (eager, and the bucket-1 graph's capture) took the CUDA front
+    assert (front_calls and set(front_calls) == {1}) if front == "cuda" else not front_calls, front_calls
     assert outputs[0] == outputs[1], "decode graphs changed the greedy tokens"
     assert outputs[1] == outputs[2], "prefill graphs changed the greedy tokens"
 

@@ -54,7 +54,7 @@ def test_routed_forward_through_the_cuda_front(experts20, monkeypatch):
     """The layer with the CUDA front against cuBLAS router + route + the same layer (gaussian inputs: a logit may
     round one bf16 step apart, as for the Triton front)."""
     fp8, _ = experts20
-    monkeypatch.setattr(cuda_front, "ENABLED", True)
+    monkeypatch.setattr(fp8, "cuda_front", True)
     w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
     b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
     for _ in range(3):
@@ -69,7 +69,7 @@ def test_cuda_front_in_graphs_with_and_without_pdl(experts20, monkeypatch):
     from kernels import pdl
 
     fp8, _ = experts20
-    monkeypatch.setattr(cuda_front, "ENABLED", True)
+    monkeypatch.setattr(fp8, "cuda_front", True)
     w = torch.randn(E20, D, device=DEV, dtype=torch.bfloat16) * D ** -0.5
     b = torch.randn(E20, device=DEV, dtype=torch.bfloat16) * 0.1
     src = torch.randn(1, D, device=DEV, dtype=torch.bfloat16)
@@ -95,3 +95,23 @@ def test_cuda_front_in_graphs_with_and_without_pdl(experts20, monkeypatch):
             graphs[on].replay()
             torch.cuda.synchronize()
             assert torch.equal(outs[on], eager), f"PDL {on}"
+
+
+def test_auto_takes_the_cuda_front_for_128_experts_only():
+    """EngineConfig.decode_front through build_model on the GPU: auto builds the extension while the weights are
+    drawn and flags every layer for routers of 128 experts, not 32; 'cuda' flags them at 32 too."""
+    from engine.model_factory import build_model
+    from kernels.moe.fp8_experts import Fp8Experts
+    from model.config import GptOssConfig
+
+    def flagged(experts: int, choice: str) -> list[bool]:
+        config = GptOssConfig(num_hidden_layers=2, num_local_experts=experts, vocab_size=512, hidden_size=256,
+                              intermediate_size=256, num_attention_heads=16, num_key_value_heads=2)
+        model = build_model(config, "cuda", torch.bfloat16, random_weights=True, max_batch=4, max_kv_len=256,
+                            decode_front=choice)
+        return [m.cuda_front for m in model.modules() if isinstance(m, Fp8Experts)]
+
+    assert flagged(128, "auto") == [True, True]
+    assert flagged(32, "auto") == [False, False]
+    assert flagged(32, "cuda") == [True, True]
+    assert flagged(128, "triton") == [False, False]
