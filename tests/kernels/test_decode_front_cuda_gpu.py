@@ -36,7 +36,8 @@ def test_cuda_front_matches_twin_and_triton_front(e, first, num_local):
         n = int(plan.num_active)
         assert torch.equal(plan.active[:n], t_plan.active[:n])
         assert torch.equal(plan.token_of_row[used], t_plan.token_of_row[used])
-        torch.testing.assert_close(weights, t_weights, rtol=2e-7, atol=0)
+        # two fp32 ulps: the sum of the four exps in the other front's order (seen: 2.19e-7 relative, 2026-12-04)
+        torch.testing.assert_close(weights, t_weights, rtol=2.4e-7, atol=0)
         assert torch.equal(a.data.view(torch.uint8), t_a.data.view(torch.uint8))
         assert torch.equal(a.scales_rows(), t_a.scales_rows())
 
