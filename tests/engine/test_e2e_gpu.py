@@ -305,9 +305,12 @@ def test_prefix_cache_hits_export_the_kv_an_uncached_engine_computes(gpu_model, 
     (cached, hits), (plain, _) = exports(True), exports(False)
     assert hits == 192
     # The rows of the shared positions come from the first prompt's pages: bf16 noise at most (a wrong page would
-    # be off by O(1)). The second prompt's own rows (positions >= 192) attend to the stored prefix in the cached
-    # engine and to the step's own rows in the uncached one (other kernels; with fp8 pages, rounded vs unrounded
-    # K/V), so they differ from layer 1 on, growing with depth on this random model; layer 0's are attention-free.
+    # be off by O(1); measured 0). The second prompt's own rows (positions >= 192) attend to the stored prefix in
+    # the cached engine and to the step's own rows in the uncached one (other kernels; with fp8 pages rounded vs
+    # unrounded K/V), so they differ from layer 1 on; layer 0's are attention-free. H200, 2026-12-04, by layer 0-3:
+    # bf16 pages 0 / 0 / 0.012 / 0.022, fp8 pages 0 / 0.16 / 0.29 / 0.26 (fp8's rounding of the prefix flips
+    # near-tie top-4 routings of this random 8-expert model, which moves a token's hidden state by O(1) there).
+    deep_limit = 0.05 if kv_cache_dtype == "auto" else 0.5
     n = gpu_model.config.num_hidden_layers
     tails = []
     for rid in plain:
@@ -321,7 +324,7 @@ def test_prefix_cache_hits_export_the_kv_an_uncached_engine_computes(gpu_model, 
             tails.append((rid, "kv"[i // n], i % n, round(((a[cut:] - b[cut:]).norm() / b[cut:].norm()).item(), 4)))
     print(f"prefix cache, {kv_cache_dtype} pages: relative difference of the prompts' own rows by (request, k/v, "
           f"layer): {tails}")
-    assert all(rel <= 0.02 for *_, layer, rel in tails if layer == 0), tails
+    assert all(rel <= (0.02 if layer == 0 else deep_limit) for *_, layer, rel in tails), tails
     assert all(rel == 0 for rid, *_, rel in tails if rid == "x0"), tails  # no hit: the same computation
 
 
