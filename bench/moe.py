@@ -8,7 +8,8 @@ Variants, each checked against TorchExperts (bf16, same dequantized weights) bef
   fp8_dg_alt the other layout at T = 64 and 512 (how the threshold was chosen)
   fp8_tr     Fp8Experts, Triton only (the decode GEMM for T <= 64, the grouped GEMM above)
   fp8_routed (T <= 16) router + layer as the engine's decode step runs them: Fp8Experts.routed_forward, the
-             fused decode front (router GEMV, top-k, plan, quantization in one launch) then fp8_tr's path
+             fused decode front (router GEMV, top-k, plan, quantization in one launch; at T = 1 the front
+             EngineConfig.decode_front="auto" picks: the CUDA cluster front for 120b's 128 experts) then fp8_tr's path
 The engine runs fp8_tr's path at T <= 64 and fp8_dg's above (Fp8Experts.decode_kernel = "triton").
   bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
 Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
@@ -175,6 +176,9 @@ def bench_routed(model: str, layer: Layer, t: int) -> dict:
     rb = (torch.randn(layer.e, device=DEV, generator=g) * 0.1).bfloat16()
     xs = [(torch.randn(t, D, device=DEV, dtype=torch.bfloat16, generator=g),) for _ in range(4)]
     layer.fp8.backend, layer.fp8.masked_max_tokens, layer.fp8.use_psum, layer.fp8.decode_kernel = "triton", 64, True, "triton"
+    from kernels.moe import decode_front_cuda
+
+    layer.fp8.cuda_front = decode_front_cuda.wanted("auto", layer.e, DEV, "fp8")
 
     def fn(x):
         return layer.fp8.routed_forward(x, rw, rb, TOP_K)
@@ -183,7 +187,8 @@ def bench_routed(model: str, layer: Layer, t: int) -> dict:
     diff = calc_diff(fn(xs[0][0]), layer.ref(xs[0][0], *routed[0]))
     us, mode = graph_time_us(fn, xs)
     distinct = sum(int(torch.unique(ids).numel()) for ids, _ in routed) / len(routed)
-    return layer_row(model, layer.e, t, "fp8_routed", us, mode, diff, distinct, FP8_EXPERT_BYTES)
+    return layer_row(model, layer.e, t, "fp8_routed", us, mode, diff, distinct, FP8_EXPERT_BYTES,
+                     front="cuda" if layer.fp8.cuda_front and t == 1 else "triton")
 
 
 def layer_row(model: str, e: int, t: int, variant: str, us: float, mode: str, diff: float, distinct: float,

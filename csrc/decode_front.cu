@@ -14,43 +14,13 @@
 // within fp32 rounding before the bf16 rounding both apply). The softmax (ex2.approx of x * log2(e), IEEE division)
 // and the quantization (IEEE divisions, satfinite e4m3) are the Triton front's instructions.
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
 #include <cuda_fp8.h>
-#include <cstdint>
-#ifndef DECODE_FRONT_KERNEL_ONLY  // (defined: the kernel alone, e.g. nvcc -c on a machine without torch's CUDA headers)
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <torch/extension.h>
-#endif
+
+#include "decode_front.cuh"
 
 namespace cg = cooperative_groups;
 
 namespace decode_front {
-
-constexpr int kCluster = 8;
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kMaxExperts = 128;
-constexpr int kExpertsPerWarp = kMaxExperts / (kCluster * kWarps);  // 2
-constexpr int kVecPerLane = 12;  // 16-byte vectors of a router row per lane: hidden <= 12 * 32 * 8 = 3072
-constexpr int kMaxTopK = 8;
-constexpr int kValsPerLane = kMaxExperts / 32;  // the routing warp's logits per lane
-
-struct Args {
-    const __nv_bfloat16* x;     // [hidden], the one token
-    const __nv_bfloat16* w;     // [num_experts, hidden]
-    const __nv_bfloat16* bias;  // [num_experts]
-    int* ids;                   // [top_k]
-    float* weights;             // [top_k]
-    int* counts;                // [num_local + 1]: pairs per local expert, then the number of active experts
-    int* active;                // the active local experts, ascending
-    int* row_of_pair;           // [top_k]: e_local (m_cap = 1), or -1 for another rank's expert
-    int* token_of_row;          // [num_local]
-    uint8_t* a;                 // [kp] e4m3 codes of the token (zeros past hidden)
-    float* sf;                  // the scale of channel block kb at sf[kb * sf_k_stride]
-    int64_t sf_k_stride;
-    int hidden, kp, num_experts, top_k, first_expert, num_local;
-};
 
 __device__ __forceinline__ float ex2_approx(float v) {
     float r;
@@ -200,35 +170,12 @@ __global__ void __launch_bounds__(kThreads, 1) front_kernel(const Args args) {
     args.counts[args.num_local] = n;
 }
 
-#ifndef DECODE_FRONT_KERNEL_ONLY
-void launch(torch::Tensor x, torch::Tensor w, torch::Tensor bias, torch::Tensor ids, torch::Tensor weights,
-            torch::Tensor counts, torch::Tensor active, torch::Tensor row_of_pair, torch::Tensor token_of_row,
-            torch::Tensor a, torch::Tensor sf, int64_t sf_k_stride, int64_t first_expert, int64_t num_local,
-            bool pdl) {
-    const int hidden = static_cast<int>(x.size(-1)), num_experts = static_cast<int>(w.size(0));
-    const int top_k = static_cast<int>(ids.numel()), kp = static_cast<int>(a.size(-1));
-    TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.numel() == hidden && x.is_contiguous(),
-                "x: one contiguous bf16 row on the GPU");
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) == hidden, "router weight [E, hidden] bf16");
-    TORCH_CHECK(bias.scalar_type() == at::kBFloat16 && bias.numel() == num_experts, "router bias [E] bf16");
-    TORCH_CHECK(hidden % 8 == 0 && hidden <= kVecPerLane * 32 * 8 && num_experts <= kMaxExperts && top_k <= kMaxTopK
-                    && top_k <= num_experts && kp % 128 == 0 && hidden <= kp && kp <= kCluster * kWarps * 128,
-                "decode_front: shapes out of this kernel's range");
-    TORCH_CHECK(ids.scalar_type() == at::kInt && weights.scalar_type() == at::kFloat && counts.scalar_type() == at::kInt
-                    && active.scalar_type() == at::kInt && row_of_pair.scalar_type() == at::kInt
-                    && token_of_row.scalar_type() == at::kInt && sf.scalar_type() == at::kFloat
-                    && a.element_size() == 1 && a.is_contiguous(),
-                "decode_front: output dtypes");
-    Args args{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(w.data_ptr()),
-              reinterpret_cast<const __nv_bfloat16*>(bias.data_ptr()), ids.data_ptr<int>(), weights.data_ptr<float>(),
-              counts.data_ptr<int>(), active.data_ptr<int>(), row_of_pair.data_ptr<int>(), token_of_row.data_ptr<int>(),
-              reinterpret_cast<uint8_t*>(a.data_ptr()), sf.data_ptr<float>(), sf_k_stride,
-              hidden, kp, num_experts, top_k, static_cast<int>(first_expert), static_cast<int>(num_local)};
+cudaError_t launch(const Args& args, cudaStream_t stream, bool pdl) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(kCluster, 1, 1);
     cfg.blockDim = dim3(kThreads, 1, 1);
     cfg.dynamicSmemBytes = 0;
-    cfg.stream = at::cuda::getCurrentCUDAStream();
+    cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = kCluster;
@@ -238,14 +185,7 @@ void launch(torch::Tensor x, torch::Tensor w, torch::Tensor bias, torch::Tensor 
     attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 2 : 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, front_kernel, args));
+    return cudaLaunchKernelEx(&cfg, front_kernel, args);
 }
 
-#endif
 }  // namespace decode_front
-
-#ifndef DECODE_FRONT_KERNEL_ONLY
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("front", &decode_front::launch, "MoE decode front of one token in one 8-CTA cluster (sm_90a)");
-}
-#endif

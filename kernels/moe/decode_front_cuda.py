@@ -37,7 +37,9 @@ MAX_TOP_K = 8
 def _extension():
     from kernels import cuda_extension
 
-    return cuda_extension.load("decode_front.cu", "decode_front_ext", "DECODE_FRONT_CUDA_BUILD_DIR", "decode_front")
+    # the kernel (nvcc, no torch headers) and its binding (host compiler) build in parallel
+    return cuda_extension.load(["decode_front.cu", "decode_front_binding.cpp"], "decode_front_ext",
+                               "DECODE_FRONT_CUDA_BUILD_DIR", "decode_front")
 
 
 def build_in_background() -> concurrent.futures.Future:
