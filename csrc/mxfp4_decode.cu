@@ -24,10 +24,9 @@
 // griddepcontrol.wait comes first (the routing comes from the previous kernel), so only the launch
 // latency overlaps.
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+
+#include "mxfp4_decode.cuh"
 
 namespace mxfp4_decode {
 
@@ -76,28 +75,7 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     return v;
 }
 
-struct Args {
-    const __nv_bfloat16* a;   // [rows or tokens, K] bf16
-    const uint4* words;       // [E, RT, C, 32] (16 bytes per lane per 64-deep chunk)
-    const uint32_t* scales;   // [E, RT, C, 8]: bytes (row g, 2c), (g + 8, 2c), (g, 2c + 1), (g + 8, 2c + 1)
-    __nv_bfloat16* out;       // [E * rows_per_group, N]
-    const int* counts;        // [E]
-    const int* active;        // [slots]: expert ids, the first *num_active valid
-    const int* num_active;    // [1]
-    const int* a_row_map;     // [E * rows_per_group] -> row of A, or null (A in the masked layout)
-    long long stride_a, stride_out;
-    int rows_per_group, n, k, row_tiles, chunks;
-    int max_tokens;           // rows of the activation tile in shared memory (+1 zero row)
-    int tiles_per_block, k_splits;
-    int chunks_per_piece;     // bulk kernel: chunks per copy (and mbarrier)
-};
 
-// Words of one activation row in shared memory: chunks x 32, then padding so that the four rows a
-// half-warp's 8-byte loads touch fall on different banks.
-__host__ __device__ __forceinline__ int x_row_words(int chunks) {
-    const int w = chunks * 32;
-    return w + ((8 - w) & 31);
-}
 
 __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t v) {
     float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xFFFF0000u);
@@ -398,7 +376,6 @@ __global__ void __maxnreg__(NT == 1 ? 56 : 72) mxfp4_mma_decode_async_kernel(con
 // own shared-memory buffer, in pieces of chunks_per_piece, each completing on its own mbarrier; the warp
 // computes a piece as soon as it lands. Shared memory: activation rows, K-split partials, then per warp
 // per_part x 512 bytes of words, per_part x 32 bytes of scales, kMaxPieces mbarriers.
-constexpr int kMaxPieces = 16;
 
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -473,20 +450,13 @@ __global__ void mxfp4_mma_decode_bulk_kernel(const Args args) {
 
 }  // namespace mxfp4_decode
 
-#ifndef MXFP4_KERNELS_ONLY
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
-
 namespace mxfp4_decode {
 
 using Kernel = void (*)(const Args);
-constexpr int kMaxSmem = 227 * 1024;  // the H100/H200 opt-in limit per block
 
 // The configurations built: NT (token tiles) x (ring DEPTH 4 / 8, async DEPTH 6 / 8, or bulk); the bench
 // sweeps them. kind: 0 ring, 1 bulk, 2 async.
-Kernel select(int nt, int depth, int kind) {
+static Kernel select(int nt, int depth, int kind) {
     if (kind == 1) return nt == 1 ? mxfp4_mma_decode_bulk_kernel<1> : mxfp4_mma_decode_bulk_kernel<2>;
     if (kind == 2) {
         if (depth == 6) return nt == 1 ? mxfp4_mma_decode_async_kernel<1, 6> : mxfp4_mma_decode_async_kernel<2, 6>;
@@ -501,94 +471,25 @@ Kernel select(int nt, int depth, int kind) {
     return nullptr;
 }
 
-void launch(torch::Tensor a, torch::Tensor words, torch::Tensor scales, torch::Tensor out, torch::Tensor counts,
-            torch::Tensor active, torch::Tensor num_active, c10::optional<torch::Tensor> a_row_map,
-            int64_t rows_per_group, int64_t n, int64_t k, int64_t max_tokens, int64_t tiles_per_block,
-            int64_t k_splits, int64_t depth, int64_t kind, int64_t chunks_per_piece, bool pdl) {
-    TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kBFloat16 && a.dim() == 2 && a.stride(1) == 1 &&
-                    a.size(1) == k && k % 32 == 0,
-                "A must be a CUDA bf16 [rows, K] tensor (K a multiple of 32) with unit stride along K");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && a.stride(0) % 8 == 0,
-                "A rows must be 16-byte aligned");
-    TORCH_CHECK(words.scalar_type() == at::kInt && words.dim() == 5 && words.size(3) == 32 && words.size(4) == 4 &&
-                    words.is_contiguous(),
-                "words must be int32 [E, RT, C, 32, 4] (mxfp4_cuda.pack_mma_words)");
-    const int64_t e = words.size(0), rt = words.size(1), ch = words.size(2);
-    TORCH_CHECK(scales.scalar_type() == at::kInt && scales.is_contiguous() && scales.dim() == 4 &&
-                    scales.size(0) == e && scales.size(1) == rt && scales.size(2) == ch && scales.size(3) == 8,
-                "scales must be int32 [E, RT, C, 8]");
-    TORCH_CHECK(rt * 16 >= n && (rt - 1) * 16 < n && ch * 64 >= k && (ch - 1) * 64 < k, "packed shape mismatch");
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 && out.size(1) == n &&
-                    out.size(0) >= e * rows_per_group,
-                "out must be bf16 [E * rows_per_group, N]");
-    TORCH_CHECK(counts.scalar_type() == at::kInt && active.scalar_type() == at::kInt &&
-                    num_active.scalar_type() == at::kInt && counts.numel() >= e,
-                "counts, active and num_active must be int32");
-    TORCH_CHECK(max_tokens >= 1 && max_tokens <= 16 && max_tokens <= rows_per_group, "1..16 tokens per expert");
-    TORCH_CHECK(tiles_per_block >= 1 && k_splits >= 1 && tiles_per_block * k_splits <= 32,
-                "tiles_per_block x k_splits must be at most 32 warps");
-    const int nt = max_tokens <= 8 ? 1 : 2;
-    const bool bulk = kind == 1;
-    TORCH_CHECK(!bulk || chunks_per_piece > 0, "the bulk kernel needs chunks_per_piece > 0");
-    Kernel kernel = select(nt, static_cast<int>(depth), static_cast<int>(kind));
-    TORCH_CHECK(kernel != nullptr, "no kernel built for kind ", kind, ", DEPTH ", depth);
-    const int64_t per_part = (ch + k_splits - 1) / k_splits;
-    TORCH_CHECK(!bulk || (per_part + chunks_per_piece - 1) / chunks_per_piece <= kMaxPieces,
-                "bulk kernel: at most ", kMaxPieces, " pieces per warp");
-    if (a_row_map.has_value()) TORCH_CHECK(a_row_map->scalar_type() == at::kInt, "a_row_map must be int32");
+bool have_kernel(int nt, int depth, int kind) { return select(nt, depth, kind) != nullptr; }
 
-    Args args;
-    args.a = reinterpret_cast<const __nv_bfloat16*>(a.data_ptr<at::BFloat16>());
-    args.words = reinterpret_cast<const uint4*>(words.data_ptr<int>());
-    args.scales = reinterpret_cast<const uint32_t*>(scales.data_ptr<int>());
-    args.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>());
-    args.counts = counts.data_ptr<int>();
-    args.active = active.data_ptr<int>();
-    args.num_active = num_active.data_ptr<int>();
-    args.a_row_map = a_row_map.has_value() ? a_row_map->data_ptr<int>() : nullptr;
-    args.stride_a = a.stride(0);
-    args.stride_out = out.stride(0);
-    args.rows_per_group = static_cast<int>(rows_per_group);
-    args.n = static_cast<int>(n);
-    args.k = static_cast<int>(k);
-    args.row_tiles = static_cast<int>(rt);
-    args.chunks = static_cast<int>(ch);
-    args.max_tokens = static_cast<int>(max_tokens);
-    args.tiles_per_block = static_cast<int>(tiles_per_block);
-    args.k_splits = static_cast<int>(k_splits);
-    args.chunks_per_piece = static_cast<int>(chunks_per_piece);
+cudaError_t allow_smem(int nt, int depth, int kind, int max_smem) {
+    return cudaFuncSetAttribute(select(nt, depth, kind), cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+}
 
-    const int64_t warps = tiles_per_block * k_splits;
-    size_t smem = (static_cast<size_t>(max_tokens + 1) * x_row_words(args.chunks) +
-                   static_cast<size_t>(k_splits - 1) * tiles_per_block * nt * 4 * 32) * 4;
-    if (bulk) smem += static_cast<size_t>(warps) * (per_part * (512 + 32) + kMaxPieces * 8);
-    if (kind == 2) smem += static_cast<size_t>(warps) * depth * 512;
-    const c10::cuda::CUDAGuard guard(a.device());
-    TORCH_CHECK(smem <= static_cast<size_t>(kMaxSmem), "shared memory of ", smem, " bytes: too many tokens or warps");
-    static bool raised[64][2][3][2] = {};  // once per device and kernel, before any graph capture uses it
-    TORCH_CHECK(a.device().index() < 64, "device index");
-    bool& done = raised[a.device().index()][nt - 1][kind][depth == 8];
-    if (!done) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-        done = true;
-    }
+cudaError_t launch(const Args& args, int nt, int depth, int kind, dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, bool pdl) {
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>((rt + tiles_per_block - 1) / tiles_per_block),
-                       static_cast<unsigned>(active.numel()), 1);
-    cfg.blockDim = dim3(static_cast<unsigned>(32 * warps), 1, 1);
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
-    cfg.stream = c10::cuda::getCurrentCUDAStream(a.device().index());
+    cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args));
+    return cudaLaunchKernelEx(&cfg, select(nt, depth, kind), args);
 }
 
 }  // namespace mxfp4_decode
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("mxfp4_mma_decode", &mxfp4_decode::launch, "MXFP4 grouped decode GEMM (mma.sync, sm_90a)");
-}
-#endif

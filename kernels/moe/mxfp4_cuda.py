@@ -101,10 +101,12 @@ def pack_mma_words(blocks: torch.Tensor, scales: torch.Tensor) -> dict:
 
 @functools.cache
 def _extension():
-    """Build (first call, ~1 min) and load csrc/mxfp4_decode.cu for sm_90a."""
+    """Build (first call, or scripts/prebuild_cuda_kernels.py) and load csrc/mxfp4_decode.cu (the kernels, nvcc) and
+    mxfp4_decode_binding.cpp (the torch binding, host compiler) for sm_90a."""
     from kernels import cuda_extension
 
-    return cuda_extension.load("mxfp4_decode.cu", "mxfp4_decode_ext", "MXFP4_CUDA_BUILD_DIR", "mxfp4_cuda")
+    return cuda_extension.load(["mxfp4_decode.cu", "mxfp4_decode_binding.cpp"], "mxfp4_decode_ext",
+                               "MXFP4_CUDA_BUILD_DIR", "mxfp4_cuda")
 
 
 def build() -> str:

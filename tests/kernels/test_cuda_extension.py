@@ -19,9 +19,10 @@ def test_load_compiles_the_named_source_for_sm90a_into_its_folder(tmp_path, monk
     cuda_extension.load(["decode_front.cu", "decode_front_binding.cpp"], "decode_front_ext", "SOME_BUILD_DIR", "x")
     assert seen["sources"] == [str(cuda_extension.CSRC / s) for s in ("decode_front.cu", "decode_front_binding.cpp")]
     # the sources the kernel wrappers name exist; the .cu kernels include no torch header (nvcc would parse it)
-    for source in ("decode_front.cu", "decode_front_binding.cpp", "decode_front.cuh", "mxfp4_decode.cu"):
+    for source in ("decode_front.cu", "decode_front_binding.cpp", "decode_front.cuh", "mxfp4_decode.cu",
+                   "mxfp4_decode_binding.cpp", "mxfp4_decode.cuh"):
         assert (cuda_extension.CSRC / source).is_file()
-    for source in ("decode_front.cu", "decode_front.cuh"):
+    for source in ("decode_front.cu", "decode_front.cuh", "mxfp4_decode.cu", "mxfp4_decode.cuh"):
         assert "torch" not in "".join(line for line in (cuda_extension.CSRC / source).read_text().splitlines()
                                       if line.startswith("#include")), source
 
