@@ -7,9 +7,10 @@ Serve-handle backend, and tests can serve it with uvicorn around a scripted back
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from engine.request import TokenBackend
@@ -22,6 +23,7 @@ from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from serve_app.openai_api.responses import create_response
 
+RequestT = TypeVar("RequestT", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
 
 
@@ -76,23 +78,29 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
+        req = await parse_request(request, ChatCompletionRequest, config.max_body_bytes)
         check_model(req.model)
         return await create_chat_completion(req, request, ctx)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = CompletionRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
+        req = await parse_request(request, CompletionRequest, config.max_body_bytes)
         check_model(req.model)
         return await create_completion(req, request, ctx)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = ResponsesRequest.model_validate(parse_json(await read_body(request, config.max_body_bytes)))
+        req = await parse_request(request, ResponsesRequest, config.max_body_bytes)
         check_model(req.model)
         return await create_response(req, request, ctx)
 
     return app
+
+
+async def parse_request(request: Request, model: type[RequestT], limit: int) -> RequestT:
+    """The body as `model`, its JSON types checked as OpenAI checks them: strictly, so `"5"`, `true` or `5.0`
+    for an integer (or `"true"` for a boolean) is a 400 naming the field, never silently converted."""
+    return model.model_validate(parse_json(await read_body(request, limit)), strict=True)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -3,7 +3,9 @@
 Requests reject unknown top-level fields (OpenAI answers "Unrecognized request argument"), while
 nested objects ignore extra keys: clients echo earlier responses back (`refusal`, `annotations`,
 `status`, ...) and those must not fail. Parameters the server cannot honour are rejected with a
-message that says what to send instead; nothing is silently ignored that would change the output.
+message that says what to send instead; nothing is silently ignored that would change the output. The app
+validates bodies strictly (`app.parse_request`): JSON types are never converted (`"5"` or `true` for an integer
+is a 400), only a whole number where a float goes passes.
 """
 
 from __future__ import annotations

@@ -48,6 +48,14 @@ CHAT_400 = [
     ("bad role", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("temperature wrong type", {**CHAT, "temperature": "hot"}, "temperature"),
     ("temperature out of range", {**CHAT, "temperature": 3.5}, "temperature"),
+    ("temperature as a string", {**CHAT, "temperature": "0.5"}, "temperature"),
+    ("max_tokens as a boolean", {**CHAT, "max_tokens": True}, "max_tokens"),
+    ("max_tokens as a string", {**CHAT, "max_tokens": "5"}, "max_tokens"),
+    ("max_tokens as a decimal", {**CHAT, "max_tokens": 5.0}, "max_tokens"),
+    ("stream as a string", {**CHAT, "stream": "true"}, "stream"),
+    ("stream as a number", {**CHAT, "stream": 1}, "stream"),
+    ("seed as a string", {**CHAT, "seed": "7"}, "seed"),
+    ("logprobs as a number", {**CHAT, "logprobs": 1}, "logprobs"),
     ("top_p out of range", {**CHAT, "top_p": 0}, "top_p"),
     ("max_tokens zero", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("top_logprobs out of range", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -108,6 +116,8 @@ RESPONSES_400 = [
     ("unmatched call output", {**RESP, "input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
      "input.0.call_id"),
     ("effort", {**RESP, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ("max_output_tokens as a string", {**RESP, "max_output_tokens": "5"}, "max_output_tokens"),
+    ("top_p as a string", {**RESP, "top_p": "1"}, "top_p"),
     ("background", {**RESP, "background": True}, "background"),
     ("text.format type", {**RESP, "text": {"format": {"type": "xml"}}}, "text.format"),
     ("text.format schema unusable", {**RESP, "text": {"format": {"type": "json_schema", "name": "x",
@@ -121,6 +131,16 @@ RESPONSES_400 = [
 def test_responses_bad_requests_are_400(server, client, backend, case, body, param):
     assert_error(post(server, "/v1/responses", body), 400, param)
     assert_still_serving(client, backend)
+
+
+def test_whole_numbers_pass_for_number_fields(server, backend):
+    """Strict JSON types refuse what OpenAI refuses, not what it takes: an integer where a number goes."""
+    backend.push(OK)
+    r = post(server, "/v1/chat/completions", {**CHAT, "temperature": 1, "top_p": 1, "presence_penalty": 0,
+                                              "logit_bias": {"42": 1}})
+    assert r.status_code == 200, r.text
+    sampling = backend.requests[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.logit_bias) == (1.0, 1.0, ((42, 1.0),))
 
 
 def test_openai_client_raises_bad_request_with_fields(client, backend):

@@ -125,8 +125,9 @@ def test_broken_requests_get_4xx_in_openai_shape_and_leave_nothing_held(served):
         if status >= 500 or not shaped or (status == 200 and "server_error" in text):
             failures.append((status, path, json.dumps(body, allow_nan=True)[:300], text[-300:]))
     assert not failures, failures[:5]
-    # both kinds of answer happened: the edits neither always break the body nor never do
-    assert statuses.get(200, 0) >= REQUESTS // 10 and sum(n for s, n in statuses.items() if 400 <= s < 500) \
+    # both kinds of answer happened: the edits neither always break the body nor never do (strict JSON types
+    # refuse the edits that swap a boolean for a number and back, which the lax parsing took: 21 of 240 pass)
+    assert statuses.get(200, 0) >= REQUESTS // 20 and sum(n for s, n in statuses.items() if 400 <= s < 500) \
         >= REQUESTS // 2, statuses
     status, _ = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                       "max_tokens": 3})
