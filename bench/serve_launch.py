@@ -7,11 +7,17 @@ cleanly afterwards.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import urllib.request
 
 APP = "bench"
+
+
+def api_key() -> str:
+    """The key a server started with ingress.api_keys wants: $OPENAI_API_KEY, as the openai client reads it."""
+    return os.environ.get("OPENAI_API_KEY") or "unused"
 
 
 def free_port() -> int:
@@ -63,7 +69,8 @@ class LaunchedApp:
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp:
+                ready = urllib.request.Request(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {api_key()}"})
+                with urllib.request.urlopen(ready, timeout=5) as resp:
                     if resp.status == 200:
                         break
             except OSError:

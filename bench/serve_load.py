@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.serve_launch import api_key
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -104,7 +106,7 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, c
                     timeout_s: float) -> tuple[list[RequestResult], float]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key(), max_retries=0, timeout=timeout_s)
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(content: str) -> RequestResult:
@@ -163,7 +165,7 @@ def error_checks(url: str, model: str) -> list[dict]:
     import httpx
 
     out = []
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {api_key()}"}) as http:
         for what, body in ERROR_CHECKS:
             resp = http.post(f"{url}/v1/chat/completions", json={"model": model, **body})
             try:

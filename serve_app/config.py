@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from serve_app.config_args import ServeConfigError, deep_merge, nest_args
 
@@ -115,6 +115,15 @@ def default_decode() -> DeploymentSettings:
     return DeploymentSettings(max_ongoing_requests=128, autoscaling=AutoscalingSettings(target_ongoing_requests=48))
 
 
+API_KEYS_ENV = "GPTOSS_API_KEYS"  # comma-separated; the default of ingress.api_keys
+
+
+def api_keys_from_env() -> list[SecretStr]:
+    """The keys in $GPTOSS_API_KEYS of the process that builds the app (`serve run`'s, or the cluster's under
+    `serve deploy`): comma-separated, blanks around them dropped."""
+    return [SecretStr(key.strip()) for key in os.environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+
+
 class IngressSettings(_Settings):
     """The HTTP ingress (OpenAI API): CPU-only, torch-free, cheap to replicate."""
 
@@ -125,6 +134,29 @@ class IngressSettings(_Settings):
         None, pattern=r"^\d{4}-\d{2}-\d{2}$",
         description="YYYY-MM-DD in the Harmony system message. None: today's UTC date at each request (the "
                     "prompt, and so the output, then changes at midnight; pin it for reproducible runs).")
+    api_keys: list[SecretStr] = Field(
+        default_factory=api_keys_from_env,
+        description="Keys clients must send on /v1/ paths (`Authorization: Bearer KEY`, the openai client's "
+                    "api_key; else HTTP 401); /health stays open. Empty: no check. A list or comma-separated text; "
+                    "default: $GPTOSS_API_KEYS (comma-separated) where the app is built, which keeps the keys out "
+                    "of the Serve config the dashboard shows.")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _api_keys_text(cls, value: Any) -> Any:
+        return value.split(",") if isinstance(value, str) else value  # `serve run ingress.api_keys=k1,k2`
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for key in keys:
+            value = key.get_secret_value()
+            if not value or any(c.isspace() or c == "," for c in value) or not value.isprintable():
+                raise ValueError("each API key must be a non-empty printable string without spaces or commas")
+        return keys
+
+    def api_key_values(self) -> tuple[str, ...]:
+        return tuple(key.get_secret_value() for key in self.api_keys)
 
 
 class ServeAppConfig(_Settings):

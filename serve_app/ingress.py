@@ -64,15 +64,16 @@ class HarmonyIngress:
     """HTTP ingress. `decode`: the DecodeServer handle; the context limit is asked from it at start."""
 
     async def __init__(self, decode, served_model_name: str, max_context: int | None = None,
-                       conversation_start_date: str | None = None):
+                       conversation_start_date: str | None = None, api_keys: tuple[str, ...] = ()):
         if max_context is None:
             max_context = await decode.max_context.remote()
         self.backend = ServeTokenBackend(decode, max_context)
         self.served_model_name = served_model_name
         self.conversation_start_date = conversation_start_date
+        self.api_keys = api_keys
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import create_app
 
         return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
-                          conversation_start_date=self.conversation_start_date)
+                          conversation_start_date=self.conversation_start_date, api_keys=self.api_keys)

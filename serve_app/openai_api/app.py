@@ -7,7 +7,7 @@ Serve-handle backend, and tests can serve it with uvicorn around a scripted back
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from engine.request import TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
+from serve_app.openai_api.auth import ApiKeyGate
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
@@ -36,12 +37,14 @@ def create_app(
     conversation_start_date: str | None = None,
     knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_keys: Sequence[str] = (),
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses, /v1/completions, /v1/models and /health for `backend`.
 
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).
     conversation_start_date: "YYYY-MM-DD" in the Harmony system message (default: today, UTC).
+    api_keys: when given, /v1/ requests must send one of them as `Authorization: Bearer KEY` (else 401).
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -54,6 +57,8 @@ def create_app(
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    if api_keys:
+        app.add_middleware(ApiKeyGate, keys=api_keys)
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gptoss-serve",

@@ -57,6 +57,17 @@ class ModelNotFound(APIError):
                          param="model", code="model_not_found")
 
 
+class InvalidApiKey(APIError):
+    status_code = 401
+    error_type = "invalid_request_error"
+
+    def __init__(self, sent: bool):
+        super().__init__(
+            "Incorrect API key provided." if sent else
+            "You didn't provide an API key: send it in an Authorization header (Authorization: Bearer KEY; "
+            "the openai client's api_key).", code="invalid_api_key")
+
+
 class PayloadTooLarge(APIError):
     status_code = 413
     error_type = "invalid_request_error"

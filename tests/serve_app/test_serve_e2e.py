@@ -50,7 +50,9 @@ ARGS = {
     # The Harmony system message carries a date: pinned, so the tiny model's output (and what these
     # tests see of it: content or not, streamed in pieces or recovered at the end) is the same every day.
     "ingress.conversation_start_date": "2026-11-29",
+    "ingress.api_keys": "sk-e2e-first,sk-e2e-second",  # every /v1/ call below sends the first
 }
+KEY = "sk-e2e-first"
 CONFIG = ServeAppConfig.from_args(ARGS)
 
 
@@ -88,7 +90,7 @@ def reference_port(reference):
 
 def client(port: int) -> openai.OpenAI:
     # No retries: a retried request would hide a dropped one.
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def stats(deployment: str) -> dict:
@@ -242,7 +244,7 @@ def test_twenty_concurrent_streams_then_pools_are_free(http_port, reference_port
         return "".join(parts), finish
 
     async def all_at_once():
-        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0,
                                  timeout=120)
         return await asyncio.gather(*(one(api, r) for r in requests))
 
@@ -342,6 +344,19 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
         re.search(r'ray_gptoss_prefix_routing(_total)?\{[^}]*outcome="[a-z_]+"[^}]*deployment="PrefillServer"', text)
 
 
+def test_api_keys_guard_the_v1_paths(http_port):
+    """ingress.api_keys reach the ingress replica: /v1/ needs one of them, /health does not."""
+    def models(key: str) -> list[str]:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=key, max_retries=0, timeout=30)
+        return [m.id for m in api.models.list()]
+
+    assert models("sk-e2e-second") == [CONFIG.served_model_name]
+    with pytest.raises(openai.AuthenticationError) as err:
+        models("sk-e2e-third")
+    assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+    assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10).status == 200
+
+
 def test_refused_request_is_an_invalid_request_error(http_port):
     from engine.request import InvalidRequestError
     from serve_app.ingress import ServeTokenBackend
@@ -358,7 +373,7 @@ def test_client_disconnect_aborts_the_request_in_decode(http_port):
 
     before = stats(DECODE_NAME)["requests_finished_total"].get("abort", 0)
     body = dict(CHAT, temperature=0, max_tokens=900, stream=True)
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
         with http.stream("POST", f"http://127.0.0.1:{http_port}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             for i, _ in enumerate(response.iter_lines()):

@@ -110,12 +110,15 @@ def test_random_tiny_replicas_draw_the_same_model():
 
 
 @pytest.mark.slow
-def test_launch_loads_the_serve_app_and_reads_its_replicas(tmp_path):
+def test_launch_loads_the_serve_app_and_reads_its_replicas(tmp_path, monkeypatch):
     """`--launch`: serve_app on a local Ray (prefill + decode replicas, K/V over the object store), loaded
-    over HTTP; the JSON carries the server side per level (engine TTFT / TPOT, CPU of Ray's processes)."""
+    over HTTP; the JSON carries the server side per level (engine TTFT / TPOT, CPU of Ray's processes). The app
+    wants an API key, which the load (readiness probe, requests, error checks) sends from $OPENAI_API_KEY."""
     import json
 
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-load-1")
     rc = serve_load.main(["--launch", "model=random:tiny", "max_context=512", "kv_cache_memory_gib=0.0625",
+                          "ingress.api_keys=sk-load-0,sk-load-1",
                           "decode.num_replicas=1", "prefill.num_replicas=1", "--concurrency", "2",
                           "--requests", "3", "--prompt-tokens", "30", "--max-tokens", "4", "--warmup", "1",
                           "--error-checks", "--out-dir", str(tmp_path), "--label", "launch"])

@@ -1,0 +1,50 @@
+"""API keys: with keys configured, every /v1/ request must carry one as `Authorization: Bearer KEY`.
+
+A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap every streamed response and its
+disconnect handling): refused requests get OpenAI's 401 before any route runs; /health stays open for load
+balancers and Serve's own probes. Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Iterable
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serve_app.openai_api.errors import InvalidApiKey
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The token of the request's `Authorization: Bearer TOKEN` header (None: no such header)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+class ApiKeyGate:
+    def __init__(self, app: ASGIApp, keys: Iterable[str]):
+        self.app = app
+        self.keys = tuple(key.encode() for key in keys)
+        if not self.keys:
+            raise ValueError("ApiKeyGate needs at least one key")
+
+    def accepts(self, token: bytes) -> bool:
+        # every key compared (no early exit), each in constant time
+        return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+            token = bearer_token(scope)
+            if token is None or not self.accepts(token):
+                err = InvalidApiKey(sent=token is not None)
+                response = JSONResponse(err.body(), status_code=err.status_code,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
