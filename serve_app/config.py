@@ -136,8 +136,8 @@ class IngressSettings(_Settings):
                     "prompt, and so the output, then changes at midnight; pin it for reproducible runs).")
     api_keys: list[SecretStr] = Field(
         default_factory=api_keys_from_env,
-        description="Keys clients must send on /v1/ paths (`Authorization: Bearer KEY`, the openai client's "
-                    "api_key; else HTTP 401); /health stays open. Empty: no check. A list or comma-separated text; "
+        description="Keys clients must send on every path but /health (`Authorization: Bearer KEY`, the "
+                    "openai client's api_key; else HTTP 401). Empty: no check. A list or comma-separated text; "
                     "default: $GPTOSS_API_KEYS (comma-separated) where the app is built, which keeps the keys out "
                     "of the Serve config the dashboard shows.")
 

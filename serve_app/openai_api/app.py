@@ -44,7 +44,7 @@ def create_app(
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).
     conversation_start_date: "YYYY-MM-DD" in the Harmony system message (default: today, UTC).
-    api_keys: when given, /v1/ requests must send one of them as `Authorization: Bearer KEY` (else 401).
+    api_keys: when given, requests to any path but /health must send one as `Authorization: Bearer KEY`.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context

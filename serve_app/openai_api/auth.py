@@ -1,8 +1,10 @@
-"""API keys: with keys configured, every /v1/ request must carry one as `Authorization: Bearer KEY`.
+"""API keys: with keys configured, every request but /health must carry one as `Authorization: Bearer KEY`.
 
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap every streamed response and its
 disconnect handling): refused requests get OpenAI's 401 before any route runs; /health stays open for load
-balancers and Serve's own probes. Keys are compared in constant time.
+balancers and Serve's own probes. The path is taken relative to the app's root (Serve's route_prefix), so an
+app mounted under a prefix is guarded the same; anything else (/v1/..., unknown paths) needs a key. Keys are
+compared in constant time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.openai_api.errors import InvalidApiKey
 
-PROTECTED_PREFIX = "/v1/"
+OPEN_PATHS = frozenset({"/health"})
+
+
+def app_path(scope: Scope) -> str:
+    """The request's path below the app's mount point (Starlette puts the root path in `path` since 0.35)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -39,7 +47,7 @@ class ApiKeyGate:
         return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and app_path(scope) not in OPEN_PATHS:
             token = bearer_token(scope)
             if token is None or not self.accepts(token):
                 err = InvalidApiKey(sent=token is not None)

@@ -1,5 +1,5 @@
-"""API keys: with keys configured, /v1/ needs `Authorization: Bearer KEY` (OpenAI's 401 otherwise); /health does
-not; streaming and the disconnect abort pass the gate unchanged. The Serve path (ingress.api_keys through the
+"""API keys: with keys configured, every path but /health needs `Authorization: Bearer KEY` (OpenAI's 401
+otherwise), also below a mount point; streaming and the disconnect abort pass the gate unchanged. The Serve path (ingress.api_keys through the
 builder to the ingress replica) is tested in test_serve_e2e.py."""
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def test_each_key_is_accepted(gated, key):
     ({"Authorization": "Bearer"}, True),  # the scheme without a key
 ])
 @pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                                         ("POST", "/v1/responses"), ("GET", "/v1/no-such-path")])
+                                         ("POST", "/v1/responses"), ("GET", "/v1/no-such-path"),
+                                         ("GET", "/openapi.json"), ("GET", "/health/"), ("GET", "/")])
 def test_requests_without_a_valid_key_are_401_in_openai_shape(gated, headers, sent, method, path):
     backend, server = gated
     backend.reset()
@@ -94,6 +95,23 @@ def test_streams_pass_the_gate_and_a_disconnect_still_aborts(gated):
         assert r.status_code == 200
         assert next(line for line in r.iter_lines() if line.startswith("data: "))
     assert backend.abort_seen.wait(timeout=10) and backend.aborted == [backend.requests[-1].request_id]
+
+
+def test_an_app_below_a_mount_point_is_guarded_the_same():
+    """Serve's route_prefix mounts the app below a root path: the gate judges the path below it."""
+    from fastapi import FastAPI
+
+    from serve_app.openai_api.app import create_app
+
+    backend = ScriptedBackend(max_context=MAX_CONTEXT)
+    outer = FastAPI()
+    outer.mount("/gptoss", create_app(backend, model_name=MODEL, max_context=MAX_CONTEXT, api_keys=KEYS))
+    with LiveServer(outer) as server:
+        assert httpx.get(server.url + "/gptoss/health", timeout=30).status_code == 200
+        assert httpx.get(server.url + "/gptoss/v1/models", timeout=30).status_code == 401
+        models = httpx.get(server.url + "/gptoss/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                           timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
 
 
 def test_config_keys_from_the_environment_text_or_a_list(monkeypatch):
