@@ -33,6 +33,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class BackendOverloaded(RuntimeError):
+    """The backend refused a request at once, before its first delta, because its queues are full (a bounded
+    Serve queue); nothing of it ran, and the client may retry shortly."""
+
+
 class TokenConstraint(Protocol):
     """One request's restriction on its next token (structured output), stateful, engine-side. The engine
     asks for the allowed set once before each sample and reports every token the request gets, in order; it
@@ -211,7 +216,8 @@ class TokenBackend(Protocol):
     max_context: int
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Stream deltas; raises InvalidRequestError before the first delta for a bad request."""
+        """Stream deltas; raises InvalidRequestError before the first delta for a bad request, BackendOverloaded
+        for one refused while the backend's queues are full."""
         ...
 
     async def abort(self, request_id: str) -> None:

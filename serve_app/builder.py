@@ -34,6 +34,7 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
         options["autoscaling_config"] = settings.autoscaling.to_serve()
     options.update(
         max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,

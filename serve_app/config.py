@@ -78,6 +78,12 @@ class DeploymentSettings(_Settings):
     autoscaling: AutoscalingSettings = Field(description="Autoscaling policy, used when num_replicas is None.")
     max_ongoing_requests: int = Field(
         ..., ge=1, description="Requests one replica accepts at once; more wait in the caller's queue.")
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="Requests that may wait in each caller's queue (Ray Serve's max_queued_requests: "
+                               "per ingress replica for decode, per decode replica for prefill); more are refused "
+                               "at once. Decode: HTTP 503 `server_overloaded` with Retry-After: 1 (the openai "
+                               "client retries it); prefill: the decode replica runs the prompt itself. -1: no "
+                               "limit.")
     cpus_per_worker: float | None = Field(
         None, ge=0, description="CPUs reserved per model rank (one rank per GPU; the replica's own process "
                                 "is rank 0). None: 1 on cuda, 0.5 on cpu.")
@@ -90,6 +96,13 @@ class DeploymentSettings(_Settings):
                                 "step can hold the event loop for seconds).")
     graceful_shutdown_timeout_s: float = Field(
         300.0, ge=0, description="On scale-down or redeploy, how long running streams may finish.")
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (no limit) or at least 1")
+        return value
 
     @field_validator("resources_per_worker")
     @classmethod

@@ -12,8 +12,9 @@ from typing import AsyncIterator
 
 from ray import serve
 from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError
 
-from engine.request import GenerateRequest, InvalidRequestError, TokenDelta
+from engine.request import BackendOverloaded, GenerateRequest, InvalidRequestError, TokenDelta
 
 log = logging.getLogger("ray.serve")
 
@@ -34,6 +35,9 @@ class ServeTokenBackend:
             async for delta in responses:
                 yield delta
             ended = True
+        except BackPressureError as err:  # the decode deployment's queue in this replica is full (max_queued_requests)
+            ended = True
+            raise BackendOverloaded(f"decode queue full: {err}") from None
         except RayTaskError as err:
             ended = True
             # The decode replica refused the request: re-raise the engine's own error so the API turns it

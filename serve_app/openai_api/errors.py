@@ -37,6 +37,9 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
 
+    def headers(self) -> dict[str, str] | None:
+        return None
+
 
 class BadRequest(APIError):
     status_code = 400
@@ -82,6 +85,21 @@ class EngineFailure(APIError):
 
     status_code = 503
     error_type = "server_error"
+
+
+class ServerOverloaded(APIError):
+    """The backend's queues are full (`max_queued_requests`): refused before anything ran; retry shortly. The
+    openai client retries 503s by itself, after the Retry-After seconds."""
+
+    status_code = 503
+    error_type = "server_error"
+    retry_after_s = 1
+
+    def __init__(self, message: str):
+        super().__init__(message, code="server_overloaded")
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -132,7 +150,7 @@ def _json(status: int, body: dict) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return _json(err.status_code, err.body())
+        return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, err: InvalidRequestError) -> JSONResponse:

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.request import (
     FINISH_ABORT,
+    BackendOverloaded,
     FINISH_LENGTH,
     GenerateRequest,
     InvalidRequestError,
@@ -35,7 +36,7 @@ from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, i
                                          response_format_grammar, response_format_text)
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
-from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure
+from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
 from serve_app.openai_api.protocol import forced_name
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
 
@@ -251,6 +252,10 @@ class BackendRequest:
         except InvalidRequestError:
             self._backend_done = True
             raise
+        except BackendOverloaded as err:  # refused before it ran: a 503 with Retry-After, logged as load, not a fault
+            self._backend_done = True
+            log.info("request %s: refused, backend overloaded (%s)", self.request_id, err)
+            raise ServerOverloaded(f"The server is overloaded ({err}); retry shortly.") from None
         except Exception as err:  # engine/transport failure: the client gets a 503, not a traceback
             self._backend_done = True
             log.exception("request %s: backend failed", self.request_id)

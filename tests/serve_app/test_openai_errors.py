@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from engine.request import InvalidRequestError
+from engine.request import BackendOverloaded, InvalidRequestError
 from tests.serve_app.conftest import MAX_CONTEXT, MODEL
 
 OK = "<|channel|>final<|message|>ok<|return|>"
@@ -186,6 +186,25 @@ def test_engine_refusal_is_400(server, client, backend):
     backend.push(OK, error=InvalidRequestError("top_k is too large for this engine", "top_k"))
     assert_error(post(server, "/v1/chat/completions", {**CHAT, "stream": True}), 400, param="top_k")
     assert_still_serving(client, backend)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/chat/completions", {**CHAT, "stream": True}),
+                                       ("/v1/responses", {**RESP, "stream": True}),
+                                       ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})])
+def test_a_full_backend_queue_is_503_with_retry_after_before_any_stream(server, client, backend, path, body):
+    backend.push(OK, error=BackendOverloaded("decode queue full: 9 waiting"))
+    r = post(server, path, body)
+    error = assert_error(r, 503, code="server_overloaded")
+    assert r.headers["retry-after"] == "1" and "decode queue full: 9 waiting" in error["message"]
+    assert_still_serving(client, backend)
+
+
+def test_the_openai_client_retries_an_overloaded_answer(server, client, backend):
+    backend.push(OK, error=BackendOverloaded("decode queue full"))
+    backend.push(OK)
+    retrying = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=1, timeout=30)
+    assert retrying.chat.completions.create(model=MODEL, messages=HI).choices[0].message.content == "ok"
+    assert len(backend.requests) == 2
 
 
 def test_engine_failure_is_503_or_a_stream_error_event(server, client, backend):
