@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import AsyncIterator
 
 import ray
-from ray.serve.exceptions import RayServeException
+from ray.serve.exceptions import BackPressureError, RayServeException
 
 from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.request import GenerateRequest, TokenDelta
@@ -46,7 +47,7 @@ class DecodeServer:
                           self.engine.engine.model.config.sliding_window)
         self.metrics = ServerMetrics("decode")
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
-        self.num_fallbacks = 0
+        self.fallbacks: Counter[str] = Counter()  # by reason (_reason)
         self.num_transfers = 0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -125,7 +126,7 @@ class DecodeServer:
         return await self.prefill.prefill.remote(request, offer)
 
     def _fell_back(self, request: GenerateRequest, reason: str, err: BaseException) -> None:
-        self.num_fallbacks += 1
+        self.fallbacks[reason] += 1
         self.metrics.observe_fallback(reason)
         log.warning("request %s: remote prefill failed (%s: %s); running the prompt on this decode replica",
                     request.request_id, reason, err)
@@ -139,7 +140,8 @@ class DecodeServer:
     def stats(self) -> dict:
         """Debug: pool usage and counters of this replica's engine, transfers and fallbacks."""
         out = {"device": self.device, "transport": self.transport.name, "transfers": self.num_transfers,
-               "fallbacks": self.num_fallbacks, **engine_stats(self.engine)}
+               "fallbacks": sum(self.fallbacks.values()), "fallback_reasons": dict(self.fallbacks),
+               **engine_stats(self.engine)}
         if isinstance(self.transport, CudaIpcTransport):
             out["cuda_ipc_arena_free_bytes"] = self.transport.arena_free_bytes
         return out
@@ -149,6 +151,8 @@ class DecodeServer:
 
 
 def _reason(err: BaseException) -> str:
+    if isinstance(err, BackPressureError):  # the prefill deployment's queue in this replica is full
+        return "prefill_overloaded"
     if isinstance(err, asyncio.TimeoutError):
         return "prefill_timeout"
     if isinstance(err, KVTransferError):

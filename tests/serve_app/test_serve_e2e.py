@@ -425,6 +425,33 @@ def test_a_full_decode_queue_refuses_at_once_with_503_and_retry_after(http_port)
         serve.delete(app)
 
 
+def test_a_full_prefill_queue_sends_prompts_to_decode(http_port):
+    """prefill.max_queued_requests: prompts the prefill replica's queue refuses run on the decode replica
+    (fallback reason `prefill_overloaded`); every request is answered. A second app, deleted afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    app = "prefill-overload"
+    args = {"max_context": "1024", "kv_cache_memory_gib": "0.0625", "decode.num_replicas": "1",
+            "prefill.num_replicas": "1", "prefill.max_ongoing_requests": "1", "prefill.max_queued_requests": "1",
+            "decode.graceful_shutdown_timeout_s": "1", "prefill.graceful_shutdown_timeout_s": "1",
+            "ingress.conversation_start_date": "2026-11-29"}
+    serve.run(build_app(args), name=app, route_prefix="/prefill-overload")
+    try:
+        url = f"http://127.0.0.1:{http_port}/prefill-overload/v1/chat/completions"
+        bodies = [dict(CHAT, temperature=0, max_tokens=4, ignore_eos=True,
+                       messages=[{"role": "user", "content": f"Request {i}: " + "word " * 300}]) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda body: httpx.post(url, json=body, timeout=120), bodies))
+        assert [r.status_code for r in answers] == [200] * 8
+        s = serve.get_deployment_handle(DECODE_NAME, app).stats.remote().result()
+        assert s["fallback_reasons"].get("prefill_overloaded", 0) >= 1, s
+        assert s["transfers"] + s["fallbacks"] == 8 and s["transfers"] >= 1, s
+    finally:
+        serve.delete(app)
+
+
 def test_decode_replica_killed_mid_stream(http_port, reference_port):
     request = dict(CHAT, temperature=0, max_tokens=600)
     want = client(reference_port).chat.completions.create(**request)
