@@ -220,7 +220,8 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
             await group.close()
 
     try:
-        return await respond(http, group, stream=req.stream, make_stream=stream, make_body=body)
+        return await respond(http, group, response_id=request_id, stream=req.stream, make_stream=stream,
+                             make_body=body)
     except InvalidRequestError as err:  # the engine names its own field; the client sent `prompt`
         if err.param != "prompt_ids":
             raise

@@ -432,19 +432,22 @@ class GenerationGroup:
                    for key in ("reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}}
 
 
-async def respond(http: Request, gen: Generation | GenerationGroup, *, stream: bool,
+async def respond(http: Request, gen: Generation | GenerationGroup, *, response_id: str, stream: bool,
                   make_stream: Callable[[Any], AsyncIterator[bytes]],
                   make_body: Callable[[Any], Awaitable[dict]]) -> Response:
     """Start `gen` (one generation or a group), then stream it or answer with one JSON body; the backend
-    requests are aborted if the client leaves or anything fails before the generation ends."""
+    requests are aborted if the client leaves or anything fails before the generation ends. The answer's
+    `x-request-id` header is `response_id` (the body's `id`; the engine's request ids, which its replicas log,
+    are it or `<id>-<choice>`), as OpenAI's answers carry theirs (the openai client's `_request_id`)."""
+    headers = {"x-request-id": response_id}
     try:
         await run_unless_disconnected(http, gen.start)
     except BaseException:
         await gen.close()
         raise
     if stream:
-        return EventStreamResponse(make_stream(gen))  # the stream's own finally closes `gen`
+        return EventStreamResponse(make_stream(gen), headers=headers)  # the stream's own finally closes `gen`
     try:
-        return JSONResponse(await run_unless_disconnected(http, lambda: make_body(gen)))
+        return JSONResponse(await run_unless_disconnected(http, lambda: make_body(gen)), headers=headers)
     finally:
         await gen.close()

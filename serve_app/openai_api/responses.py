@@ -239,7 +239,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         finally:
             await gen.close()
 
-    return await respond(http, gen, stream=req.stream, make_stream=stream, make_body=body)
+    return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body)
 
 
 def _frame(event: dict[str, Any]) -> bytes:

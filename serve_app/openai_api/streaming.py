@@ -34,8 +34,8 @@ def sse(data: Any, event: str | None = None) -> bytes:
 class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, **kwargs: Any):
-        super().__init__(content, headers=SSE_HEADERS, **kwargs)
+    def __init__(self, content: Any, headers: dict[str, str] | None = None, **kwargs: Any):
+        super().__init__(content, headers={**SSE_HEADERS, **(headers or {})}, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

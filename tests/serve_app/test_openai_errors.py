@@ -224,3 +224,24 @@ def test_unknown_path_and_method_are_shaped(server, client, backend):
     assert_error(httpx.get(f"{server.url}/v1/nothing"), 404)
     assert_error(httpx.get(f"{server.url}/v1/chat/completions"), 405)
     assert_still_serving(client, backend)
+
+
+def test_answers_carry_their_id_as_x_request_id(server, client, backend):
+    """The body's id in the `x-request-id` header (OpenAI's answers carry one; the openai client exposes it
+    as `_request_id`), streamed or not; the engine request id is the same (or `<id>-<choice>` for n > 1)."""
+    backend.push(OK)
+    completion = client.chat.completions.create(model=MODEL, messages=HI)
+    assert completion._request_id == completion.id == backend.requests[-1].request_id
+    backend.push(OK)
+    backend.push(OK)
+    two = client.chat.completions.create(model=MODEL, messages=HI, n=2)
+    assert two._request_id == two.id and {r.request_id for r in backend.requests[-2:]} == {f"{two.id}-0", f"{two.id}-1"}
+    for path, body in (("/v1/chat/completions", {**CHAT, "stream": True}), ("/v1/responses", {**RESP, "stream": True}),
+                       ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True}),
+                       ("/v1/responses", RESP), ("/v1/completions", {"model": MODEL, "prompt": "Hi"})):
+        backend.push(OK)
+        r = post(server, path, body)
+        assert r.status_code == 200 and r.headers["x-request-id"] == backend.requests[-1].request_id, path
+        first = json.loads(next(line for line in r.text.splitlines() if line.startswith("data: "))[6:]) \
+            if body.get("stream") else r.json()
+        assert (first.get("response") or first)["id"] == r.headers["x-request-id"], path
