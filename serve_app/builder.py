@@ -73,5 +73,4 @@ def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Applicatio
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
     )
-    return ingress.bind(decode, config.served_model_name, config.max_context, config.ingress.conversation_start_date,
-                        config.ingress.api_key_values())
+    return ingress.bind(decode, config.served_model_name, config.max_context, config.ingress)

@@ -147,6 +147,10 @@ class IngressSettings(_Settings):
         None, pattern=r"^\d{4}-\d{2}-\d{2}$",
         description="YYYY-MM-DD in the Harmony system message. None: today's UTC date at each request (the "
                     "prompt, and so the output, then changes at midnight; pin it for reproducible runs).")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="Output tokens of a chat or responses request that sets no limit (max_tokens, "
+                                "max_completion_tokens, max_output_tokens); None: the rest of the context, as "
+                                "OpenAI's API does. /v1/completions keeps OpenAI's 16.")
     api_keys: list[SecretStr] = Field(
         default_factory=api_keys_from_env,
         description="Keys clients must send on every path but /health (`Authorization: Bearer KEY`, the "

@@ -15,6 +15,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from engine.request import BackendOverloaded, GenerateRequest, InvalidRequestError, TokenDelta
+from serve_app.config import IngressSettings
 
 log = logging.getLogger("ray.serve")
 
@@ -68,16 +69,17 @@ class HarmonyIngress:
     """HTTP ingress. `decode`: the DecodeServer handle; the context limit is asked from it at start."""
 
     async def __init__(self, decode, served_model_name: str, max_context: int | None = None,
-                       conversation_start_date: str | None = None, api_keys: tuple[str, ...] = ()):
+                       settings: IngressSettings | None = None):
         if max_context is None:
             max_context = await decode.max_context.remote()
         self.backend = ServeTokenBackend(decode, max_context)
         self.served_model_name = served_model_name
-        self.conversation_start_date = conversation_start_date
-        self.api_keys = api_keys
+        self.settings = settings or IngressSettings(api_keys=[])
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import create_app
 
+        s = self.settings
         return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
-                          conversation_start_date=self.conversation_start_date, api_keys=self.api_keys)
+                          conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
+                          api_keys=s.api_key_values())

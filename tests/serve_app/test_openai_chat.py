@@ -303,3 +303,25 @@ def test_prediction_reaches_the_engine_as_draft_tokens_and_usage_counts_them(cli
     r = client.chat.completions.create(model=MODEL, messages=HI)
     assert backend.requests[-1].sampling.prediction == ()
     assert r.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+def test_default_max_tokens_caps_requests_that_set_no_limit():
+    """ingress.default_max_tokens: chat and responses requests without a limit get it; a request's own limit
+    (above it too) stands; /v1/completions keeps OpenAI's 16."""
+    import openai
+
+    from serve_app.openai_api.app import create_app
+    from tests.serve_app.conftest import LiveServer
+    from tests.serve_app.stub_backend import ScriptedBackend
+
+    backend = ScriptedBackend(max_context=4096)
+    with LiveServer(create_app(backend, model_name=MODEL, max_context=4096, default_max_tokens=7)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        for _ in range(5):
+            backend.push(ANSWER)
+        client.chat.completions.create(model=MODEL, messages=HI)
+        client.responses.create(model=MODEL, input="Hi")
+        client.chat.completions.create(model=MODEL, messages=HI, max_completion_tokens=300)
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=300)
+        client.completions.create(model=MODEL, prompt="Hi")
+        assert [r.sampling.max_tokens for r in backend.requests] == [7, 7, 300, 300, 16]
