@@ -69,7 +69,8 @@ class LaunchedApp:
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             try:
-                ready = urllib.request.Request(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {api_key()}"})
+                ready = urllib.request.Request(f"{self.url}/v1/models",
+                                               headers={"Authorization": f"Bearer {api_key()}"})
                 with urllib.request.urlopen(ready, timeout=5) as resp:
                     if resp.status == 200:
                         break

@@ -15,8 +15,8 @@ from starlette.responses import Response
 
 from engine.request import TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
-from serve_app.openai_api.auth import ApiKeyGate
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
+from serve_app.openai_api.auth import ApiKeyGate
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge, install_error_handlers, parse_json

@@ -51,8 +51,7 @@ class ApiKeyGate:
             token = bearer_token(scope)
             if token is None or not self.accepts(token):
                 err = InvalidApiKey(sent=token is not None)
-                response = JSONResponse(err.body(), status_code=err.status_code,
-                                        headers={"WWW-Authenticate": "Bearer"})
+                response = JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

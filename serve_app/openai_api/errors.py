@@ -70,6 +70,9 @@ class InvalidApiKey(APIError):
             "You didn't provide an API key: send it in an Authorization header (Authorization: Bearer KEY; "
             "the openai client's api_key).", code="invalid_api_key")
 
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
 
 class PayloadTooLarge(APIError):
     status_code = 413

@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, Response
 
 from engine.request import (
     FINISH_ABORT,
-    BackendOverloaded,
     FINISH_LENGTH,
+    BackendOverloaded,
     GenerateRequest,
     InvalidRequestError,
     SamplingParams,
