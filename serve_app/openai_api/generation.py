@@ -436,10 +436,12 @@ async def respond(http: Request, gen: Generation | GenerationGroup, *, response_
                   make_stream: Callable[[Any], AsyncIterator[bytes]],
                   make_body: Callable[[Any], Awaitable[dict]]) -> Response:
     """Start `gen` (one generation or a group), then stream it or answer with one JSON body; the backend
-    requests are aborted if the client leaves or anything fails before the generation ends. The answer's
-    `x-request-id` header is `response_id` (the body's `id`; the engine's request ids, which its replicas log,
-    are it or `<id>-<choice>`), as OpenAI's answers carry theirs (the openai client's `_request_id`)."""
-    headers = {"x-request-id": response_id}
+    requests are aborted if the client leaves or anything fails before the generation ends. A request that
+    came without an `x-request-id` header gets `response_id` (the body's `id`; the engine's request ids are it
+    or `<id>-<choice>`) as the answer's, as OpenAI's answers carry one (the openai client's `_request_id`).
+    Under Serve the proxy gives every request one (or keeps the client's), tags the replicas' log lines of
+    the request with it and returns it: a second value here would only be appended to it."""
+    headers = None if "x-request-id" in http.headers else {"x-request-id": response_id}
     try:
         await run_unless_disconnected(http, gen.start)
     except BaseException:

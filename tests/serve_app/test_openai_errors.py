@@ -228,7 +228,8 @@ def test_unknown_path_and_method_are_shaped(server, client, backend):
 
 def test_answers_carry_their_id_as_x_request_id(server, client, backend):
     """The body's id in the `x-request-id` header (OpenAI's answers carry one; the openai client exposes it
-    as `_request_id`), streamed or not; the engine request id is the same (or `<id>-<choice>` for n > 1)."""
+    as `_request_id`), streamed or not; the engine request id is the same (or `<id>-<choice>` for n > 1).
+    Under Serve the proxy's id is the header instead (test_serve_e2e)."""
     backend.push(OK)
     completion = client.chat.completions.create(model=MODEL, messages=HI)
     assert completion._request_id == completion.id == backend.requests[-1].request_id
@@ -245,3 +246,7 @@ def test_answers_carry_their_id_as_x_request_id(server, client, backend):
         first = json.loads(next(line for line in r.text.splitlines() if line.startswith("data: "))[6:]) \
             if body.get("stream") else r.json()
         assert (first.get("response") or first)["id"] == r.headers["x-request-id"], path
+    # a request that brings its own (a proxy's, Serve's) is not given a second one
+    backend.push(OK)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, headers={"x-request-id": "trace-7"}, timeout=30)
+    assert r.status_code == 200 and "x-request-id" not in r.headers

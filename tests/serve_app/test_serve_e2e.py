@@ -357,6 +357,20 @@ def test_api_keys_guard_the_v1_paths(http_port):
     assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10).status == 200
 
 
+def test_x_request_id_is_serves_one_value(http_port):
+    """Serve's proxy gives each request an x-request-id (or keeps the client's) and returns it; the app adds no
+    second value (the openai client's `_request_id` would read both, comma-joined)."""
+    import httpx
+
+    url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+    body = dict(CHAT, max_tokens=2)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url, json=body, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") and "," not in r.headers["x-request-id"]
+    r = httpx.post(url, json=body, headers={**auth, "x-request-id": "trace-e2e-1"}, timeout=60)
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["trace-e2e-1"]
+
+
 def test_refused_request_is_an_invalid_request_error(http_port):
     from engine.request import InvalidRequestError
     from serve_app.ingress import ServeTokenBackend
