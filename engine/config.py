@@ -55,7 +55,7 @@ class EngineConfig:
     mxfp4_decode_max_tokens: int = 0
     # The MoE front of single-token decode steps (router GEMV, top-k, plan, the token's FP8 row): "triton" (one
     # Triton launch, kernels/moe/decode_front_triton.py), "cuda" (one 8-CTA cluster, kernels/moe/
-    # decode_front_cuda.py: built with nvcc while the weights load, 85 s unless prebuilt, scripts/
+    # decode_front_cuda.py: built with nvcc while the weights load, 30 s unless prebuilt, scripts/
     # prebuild_cuda_kernels.py), "auto": cuda for routers of >= 128 experts on SM90+ with the FP8 MoE (120b batch-1
     # steps 1.02x on the H200; 20b's 32 experts 0.99x), Triton when the build fails (logged).
     decode_front: str = "auto"

@@ -4,7 +4,7 @@
 
 Needs nvcc (CUDA_HOME) and ninja, not a GPU. Each extension lands in its folder under ~/.cache/gpt_oss_serve
 (kernels/cuda_extension.py; DECODE_FRONT_CUDA_BUILD_DIR / MXFP4_CUDA_BUILD_DIR move them); later processes of the
-same user load the built module instead of compiling (the CUDA MoE front: 85 s on an H200 node). Both build at
+same user load the built module instead of compiling (both together: 30 s on an H200 node). Both build at
 once, each in its own process; exit status 1 if either fails (a replica then falls back to the Triton front, EngineConfig.decode_front).
 """
 
