@@ -151,6 +151,12 @@ class IngressSettings(_Settings):
         None, ge=1, description="Output tokens of a chat or responses request that sets no limit (max_tokens, "
                                 "max_completion_tokens, max_output_tokens); None: the rest of the context, as "
                                 "OpenAI's API does. /v1/completions keeps OpenAI's 16.")
+    stream_keepalive_s: float | None = Field(
+        15.0, gt=0, description="A stream waits this long for its first token (a refusal within it is the HTTP "
+                                "status: 400, 503), then starts with HTTP 200 and sends the SSE comment "
+                                "`: keep-alive` after each such idle period, so a load balancer's idle timeout "
+                                "(AWS ALB: 60 s) does not cut a request waiting in a queue; a later refusal is "
+                                "an error event in the stream. None: wait silently for the first token.")
     api_keys: list[SecretStr] = Field(
         default_factory=api_keys_from_env,
         description="Keys clients must send on every path but /health (`Authorization: Bearer KEY`, the "

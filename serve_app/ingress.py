@@ -82,4 +82,4 @@ class HarmonyIngress:
         s = self.settings
         return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
                           conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
-                          api_keys=s.api_key_values())
+                          api_keys=s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s)

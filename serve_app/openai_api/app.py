@@ -38,6 +38,7 @@ def create_app(
     knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_keys: Sequence[str] = (),
+    stream_keepalive_s: float | None = 15.0,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses, /v1/completions, /v1/models and /health for `backend`.
 
@@ -45,14 +46,19 @@ def create_app(
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).
     conversation_start_date: "YYYY-MM-DD" in the Harmony system message (default: today, UTC).
     api_keys: when given, requests to any path but /health must send one as `Authorization: Bearer KEY`.
+    stream_keepalive_s: a stream waits this long for its first token before it starts (HTTP 200; a later
+    refusal is an error event), then sends `: keep-alive` after each such idle period; None: it waits and
+    stays silent as long as it takes.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
     if limit <= 0 or max_body_bytes <= 0:
         raise ValueError(f"max_context ({limit}) and max_body_bytes ({max_body_bytes}) must be positive")
+    if stream_keepalive_s is not None and stream_keepalive_s <= 0:
+        raise ValueError(f"stream_keepalive_s must be positive or None, not {stream_keepalive_s}")
     config = IngressConfig(model_name=model_name, max_context=limit, default_max_tokens=default_max_tokens,
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
-                           max_body_bytes=max_body_bytes)
+                           max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding())
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)

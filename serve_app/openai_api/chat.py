@@ -243,7 +243,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         finally:
             await group.close()
 
-    return await respond(http, group, response_id=request_id, stream=req.stream, make_stream=stream, make_body=body)
+    return await respond(http, group, response_id=request_id, stream=req.stream, make_stream=stream, make_body=body,
+                         keepalive_s=ctx.config.stream_keepalive_s)
 
 
 def _merged(deltas: Any) -> list[dict[str, Any]]:

@@ -81,6 +81,12 @@ class TextGeneration(BackendRequest):
         self._echo_text = echo_text
         self._chars = len(echo_text)  # characters of the returned text before the next token's
 
+    def refusal(self, err: InvalidRequestError) -> BadRequest:
+        if err.param != "prompt_ids":
+            return super().refusal(err)
+        # the engine names its own field; the client sent `prompt`
+        return BadRequest(f"prompt: {err}".replace("prompt_ids", "token ids"), param="prompt")
+
     async def steps(self) -> AsyncIterator[TextStep]:
         """Text per backend delta (the first carries the echoed prompt); the last step flushes held text and
         sets finish_reason."""
@@ -219,10 +225,5 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
         finally:
             await group.close()
 
-    try:
-        return await respond(http, group, response_id=request_id, stream=req.stream, make_stream=stream,
-                             make_body=body)
-    except InvalidRequestError as err:  # the engine names its own field; the client sent `prompt`
-        if err.param != "prompt_ids":
-            raise
-        raise BadRequest(f"prompt: {err}".replace("prompt_ids", "token ids"), param="prompt") from err
+    return await respond(http, group, response_id=request_id, stream=req.stream, make_stream=stream,
+                         make_body=body, keepalive_s=ctx.config.stream_keepalive_s)

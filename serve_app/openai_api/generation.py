@@ -2,9 +2,10 @@
 
 Both front ends (chat.py, responses.py) drive a `Generation`: `start()` sends the request and waits for
 the first delta, so a request the engine refuses (InvalidRequestError) still becomes a plain HTTP 400
-before any streaming starts; `steps()` yields parsed item events per backend delta; `close()` always
-runs (finally) and aborts the backend request unless it finished on its own, whether the client
-disconnected, a stop string matched or something failed.
+before any streaming starts (a stream waits for it only ingress.stream_keepalive_s: see respond());
+`steps()` yields parsed item events per backend delta; `close()` always runs (finally) and aborts the
+backend request unless it finished on its own, whether the client disconnected, a stop string matched or
+something failed.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class IngressConfig:
     conversation_start_date: str | None = None  # None: today's UTC date at each request
     knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF
     max_body_bytes: int = 8 * 1024 * 1024
+    stream_keepalive_s: float | None = 15.0  # respond(): a waiting stream starts and sends keep-alives; None: off
 
     def start_date(self) -> str:
         return self.conversation_start_date or datetime.now(timezone.utc).date().isoformat()
@@ -202,7 +204,11 @@ async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
 class BackendRequest:
     """One engine request as the ingress drives it: `start()` sends it and waits for the first delta (so a
     request the engine refuses is a plain 400 before any streaming), `_next_delta()` reads on, `close()`
-    aborts it unless it finished on its own. Subclasses turn deltas into what their API returns."""
+    aborts it unless it finished on its own. Subclasses turn deltas into what their API returns.
+
+    The first delta is read in a task of its own (`start_soon`), which every `start()` awaits and `close()`
+    cancels: respond() may stop waiting for it (a stream then starts, with keep-alive comments) and the
+    stream's `steps()` picks the wait up again, so a refusal after that arrives as an in-stream error."""
 
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
         self.ctx = ctx
@@ -216,14 +222,30 @@ class BackendRequest:
         self._backend_finish: str | None = None
         self._stream: Any = None
         self._first: TokenDelta | None = None
+        self._starting: asyncio.Task | None = None  # sends the request and reads its first delta
         self._backend_done = False
         self._closed = False
         self._stopped_by_string = False  # a stop string matched: read no further deltas
 
+    def start_soon(self) -> list[asyncio.Task]:
+        """Send the request (once) in a task that reads its first delta; that task, in a list as
+        GenerationGroup.start_soon returns its members'."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._send())
+        return [self._starting]
+
     async def start(self) -> None:
-        """Send the request and wait for its first delta (InvalidRequestError surfaces here)."""
+        """Send the request (once) and wait for its first delta; a refusal (BadRequest, ServerOverloaded)
+        surfaces here. A caller that is cancelled leaves the task running for the next caller (close() ends it)."""
+        await asyncio.shield(self.start_soon()[0])
+
+    async def _send(self) -> None:
         self._stream = self.ctx.backend.generate(self._request).__aiter__()
         self._first = await self._next_delta()
+
+    def refusal(self, err: InvalidRequestError) -> BadRequest:
+        """The engine's refusal as this API's 400 (subclasses rename the engine's field names as their API's)."""
+        return BadRequest(str(err), param=err.param)
 
     async def close(self) -> None:
         """Abort the backend request unless it ran to its end; safe to call more than once."""
@@ -231,6 +253,9 @@ class BackendRequest:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):  # runs even while the request is being cancelled
+            if self._starting is not None:
+                self._starting.cancel()  # a no-op once it finished; its outcome was taken by start() or ends here
+                await asyncio.gather(self._starting, return_exceptions=True)
             if not self._backend_done and self._stream is not None:
                 try:
                     await self.ctx.backend.abort(self.request_id)
@@ -249,9 +274,9 @@ class BackendRequest:
         except StopAsyncIteration:
             self._backend_done = True
             return None
-        except InvalidRequestError:
+        except InvalidRequestError as err:
             self._backend_done = True
-            raise
+            raise self.refusal(err) from None
         except BackendOverloaded as err:  # refused before it ran: a 503 with Retry-After, logged as load, not a fault
             self._backend_done = True
             log.info("request %s: refused, backend overloaded (%s)", self.request_id, err)
@@ -271,6 +296,7 @@ class BackendRequest:
     async def _deltas(self) -> AsyncIterator[TokenDelta]:
         """The backend's deltas (the one start() read first, then on) until the request ends or a stop
         string matched."""
+        await self.start()  # at once when respond() saw the first delta; else the stream waits for it here
         delta, self._first = self._first, None
         while delta is not None and not self._stopped_by_string:
             yield delta
@@ -413,10 +439,10 @@ class GenerationGroup:
     def __init__(self, gens: list[BackendRequest]):
         self.gens = gens
 
-    async def start(self) -> None:
-        # Together: each start waits for its request's first token; a failing one (InvalidRequestError)
-        # raises here and respond() closes the group, aborting the others.
-        await asyncio.gather(*(gen.start() for gen in self.gens))
+    def start_soon(self) -> list[asyncio.Task]:
+        # Together: first_deltas() waits for all of them; a failing one raises there and respond() closes the
+        # group, aborting the others.
+        return [task for gen in self.gens for task in gen.start_soon()]
 
     async def close(self) -> None:
         for gen in self.gens:  # each one, even if an earlier close fails (BackendRequest.close logs, never raises)
@@ -434,22 +460,37 @@ class GenerationGroup:
 
 async def respond(http: Request, gen: Generation | GenerationGroup, *, response_id: str, stream: bool,
                   make_stream: Callable[[Any], AsyncIterator[bytes]],
-                  make_body: Callable[[Any], Awaitable[dict]]) -> Response:
+                  make_body: Callable[[Any], Awaitable[dict]], keepalive_s: float | None) -> Response:
     """Start `gen` (one generation or a group), then stream it or answer with one JSON body; the backend
-    requests are aborted if the client leaves or anything fails before the generation ends. A request that
-    came without an `x-request-id` header gets `response_id` (the body's `id`; the engine's request ids are it
-    or `<id>-<choice>`) as the answer's, as OpenAI's answers carry one (the openai client's `_request_id`).
-    Under Serve the proxy gives every request one (or keeps the client's), tags the replicas' log lines of
-    the request with it and returns it: a second value here would only be appended to it."""
+    requests are aborted if the client leaves or anything fails before the generation ends.
+
+    A refusal (400, 503) that comes before the first delta is the answer's status. A stream waits for the
+    first delta only `keepalive_s` (IngressConfig.stream_keepalive_s): after that it starts (200) and sends an
+    SSE comment every that many idle seconds, so a proxy or load balancer does not drop a request that waits in
+    a queue (AWS ALB's idle timeout is 60 s); a refusal after that is an error event in the stream.
+
+    A request that came without an `x-request-id` header gets `response_id` (the body's `id`; the engine's
+    request ids are it or `<id>-<choice>`) as the answer's, as OpenAI's answers carry one (the openai client's
+    `_request_id`). Under Serve the proxy gives every request one (or keeps the client's), tags the replicas'
+    log lines of the request with it and returns it: a second value here would only be appended to it."""
     headers = None if "x-request-id" in http.headers else {"x-request-id": response_id}
+    keepalive = keepalive_s if stream else None
     try:
-        await run_unless_disconnected(http, gen.start)
+        await run_unless_disconnected(http, lambda: first_deltas(gen, keepalive))
     except BaseException:
         await gen.close()
         raise
-    if stream:
-        return EventStreamResponse(make_stream(gen), headers=headers)  # the stream's own finally closes `gen`
+    if stream:  # the stream's own finally closes `gen`
+        return EventStreamResponse(make_stream(gen), headers=headers, keepalive_s=keepalive)
     try:
         return JSONResponse(await run_unless_disconnected(http, lambda: make_body(gen)), headers=headers)
     finally:
         await gen.close()
+
+
+async def first_deltas(gen: Generation | GenerationGroup, timeout_s: float | None) -> None:
+    """Send `gen`'s requests and wait up to `timeout_s` (None: as long as it takes) for their first deltas; a
+    refusal among those that came raises here."""
+    done, _ = await asyncio.wait(gen.start_soon(), timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        task.result()

@@ -239,7 +239,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         finally:
             await gen.close()
 
-    return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body)
+    return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body,
+                         keepalive_s=ctx.config.stream_keepalive_s)
 
 
 def _frame(event: dict[str, Any]) -> bytes:

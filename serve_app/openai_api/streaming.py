@@ -32,29 +32,70 @@ def sse(data: Any, event: str | None = None) -> bytes:
 
 
 class EventStreamResponse(StreamingResponse):
+    """An SSE stream that ends its work when the client leaves, and, given `keepalive_s`, sends the comment
+    `: keep-alive` whenever it has sent nothing for that long (clients skip comments: the SSE spec, and the
+    openai client does), so proxies and load balancers with idle timeouts keep a waiting request open."""
+
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, headers: dict[str, str] | None = None, **kwargs: Any):
+    def __init__(self, content: Any, headers: dict[str, str] | None = None, keepalive_s: float | None = None,
+                 **kwargs: Any):
         super().__init__(content, headers={**SSE_HEADERS, **(headers or {})}, **kwargs)
+        if keepalive_s is not None and keepalive_s <= 0:
+            raise ValueError(f"keepalive_s must be positive or None, not {keepalive_s}")
+        self.keepalive_s = keepalive_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        out = _KeepAliveSend(send) if self.keepalive_s is not None else None
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(out.send if out is not None else send)
                     except OSError:  # the client is gone; the iterator is closed below
                         pass
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
+                if out is not None:
+                    group.start_soon(out.keep_alive, self.keepalive_s)
                 if await _until_disconnect(receive):
                     group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[union-attr]
 
+
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class _KeepAliveSend:
+    """The response's `send`, one message at a time, noting when it last sent; `keep_alive` adds a comment
+    after each idle period, from the response start until the last body message."""
+
+    def __init__(self, send: Send):
+        self._send = send
+        self._lock = asyncio.Lock()  # acquired without a trip through the event loop when free (anyio's yields)
+        self._last = 0.0
+        self._open = False  # the response started and its last body message is not sent yet
+
+    async def send(self, message: dict) -> None:
+        async with self._lock:
+            await self._send(message)
+            self._last = anyio.current_time()
+            if message["type"] == "http.response.start":
+                self._open = True
+            elif not message.get("more_body", False):
+                self._open = False
+
+    async def keep_alive(self, every_s: float) -> None:
+        while True:
+            await anyio.sleep(max(self._last + every_s - anyio.current_time(), 0.0) if self._open else 0.05)
+            async with self._lock:  # checked under the lock: nothing may follow the last body message
+                if self._open and anyio.current_time() - self._last >= every_s:
+                    await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+                    self._last = anyio.current_time()
 
 async def _until_disconnect(receive: Receive) -> bool:
     """True once the client disconnects; False if the server cannot tell us (then nothing is cancelled)."""

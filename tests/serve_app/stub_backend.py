@@ -31,6 +31,7 @@ class Script:
     delay_s: float = 0.0  # pause before each delta
     fail_after: int | None = None  # raise after this many deltas (an engine crash)
     error: Exception | None = None  # raise before the first delta
+    first_delay_s: float = 0.0  # pause before the first delta or the error (a request waiting in a queue)
     drafts: tuple[int, int] = (0, 0)  # (draft tokens verified, accepted) each delta reports, as an engine's totals
 
 
@@ -72,6 +73,8 @@ class ScriptedBackend:
             if not self._scripts:
                 raise RuntimeError("the test scripted no output for this request")
             script = self._scripts.popleft()
+        if script.first_delay_s:
+            await asyncio.sleep(script.first_delay_s)
         if script.error is not None:
             raise script.error
         ids, finish = self._generated(self.tokens(script.text), request)

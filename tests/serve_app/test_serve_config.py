@@ -176,10 +176,14 @@ def test_app_is_a_serve_application_builder():
     assert decode.num_replicas == 2
     settings = ingress.init_args[3]  # the ingress' own settings travel whole to its replicas
     assert settings.num_replicas == 1 and settings.default_max_tokens is None and settings.api_key_values() == ()
+    assert settings.stream_keepalive_s == 15.0
     keyed = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
-        "ingress.default_max_tokens=512", "ingress.api_keys=sk-x"))
+        "ingress.default_max_tokens=512", "ingress.api_keys=sk-x", "ingress.stream_keepalive_s=null"))
     assert keyed._bound_deployment.init_args[3].default_max_tokens == 512
     assert keyed._bound_deployment.init_args[3].api_key_values() == ("sk-x",)
+    assert keyed._bound_deployment.init_args[3].stream_keepalive_s is None
+    with pytest.raises(ServeConfigError, match="stream_keepalive_s"):
+        ServeAppConfig.from_args({"ingress.stream_keepalive_s": "0"})
     no_prefill = call_user_app_builder_with_args_if_necessary(serve_app.app, {"disaggregated": "false"})
     assert no_prefill._bound_deployment.init_args[0]._bound_deployment.init_args[0] is None
 

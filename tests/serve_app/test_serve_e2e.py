@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 import time
 import urllib.request
@@ -413,7 +414,8 @@ def test_a_full_decode_queue_refuses_at_once_with_503_and_retry_after(http_port)
     app = "overload"
     args = {"max_context": "1024", "kv_cache_memory_gib": "0.0625", "disaggregated": "false",
             "decode.num_replicas": "1", "decode.max_ongoing_requests": "1", "decode.max_queued_requests": "1",
-            "decode.graceful_shutdown_timeout_s": "1", "ingress.conversation_start_date": "2026-11-29"}
+            "decode.graceful_shutdown_timeout_s": "1", "ingress.conversation_start_date": "2026-11-29",
+            "ingress.stream_keepalive_s": "0.3"}
     serve.run(build_app(args), name=app, route_prefix="/overload")
     try:
         url = f"http://127.0.0.1:{http_port}/overload/v1/chat/completions"
@@ -435,6 +437,31 @@ def test_a_full_decode_queue_refuses_at_once_with_503_and_retry_after(http_port)
         wait_until(lambda: (lambda s: s["num_running"] == 0 and s["full_pages_free"] == s["full_pages_total"])(
             decode.stats.remote().result()), 10, "the overload app's decode engine to hold nothing")
         assert decode.stats.remote().result()["requests_finished_total"].get("abort", 0) == 0  # refused, never run
+
+        # ingress.stream_keepalive_s: a stream queued behind a running request starts (200) and sends keep-alive
+        # comments through Serve's proxy until its first token
+        def queued_stream() -> tuple[int, list[str], float]:
+            with httpx.stream("POST", url, json=dict(CHAT, max_tokens=8, stream=True), timeout=120) as r:
+                lines, first_keepalive = [], math.inf
+                for line in filter(None, r.iter_lines()):
+                    lines.append(line)
+                    if line == ": keep-alive":
+                        first_keepalive = min(first_keepalive, time.monotonic())
+                return r.status_code, lines, first_keepalive
+
+        # (decode's stats() would wait in the same queue: the long request's second chunk says it is running)
+        with ThreadPoolExecutor(1) as pool, \
+                httpx.stream("POST", url, json=dict(body, max_tokens=600, stream=True), timeout=120) as long:
+            long_lines = (line for line in long.iter_lines() if line.startswith("data: "))
+            next(long_lines), next(long_lines)
+            queued = pool.submit(queued_stream)
+            assert list(long_lines)[-1] == "data: [DONE]"
+            long_done = time.monotonic()
+            status, lines, first_keepalive = queued.result()
+        assert status == 200 and lines[0].startswith("data: ") and lines[-1] == "data: [DONE]", lines
+        assert first_keepalive < long_done  # passed on as sent, not held back until the answer
+        second_data = next(i for i, line in enumerate(lines) if i > 0 and line.startswith("data: "))
+        assert lines[1:second_data].count(": keep-alive") >= 2, lines  # waited through at least 0.9 s
     finally:
         serve.delete(app)
 
