@@ -54,16 +54,19 @@ class DecodeServer:
         """Stream the request's deltas; InvalidRequestError before the first one for a bad request."""
         t0 = time.monotonic()
         self.engine.engine.validate(request)  # refuse bad requests before any remote work
-        payload = await self._remote_prefill(request) if self.prefill is not None else None
-        stream = self.engine.generate_prefilled(request, payload) if payload is not None else None
+        stream = None
         first_at = last_at = None
-        num_out = 0
+        num_out = num_cached = 0
+        outcome, prefill = "cancelled", "local"  # what ended it; where its prompt ran
         try:
+            if self.prefill is not None:
+                payload, prefill = await self._remote_prefill(request)
+                stream = self.engine.generate_prefilled(request, payload) if payload is not None else None
             if stream is not None:
                 try:
                     first = await stream.__anext__()
                 except KVPayloadError as err:  # prefill and decode disagree about the model
-                    self._fell_back(request, "import_error", err)
+                    prefill = self._fell_back(request, "import_error", err)
                     await stream.aclose()
                     stream = None
             if stream is None:
@@ -74,19 +77,31 @@ class DecodeServer:
                 if delta.token_ids:
                     last_at = time.monotonic()
                     first_at = first_at or last_at
-                num_out = delta.num_output_tokens
+                num_out, num_cached = delta.num_output_tokens, max(num_cached, delta.num_cached_tokens)
+                if delta.finish_reason is not None:
+                    outcome = delta.finish_reason
                 yield delta
                 if delta.finish_reason is not None:
                     break
                 delta = await stream.__anext__()
+        except Exception as err:
+            outcome = f"failed ({type(err).__name__})"
+            raise
         finally:
             if stream is not None:
                 await stream.aclose()  # after an early exit (client gone, cancelled) this aborts in the engine
             tpot = (last_at - first_at) / (num_out - 1) if first_at and num_out > 1 else None
             self.metrics.observe_request(first_at - t0 if first_at else None, tpot)
+            # one line per request; under Serve it carries the request's x-request-id
+            log.info("request %s: %s after %.3f s; prompt %d tokens (%d cached, prefill %s), output %d tokens, "
+                     "first token %s, %s", request.request_id, outcome, time.monotonic() - t0,
+                     len(request.prompt_ids), num_cached, prefill, num_out,
+                     f"{first_at - t0:.3f} s" if first_at else "-",
+                     f"{1 / tpot:.1f} tok/s after it" if tpot else "no decode rate")
 
-    async def _remote_prefill(self, request: GenerateRequest) -> PrefilledKV | None:
-        """The prompt's K/V + first token from a prefill replica, or None (then decode runs the prompt)."""
+    async def _remote_prefill(self, request: GenerateRequest) -> tuple[PrefilledKV | None, str]:
+        """The prompt's K/V + first token from a prefill replica, or None (then decode runs the prompt); and
+        where the prompt ran, for the request's log line."""
         sliding, kv_heads, head_dim, dtype, window = self._kv_shape
         offer = self.transport.offer(payload_upper_bound(len(request.prompt_ids), len(sliding), sliding, window,
                                                          kv_heads, head_dim, dtype))
@@ -111,8 +126,7 @@ class DecodeServer:
             finally:
                 self.transport.release(offer)  # the call has ended and receive copied the slot out
         except _REMOTE_FAILURES as err:
-            self._fell_back(request, _reason(err), err)
-            return None
+            return None, self._fell_back(request, _reason(err), err)
         stats = self.transport.last_stats
         total_s = handle.pack_ms / 1e3 + (time.perf_counter() - t_recv)
         self.num_transfers += 1
@@ -120,16 +134,17 @@ class DecodeServer:
         log.info("kv transfer %s: %d bytes via %s, pack %.2f ms + receive %.2f ms (waiting for the copy: %s ms; "
                  "%.1f MB/s)", request.request_id, handle.nbytes, handle.kind, handle.pack_ms, stats.receive_ms,
                  "-" if stats.wait_ms is None else f"{stats.wait_ms:.2f}", handle.nbytes / max(total_s, 1e-9) / 1e6)
-        return payload
+        return payload, f"remote, K/V via {handle.kind}"
 
     async def _call_prefill(self, request: GenerateRequest, offer: ReceiveOffer):
         return await self.prefill.prefill.remote(request, offer)
 
-    def _fell_back(self, request: GenerateRequest, reason: str, err: BaseException) -> None:
+    def _fell_back(self, request: GenerateRequest, reason: str, err: BaseException) -> str:
         self.fallbacks[reason] += 1
         self.metrics.observe_fallback(reason)
         log.warning("request %s: remote prefill failed (%s: %s); running the prompt on this decode replica",
                     request.request_id, reason, err)
+        return f"local after {reason}"
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

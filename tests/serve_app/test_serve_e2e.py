@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import pathlib
 import re
 import time
 import urllib.request
@@ -370,6 +371,17 @@ def test_x_request_id_is_serves_one_value(http_port):
     assert r.status_code == 200 and r.headers.get_list("x-request-id") and "," not in r.headers["x-request-id"]
     r = httpx.post(url, json=body, headers={**auth, "x-request-id": "trace-e2e-1"}, timeout=60)
     assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["trace-e2e-1"]
+
+    # the decode replica's summary line of that request carries the same id
+    logs = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+    def summary() -> list[str]:
+        return [line for path in logs.glob(f"replica_{APP}_{DECODE_NAME}_*.log")
+                for line in path.read_text().splitlines() if "trace-e2e-1" in line and r.json()["id"] in line]
+
+    lines = wait_until(summary, 10, "the decode replica's line for the request")
+    assert re.search(r": length after [\d.]+ s; prompt \d+ tokens \(\d+ cached, prefill remote, K/V via [\w-]+\), "
+                     r"output 2 tokens, first token [\d.]+ s, [\d.]+ tok/s after it", lines[-1]), lines
 
 
 def test_refused_request_is_an_invalid_request_error(http_port):
