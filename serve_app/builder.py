@@ -1,4 +1,5 @@
-"""The Serve application: HarmonyIngress -> DecodeServer -> PrefillServer, each with its own options.
+"""The Serve application: HarmonyIngress -> DecodeServer -> PrefillServer, each with its own options, and the
+ingress' ResponseStore (stored /v1/responses) beside them.
 
 `build_app` is the application builder behind `serve_app:app`, so the same code serves three entry
 points: `serve run serve_app:app key=value ...`, a Serve YAML with `import_path: serve_app:app` and
@@ -16,6 +17,7 @@ from serve_app.config import DeploymentSettings, ServeAppConfig
 from serve_app.placement import NOSET_CUDA_VISIBLE_DEVICES, ReplicaResources
 
 INGRESS_NAME = "HarmonyIngress"
+RESPONSE_STORE_NAME = "ResponseStore"
 DECODE_NAME = "DecodeServer"
 PREFILL_NAME = "PrefillServer"
 
@@ -55,6 +57,7 @@ def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Applicatio
     from serve_app.decode_server import DecodeServer
     from serve_app.ingress import HarmonyIngress
     from serve_app.prefill_server import PrefillServer
+    from serve_app.response_store import ResponseStoreServer
 
     config = ServeAppConfig.from_args(args)
     # Decide `auto` once, here, so every replica agrees (a CPU head node must not pick cpu for GPU nodes).
@@ -73,4 +76,10 @@ def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Applicatio
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
     )
-    return ingress.bind(decode, config.served_model_name, config.max_context, config.ingress)
+    store = None
+    if config.ingress.store_max_responses > 0:  # one replica: it is the store (serve_app/response_store.py)
+        store = serve.deployment(
+            ResponseStoreServer, name=RESPONSE_STORE_NAME, num_replicas=1, max_ongoing_requests=1024,
+            ray_actor_options={"num_cpus": 0.1},
+        ).bind(config.ingress.store_max_responses, int(config.ingress.store_max_mib * 2**20))
+    return ingress.bind(decode, config.served_model_name, config.max_context, config.ingress, store)

@@ -157,6 +157,12 @@ class IngressSettings(_Settings):
                                 "`: keep-alive` after each such idle period, so a load balancer's idle timeout "
                                 "(AWS ALB: 60 s) does not cut a request waiting in a queue; a later refusal is "
                                 "an error event in the stream. None: wait silently for the first token.")
+    store_max_responses: int = Field(
+        10_000, ge=0, description="Stored /v1/responses (for previous_response_id and GET / DELETE by id), kept "
+                                  "in one ResponseStore replica's memory, least recently used out first; a "
+                                  "request with store=false is not kept. 0: no store (the endpoint is "
+                                  "stateless and previous_response_id is refused).")
+    store_max_mib: float = Field(512, gt=0, description="Memory the stored responses may take, their JSON's size.")
     api_keys: list[SecretStr] = Field(
         default_factory=api_keys_from_env,
         description="Keys clients must send on every path but /health (`Authorization: Bearer KEY`, the "

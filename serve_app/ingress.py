@@ -16,6 +16,7 @@ from ray.serve.exceptions import BackPressureError
 
 from engine.request import BackendOverloaded, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.config import IngressSettings
+from serve_app.response_store import ServeResponseStore
 
 log = logging.getLogger("ray.serve")
 
@@ -69,12 +70,14 @@ class HarmonyIngress:
     """HTTP ingress. `decode`: the DecodeServer handle; the context limit is asked from it at start."""
 
     async def __init__(self, decode, served_model_name: str, max_context: int | None = None,
-                       settings: IngressSettings | None = None):
+                       settings: IngressSettings | None = None, response_store=None):
+        """response_store: the ResponseStore deployment's handle (None: /v1/responses is stateless)."""
         if max_context is None:
             max_context = await decode.max_context.remote()
         self.backend = ServeTokenBackend(decode, max_context)
         self.served_model_name = served_model_name
         self.settings = settings or IngressSettings(api_keys=[])
+        self.response_store = ServeResponseStore(response_store) if response_store is not None else None
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import create_app
@@ -82,4 +85,5 @@ class HarmonyIngress:
         s = self.settings
         return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
                           conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
-                          api_keys=s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s)
+                          api_keys=s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
+                          response_store=self.response_store)

@@ -22,7 +22,8 @@ from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge, install_error_handlers, parse_json
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from serve_app.openai_api.responses import create_response
+from serve_app.openai_api.responses import create_response, delete_response, list_input_items, retrieve_response
+from serve_app.openai_api.stored_responses import ResponseStore
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
@@ -39,8 +40,10 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_keys: Sequence[str] = (),
     stream_keepalive_s: float | None = 15.0,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
-    """Serve /v1/chat/completions, /v1/responses, /v1/completions, /v1/models and /health for `backend`.
+    """Serve /v1/chat/completions, /v1/responses (and GET / DELETE of stored ones), /v1/completions, /v1/models
+    and /health for `backend`.
 
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).
@@ -49,6 +52,8 @@ def create_app(
     stream_keepalive_s: a stream waits this long for its first token before it starts (HTTP 200; a later
     refusal is an error event), then sends `: keep-alive` after each such idle period; None: it waits and
     stays silent as long as it takes.
+    response_store: where /v1/responses keeps responses (`store`, `previous_response_id`, GET, DELETE);
+    None: that endpoint is stateless.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -59,7 +64,7 @@ def create_app(
     config = IngressConfig(model_name=model_name, max_context=limit, default_max_tokens=default_max_tokens,
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s)
-    ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding())
+    ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store)
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -104,6 +109,19 @@ def create_app(
         req = await parse_request(request, ResponsesRequest, config.max_body_bytes)
         check_model(req.model)
         return await create_response(req, request, ctx)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return await retrieve_response(response_id, ctx)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> dict[str, Any]:
+        return await delete_response(response_id, ctx)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(response_id: str, order: str = "desc", limit: int = 20,
+                              after: str | None = None) -> dict[str, Any]:
+        return await list_input_items(response_id, ctx, order=order, limit=limit, after=after)
 
     return app
 

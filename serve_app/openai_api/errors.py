@@ -60,6 +60,15 @@ class ModelNotFound(APIError):
                          param="model", code="model_not_found")
 
 
+class ResponseNotFound(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, response_id: str):
+        super().__init__(f"No response found with id {response_id!r} (responses with store=false are not kept, "
+                         "and the oldest are dropped when the store is full).", code="not_found")
+
+
 class InvalidApiKey(APIError):
     status_code = 401
     error_type = "invalid_request_error"

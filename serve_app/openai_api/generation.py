@@ -39,6 +39,7 @@ from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, It
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
 from serve_app.openai_api.protocol import forced_name
+from serve_app.openai_api.stored_responses import ResponseStore
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class IngressContext:
     backend: TokenBackend
     config: IngressConfig
     encoding: HarmonyEncoding
+    store: ResponseStore | None = None  # stored /v1/responses; None: the endpoint is stateless
 
 
 @dataclass

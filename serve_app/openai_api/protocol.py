@@ -191,7 +191,7 @@ class RequestBase(SamplingBase):
     parallel_tool_calls: bool | None = None
     tool_choice: Any = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None  # accepted; nothing is stored
+    store: bool | None = None  # Responses: kept for previous_response_id and GET unless false; Chat: ignored
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -296,12 +296,14 @@ class ChatCompletionRequest(RequestBase, TextOutputFields):
 
 class MessageItem(Lenient):
     type: Literal["message"] = "message"
+    id: str | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
 
 
 class FunctionCallItem(Lenient):
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str
     name: str
     arguments: str
@@ -309,6 +311,7 @@ class FunctionCallItem(Lenient):
 
 class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str
     output: Content
 
@@ -320,6 +323,7 @@ class ReasoningText(Lenient):
 
 class ReasoningItem(Lenient):
     type: Literal["reasoning"]
+    id: str | None = None
     content: list[ReasoningText] | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
 
@@ -368,8 +372,8 @@ class TextOptions(Lenient):
 
 
 class ResponsesRequest(RequestBase):
-    """`previous_response_id`, `conversation` and `background` are not supported: the server keeps no
-    state between requests, so the client sends the whole conversation as `input` every time."""
+    """`previous_response_id` continues a stored response (stored_responses.py; checked where the store is);
+    `conversation` and `background` are not supported."""
 
     input: Union[str, list[InputItem]]
     instructions: str | None = None
@@ -385,11 +389,11 @@ class ResponsesRequest(RequestBase):
     background: bool | None = None
     top_logprobs: int | None = None
 
-    @field_validator("previous_response_id", "conversation")
+    @field_validator("conversation")
     @classmethod
-    def _stateless(cls, value: Any) -> Any:
-        return _reject_unless(value, (None,), "this server stores no responses or conversations; send the "
-                              "whole conversation (earlier output items included) in `input`")
+    def _no_conversations(cls, value: Any) -> Any:
+        return _reject_unless(value, (None,), "this server keeps no conversation objects; continue a stored "
+                              "response with previous_response_id, or send the whole conversation in `input`")
 
     @field_validator("background")
     @classmethod

@@ -1,10 +1,12 @@
-"""POST /v1/responses over Harmony (stateless).
+"""/v1/responses over Harmony: POST creates a response; GET, DELETE and GET .../input_items read stored ones.
 
 Input: a string (one user message) or items: messages (user / assistant / system / developer),
 `function_call`, `function_call_output` (matched to its call by `call_id`) and `reasoning` (its
 `reasoning_text` content, else its summary). `instructions`, system and developer messages are the
-developer instructions. `previous_response_id` and `conversation` are rejected: nothing is stored,
-so the client sends the earlier output items back in `input`.
+developer instructions. With a response store (stored_responses.py) a response is kept unless the request
+says `store: false`, and `previous_response_id` puts that response's conversation (every earlier input and
+output item of its chain, not its instructions) before the input; without one, `store` is ignored and
+`previous_response_id` is refused. `conversation` objects are not supported.
 
 Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
 preamble with phase "commentary"), `function_call` (recipient `functions.NAME`, any channel). A
@@ -13,11 +15,13 @@ response cut by max_output_tokens has status "incomplete" and ends with `respons
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
+from pydantic import TypeAdapter
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,7 +37,7 @@ from serve_app.harmony.render import (
     UserMessage,
     render_prompt,
 )
-from serve_app.openai_api.errors import APIError, BadRequest
+from serve_app.openai_api.errors import APIError, BadRequest, ResponseNotFound
 from serve_app.openai_api.generation import (
     Generation,
     IngressConfig,
@@ -48,20 +52,32 @@ from serve_app.openai_api.generation import (
 from serve_app.openai_api.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputItem,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
     text_of,
 )
+from serve_app.openai_api.stored_responses import StoredResponse
 from serve_app.openai_api.streaming import sse
 
+log = logging.getLogger(__name__)
+_ITEMS = TypeAdapter(list[InputItem])
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
-def responses_prompt(req: ResponsesRequest, config: IngressConfig) -> Prompt:
+
+def input_items(req: ResponsesRequest) -> list:
+    return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+
+
+def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list | None = None) -> Prompt:
+    """The Harmony prompt of `req`, its input after `earlier` (the items of the response it continues)."""
     instructions = [req.instructions] if req.instructions else []
     history: list[HistoryItem] = []
     call_names: dict[str, str] = {}
-    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    for i, item in enumerate(items):
+    own = input_items(req)
+    items = (earlier or []) + own
+    for i, item in enumerate(items, start=len(own) - len(items)):  # i: the index in the request's `input`
         if isinstance(item, MessageItem):
             text = text_of(item.content)
             if item.role in ("system", "developer"):
@@ -99,6 +115,31 @@ def responses_prompt(req: ResponsesRequest, config: IngressConfig) -> Prompt:
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def stored_input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as JSON, each with an id (the client's, or a new one)."""
+    out = []
+    for item in input_items(req):
+        data = item.model_dump(mode="json", exclude_none=True)
+        data["id"] = data.get("id") or _new_id(_ID_PREFIX[item.type])
+        out.append(data)
+    return out
+
+
+async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | None:
+    """The items of the conversation `req.previous_response_id` continues (None without one)."""
+    if req.previous_response_id is None:
+        return None
+    if ctx.store is None:
+        raise BadRequest("previous_response_id needs stored responses, which this server does not keep "
+                         "(ingress.store_max_responses=0); send the whole conversation in `input`",
+                         param="previous_response_id")
+    items = await ctx.store.conversation(req.previous_response_id)
+    if items is None:
+        raise BadRequest(f"Previous response with id {req.previous_response_id!r} not found.",
+                         param="previous_response_id", code="previous_response_not_found")
+    return _ITEMS.validate_python(items)
 
 
 class ResponsesAssembler:
@@ -183,7 +224,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced_name)
-    prompt_ids = render_prompt(replace(responses_prompt(req, ctx.config), response_format=response_format))
+    earlier = await earlier_items(req, ctx)
+    prompt_ids = render_prompt(replace(responses_prompt(req, ctx.config, earlier), response_format=response_format))
     forced = forced_call_ids(forced_name, ctx.encoding)
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
@@ -192,6 +234,17 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced)
     created = time.time()
+    store = ctx.store is not None and req.store is not False
+    own_items = stored_input_items(req) if store else []
+
+    async def keep(response: dict[str, Any]) -> None:
+        """Store the finished response before the client hears it finished, so a follow-up can name it."""
+        if not store:
+            return
+        try:
+            await ctx.store.put(gen.request_id, StoredResponse(response, own_items, req.previous_response_id))
+        except Exception:  # the answer stands; only a later previous_response_id to it will fail
+            log.exception("response %s: storing it failed", gen.request_id)
 
     def snapshot(status: str, output: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         return {
@@ -204,8 +257,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
-            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled", "store": False,
-            "previous_response_id": None, "background": False,
+            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled", "store": store,
+            "previous_response_id": req.previous_response_id, "background": False,
         }
 
     def final_status() -> str:
@@ -221,7 +274,9 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         assembler = ResponsesAssembler()
         async for _ in frames(gen, assembler):
             pass
-        return snapshot(final_status(), assembler.output, usage_json(gen))
+        done = snapshot(final_status(), assembler.output, usage_json(gen))
+        await keep(done)
+        return done
 
     async def stream(gen: Generation) -> AsyncIterator[bytes]:
         assembler = ResponsesAssembler()
@@ -233,6 +288,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
                     yield _frame(frame)
             status = final_status()
             done = snapshot(status, assembler.output, usage_json(gen))
+            await keep(done)
             yield _frame(assembler.event(f"response.{status}", response=done))
         except APIError as err:  # mid-stream failure: OpenAI's `error` event
             yield _frame(assembler.event("error", code=err.code, message=err.message, param=err.param))
@@ -245,3 +301,37 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
 def _frame(event: dict[str, Any]) -> bytes:
     return sse(event, event=event["type"])
+
+
+async def retrieve_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
+    stored = await ctx.store.get(response_id) if ctx.store is not None else None
+    if stored is None:
+        raise ResponseNotFound(response_id)
+    return stored.response
+
+
+async def delete_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
+    if ctx.store is None or not await ctx.store.delete(response_id):
+        raise ResponseNotFound(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def list_input_items(response_id: str, ctx: IngressContext, *, order: str, limit: int,
+                           after: str | None) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: the request's own input items, newest first unless order=asc."""
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order must be 'asc' or 'desc', not {order!r}", param="order")
+    if not 1 <= limit <= 100:
+        raise BadRequest(f"limit must be between 1 and 100, not {limit}", param="limit")
+    stored = await ctx.store.get(response_id) if ctx.store is not None else None
+    if stored is None:
+        raise ResponseNotFound(response_id)
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise BadRequest(f"after: no input item {after!r} in response {response_id!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -177,8 +177,12 @@ def test_app_is_a_serve_application_builder():
     settings = ingress.init_args[3]  # the ingress' own settings travel whole to its replicas
     assert settings.num_replicas == 1 and settings.default_max_tokens is None and settings.api_key_values() == ()
     assert settings.stream_keepalive_s == 15.0
+    store = ingress.init_args[4]._bound_deployment  # the ResponseStore: one replica holds every stored response
+    assert (store.name, store.num_replicas, store.init_args) == ("ResponseStore", 1, (10_000, 512 * 2**20))
     keyed = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
-        "ingress.default_max_tokens=512", "ingress.api_keys=sk-x", "ingress.stream_keepalive_s=null"))
+        "ingress.default_max_tokens=512", "ingress.api_keys=sk-x", "ingress.stream_keepalive_s=null",
+        "ingress.store_max_responses=0"))
+    assert keyed._bound_deployment.init_args[4] is None  # no store: /v1/responses is stateless
     assert keyed._bound_deployment.init_args[3].default_max_tokens == 512
     assert keyed._bound_deployment.init_args[3].api_key_values() == ("sk-x",)
     assert keyed._bound_deployment.init_args[3].stream_keepalive_s is None

@@ -21,7 +21,7 @@ import torch
 from ray import serve
 
 from engine.request import GenerateRequest, SamplingParams
-from serve_app.builder import DECODE_NAME, PREFILL_NAME, build_app, deployment_options
+from serve_app.builder import DECODE_NAME, PREFILL_NAME, RESPONSE_STORE_NAME, build_app, deployment_options
 from serve_app.config import ServeAppConfig
 from serve_app.decode_server import DecodeServer
 from serve_app.kv_transfer import KVHandle, KVTransferError, ObjectStoreTransport
@@ -382,6 +382,29 @@ def test_x_request_id_is_serves_one_value(http_port):
     lines = wait_until(summary, 10, "the decode replica's line for the request")
     assert re.search(r": length after [\d.]+ s; prompt \d+ tokens \(\d+ cached, prefill remote, K/V via [\w-]+\), "
                      r"output 2 tokens, first token [\d.]+ s, [\d.]+ tok/s after it", lines[-1]), lines
+
+
+def test_stored_responses_continue_and_can_be_read_and_deleted(http_port):
+    """The ResponseStore deployment: a continuation (previous_response_id) is the same request as the whole
+    conversation sent again (same input tokens, same greedy output), GET returns the stored response, DELETE
+    drops it."""
+    api = client(http_port)
+    params = dict(model=CONFIG.served_model_name, temperature=0, max_output_tokens=6)
+    first = api.responses.create(input="Hi there", **params)
+    second = api.responses.create(input="Tell me more", previous_response_id=first.id, **params)
+    whole = [{"role": "user", "content": "Hi there"}, *[item.model_dump(exclude_none=True) for item in first.output],
+             {"role": "user", "content": "Tell me more"}]
+    again = api.responses.create(input=whole, store=False, **params)
+    assert second.usage.input_tokens == again.usage.input_tokens > first.usage.input_tokens
+    assert [item.model_dump(exclude={"id"}) for item in second.output if item.type != "function_call"] == \
+        [item.model_dump(exclude={"id"}) for item in again.output if item.type != "function_call"]
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's prompt, from the prefix cache
+    assert api.responses.retrieve(first.id).model_dump() == first.model_dump()
+    api.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(second.id)
+    store = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
+    assert store["responses"] >= 1 and store["max_responses"] == CONFIG.ingress.store_max_responses
 
 
 def test_refused_request_is_an_invalid_request_error(http_port):

@@ -1,0 +1,102 @@
+"""Stored responses for /v1/responses: `store`, `previous_response_id`, GET and DELETE by id.
+
+A stored response is the response object as the client got it, the input items of its own request, and
+the id of the response it continued. A request naming `previous_response_id` sees the conversation of that
+chain: for each response from the first, its input items and then its output items (OpenAI's semantics;
+`instructions` are not carried over). Each link is stored once, so a long chain costs its own size, not its
+square.
+
+`MemoryResponseStore` keeps them in this process, least recently used first out when a count or byte limit
+is reached; a chain whose older link was dropped can no longer be continued (400
+previous_response_not_found). Under Ray Serve one replica holds it for every ingress replica
+(serve_app/response_store.py). Nothing is written to disk: a restart forgets every response.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]  # the response object as returned (its `output` items included)
+    input_items: list[dict[str, Any]]  # the request's own input items, each with an `id`
+    previous_id: str | None = None  # the response it continued
+
+    def size(self) -> int:
+        """Bytes of its JSON, what the store's byte limit counts."""
+        return len(json.dumps([self.response, self.input_items], ensure_ascii=False, separators=(",", ":")))
+
+
+class ResponseStore(Protocol):
+    async def put(self, response_id: str, stored: StoredResponse) -> bool: ...
+
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    async def conversation(self, response_id: str) -> list[dict[str, Any]] | None: ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+
+class MemoryResponseStore:
+    """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
+
+    def __init__(self, max_responses: int = 10_000, max_bytes: int = 512 << 20):
+        if max_responses < 1 or max_bytes < 1:
+            raise ValueError(f"max_responses ({max_responses}) and max_bytes ({max_bytes}) must be positive")
+        self.max_responses = max_responses
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # oldest use first
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Store it (False: larger than the whole store, not kept), dropping the least recently used."""
+        size = stored.size()
+        if size > self.max_bytes:
+            log.warning("response %s: %d bytes is more than the store holds (%d); not stored", response_id, size,
+                        self.max_bytes)
+            return False
+        self._drop(response_id)
+        self._items[response_id] = (stored, size)
+        self.bytes += size
+        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+        return True
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._items.get(response_id)
+        if entry is None:
+            return None
+        self._items.move_to_end(response_id)
+        return entry[0]
+
+    async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items a continuation of `response_id` follows (module docstring), or None when it or any
+        response before it is gone. Every link counts as used."""
+        chain: list[StoredResponse] = []
+        next_id: str | None = response_id
+        while next_id is not None:
+            stored = await self.get(next_id)
+            if stored is None:
+                return None
+            chain.append(stored)
+            next_id = stored.previous_id
+        return [item for stored in reversed(chain) for item in stored.input_items + stored.response["output"]]
+
+    async def delete(self, response_id: str) -> bool:
+        return self._drop(response_id)
+
+    def _drop(self, response_id: str) -> bool:
+        entry = self._items.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry[1]
+        return entry is not None

@@ -1,0 +1,53 @@
+"""The response store under Ray Serve: one replica holds the stored /v1/responses of every ingress replica.
+
+`ResponseStoreServer` is the deployment (a MemoryResponseStore in its process, so one replica: a second
+would hold other responses); `ServeResponseStore` is the ResponseStore the ingress uses, over its handle.
+A restart of that replica forgets every stored response (continuations of them then get 400
+previous_response_not_found).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
+
+
+class ResponseStoreServer:
+    def __init__(self, max_responses: int, max_bytes: int):
+        self.store = MemoryResponseStore(max_responses, max_bytes)
+
+    async def put(self, response_id: str, stored: StoredResponse) -> bool:
+        return await self.store.put(response_id, stored)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await self.store.get(response_id)
+
+    async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        return await self.store.conversation(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.store.delete(response_id)
+
+    def stats(self) -> dict[str, int]:
+        return {"responses": len(self.store), "bytes": self.store.bytes, "max_responses": self.store.max_responses,
+                "max_bytes": self.store.max_bytes}
+
+
+class ServeResponseStore:
+    """ResponseStore over a ResponseStoreServer DeploymentHandle."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    async def put(self, response_id: str, stored: StoredResponse) -> bool:
+        return await self._handle.put.remote(response_id, stored)
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return await self._handle.get.remote(response_id)
+
+    async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        return await self._handle.conversation.remote(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self._handle.delete.remote(response_id)
