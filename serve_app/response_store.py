@@ -8,6 +8,7 @@ previous_response_not_found).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
@@ -35,19 +36,24 @@ class ResponseStoreServer:
 
 
 class ServeResponseStore:
-    """ResponseStore over a ResponseStoreServer DeploymentHandle."""
+    """ResponseStore over a ResponseStoreServer DeploymentHandle; a call that takes longer than `timeout_s`
+    (the replica is gone and not back yet) raises TimeoutError, which the API answers with a 503."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, timeout_s: float = 10.0):
         self._handle = handle
+        self.timeout_s = timeout_s
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await asyncio.wait_for(getattr(self._handle, method).remote(*args), self.timeout_s)
 
     async def put(self, response_id: str, stored: StoredResponse) -> bool:
-        return await self._handle.put.remote(response_id, stored)
+        return await self._call("put", response_id, stored)
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        return await self._handle.get.remote(response_id)
+        return await self._call("get", response_id)
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
-        return await self._handle.conversation.remote(response_id)
+        return await self._call("conversation", response_id)
 
     async def delete(self, response_id: str) -> bool:
-        return await self._handle.delete.remote(response_id)
+        return await self._call("delete", response_id)

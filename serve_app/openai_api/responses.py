@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from pydantic import TypeAdapter
 from starlette.requests import Request
@@ -37,7 +37,7 @@ from serve_app.harmony.render import (
     UserMessage,
     render_prompt,
 )
-from serve_app.openai_api.errors import APIError, BadRequest, ResponseNotFound
+from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
 from serve_app.openai_api.generation import (
     Generation,
     IngressConfig,
@@ -62,6 +62,7 @@ from serve_app.openai_api.stored_responses import StoredResponse
 from serve_app.openai_api.streaming import sse
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _ITEMS = TypeAdapter(list[InputItem])
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -135,7 +136,7 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | No
         raise BadRequest("previous_response_id needs stored responses, which this server does not keep "
                          "(ingress.store_max_responses=0); send the whole conversation in `input`",
                          param="previous_response_id")
-    items = await ctx.store.conversation(req.previous_response_id)
+    items = await _ask_store(ctx.store.conversation(req.previous_response_id))
     if items is None:
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} not found.",
                          param="previous_response_id", code="previous_response_not_found")
@@ -303,15 +304,24 @@ def _frame(event: dict[str, Any]) -> bytes:
     return sse(event, event=event["type"])
 
 
+async def _ask_store(call: Awaitable[T]) -> T:
+    """A store call's answer; a store that fails or does not answer is a 503 (the request may be retried)."""
+    try:
+        return await call
+    except Exception as err:
+        log.exception("the response store failed")
+        raise EngineFailure(f"The response store did not answer ({type(err).__name__}); retry.") from err
+
+
 async def retrieve_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
-    stored = await ctx.store.get(response_id) if ctx.store is not None else None
+    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
     if stored is None:
         raise ResponseNotFound(response_id)
     return stored.response
 
 
 async def delete_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
-    if ctx.store is None or not await ctx.store.delete(response_id):
+    if ctx.store is None or not await _ask_store(ctx.store.delete(response_id)):
         raise ResponseNotFound(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -323,7 +333,7 @@ async def list_input_items(response_id: str, ctx: IngressContext, *, order: str,
         raise BadRequest(f"order must be 'asc' or 'desc', not {order!r}", param="order")
     if not 1 <= limit <= 100:
         raise BadRequest(f"limit must be between 1 and 100, not {limit}", param="limit")
-    stored = await ctx.store.get(response_id) if ctx.store is not None else None
+    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
     if stored is None:
         raise ResponseNotFound(response_id)
     items = stored.input_items if order == "asc" else stored.input_items[::-1]

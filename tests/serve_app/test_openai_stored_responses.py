@@ -199,3 +199,40 @@ def test_memory_store_byte_limit_and_accounting():
             MemoryResponseStore(max_responses=0)
 
     asyncio.run(run())
+
+
+class UnreachableStore(MemoryResponseStore):
+    """A store whose every call fails, as the ResponseStore replica's handle does while it is gone
+    (ServeResponseStore raises TimeoutError after its timeout)."""
+
+    async def put(self, response_id, stored):
+        raise TimeoutError()
+
+    async def get(self, response_id):
+        raise TimeoutError()
+
+    async def conversation(self, response_id):
+        raise TimeoutError()
+
+    async def delete(self, response_id):
+        raise TimeoutError()
+
+
+def test_an_unreachable_store_is_a_503_and_never_fails_an_answer(caplog):
+    from serve_app.openai_api.app import create_app
+
+    backend = ScriptedBackend()
+    app = create_app(backend, model_name=MODEL, max_context=4096, response_store=UnreachableStore())
+    with LiveServer(app) as server:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        backend.push(FIRST)
+        assert api.responses.create(model=MODEL, input="Hi").output_text == "Hello!"  # answered; storing it failed
+        backend.push(FIRST, chunk=1)
+        assert list(api.responses.create(model=MODEL, input="Hi", stream=True))[-1].type == "response.completed"
+        for call in (lambda: api.responses.retrieve("resp_1"), lambda: api.responses.delete("resp_1"),
+                     lambda: api.responses.input_items.list("resp_1"),
+                     lambda: api.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")):
+            with pytest.raises(openai.InternalServerError) as err:
+                call()
+            assert err.value.status_code == 503 and "response store" in err.value.message
+    assert "storing it failed" in caplog.text
