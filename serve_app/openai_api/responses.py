@@ -71,14 +71,29 @@ def input_items(req: ResponsesRequest) -> list:
     return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
 
 
-def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list | None = None) -> Prompt:
-    """The Harmony prompt of `req`, its input after `earlier` (the items of the response it continues)."""
+def _is_instruction(item: Any) -> bool:
+    return isinstance(item, MessageItem) and item.role in ("system", "developer")
+
+
+def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list | None = None,
+                     drop: int = 0) -> Prompt:
+    """The Harmony prompt of `req`, its input after `earlier` (the items of the response it continues), less
+    the `drop` oldest conversation items (every item but system and developer messages, which stay: truncation)
+    and the outputs of calls dropped with them."""
     instructions = [req.instructions] if req.instructions else []
     history: list[HistoryItem] = []
     call_names: dict[str, str] = {}
+    dropped_calls: set[str] = set()
     own = input_items(req)
     items = (earlier or []) + own
     for i, item in enumerate(items, start=len(own) - len(items)):  # i: the index in the request's `input`
+        if drop and not _is_instruction(item):
+            drop -= 1
+            if isinstance(item, FunctionCallItem):
+                dropped_calls.add(item.call_id)
+            continue
+        if isinstance(item, FunctionCallOutputItem) and item.call_id in dropped_calls:
+            continue
         if isinstance(item, MessageItem):
             text = text_of(item.content)
             if item.role in ("system", "developer"):
@@ -126,6 +141,31 @@ def stored_input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
         data["id"] = data.get("id") or _new_id(_ID_PREFIX[item.type])
         out.append(data)
     return out
+
+
+def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | None, response_format: str | None,
+                  forced_len: int) -> list[int]:
+    """The prompt's token ids. With `truncation: "auto"` a prompt that leaves too little room drops its oldest
+    conversation items (responses_prompt's `drop`, the fewest that fit; the last item always stays) so that
+    max_output_tokens fit after it, or the ingress' default_max_tokens, or else one token. A prompt that still
+    does not fit is left to sampling_params' 400."""
+    def render(drop: int) -> list[int]:
+        return render_prompt(replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format))
+
+    ids = render(0)
+    limit = ctx.config.max_context - forced_len - (req.max_output_tokens or ctx.config.default_max_tokens or 1)
+    if req.truncation != "auto" or len(ids) <= limit:
+        return ids
+    lo, hi = 1, sum(not _is_instruction(item) for item in (earlier or []) + input_items(req)) - 1
+    best = None
+    while lo <= hi:  # the prompt shrinks as more is dropped: the fewest drops that fit
+        mid = (lo + hi) // 2
+        candidate = render(mid)
+        if len(candidate) <= limit:
+            best, hi = candidate, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else render(max(hi, 0))
 
 
 async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | None:
@@ -226,8 +266,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced_name)
     earlier = await earlier_items(req, ctx)
-    prompt_ids = render_prompt(replace(responses_prompt(req, ctx.config, earlier), response_format=response_format))
     forced = forced_call_ids(forced_name, ctx.encoding)
+    prompt_ids = fitted_prompt(req, ctx, earlier, response_format, len(forced))
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
@@ -258,7 +298,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
-            "text": {"format": text_format or {"type": "text"}}, "truncation": "disabled", "store": store,
+            "text": {"format": text_format or {"type": "text"}}, "truncation": req.truncation or "disabled",
+            "store": store,
             "previous_response_id": req.previous_response_id, "background": False,
         }
 
