@@ -163,6 +163,10 @@ class IngressSettings(_Settings):
                                   "request with store=false is not kept. 0: no store (the endpoint is "
                                   "stateless and previous_response_id is refused).")
     store_max_mib: float = Field(512, gt=0, description="Memory the stored responses may take, their JSON's size.")
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="Origins whose browser pages may call the API (CORS), e.g. "
+                                          "https://app.example.com; \"*\" for any. A list or comma-separated text. "
+                                          "Empty: no CORS headers (browsers then refuse cross-origin calls).")
     api_keys: list[SecretStr] = Field(
         default_factory=api_keys_from_env,
         description="Keys clients must send on every path but /health (`Authorization: Bearer KEY`, the "
@@ -170,10 +174,11 @@ class IngressSettings(_Settings):
                     "default: $GPTOSS_API_KEYS (comma-separated) where the app is built, which keeps the keys out "
                     "of the Serve config the dashboard shows.")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "cors_allow_origins", mode="before")
     @classmethod
-    def _api_keys_text(cls, value: Any) -> Any:
-        return value.split(",") if isinstance(value, str) else value  # `serve run ingress.api_keys=k1,k2`
+    def _comma_separated(cls, value: Any) -> Any:
+        # `serve run ingress.api_keys=k1,k2`
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
     @field_validator("api_keys")
     @classmethod

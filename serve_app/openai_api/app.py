@@ -10,6 +10,7 @@ import time
 from typing import Any, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel
 from starlette.responses import Response
 
@@ -41,6 +42,7 @@ def create_app(
     api_keys: Sequence[str] = (),
     stream_keepalive_s: float | None = 15.0,
     response_store: ResponseStore | None = None,
+    cors_allow_origins: Sequence[str] = (),
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (and GET / DELETE of stored ones), /v1/completions, /v1/models
     and /health for `backend`.
@@ -54,6 +56,7 @@ def create_app(
     stays silent as long as it takes.
     response_store: where /v1/responses keeps responses (`store`, `previous_response_id`, GET, DELETE);
     None: that endpoint is stateless.
+    cors_allow_origins: origins whose browser pages may call the API (CORS; "*" for any); empty: none.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -70,6 +73,9 @@ def create_app(
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)
+    if cors_allow_origins:  # added last, so outermost: a preflight (which carries no key) is answered before the gate
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_allow_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id", "retry-after"], max_age=600)
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gptoss-serve",

@@ -132,3 +132,38 @@ def test_config_refuses_unusable_keys_without_echoing_them(value):
     with pytest.raises(ServeConfigError, match="ingress.api_keys") as err:
         ServeAppConfig.from_args({"ingress.api_keys": value})
     assert "sk a" not in str(err.value)
+
+
+def test_cors_preflight_passes_the_gate_and_answers_carry_the_headers():
+    """ingress.cors_allow_origins: a browser's preflight (no key) is answered for an allowed origin; the answers,
+    401s included, carry Access-Control-Allow-Origin and expose x-request-id; other origins get no CORS headers."""
+    from serve_app.openai_api.app import create_app
+
+    backend = ScriptedBackend(max_context=MAX_CONTEXT)
+    app = create_app(backend, model_name=MODEL, max_context=MAX_CONTEXT, api_keys=KEYS,
+                     cors_allow_origins=["https://app.example.com"])
+    url_path = "/v1/chat/completions"
+    with LiveServer(app) as server:
+        url = server.url + url_path
+        allowed = {"Origin": "https://app.example.com"}
+        pre = httpx.options(url, headers={**allowed, "Access-Control-Request-Method": "POST",
+                                          "Access-Control-Request-Headers": "authorization,content-type"}, timeout=10)
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        backend.push(OK)
+        r = httpx.post(url, json=CHAT, headers={**allowed, "Authorization": f"Bearer {KEYS[0]}"}, timeout=10)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        denied = httpx.post(url, json=CHAT, headers=allowed, timeout=10)
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "https://app.example.com"
+        other = httpx.options(url, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+                              timeout=10)
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert ServeAppConfig.from_args({"ingress.cors_allow_origins": "https://a.example, https://b.example"}) \
+        .ingress.cors_allow_origins == ["https://a.example", "https://b.example"]
+
+
+def test_no_cors_headers_by_default(gated):
+    _, server = gated
+    r = httpx.get(server.url + "/health", headers={"Origin": "https://app.example.com"}, timeout=10)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
