@@ -71,15 +71,19 @@ def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Applicatio
             config, config.prefill, device, transport, runs_prompts=True)).bind(resolved)
     decode = serve.deployment(DecodeServer, name=DECODE_NAME, **deployment_options(
         config, config.decode, device, transport, runs_prompts=not config.disaggregated)).bind(prefill, resolved)
+    replicas = {"num_replicas": config.ingress.num_replicas} if config.ingress.num_replicas is not None \
+        else {"autoscaling_config": config.ingress.autoscaling.to_serve()}
     ingress = serve.deployment(
-        HarmonyIngress, name=INGRESS_NAME, num_replicas=config.ingress.num_replicas,
-        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        HarmonyIngress, name=INGRESS_NAME, **replicas, max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
     )
     store = None
     if config.ingress.store_max_responses > 0:  # one replica: it is the store (serve_app/response_store.py)
+        # No CPU reserved (like Serve's own controller): its calls take microseconds, and a reservation could
+        # leave it unplaceable on a node the other replicas fill (seen: 2 cores, 2 ingress replicas; the app
+        # then never became ready).
         store = serve.deployment(
             ResponseStoreServer, name=RESPONSE_STORE_NAME, num_replicas=1, max_ongoing_requests=1024,
-            ray_actor_options={"num_cpus": 0.1},
+            ray_actor_options={"num_cpus": 0},
         ).bind(config.ingress.store_max_responses, int(config.ingress.store_max_mib * 2**20))
     return ingress.bind(decode, config.served_model_name, config.max_context, config.ingress, store)

@@ -128,6 +128,12 @@ def default_decode() -> DeploymentSettings:
     return DeploymentSettings(max_ongoing_requests=128, autoscaling=AutoscalingSettings(target_ongoing_requests=48))
 
 
+def default_ingress_autoscaling() -> AutoscalingSettings:
+    # An ingress replica is CPU-only and starts in seconds, so it can follow load closely; its cost per request
+    # is small (~15 us of CPU per streamed token), so one holds hundreds of streams.
+    return AutoscalingSettings(max_replicas=8, target_ongoing_requests=256, upscale_delay_s=10, downscale_delay_s=300)
+
+
 API_KEYS_ENV = "GPTOSS_API_KEYS"  # comma-separated; the default of ingress.api_keys
 
 
@@ -140,7 +146,12 @@ def api_keys_from_env() -> list[SecretStr]:
 class IngressSettings(_Settings):
     """The HTTP ingress (OpenAI API): CPU-only, torch-free, cheap to replicate."""
 
-    num_replicas: int = Field(1, ge=1, description="Ingress replicas (each parses Harmony for its requests).")
+    num_replicas: int | None = Field(
+        1, ge=1, description="Ingress replicas (each parses Harmony for its requests); None: autoscale with "
+                             "`autoscaling` (an ingress replica is CPU-only and starts in seconds).")
+    autoscaling: AutoscalingSettings = Field(
+        default_factory=default_ingress_autoscaling, description="Ingress autoscaling, used when num_replicas is None: in-flight HTTP requests (streams "
+                    "included) per replica.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
     max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests per ingress replica.")
     conversation_start_date: str | None = Field(
@@ -467,7 +478,8 @@ class ServeAppConfig(_Settings):
         if isinstance(args, ServeAppConfig):
             return args
         # Partial sub-settings (`decode.autoscaling.max_replicas=4`) keep the deployment's other defaults.
-        defaults = {"prefill": default_prefill().model_dump(), "decode": default_decode().model_dump()}
+        defaults = {"prefill": default_prefill().model_dump(), "decode": default_decode().model_dump(),
+                    "ingress": {"autoscaling": default_ingress_autoscaling().model_dump()}}
         nested = deep_merge(defaults, nest_args(args or {}))
         try:
             return cls.model_validate(nested)

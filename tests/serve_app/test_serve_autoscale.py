@@ -1,6 +1,6 @@
-"""Decode autoscaling on a real local Ray: 1 -> 2 replicas under load, back to 1 when it stops.
+"""Decode and ingress autoscaling on a real local Ray: 1 -> 2 replicas under load, back to 1 when it stops.
 
-The autoscaling settings are the app's own (`decode.autoscaling.*` arguments), with delays shortened
+The autoscaling settings are the app's own (`decode.autoscaling.*`, `ingress.autoscaling.*` arguments), with delays shortened
 so the test takes seconds instead of the production minutes.
 """
 
@@ -14,7 +14,7 @@ import openai
 import pytest
 from ray import serve
 
-from serve_app.builder import DECODE_NAME, build_app
+from serve_app.builder import DECODE_NAME, INGRESS_NAME, build_app
 from tests.serve_app.serve_helpers import running_replicas, start_ray, stop_ray, wait_until
 
 APP = "autoscale"
@@ -24,6 +24,11 @@ ARGS = {  # no max_context: the ingress asks the decode deployment for the engin
     "decode.graceful_shutdown_timeout_s": "2",
     "decode.autoscaling": json.dumps({
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+        "upscale_delay_s": 1, "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 2,
+    }),
+    "ingress.num_replicas": "null",  # the ingress autoscales too, on its in-flight HTTP requests
+    "ingress.autoscaling": json.dumps({
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 3,
         "upscale_delay_s": 1, "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 2,
     }),
 }
@@ -77,10 +82,11 @@ class Load:
         self.thread.join(120)
 
 
-def test_decode_scales_up_under_load_and_back_down(http_port):
-    assert running_replicas(APP, DECODE_NAME) == 1
+def test_decode_and_ingress_scale_up_under_load_and_back_down(http_port):
+    assert running_replicas(APP, DECODE_NAME) == 1 and running_replicas(APP, INGRESS_NAME) == 1
     with Load(http_port, width=8) as load:
         wait_until(lambda: running_replicas(APP, DECODE_NAME) == 2, 90, "a second decode replica")
+        wait_until(lambda: running_replicas(APP, INGRESS_NAME) == 2, 90, "a second ingress replica")
         completed_at_scale_up = load.completed
         # Keep the load on until requests finish on the scaled-up deployment too.
         wait_until(lambda: load.completed >= completed_at_scale_up + 8, 90, "requests served after scaling up")
@@ -88,6 +94,7 @@ def test_decode_scales_up_under_load_and_back_down(http_port):
     wait_until(lambda: running_replicas(APP, DECODE_NAME) == 1 and
                serve.status().applications[APP].deployments[DECODE_NAME].replica_states.get("STOPPING", 0) == 0,
                90, "scale down to one decode replica")
+    wait_until(lambda: running_replicas(APP, INGRESS_NAME) == 1, 90, "scale down to one ingress replica")
     # The app still answers after scaling down.
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0, timeout=60)
     reply = api.chat.completions.create(model="gpt-oss", messages=[{"role": "user", "content": "hi"}], max_tokens=4)

@@ -179,10 +179,15 @@ def test_app_is_a_serve_application_builder():
     assert settings.stream_keepalive_s == 15.0
     store = ingress.init_args[4]._bound_deployment  # the ResponseStore: one replica holds every stored response
     assert (store.name, store.num_replicas, store.init_args) == ("ResponseStore", 1, (10_000, 512 * 2**20))
+    assert store.ray_actor_options["num_cpus"] == 0  # never the replica that does not fit (builder.py)
     keyed = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
         "ingress.default_max_tokens=512", "ingress.api_keys=sk-x", "ingress.stream_keepalive_s=null",
         "ingress.store_max_responses=0"))
     assert keyed._bound_deployment.init_args[4] is None  # no store: /v1/responses is stateless
+    scaled = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
+        "ingress.num_replicas=null", "ingress.autoscaling.max_replicas=3"))._bound_deployment
+    autoscaling = scaled._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 3, 256)
     assert keyed._bound_deployment.init_args[3].default_max_tokens == 512
     assert keyed._bound_deployment.init_args[3].api_key_values() == ("sk-x",)
     assert keyed._bound_deployment.init_args[3].stream_keepalive_s is None
