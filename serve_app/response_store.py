@@ -15,11 +15,30 @@ from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredRes
 
 
 class ResponseStoreServer:
+    """The deployment; it reports `gptoss_response_store_responses` and `_bytes` (Ray's Prometheus export
+    prefixes `ray_`)."""
+
     def __init__(self, max_responses: int, max_bytes: int):
+        from ray.util import metrics
+
+        from serve_app.metrics import replica_tags
+
         self.store = MemoryResponseStore(max_responses, max_bytes)
+        self._tags = replica_tags("response_store")
+        self._count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
+                                    tag_keys=tuple(self._tags))
+        self._bytes = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses",
+                                    tag_keys=tuple(self._tags))
+        self._report()
+
+    def _report(self) -> None:
+        self._count.set(len(self.store), tags=self._tags)
+        self._bytes.set(self.store.bytes, tags=self._tags)
 
     async def put(self, response_id: str, stored: StoredResponse) -> bool:
-        return await self.store.put(response_id, stored)
+        kept = await self.store.put(response_id, stored)
+        self._report()
+        return kept
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return await self.store.get(response_id)
@@ -28,7 +47,9 @@ class ResponseStoreServer:
         return await self.store.conversation(response_id)
 
     async def delete(self, response_id: str) -> bool:
-        return await self.store.delete(response_id)
+        dropped = await self.store.delete(response_id)
+        self._report()
+        return dropped
 
     def stats(self) -> dict[str, int]:
         return {"responses": len(self.store), "bytes": self.store.bytes, "max_responses": self.store.max_responses,

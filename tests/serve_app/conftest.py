@@ -46,6 +46,21 @@ class LiveServer:
         self._sock.close()
 
 
+def scripted_app(backend: "ScriptedBackend", **options) -> LiveServer:
+    """A LiveServer (to enter) of the app around `backend`: the test model's name, the pinned date and the
+    backend's context, then `options` (create_app's keywords, which may override those)."""
+    from serve_app.openai_api.app import create_app
+
+    return LiveServer(create_app(backend, **{"model_name": MODEL, "max_context": backend.max_context,
+                                             "conversation_start_date": START_DATE, **options}))
+
+
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
 @pytest.fixture(scope="session")
 def backend_and_server():
     from serve_app.openai_api.app import create_app
@@ -72,6 +87,4 @@ def server(backend_and_server) -> LiveServer:
 
 @pytest.fixture
 def client(server, backend):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(server.url)

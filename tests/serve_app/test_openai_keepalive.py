@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from engine.request import BackendOverloaded, InvalidRequestError
-from tests.serve_app.conftest import MODEL, LiveServer
+from tests.serve_app.conftest import MODEL, openai_client, scripted_app
 from tests.serve_app.stub_backend import ScriptedBackend
 
 KEEPALIVE_S = 0.2
@@ -31,12 +31,8 @@ BODIES = {
 
 @pytest.fixture(scope="module")
 def live():
-    from serve_app.openai_api.app import create_app
-
     backend = ScriptedBackend()
-    app = create_app(backend, model_name=MODEL, max_context=4096, conversation_start_date="2025-06-28",
-                     stream_keepalive_s=KEEPALIVE_S)
-    with LiveServer(app) as server:
+    with scripted_app(backend, stream_keepalive_s=KEEPALIVE_S) as server:
         yield backend, server
 
 
@@ -77,7 +73,7 @@ def test_a_stream_waiting_for_its_first_token_sends_keepalives(url, backend, pat
 
 def test_the_openai_client_reads_a_stream_with_keepalives(url, backend):
     backend.push(OK, first_delay_s=0.7, chunk=1, delay_s=0.3)  # idle before the first token and between tokens
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(url)
     chunks = list(client.chat.completions.create(**CHAT, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello there"
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -115,7 +111,7 @@ def test_a_refusal_within_the_period_is_the_http_status(url, backend, error, sta
 
 def test_a_late_refusal_is_an_error_event_the_openai_client_raises(url, backend):
     backend.push(OK, first_delay_s=0.6, error=BackendOverloaded("decode queue full"))
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(url)
     with pytest.raises(openai.APIError, match="overloaded"):
         for _ in client.chat.completions.create(**CHAT, stream=True):
             pass
@@ -142,7 +138,7 @@ def test_a_late_refusal_in_completions_names_the_prompt(url, backend):
 def test_n_choices_start_late_together(url, backend):
     backend.push(OK, first_delay_s=0.6)
     backend.push(OK, first_delay_s=0.9)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(url)
     chunks = list(client.chat.completions.create(**CHAT, stream=True, n=2))
     text = {0: "", 1: ""}
     for c in chunks:
@@ -171,10 +167,8 @@ def test_non_streamed_requests_just_wait(url, backend):
 
 
 def test_keepalive_off_waits_silently_and_refuses_with_the_status():
-    from serve_app.openai_api.app import create_app
-
     backend = ScriptedBackend()
-    with LiveServer(create_app(backend, model_name=MODEL, max_context=4096, stream_keepalive_s=None)) as server:
+    with scripted_app(backend, stream_keepalive_s=None) as server:
         backend.push(OK, first_delay_s=0.6)
         status, lines = stream_lines(server.url, "/v1/chat/completions", CHAT)
         assert status == 200 and ": keep-alive" not in [line for _, line in lines]

@@ -12,7 +12,7 @@ import pytest
 
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
-from tests.serve_app.conftest import MODEL, START_DATE, LiveServer
+from tests.serve_app.conftest import MODEL, openai_client, scripted_app
 from tests.serve_app.stub_backend import ScriptedBackend
 
 ENC = load_harmony_encoding()
@@ -26,12 +26,8 @@ CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
 
 @pytest.fixture(scope="module")
 def live():
-    from serve_app.openai_api.app import create_app
-
     backend, store = ScriptedBackend(), MemoryResponseStore(max_responses=100)
-    app = create_app(backend, model_name=MODEL, max_context=4096, conversation_start_date=START_DATE,
-                     response_store=store)
-    with LiveServer(app) as server:
+    with scripted_app(backend, response_store=store) as server:
         yield backend, server, store
 
 
@@ -43,7 +39,7 @@ def backend(live) -> ScriptedBackend:
 
 @pytest.fixture
 def api(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live[1].url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(live[1].url)
 
 
 def as_input(output) -> list[dict]:
@@ -144,7 +140,7 @@ def test_without_a_store_responses_are_stateless(backend_and_server):
     """The default app (conftest) has no store: nothing is kept, and a continuation says why it cannot be."""
     backend, server = backend_and_server
     backend.reset()
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(server.url)
     backend.push(FIRST)
     made = client.responses.create(model=MODEL, input="Hi")
     assert made.store is False
@@ -219,12 +215,9 @@ class UnreachableStore(MemoryResponseStore):
 
 
 def test_an_unreachable_store_is_a_503_and_never_fails_an_answer(caplog):
-    from serve_app.openai_api.app import create_app
-
     backend = ScriptedBackend()
-    app = create_app(backend, model_name=MODEL, max_context=4096, response_store=UnreachableStore())
-    with LiveServer(app) as server:
-        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with scripted_app(backend, response_store=UnreachableStore()) as server:
+        api = openai_client(server.url)
         backend.push(FIRST)
         assert api.responses.create(model=MODEL, input="Hi").output_text == "Hello!"  # answered; storing it failed
         backend.push(FIRST, chunk=1)

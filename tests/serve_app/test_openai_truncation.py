@@ -9,7 +9,7 @@ import pytest
 
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.openai_api.stored_responses import MemoryResponseStore
-from tests.serve_app.conftest import MODEL, START_DATE, LiveServer
+from tests.serve_app.conftest import MODEL, openai_client, scripted_app
 from tests.serve_app.stub_backend import ScriptedBackend
 
 ENC = load_harmony_encoding()
@@ -23,13 +23,9 @@ def words(tag: str, n: int = 60) -> str:
 
 @pytest.fixture(scope="module")
 def live():
-    from serve_app.openai_api.app import create_app
-
     backend = ScriptedBackend(max_context=CONTEXT)
-    app = create_app(backend, model_name=MODEL, max_context=CONTEXT, conversation_start_date=START_DATE,
-                     response_store=MemoryResponseStore())
-    with LiveServer(app) as server:
-        yield backend, openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with scripted_app(backend, response_store=MemoryResponseStore()) as server:
+        yield backend, openai_client(server.url)
 
 
 @pytest.fixture
