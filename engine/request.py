@@ -160,11 +160,17 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
 @dataclass
 class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Scheduling rank: lower runs sooner (vLLM's convention), ties by arrival. A waiting request of a better
+    # priority preempts running ones of worse priority when it finds no slot or pages (engine/scheduler.py).
+    priority: int = 0
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Raise InvalidRequestError unless an engine of this vocabulary and context can run the request."""
@@ -173,6 +179,9 @@ class GenerateRequest:
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}", "sampling")
         self.sampling.validate(vocab_size)
+        if type(self.priority) is not int or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise InvalidRequestError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got "
+                                      f"{self.priority!r}", "priority")
         ids = self.prompt_ids
         if not isinstance(ids, (list, tuple)):
             raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(ids).__name__}", "prompt_ids")

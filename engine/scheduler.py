@@ -80,8 +80,9 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
 
 
-def _by_arrival(seq: Sequence) -> int:
-    return seq.arrival
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Queue order: priority (lower first), then arrival (FCFS)."""
+    return seq.priority, seq.arrival
 
 
 class Scheduler:
@@ -89,13 +90,13 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len or config.max_model_len  # drafts never run past it
-        self.waiting: list[Sequence] = []  # sorted by arrival
-        self.running: list[Sequence] = []  # sorted by arrival; each holds pages
+        self.waiting: list[Sequence] = []  # sorted by _rank
+        self.running: list[Sequence] = []  # sorted by _rank; each holds pages
 
     # ---- queue changes ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_by_arrival)
+        bisect.insort(self.waiting, seq, key=_rank)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queues and free its pages (finish, abort, export)."""
@@ -136,6 +137,8 @@ class Scheduler:
     def schedule(self, kind: StepKind = StepKind.MIXED) -> SchedulerOutput:
         out = SchedulerOutput(kind)
         budget = self.config.max_num_batched_tokens
+        if self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority:
+            self._yield_to_priority(kind, out)
         drafts, forced, spare_rows = self._drafts(kind)
         if not drafts and self._all_decode(kind) and len(self.running) <= budget \
                 and self.block_manager.allocate_next_tokens(self.running):
@@ -216,6 +219,23 @@ class Scheduler:
         return kind is not StepKind.PREFILL and bool(self.running) and all(
             s.output_ids and s.num_computed == len(s.prompt_ids) + len(s.output_ids) - 1 for s in self.running)
 
+    def _yield_to_priority(self, kind: StepKind, out: SchedulerOutput) -> None:
+        """Preempt running sequences of worse priority than the best waiting one (the worst and newest first)
+        while it would find no batch slot, or no pages for its first chunk; they recompute later, as any
+        preempted sequence does. Equal priorities never preempt each other here (FCFS)."""
+        seq = self.waiting[0]
+        if not self._admits(kind, seq):
+            return
+        while self.running and self.running[-1].priority > seq.priority and not self._room_for(seq):
+            self._preempt(self.running[-1], out)
+
+    def _room_for(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        if seq.pending_kv is not None:
+            return self.block_manager.can_hold(seq, seq.pending_kv.num_cached + 1)
+        return self.block_manager.can_hold(seq, min(seq.num_remaining, self.config.max_num_batched_tokens))
+
     def _make_room(self, seq: Sequence, want: int, out: SchedulerOutput) -> int:
         """Tokens `seq` can compute this step, preempting the newest running sequences if needed."""
         while True:
@@ -270,6 +290,6 @@ class Scheduler:
                     seq.num_cached_prefix = hit
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_by_arrival)
+            bisect.insort(self.running, seq, key=_rank)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.is_prefill))
             budget -= n

@@ -69,6 +69,7 @@ class Sequence:
     seed: int  # resolved per-request seed: the sampler's noise is a function of (seed, step, token)
     arrival: int  # FCFS rank: lower arrived earlier
     prefill_only: bool = False  # a prefill replica's request: stop after the first token, then export
+    priority: int = 0  # lower runs sooner; the scheduler orders by (priority, arrival)
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

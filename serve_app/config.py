@@ -174,6 +174,11 @@ class IngressSettings(_Settings):
                                   "request with store=false is not kept. 0: no store (the endpoint is "
                                   "stateless and previous_response_id is refused).")
     store_max_mib: float = Field(512, gt=0, description="Memory the stored responses may take, their JSON's size.")
+    allow_priority: bool = Field(
+        False, description="Honour requests' `priority` (vLLM's extension, an integer: lower runs sooner; a waiting "
+                           "request of a better priority preempts running ones of worse priority in the engines). "
+                           "Off: a non-zero priority is a 400, since any client could put itself first; turn it "
+                           "on where the clients are trusted (e.g. behind a gateway that sets it).")
     cors_allow_origins: list[str] = Field(
         default_factory=list, description="Origins whose browser pages may call the API (CORS), e.g. "
                                           "https://app.example.com; \"*\" for any. A list or comma-separated text. "

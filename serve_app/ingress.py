@@ -86,4 +86,5 @@ class HarmonyIngress:
         return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
                           conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
                           api_keys=s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
-                          response_store=self.response_store, cors_allow_origins=s.cors_allow_origins)
+                          response_store=self.response_store, cors_allow_origins=s.cors_allow_origins,
+                          allow_priority=s.allow_priority)

@@ -43,6 +43,7 @@ def create_app(
     stream_keepalive_s: float | None = 15.0,
     response_store: ResponseStore | None = None,
     cors_allow_origins: Sequence[str] = (),
+    allow_priority: bool = False,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (and GET / DELETE of stored ones), /v1/completions, /v1/models
     and /health for `backend`.
@@ -57,6 +58,7 @@ def create_app(
     response_store: where /v1/responses keeps responses (`store`, `previous_response_id`, GET, DELETE);
     None: that endpoint is stateless.
     cors_allow_origins: origins whose browser pages may call the API (CORS; "*" for any); empty: none.
+    allow_priority: honour requests' `priority` (lower runs sooner in the engines); off: a non-zero one is a 400.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -66,7 +68,8 @@ def create_app(
         raise ValueError(f"stream_keepalive_s must be positive or None, not {stream_keepalive_s}")
     config = IngressConfig(model_name=model_name, max_context=limit, default_max_tokens=default_max_tokens,
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
-                           max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s)
+                           max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
+                           allow_priority=allow_priority)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store)
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)

@@ -46,13 +46,10 @@ from serve_app.openai_api.generation import (
     IngressConfig,
     IngressContext,
     SamplingRequest,
-    forced_call_ids,
-    forced_tool,
-    output_constraint_off_loop,
-    prediction_ids,
     respond,
     sampling_params,
 )
+from serve_app.openai_api.output_options import forced_call_ids, forced_tool, output_constraint_off_loop, prediction_ids
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.streaming import interleave, sse
 
@@ -186,13 +183,14 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
                        prediction=prediction_ids(text_of(req.prediction.content) if req.prediction else None,
                                                  ctx.encoding))
     n = req.n or 1
+    priority = ctx.config.request_priority(req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def nth(i: int) -> Generation:
         # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
         params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
         return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
-                          sampling=params, stop=req.stop, forced_ids=forced)
+                          sampling=params, stop=req.stop, forced_ids=forced, priority=priority)
 
     group = GenerationGroup([nth(i) for i in range(n)])
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}

@@ -40,10 +40,10 @@ from serve_app.openai_api.generation import (
     IngressContext,
     SamplingRequest,
     StopMatcher,
-    output_constraint_off_loop,
     respond,
     sampling_params,
 )
+from serve_app.openai_api.output_options import output_constraint_off_loop
 from serve_app.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from serve_app.openai_api.streaming import interleave, sse
 
@@ -73,8 +73,8 @@ class TextGeneration(BackendRequest):
     """One completion: token deltas -> text steps, with stop strings and (optionally) logprobs."""
 
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 stop: list[str], echo_text: str = ""):
-        super().__init__(ctx, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling)
+                 stop: list[str], echo_text: str = "", priority: int = 0):
+        super().__init__(ctx, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, priority=priority)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._matcher = StopMatcher(stop) if stop else None
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
@@ -166,6 +166,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     if constraint is not None:
         constraint = replace(constraint, start_in=FINAL)
     n = req.n or 1
+    priority = ctx.config.request_priority(req.priority)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gens: list[TextGeneration] = []
     for i, prompt in enumerate(req.prompt):
@@ -185,7 +186,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
             params = sampling if j == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + j) % 2**64)
             rid = request_id if len(req.prompt) * n == 1 else f"{request_id}-{i}-{j}"
             gens.append(TextGeneration(ctx, request_id=rid, prompt_ids=ids, sampling=params, stop=req.stop,
-                                       echo_text=text if req.echo else ""))
+                                       echo_text=text if req.echo else "", priority=priority))
     group = GenerationGroup(gens)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}
     with_logprobs = req.logprobs is not None

@@ -11,7 +11,6 @@ something failed.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -33,12 +32,9 @@ from engine.request import (
     TokenDelta,
     TokenLogprob,
 )
-from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, is_plain_text,
-                                         response_format_grammar, response_format_text)
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
-from serve_app.openai_api.protocol import forced_name
 from serve_app.openai_api.stored_responses import ResponseStore
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
 
@@ -54,6 +50,15 @@ class IngressConfig:
     knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF
     max_body_bytes: int = 8 * 1024 * 1024
     stream_keepalive_s: float | None = 15.0  # respond(): a waiting stream starts and sends keep-alives; None: off
+    allow_priority: bool = False  # honour requests' `priority` (else a non-zero one is a 400): request_priority
+
+    def request_priority(self, priority: int | None) -> int:
+        """A request's engine priority (lower runs sooner, engine/scheduler.py). Off by default: any client
+        could otherwise put itself ahead of everyone."""
+        if priority and not self.allow_priority:
+            raise BadRequest("priority is not enabled on this server (ingress.allow_priority); leave it out or "
+                             "send 0", param="priority")
+        return priority or 0
 
     def start_date(self) -> str:
         return self.conversation_start_date or datetime.now(timezone.utc).date().isoformat()
@@ -144,65 +149,6 @@ class Step:
     content_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def forced_tool(tool_choice: Any, tool_names: list[str]) -> str | None:
-    """The function tool_choice forces ('required' with one tool, or named), else None; 400s for choices
-    that name no tool or leave the pick to the server."""
-    name = forced_name(tool_choice)
-    if tool_choice == "required":
-        if len(tool_names) != 1:
-            raise BadRequest("tool_choice 'required' needs exactly one tool here (the server forces the call by "
-                             f"its name; there are {len(tool_names)}): name the function instead", param="tool_choice")
-        name = tool_names[0]
-    if name is not None and name not in tool_names:
-        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return name
-
-
-def forced_call_ids(name: str | None, encoding: HarmonyEncoding) -> list[int]:
-    """Prompt tokens that make the model call the tool `name` (forced_tool's answer): the header of a
-    commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
-    (held to the tool's schema when the tool is strict: output_constraint). [] when nothing is forced."""
-    if name is None:
-        return []
-    return encoding.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
-                           allowed_special="all")
-
-
-def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int, ...]:
-    """A chat request's `prediction` as engine draft tokens: the final answer's header, its text and
-    `<|return|>`, so drafts start where the model opens its answer (after any reasoning: the engine re-aligns
-    on the header) and carry on through the end of the answer. () without a prediction."""
-    if not content:
-        return ()
-    return tuple(encoding.encode(f"<|channel|>final<|message|>{content}<|return|>", allowed_special="all"))
-
-
-def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],
-                      forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
-    """Structured output of one request: (the constraint its engine requests carry, the developer message's
-    response-format section), both None for plain text without strict tools. strict_tools: (name,
-    parameters, param path) of the strict tools the prompt offers; `forced`: the tool whose call the prompt
-    ends in (forced_tool), which starts inside its grammar when it is strict."""
-    final, section = response_format_grammar(fmt, fmt_param)
-    tools = tuple((name, check_json_schema(params or {"type": "object", "properties": {}}, param))
-                  for name, params, param in strict_tools)
-    if final is None and not tools:
-        return None, None
-    start_in = forced if forced in dict(tools) else None
-    return (HarmonySchemaSpec(final, tools, start_in),
-            response_format_text(section) if section is not None else None)
-
-
-async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
-                                     strict_tools: list[tuple[str, dict | None, str]],
-                                     forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
-    """output_constraint, on a worker thread when there is a schema to check: a large one compiles in
-    10-200 ms, which on the event loop would stall every other request of this ingress."""
-    if is_plain_text(fmt) and not strict_tools:
-        return None, None
-    return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced))
-
-
 class BackendRequest:
     """One engine request as the ingress drives it: `start()` sends it and waits for the first delta (so a
     request the engine refuses is a plain 400 before any streaming), `_next_delta()` reads on, `close()`
@@ -212,7 +158,8 @@ class BackendRequest:
     cancels: respond() may stop waiting for it (a stream then starts, with keep-alive comments) and the
     stream's `steps()` picks the wait up again, so a refusal after that arrives as an in-stream error."""
 
-    def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
+    def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                 priority: int = 0):
         self.ctx = ctx
         self.request_id = request_id
         self.prompt_tokens = len(prompt_ids)
@@ -220,7 +167,7 @@ class BackendRequest:
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
         self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding (a prediction), totals so far
         self.finish_reason: str | None = None  # the API's finish reason, once finished
-        self._request = GenerateRequest(request_id, list(prompt_ids), sampling)
+        self._request = GenerateRequest(request_id, list(prompt_ids), sampling, priority)
         self._backend_finish: str | None = None
         self._stream: Any = None
         self._first: TokenDelta | None = None
@@ -318,11 +265,12 @@ class BackendRequest:
 
 class Generation(BackendRequest):
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
-                 sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None):
+                 sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None,
+                 priority: int = 0):
         """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
         header): sent as prompt, parsed as output, not counted as completion tokens."""
         super().__init__(ctx, request_id=request_id, prompt_ids=list(prompt_ids) + list(forced_ids or []),
-                         sampling=sampling)
+                         sampling=sampling, priority=priority)
         self.reasoning_tokens = 0
         self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
         self._stops = list(stop or [])

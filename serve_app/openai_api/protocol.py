@@ -110,7 +110,7 @@ class StreamOptions(Lenient):
 
 
 class SamplingBase(Strict):
-    """Fields every generation API shares (`top_k`, `min_p` are vLLM-style sampling extensions)."""
+    """Fields every generation API shares (`top_k`, `min_p`, `priority` are vLLM-style extensions)."""
 
     model: str
     stream: bool = False
@@ -120,6 +120,7 @@ class SamplingBase(Strict):
     min_p: float | None = Field(None, ge=0, lt=1)
     seed: int | None = None
     user: str | None = None
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)  # vLLM's extension; see IngressConfig
 
 
 class TextOutputFields(Strict):

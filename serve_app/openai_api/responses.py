@@ -43,12 +43,10 @@ from serve_app.openai_api.generation import (
     IngressConfig,
     IngressContext,
     SamplingRequest,
-    forced_call_ids,
-    forced_tool,
-    output_constraint_off_loop,
     respond,
     sampling_params,
 )
+from serve_app.openai_api.output_options import forced_call_ids, forced_tool, output_constraint_off_loop
 from serve_app.openai_api.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -273,7 +271,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
     ), len(prompt_ids) + len(forced), ctx.config)
     sampling = replace(sampling, constraint=constraint)
-    gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced)
+    gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
+                     priority=ctx.config.request_priority(req.priority))
     created = time.time()
     store = ctx.store is not None and req.store is not False
     own_items = stored_input_items(req) if store else []

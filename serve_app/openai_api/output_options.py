@@ -1,0 +1,75 @@
+"""What a request asks of its output, turned into engine terms: a forced tool call (`tool_choice`) as prompt
+tokens, a `prediction` as draft tokens, structured output (`response_format`, `text.format`, strict tools) as
+the constraint its engine requests carry."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import anyio
+from openai_harmony import HarmonyEncoding
+
+from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, is_plain_text,
+                                         response_format_grammar, response_format_text)
+from serve_app.openai_api.errors import BadRequest
+from serve_app.openai_api.protocol import forced_name
+
+
+def forced_tool(tool_choice: Any, tool_names: list[str]) -> str | None:
+    """The function tool_choice forces ('required' with one tool, or named), else None; 400s for choices
+    that name no tool or leave the pick to the server."""
+    name = forced_name(tool_choice)
+    if tool_choice == "required":
+        if len(tool_names) != 1:
+            raise BadRequest("tool_choice 'required' needs exactly one tool here (the server forces the call by "
+                             f"its name; there are {len(tool_names)}): name the function instead", param="tool_choice")
+        name = tool_names[0]
+    if name is not None and name not in tool_names:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return name
+
+
+def forced_call_ids(name: str | None, encoding: HarmonyEncoding) -> list[int]:
+    """Prompt tokens that make the model call the tool `name` (forced_tool's answer): the header of a
+    commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
+    (held to the tool's schema when the tool is strict: output_constraint). [] when nothing is forced."""
+    if name is None:
+        return []
+    return encoding.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+                           allowed_special="all")
+
+
+def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int, ...]:
+    """A chat request's `prediction` as engine draft tokens: the final answer's header, its text and
+    `<|return|>`, so drafts start where the model opens its answer (after any reasoning: the engine re-aligns
+    on the header) and carry on through the end of the answer. () without a prediction."""
+    if not content:
+        return ()
+    return tuple(encoding.encode(f"<|channel|>final<|message|>{content}<|return|>", allowed_special="all"))
+
+
+def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],
+                      forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
+    """Structured output of one request: (the constraint its engine requests carry, the developer message's
+    response-format section), both None for plain text without strict tools. strict_tools: (name,
+    parameters, param path) of the strict tools the prompt offers; `forced`: the tool whose call the prompt
+    ends in (forced_tool), which starts inside its grammar when it is strict."""
+    final, section = response_format_grammar(fmt, fmt_param)
+    tools = tuple((name, check_json_schema(params or {"type": "object", "properties": {}}, param))
+                  for name, params, param in strict_tools)
+    if final is None and not tools:
+        return None, None
+    start_in = forced if forced in dict(tools) else None
+    return (HarmonySchemaSpec(final, tools, start_in),
+            response_format_text(section) if section is not None else None)
+
+
+async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
+                                     strict_tools: list[tuple[str, dict | None, str]],
+                                     forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
+    """output_constraint, on a worker thread when there is a schema to check: a large one compiles in
+    10-200 ms, which on the event loop would stall every other request of this ingress."""
+    if is_plain_text(fmt) and not strict_tools:
+        return None, None
+    return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced))
