@@ -49,8 +49,22 @@ def test_a_better_priority_takes_a_batch_slot_from_the_newest_worse_one(make_eng
     assert_pool_full(engine)
 
 
-def test_every_request_keeps_its_tokens_when_preempted_for_priority(make_engine):
-    engine = make_engine(max_num_seqs=2)
+@pytest.fixture(params=["sync", "lookahead"])
+def make_engine_both(request, make_engine):
+    """make_engine, and the engine that schedules and launches a step before reading the one before
+    (async_decode: its preemptions can hit a sequence whose token is in flight)."""
+    made = []
+
+    def make(**overrides):
+        made.append(make_engine(**overrides, **({"async_decode": True} if request.param == "lookahead" else {})))
+        return made[-1]
+    yield make
+    if request.param == "lookahead":
+        assert made[0].lookahead_steps > 0, "no step ran ahead: the lookahead case tested nothing"
+
+
+def test_every_request_keeps_its_tokens_when_preempted_for_priority(make_engine, make_engine_both):
+    engine = make_engine_both(max_num_seqs=2)
     reqs = [req("low-a", 5, max_tokens=30, seed=1), req("low-b", 5, max_tokens=30, seed=2)]
     out: dict[str, list[int]] = {}
     for r in reqs:
@@ -70,9 +84,9 @@ def test_every_request_keeps_its_tokens_when_preempted_for_priority(make_engine)
     assert_pool_full(engine)
 
 
-def test_a_better_priority_takes_pages_from_worse_ones(make_engine):
+def test_a_better_priority_takes_pages_from_worse_ones(make_engine, make_engine_both):
     # 12 full pages of 4 tokens: two long low-priority requests fill the pool, the urgent one needs pages
-    engine = make_engine(num_full_pages=12, num_sliding_pages=12, max_model_len=48)
+    engine = make_engine_both(num_full_pages=12, num_sliding_pages=12, max_model_len=48)
     reqs = [req("low-a", 1, prompt_len=16, max_tokens=24, seed=4),
             req("low-b", 1, prompt_len=16, max_tokens=24, seed=5)]
     out: dict[str, list[int]] = {}
