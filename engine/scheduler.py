@@ -1,6 +1,9 @@
 """Continuous batching: which sequences run in the next forward, and with how many new tokens.
 
-Policy (first come, first served):
+Policy (first come, first served within a priority; GenerateRequest.priority, lower first, orders both queues
+by (priority, arrival), and "oldest" / "newest" below mean first / last in that order):
+- a waiting sequence of a better priority than the worst running one, finding no seat or no pages for its
+  first chunk, preempts running sequences of worse priority (the worst first) until it fits;
 - running sequences go first, oldest first: a decoding one takes 1 token of the step's budget
   (max_num_batched_tokens), a prefilling one a chunk of what is left (chunked prefill);
 - then waiting sequences are admitted in arrival order while the budget, the seats (max_num_seqs)
