@@ -14,11 +14,14 @@ from typing import Any
 from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
 
 
+REPORT_INTERVAL_S = 2.0
+
+
 class ResponseStoreServer:
     """The deployment; it reports `gptoss_response_store_responses` and `_bytes` (Ray's Prometheus export
     prefixes `ray_`)."""
 
-    def __init__(self, max_responses: int, max_bytes: int):
+    async def __init__(self, max_responses: int, max_bytes: int):
         from ray.util import metrics
 
         from serve_app.metrics import replica_tags
@@ -30,6 +33,14 @@ class ResponseStoreServer:
         self._bytes = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses",
                                     tag_keys=tuple(self._tags))
         self._report()
+        # Reported again every few seconds, not only when they change: a gauge set once at start did not reach
+        # Ray's export in one CI run (the engines' gauges, reported periodically, did).
+        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def _report_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL_S)
+            self._report()
 
     def _report(self) -> None:
         self._count.set(len(self.store), tags=self._tags)
