@@ -123,3 +123,36 @@ def test_priority_must_be_a_32_bit_integer(make_engine, priority):
     with pytest.raises(InvalidRequestError) as err:
         make_engine().add_request(GenerateRequest("bad", [1, 2, 3], greedy(2), priority=priority))
     assert err.value.param == "priority"
+
+
+def test_an_imported_urgent_request_preempts_imported_worse_ones(make_engine):
+    """The disaggregated path: K/V exported by a prefill engine and imported into a decode engine whose two
+    seats hold worse-priority requests; the urgent import is admitted at the next step, the newest worse one
+    recomputes locally, and every request's tokens equal those of one engine running it alone."""
+    reqs = [req("low-a", 4, max_tokens=30, seed=11), req("low-b", 4, max_tokens=30, seed=12),
+            req("urgent", 0, max_tokens=8, seed=13)]
+    prefill, decode = make_engine(), make_engine(max_num_seqs=2)
+    for r in reqs:
+        prefill.add_request(r, prefill_only=True)
+    run_to_end(prefill, prefill.step_prefill)
+    payloads = {r.request_id: prefill.export_kv(r.request_id) for r in reqs}
+    out: dict[str, list[int]] = {}
+
+    def record(deltas) -> None:
+        for d in deltas:
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+
+    for r in reqs[:2]:
+        record(decode.import_prefilled(r, payloads[r.request_id]))
+    for _ in range(3):
+        record(decode.step())
+    record(decode.import_prefilled(reqs[2], payloads["urgent"]))
+    record(decode.step())
+    assert decode.seqs["urgent"].num_computed > 0 and decode.seqs["low-b"].num_preemptions == 1
+    order, rest = finish_order(decode)
+    for rid, ids in rest.items():
+        out.setdefault(rid, []).extend(ids)
+    assert order[0] == "urgent"
+    for r in reqs:
+        assert out[r.request_id] == alone(make_engine, r), r.request_id
+    assert_pool_full(decode)
