@@ -150,7 +150,8 @@ class IngressSettings(_Settings):
         1, ge=1, description="Ingress replicas (each parses Harmony for its requests); None: autoscale with "
                              "`autoscaling` (an ingress replica is CPU-only and starts in seconds).")
     autoscaling: AutoscalingSettings = Field(
-        default_factory=default_ingress_autoscaling, description="Ingress autoscaling, used when num_replicas is None: in-flight HTTP requests (streams "
+        default_factory=default_ingress_autoscaling,
+        description="Ingress autoscaling, used when num_replicas is None: in-flight HTTP requests (streams "
                     "included) per replica.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
     max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests per ingress replica.")

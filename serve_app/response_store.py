@@ -13,58 +13,38 @@ from typing import Any
 
 from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
 
-
 REPORT_INTERVAL_S = 2.0
 
 
-class ResponseStoreServer:
-    """The deployment; it reports `gptoss_response_store_responses` and `_bytes` (Ray's Prometheus export
-    prefixes `ray_`)."""
+class ResponseStoreServer(MemoryResponseStore):
+    """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`
+    and `_bytes` (Ray's Prometheus export prefixes `ray_`) every few seconds. Periodically, not once per change:
+    a gauge set once at start did not reach Ray's export in one CI run (the engines' gauges, reported
+    periodically, did)."""
 
     async def __init__(self, max_responses: int, max_bytes: int):
         from ray.util import metrics
 
         from serve_app.metrics import replica_tags
 
-        self.store = MemoryResponseStore(max_responses, max_bytes)
-        self._tags = replica_tags("response_store")
-        self._count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
-                                    tag_keys=tuple(self._tags))
-        self._bytes = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses",
-                                    tag_keys=tuple(self._tags))
-        self._report()
-        # Reported again every few seconds, not only when they change: a gauge set once at start did not reach
-        # Ray's export in one CI run (the engines' gauges, reported periodically, did).
-        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+        MemoryResponseStore.__init__(self, max_responses, max_bytes)
+        tags = replica_tags("response_store")
+        count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
+                              tag_keys=tuple(tags))
+        size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses",
+                             tag_keys=tuple(tags))
 
-    async def _report_forever(self) -> None:
-        while True:
-            await asyncio.sleep(REPORT_INTERVAL_S)
-            self._report()
+        async def report_forever() -> None:
+            while True:
+                count.set(len(self), tags=tags)
+                size.set(self.bytes, tags=tags)
+                await asyncio.sleep(REPORT_INTERVAL_S)
 
-    def _report(self) -> None:
-        self._count.set(len(self.store), tags=self._tags)
-        self._bytes.set(self.store.bytes, tags=self._tags)
-
-    async def put(self, response_id: str, stored: StoredResponse) -> bool:
-        kept = await self.store.put(response_id, stored)
-        self._report()
-        return kept
-
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await self.store.get(response_id)
-
-    async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
-        return await self.store.conversation(response_id)
-
-    async def delete(self, response_id: str) -> bool:
-        dropped = await self.store.delete(response_id)
-        self._report()
-        return dropped
+        self._reporter = asyncio.get_running_loop().create_task(report_forever())
 
     def stats(self) -> dict[str, int]:
-        return {"responses": len(self.store), "bytes": self.store.bytes, "max_responses": self.store.max_responses,
-                "max_bytes": self.store.max_bytes}
+        return {"responses": len(self), "bytes": self.bytes, "max_responses": self.max_responses,
+                "max_bytes": self.max_bytes}
 
 
 class ServeResponseStore:

@@ -41,9 +41,7 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, content: Any, headers: dict[str, str] | None = None, keepalive_s: float | None = None,
                  **kwargs: Any):
         super().__init__(content, headers={**SSE_HEADERS, **(headers or {})}, **kwargs)
-        if keepalive_s is not None and keepalive_s <= 0:
-            raise ValueError(f"keepalive_s must be positive or None, not {keepalive_s}")
-        self.keepalive_s = keepalive_s
+        self.keepalive_s = keepalive_s  # (checked positive where it is configured: create_app)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         out = _KeepAliveSend(send) if self.keepalive_s is not None else None
