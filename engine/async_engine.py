@@ -7,6 +7,8 @@ whole forward; the event loop (HTTP, Ray Serve) stays responsive meanwhile.
 
 Failures stay local: a bad request raises InvalidRequestError from its own iterator before the first
 delta; a step that raises fails only the requests in that step (StepFailedError) and the loop goes on.
+Failures the engine cannot recover from (a device error, a dead rank, failed steps in a row, a hung step:
+engine/health.py) make `check_health` raise EngineUnhealthyError, and new requests are refused with it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from engine.health import EngineHealth, HealthPolicy
 from engine.kv_payload import KVDestination, PrefilledKV
 from engine.llm_engine import LLMEngine, StepFailedError
-from engine.request import GenerateRequest, InvalidRequestError, TokenDelta
+from engine.request import EngineUnhealthyError, GenerateRequest, InvalidRequestError, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +81,13 @@ def _resolve(future: asyncio.Future, item) -> None:
 class AsyncEngine:
     """Implements engine.request.TokenBackend; also `prefill` / `generate_prefilled` for disaggregation."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5, coalesce: bool = True):
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5, coalesce: bool = True,
+                 health: HealthPolicy | None = None):
         """coalesce: a request's deltas that are already queued when its consumer asks for the next one
-        are merged into one (same tokens, fewer messages); False hands out one delta per engine step."""
+        are merged into one (same tokens, fewer messages); False hands out one delta per engine step.
+        health: when the engine counts as unable to serve (engine/health.py; default HealthPolicy())."""
         self.engine = engine
+        self.health = EngineHealth(health)
         self.coalesce = coalesce
         self.max_context = engine.max_model_len
         self._idle_wait_s = idle_wait_s
@@ -93,9 +99,19 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- public API (event-loop side) -------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise EngineUnhealthyError saying why if the engine cannot serve (engine/health.py); cheap."""
+        problem = self.health.problem()
+        if problem is None and not self._thread.is_alive():
+            problem = "the engine thread is not running"
+        if problem is not None:
+            raise EngineUnhealthyError(problem)
+
     async def _validated(self, request: GenerateRequest) -> None:
-        """InvalidRequestError for a request the engine can never run; then the constraint's one-time work
-        (ConstraintSpec.prepare: compiling grammars) on a worker thread, not on the engine loop."""
+        """EngineUnhealthyError while the engine cannot serve; InvalidRequestError for a request the engine can
+        never run; then the constraint's one-time work (ConstraintSpec.prepare: compiling grammars) on a worker
+        thread, not on the engine loop."""
+        self.check_health()
         self.engine.validate(request)
         prepare = getattr(request.sampling.constraint, "prepare", None)
         if prepare is not None:
@@ -162,6 +178,7 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests still in flight fail with EngineStoppedError."""
         self._stopping = True
+        self.health.stopped("shut down")
         self._wake.set()
         self._thread.join(timeout_s)
 
@@ -245,6 +262,14 @@ class AsyncEngine:
                 stream.put(exc)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: nothing steps any more
+            self.health.stopped(f"the engine thread died ({type(exc).__name__}: {exc})")
+            log.exception("engine thread died")
+            raise
+
+    def _loop(self) -> None:
         device = self.engine.runner.device
         if device.type == "cuda":
             # The current CUDA device is per thread and a new thread starts on cuda:0, where Triton launches
@@ -267,16 +292,20 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
+                self.health.step_started()
                 deltas = self.engine.step()
+                self.health.step_succeeded()
                 self._dispatch(deltas)
                 if not deltas and not self.engine.scheduler.running:
                     # Waiting requests that cannot be admitted yet (pages held elsewhere): don't spin.
                     self._wake.wait(0.005)
                     self._wake.clear()
             except StepFailedError as exc:
+                self.health.step_failed(exc)
                 log.error("engine step failed; failing requests %s", exc.request_ids, exc_info=exc)
                 self._fail(exc.request_ids, exc)
             except Exception as exc:  # a bug outside the forward: fail everything in flight, keep serving
+                self.health.step_failed(exc)
                 log.exception("engine loop error; failing all in-flight requests")
                 self._fail(list(self._streams), exc)
         self._fail(list(self._streams), EngineStoppedError("the engine was shut down"))

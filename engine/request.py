@@ -38,6 +38,12 @@ class BackendOverloaded(RuntimeError):
     Serve queue); nothing of it ran, and the client may retry shortly."""
 
 
+class EngineUnhealthyError(RuntimeError):
+    """The engine cannot serve (engine/health.py: a device or model rank failed, steps keep failing, a step
+    hangs, or its loop stopped), so it refused the request before running any of it; the client may retry,
+    and another replica or this one's replacement takes it. Serve replicas report the same from check_health."""
+
+
 class TokenConstraint(Protocol):
     """One request's restriction on its next token (structured output), stateful, engine-side. The engine
     asks for the allowed set once before each sample and reports every token the request gets, in order; it

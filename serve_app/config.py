@@ -325,6 +325,13 @@ class ServeAppConfig(_Settings):
                           "prefix-cache hit in a mixed step, the sampler's paths, drafts; engine/warm_up.py), so the "
                           "first user requests do not compile kernels (20b on an H200: first 1k-token TTFT 1,189 -> "
                           "23 ms); its counters are then reset.")
+    max_failed_steps: int = Field(
+        3, ge=0, description="Engine steps failing in a row after which a replica reports itself unhealthy, so "
+                             "Serve replaces it (engine/health.py; a device error or a dead rank does so at once); "
+                             "0: never by count.")
+    step_timeout_s: float | None = Field(
+        300.0, gt=0, description="An engine step running longer than this (a hung kernel or collective) makes "
+                                 "the replica unhealthy; null: never.")
     # ---- disaggregation and KV transfer --------------------------------------------------------
     disaggregated: bool = Field(
         True, description="Run prompts on the prefill deployment and move their KV to decode: decode steps "
@@ -434,6 +441,12 @@ class ServeAppConfig(_Settings):
         if self.kv_transport != "auto":
             return self.kv_transport
         return "cuda_ipc" if device == "cuda" else "object_store"
+
+    def health_policy(self):
+        """When a replica's engine counts as unable to serve (engine/health.py)."""
+        from engine.health import HealthPolicy
+
+        return HealthPolicy(max_failed_steps=self.max_failed_steps, step_timeout_s=self.step_timeout_s)
 
     def engine_config(self, device: str, role: str = "decode"):
         """The engine's EngineConfig for one replica of `role` ("prefill" or "decode") on `device` ("cpu" or

@@ -22,8 +22,8 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.request import GenerateRequest, TokenDelta
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
-                                   stop_hosting)
+from serve_app.engine_host import (check_engine_health, engine_stats, log, replica_device, report_metrics_forever,
+                                   start_engine, stop_hosting)
 from serve_app.kv_transfer import CudaIpcTransport, KVTransferError, ReceiveOffer, make_transport, payload_upper_bound
 from serve_app.metrics import ServerMetrics
 
@@ -53,7 +53,8 @@ class DecodeServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas; InvalidRequestError before the first one for a bad request."""
         t0 = time.monotonic()
-        self.engine.engine.validate(request)  # refuse bad requests before any remote work
+        self.engine.check_health()  # refuse while the engine cannot serve, and bad requests, before remote work
+        self.engine.engine.validate(request)
         stream = None
         first_at = last_at = None
         num_out = num_cached = 0
@@ -151,6 +152,9 @@ class DecodeServer:
 
     async def max_context(self) -> int:
         return self.engine.max_context
+
+    def check_health(self) -> None:
+        check_engine_health(self)
 
     def stats(self) -> dict:
         """Debug: pool usage and counters of this replica's engine, transfers and fallbacks."""

@@ -64,7 +64,7 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
              config.ep_size, folder or config.model, engine.max_model_len, engine.block_manager.usage())
     if engine.vocab_size == HARMONY_VOCAB_SIZE:
         warm_up_in_background()  # structured output's tokenizer, off the engine loop
-    return AsyncEngine(engine, coalesce=config.stream_coalescing)
+    return AsyncEngine(engine, coalesce=config.stream_coalescing, health=config.health_policy())
 
 
 def _start_over_rank_actors(folder: str | None, engine_config, resources: ReplicaResources, random_shapes=None,
@@ -84,6 +84,13 @@ async def report_metrics_forever(engine, metrics: ServerMetrics, interval_s: flo
     while True:
         metrics.observe_engine(engine.metrics())
         await asyncio.sleep(interval_s)
+
+
+def check_engine_health(server) -> None:
+    """A server's Serve `check_health`: raise while its engine cannot serve (EngineUnhealthyError, saying why).
+    Serve calls it every `health_check_period_s` and replaces a replica after 3 failures in a row; meanwhile
+    the engine refuses new requests with the same error (a 503 the client may retry)."""
+    server.engine.check_health()
 
 
 def engine_stats(engine) -> dict:

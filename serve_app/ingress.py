@@ -14,7 +14,7 @@ from ray import serve
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from engine.request import BackendOverloaded, GenerateRequest, InvalidRequestError, TokenDelta
+from engine.request import BackendOverloaded, EngineUnhealthyError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.config import IngressSettings
 from serve_app.response_store import ServeResponseStore
 
@@ -43,11 +43,13 @@ class ServeTokenBackend:
         except RayTaskError as err:
             ended = True
             # The decode replica refused the request: re-raise the engine's own error so the API turns it
-            # into a 400 with its `param`. Anything else (a replica that died, ...) propagates as is and
-            # becomes a 503 in the API layer.
+            # into a 400 with its `param`, or, from an engine that cannot serve, a 503 to retry (Serve replaces
+            # that replica). Anything else (a replica that died, ...) propagates as is and becomes a 503 too.
             cause = getattr(err, "cause", None)
             if isinstance(cause, InvalidRequestError):
                 raise InvalidRequestError(str(cause), cause.param) from None
+            if isinstance(cause, EngineUnhealthyError):
+                raise EngineUnhealthyError(str(cause)) from None
             raise
         finally:
             self._in_flight.pop(request.request_id, None)

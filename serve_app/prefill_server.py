@@ -13,8 +13,8 @@ import time
 
 from engine.request import GenerateRequest
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
-                                   stop_hosting)
+from serve_app.engine_host import (check_engine_health, engine_stats, log, replica_device, report_metrics_forever,
+                                   start_engine, stop_hosting)
 from serve_app.kv_transfer import KVHandle, ReceiveOffer, make_transport
 from serve_app.metrics import ServerMetrics
 
@@ -46,6 +46,9 @@ class PrefillServer:
                  request.request_id, len(request.prompt_ids), (t1 - t0) * 1e3, handle.nbytes, handle.kind,
                  handle.pack_ms)
         return handle
+
+    def check_health(self) -> None:
+        check_engine_health(self)
 
     def stats(self) -> dict:
         """Debug: the engine's pool usage and counters."""

@@ -14,13 +14,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from engine.request import TokenBackend
+from engine.request import EngineUnhealthyError, TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.auth import ApiKeyGate
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
-from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge, install_error_handlers, parse_json
+from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
+                                         parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from serve_app.openai_api.responses import create_response, delete_response, list_input_items, retrieve_response
@@ -90,6 +91,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """ok, or (a backend with `check_health`, such as an in-process AsyncEngine) a 503 saying why its
+        engine cannot serve. Under Serve the ingress' backend has none: each engine replica reports its own
+        health to Serve."""
+        check = getattr(backend, "check_health", None)
+        if check is not None:
+            try:
+                check()
+            except EngineUnhealthyError as err:
+                raise ServerOverloaded(f"The engine cannot serve ({err}).", code="engine_unavailable") from None
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -100,15 +100,16 @@ class EngineFailure(APIError):
 
 
 class ServerOverloaded(APIError):
-    """The backend's queues are full (`max_queued_requests`): refused before anything ran; retry shortly. The
-    openai client retries 503s by itself, after the Retry-After seconds."""
+    """The backend's queues are full (`max_queued_requests`, code `server_overloaded`) or its engine cannot serve
+    (`engine_unavailable`): refused before anything ran; retry shortly. The openai client retries 503s by
+    itself, after the Retry-After seconds."""
 
     status_code = 503
     error_type = "server_error"
     retry_after_s = 1
 
-    def __init__(self, message: str):
-        super().__init__(message, code="server_overloaded")
+    def __init__(self, message: str, code: str = "server_overloaded"):
+        super().__init__(message, code=code)
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}

@@ -25,6 +25,7 @@ from engine.request import (
     FINISH_ABORT,
     FINISH_LENGTH,
     BackendOverloaded,
+    EngineUnhealthyError,
     GenerateRequest,
     InvalidRequestError,
     SamplingParams,
@@ -230,6 +231,11 @@ class BackendRequest:
             self._backend_done = True
             log.info("request %s: refused, backend overloaded (%s)", self.request_id, err)
             raise ServerOverloaded(f"The server is overloaded ({err}); retry shortly.") from None
+        except EngineUnhealthyError as err:  # refused before it ran by an engine about to be replaced: retry
+            self._backend_done = True
+            log.warning("request %s: refused, engine unhealthy (%s)", self.request_id, err)
+            raise ServerOverloaded(f"The engine that took this request cannot serve ({err}); retry shortly.",
+                                   code="engine_unavailable") from None
         except Exception as err:  # engine/transport failure: the client gets a 503, not a traceback
             self._backend_done = True
             log.exception("request %s: backend failed", self.request_id)

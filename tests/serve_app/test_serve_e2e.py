@@ -529,6 +529,62 @@ def test_a_full_prefill_queue_sends_prompts_to_decode(http_port):
         serve.delete(app)
 
 
+POISON_TOKEN = 1234  # a prompt holding this token id makes SickDecode's injected device fault fire
+
+
+class SickDecode(DecodeServer):
+    """A decode replica whose forward fails as on a lost GPU (every CUDA call raises from then on) once a prompt
+    holds POISON_TOKEN."""
+
+    async def __init__(self, prefill, config):
+        await super().__init__(prefill, config)
+        runner = self.engine.engine.runner
+        forward = runner.execute
+
+        def execute(inputs):
+            if POISON_TOKEN in inputs.input_ids.tolist():
+                raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+            return forward(inputs)
+
+        runner.execute = execute
+
+
+def test_an_unhealthy_decode_replica_refuses_requests_and_serve_replaces_it(http_port):
+    """check_health: after a device error the replica refuses requests (503 engine_unavailable, Retry-After),
+    fails Serve's health checks and is replaced by a fresh replica that serves. A second app, deleted after."""
+    from serve_app.ingress import HarmonyIngress
+
+    app, name = "sick", "SickDecode"
+    config = ServeAppConfig.from_args({"max_context": "1024", "kv_cache_memory_gib": "0.0625", "disaggregated": "false",
+                                       "decode.num_replicas": "1", "decode.health_check_period_s": "1",
+                                       "decode.graceful_shutdown_timeout_s": "1"})
+    decode = serve.deployment(SickDecode, name=name, **deployment_options(config, config.decode, "cpu",
+                                                                           "object_store")).bind(None, config)
+    ingress = serve.deployment(HarmonyIngress, name="SickIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    serve.run(ingress.bind(decode, config.served_model_name, 1024, config.ingress, None), name=app,
+              route_prefix="/sick")
+    try:
+        sick = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/sick/v1", api_key="unused", max_retries=0,
+                             timeout=60)
+        complete = lambda prompt: sick.completions.create(model=config.served_model_name, prompt=prompt,  # noqa: E731
+                                                           max_tokens=3)
+        assert complete([5, 6, 7]).choices[0].finish_reason == "length"
+        [(old_name, _)] = replica_actors(app, name)
+        with pytest.raises(openai.InternalServerError) as failed:
+            complete([POISON_TOKEN, 8, 9])
+        assert failed.value.status_code == 503 and "illegal memory access" in failed.value.message
+        with pytest.raises(openai.InternalServerError) as refused:  # Serve has not replaced it yet (>= 3 s)
+            complete([5, 6, 7])
+        assert refused.value.body["code"] == "engine_unavailable"
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert "AcceleratorError" in refused.value.message
+        wait_until(lambda: running_replicas(app, name) == 1 and
+                   [n for n, _ in replica_actors(app, name)] not in ([], [old_name]), 90, "a replacement replica")
+        assert complete([5, 6, 7]).choices[0].finish_reason == "length"
+    finally:
+        serve.delete(app)
+
+
 def test_decode_replica_killed_mid_stream(http_port, reference_port):
     request = dict(CHAT, temperature=0, max_tokens=600)
     want = client(reference_port).chat.completions.create(**request)
