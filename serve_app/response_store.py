@@ -69,3 +69,9 @@ class ServeResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return await self._call("delete", response_id)
+
+    async def request_cancel(self, response_id: str) -> bool:
+        return await self._call("request_cancel", response_id)
+
+    async def cancel_requested(self, response_ids: list[str]) -> list[str]:
+        return await self._call("cancel_requested", response_ids)

@@ -24,7 +24,9 @@ from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerO
                                          parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
-from serve_app.openai_api.responses import create_response, delete_response, list_input_items, retrieve_response
+from serve_app.openai_api.background import BackgroundRuns
+from serve_app.openai_api.responses import (cancel_response, create_response, delete_response, list_input_items,
+                                            retrieve_response)
 from serve_app.openai_api.stored_responses import ResponseStore
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -46,7 +48,7 @@ def create_app(
     cors_allow_origins: Sequence[str] = (),
     allow_priority: bool = False,
 ) -> FastAPI:
-    """Serve /v1/chat/completions, /v1/responses (and GET / DELETE of stored ones), /v1/completions, /v1/models
+    """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones), /v1/completions, /v1/models
     and /health for `backend`.
 
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
@@ -71,7 +73,8 @@ def create_app(
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
                            allow_priority=allow_priority)
-    ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store)
+    ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
+                         background=BackgroundRuns(response_store) if response_store is not None else None)
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -136,6 +139,10 @@ def create_app(
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> dict[str, Any]:
         return await delete_response(response_id, ctx)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> dict[str, Any]:
+        return await cancel_response(response_id, ctx)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def get_input_items(response_id: str, order: str = "desc", limit: int = 20,

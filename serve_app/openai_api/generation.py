@@ -36,6 +36,7 @@ from engine.request import (
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
+from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.stored_responses import ResponseStore
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
 
@@ -71,6 +72,7 @@ class IngressContext:
     config: IngressConfig
     encoding: HarmonyEncoding
     store: ResponseStore | None = None  # stored /v1/responses; None: the endpoint is stateless
+    background: BackgroundRuns | None = None  # background /v1/responses this replica runs (with a store)
 
 
 @dataclass

@@ -373,8 +373,8 @@ class TextOptions(Lenient):
 
 
 class ResponsesRequest(RequestBase):
-    """`previous_response_id` continues a stored response (stored_responses.py; checked where the store is);
-    `conversation` and `background` are not supported."""
+    """`previous_response_id` continues a stored response and `background` runs one detached (stored_responses.py,
+    background.py; both checked where the store is); `conversation` is not supported."""
 
     input: Union[str, list[InputItem]]
     instructions: str | None = None
@@ -395,11 +395,6 @@ class ResponsesRequest(RequestBase):
     def _no_conversations(cls, value: Any) -> Any:
         return _reject_unless(value, (None,), "this server keeps no conversation objects; continue a stored "
                               "response with previous_response_id, or send the whole conversation in `input`")
-
-    @field_validator("background")
-    @classmethod
-    def _background(cls, value: bool | None) -> bool | None:
-        return _reject_unless(value, (None, False), "background responses are not supported; use stream=true")
 
     @field_validator("top_logprobs")
     @classmethod

@@ -1,4 +1,5 @@
-"""/v1/responses over Harmony: POST creates a response; GET, DELETE and GET .../input_items read stored ones.
+"""/v1/responses over Harmony: POST creates a response; GET, DELETE and GET .../input_items read stored ones;
+POST .../cancel stops a background one (background.py).
 
 Input: a string (one user message) or items: messages (user / assistant / system / developer),
 `function_call`, `function_call_output` (matched to its call by `call_id`) and `reasoning` (its
@@ -6,7 +7,8 @@ Input: a string (one user message) or items: messages (user / assistant / system
 developer instructions. With a response store (stored_responses.py) a response is kept unless the request
 says `store: false`, and `previous_response_id` puts that response's conversation (every earlier input and
 output item of its chain, not its instructions) before the input; without one, `store` is ignored and
-`previous_response_id` is refused. `conversation` objects are not supported.
+`previous_response_id` is refused. `background: true` (with a store) answers at once with status `queued` and
+generates the response in a task of this replica (background.py). `conversation` objects are not supported.
 
 Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
 preamble with phase "commentary"), `function_call` (recipient `functions.NAME`, any channel). A
@@ -15,6 +17,7 @@ response cut by max_output_tokens has status "incomplete" and ends with `respons
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -23,7 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from pydantic import TypeAdapter
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import (
@@ -56,7 +59,7 @@ from serve_app.openai_api.protocol import (
     ResponsesRequest,
     text_of,
 )
-from serve_app.openai_api.stored_responses import StoredResponse
+from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import sse
 
 log = logging.getLogger(__name__)
@@ -174,7 +177,12 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | No
         raise BadRequest("previous_response_id needs stored responses, which this server does not keep "
                          "(ingress.store_max_responses=0); send the whole conversation in `input`",
                          param="previous_response_id")
-    items = await _ask_store(ctx.store.conversation(req.previous_response_id))
+    head = await _ask_store(ctx.store.get(req.previous_response_id))
+    if head is not None and is_unfinished(head):
+        raise BadRequest(f"Previous response with id {req.previous_response_id!r} is still {head.response['status']}; "
+                         "continue it once it has finished (GET /v1/responses/{id} shows its status).",
+                         param="previous_response_id")
+    items = await _ask_store(ctx.store.conversation(req.previous_response_id)) if head is not None else None
     if items is None:
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} not found.",
                          param="previous_response_id", code="previous_response_not_found")
@@ -254,7 +262,23 @@ def usage_json(gen: Generation) -> dict[str, Any]:
             "total_tokens": u["total_tokens"]}
 
 
+def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
+    """400 for a background request this server cannot run: it must be stored, and is polled, not streamed."""
+    if not req.background:
+        return
+    if ctx.store is None:
+        raise BadRequest("background responses need stored responses, which this server does not keep "
+                         "(ingress.store_max_responses=0); use stream=true", param="background")
+    if req.store is False:
+        raise BadRequest("a background response must be stored (it is read back with GET /v1/responses/{id}); "
+                         "leave store out or set it true", param="store")
+    if req.stream:
+        raise BadRequest("streaming a background response is not supported; leave stream out and poll "
+                         "GET /v1/responses/{id}, or stream without background", param="stream")
+
+
 async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
+    check_background(req, ctx)
     forced_name = forced_tool(req.tool_choice, [t.name for t in req.tools or []])
     offered = [] if req.tool_choice == "none" else req.tools or []
     text_format = req.text.format if req.text else None
@@ -286,10 +310,11 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         except Exception:  # the answer stands; only a later previous_response_id to it will fail
             log.exception("response %s: storing it failed", gen.request_id)
 
-    def snapshot(status: str, output: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+    def snapshot(status: str, output: list[dict[str, Any]], usage: dict | None = None,
+                 error: dict | None = None) -> dict[str, Any]:
         return {
             "id": gen.request_id, "object": "response", "created_at": created, "model": ctx.config.model_name,
-            "status": status, "output": output, "usage": usage, "error": None,
+            "status": status, "output": output, "usage": usage, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "metadata": req.metadata, "user": req.user,
             "tools": [{"type": "function", "name": t.name, "description": t.description,
@@ -299,7 +324,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
             "text": {"format": text_format or {"type": "text"}}, "truncation": req.truncation or "disabled",
             "store": store,
-            "previous_response_id": req.previous_response_id, "background": False,
+            "previous_response_id": req.previous_response_id, "background": bool(req.background),
         }
 
     def final_status() -> str:
@@ -336,6 +361,32 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         finally:
             await gen.close()
 
+    async def run_in_background() -> None:
+        """The background run (background.py): its states go to the store, the last one whatever happens."""
+        assembler = ResponsesAssembler()
+        try:
+            await gen.start()
+            await keep(snapshot("in_progress", []))
+            async for _ in frames(gen, assembler):
+                pass
+            await keep(snapshot(final_status(), assembler.output, usage_json(gen)))
+        except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
+            await keep(snapshot("cancelled", assembler.output, usage_json(gen)))
+        except Exception as err:  # a refusal or an engine failure: the response failed, with OpenAI's error
+            api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
+            if not isinstance(err, APIError):
+                log.exception("background response %s failed", gen.request_id)
+            await keep(snapshot("failed", assembler.output, usage_json(gen),
+                                error={"code": api.code or api.error_type, "message": api.message}))
+        finally:
+            await gen.close()
+
+    if req.background:
+        queued = snapshot("queued", [])
+        await _ask_store(ctx.store.put(gen.request_id, StoredResponse(queued, own_items, req.previous_response_id)))
+        ctx.background.start(gen.request_id, run_in_background)
+        headers = None if "x-request-id" in http.headers else {"x-request-id": gen.request_id}
+        return JSONResponse(queued, headers=headers)
     return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body,
                          keepalive_s=ctx.config.stream_keepalive_s)
 
@@ -358,6 +409,25 @@ async def retrieve_response(response_id: str, ctx: IngressContext) -> dict[str, 
     if stored is None:
         raise ResponseNotFound(response_id)
     return stored.response
+
+
+async def cancel_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
+    """POST /v1/responses/{id}/cancel: stop a background response; the answer is its final state (`cancelled`,
+    with the output generated so far; or the state it reached first, if it finished meanwhile)."""
+    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
+    if stored is None:
+        raise ResponseNotFound(response_id)
+    if not stored.response.get("background"):
+        raise BadRequest("Only responses created with background=true can be cancelled.", param="response_id")
+    if stored.response["status"] == "cancelled":
+        return stored.response
+    if not is_unfinished(stored):
+        raise BadRequest(f"Response {response_id!r} has already finished (status {stored.response['status']!r}); "
+                         "only a queued or in_progress response can be cancelled.", param="response_id")
+    final = await _ask_store(ctx.background.cancel(response_id))
+    if final is None:  # deleted meanwhile
+        raise ResponseNotFound(response_id)
+    return final.response
 
 
 async def delete_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:

@@ -10,6 +10,9 @@ square.
 is reached; a chain whose older link was dropped can no longer be continued (400
 previous_response_not_found). Under Ray Serve one replica holds it for every ingress replica
 (serve_app/response_store.py). Nothing is written to disk: a restart forgets every response.
+
+Background responses (background.py) are stored at once with status `queued`, then `in_progress`, then their
+final state; the store also carries the request to cancel one to whichever ingress replica runs it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ class StoredResponse:
         return len(json.dumps([self.response, self.input_items], ensure_ascii=False, separators=(",", ":")))
 
 
+UNFINISHED = ("queued", "in_progress")  # a background response still running (serve_app/openai_api/background.py)
+
+
+def is_unfinished(stored: StoredResponse) -> bool:
+    return stored.response.get("status") in UNFINISHED
+
+
 class ResponseStore(Protocol):
     async def put(self, response_id: str, stored: StoredResponse) -> bool: ...
 
@@ -42,6 +52,10 @@ class ResponseStore(Protocol):
     async def conversation(self, response_id: str) -> list[dict[str, Any]] | None: ...
 
     async def delete(self, response_id: str) -> bool: ...
+
+    async def request_cancel(self, response_id: str) -> bool: ...
+
+    async def cancel_requested(self, response_ids: list[str]) -> list[str]: ...
 
 
 class MemoryResponseStore:
@@ -54,12 +68,19 @@ class MemoryResponseStore:
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # oldest use first
         self.bytes = 0
+        # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
+        # running one polls cancel_requested, and its final put clears the entry.
+        self._cancel: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._items)
 
     async def put(self, response_id: str, stored: StoredResponse) -> bool:
         """Store it (False: larger than the whole store, not kept), dropping the least recently used."""
+        if not is_unfinished(stored) and response_id in self._cancel:  # the final state of a stopped run
+            self._cancel.discard(response_id)
+            if response_id not in self._items:  # deleted while it ran: stays deleted
+                return False
         size = stored.size()
         if size > self.max_bytes:
             log.warning("response %s: %d bytes is more than the store holds (%d); not stored", response_id, size,
@@ -93,7 +114,23 @@ class MemoryResponseStore:
         return [item for stored in reversed(chain) for item in stored.input_items + stored.response["output"]]
 
     async def delete(self, response_id: str) -> bool:
+        """Drop it; a background response still running is also stopped (request_cancel) and not stored again."""
+        entry = self._items.get(response_id)
+        if entry is not None and is_unfinished(entry[0]):
+            self._cancel.add(response_id)
         return self._drop(response_id)
+
+    async def request_cancel(self, response_id: str) -> bool:
+        """Ask the replica running this background response to stop it; False if it is not stored or finished."""
+        entry = self._items.get(response_id)
+        if entry is None or not is_unfinished(entry[0]):
+            return False
+        self._cancel.add(response_id)
+        return True
+
+    async def cancel_requested(self, response_ids: list[str]) -> list[str]:
+        """Those of `response_ids` asked to stop (one call per poll for all of an ingress replica's runs)."""
+        return [response_id for response_id in response_ids if response_id in self._cancel]
 
     def _drop(self, response_id: str) -> bool:
         entry = self._items.pop(response_id, None)

@@ -53,7 +53,7 @@ ODD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -0.0, float("nan"), ""
        {"role": "user", "content": None}, [{"role": "assistant", "content": None, "tool_calls": []}],
        [{"role": "tool", "content": "x"}], [{"type": "text"}], 7.5, "auto", "none", "required", "json_object"]
 ADDED_KEYS = ["extra", "stream", "n", "max_tokens", "stop", "user", "metadata", "parallel_tool_calls",
-              "previous_response_id"]
+              "previous_response_id", "background"]
 
 
 def broken(body: dict, rng: random.Random) -> dict:
@@ -126,8 +126,12 @@ def answer_failures(server, bodies: list[tuple[str, dict]], statuses: dict[int, 
     return failures
 
 
-def assert_nothing_held(engine) -> None:
+def assert_nothing_held(engine, wait_s: float = 30.0) -> None:
+    """No request and no K/V page held, once background responses (which answer before they run) have ended."""
     core = engine.engine
+    deadline = time.monotonic() + wait_s
+    while (core.has_unfinished() or core.seqs) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not core.has_unfinished() and not core.seqs
     usage = core.block_manager.usage()
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0, usage
@@ -170,6 +174,33 @@ def test_broken_continuations_of_a_stored_response(served):
     failures = answer_failures(server, bodies, statuses)
     assert not failures, failures[:5]
     assert statuses.get(200, 0) >= 2 and sum(n for s, n in statuses.items() if s >= 400) >= 10, statuses
+    assert_nothing_held(engine)
+
+
+def test_broken_background_requests(served):
+    """Broken bodies of a background response (`background: true`, answered before it runs): the same answers;
+    every accepted one reaches a final state in the store, and then nothing is held."""
+    engine, server = served
+    rng = random.Random(11)
+    bodies = [("/v1/responses", broken({**VALID["/v1/responses"], "background": True}, rng)) for _ in range(40)]
+    statuses: dict[int, int] = {}
+    failures = answer_failures(server, bodies, statuses)
+    assert not failures, failures[:5]
+    accepted = []
+    for path, body in bodies:  # sent again to learn the ids (answer_failures keeps only the statuses)
+        status, text = post(server, path, body)
+        if status == 200 and not body.get("stream"):
+            accepted.append(json.loads(text)["id"])
+    assert len(accepted) >= 2 and sum(n for s, n in statuses.items() if s >= 400) >= 10, statuses
+    deadline = time.monotonic() + 60
+    for response_id in accepted:
+        while True:
+            status = httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=10).json()["status"]
+            if status not in ("queued", "in_progress"):
+                break
+            assert time.monotonic() < deadline, f"{response_id} still {status}"
+            time.sleep(0.05)
+        assert status in ("completed", "incomplete", "failed"), status
     assert_nothing_held(engine)
 
 

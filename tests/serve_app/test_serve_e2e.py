@@ -408,6 +408,32 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(http_port):
     assert store["responses"] >= 1 and store["max_responses"] == CONFIG.ingress.store_max_responses
 
 
+def test_background_responses_through_the_response_store(http_port):
+    """background=true on real Ray: answered `queued` at once, the polled result is the foreground answer; a long
+    one cancelled through the API stops in the decode engine and keeps what it generated."""
+    api = client(http_port)
+    params = dict(model=CONFIG.served_model_name, input="Hi there", temperature=0, max_output_tokens=6)
+    queued = api.responses.create(background=True, **params)
+    assert (queued.status, queued.background) == ("queued", True)
+    deadline = time.monotonic() + 60
+    while (done := api.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.05)
+    foreground = api.responses.create(**params)
+    assert done.status == foreground.status and done.usage.output_tokens == foreground.usage.output_tokens == 6
+    assert [item.model_dump(exclude={"id", "call_id"}) for item in done.output] == \
+        [item.model_dump(exclude={"id", "call_id"}) for item in foreground.output]
+
+    long = api.responses.create(background=True, **dict(params, max_output_tokens=900))
+    while api.responses.retrieve(long.id).status == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cancelled = api.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 900
+    wait_until(lambda: stats(DECODE_NAME)["num_running"] == 0, 10, "the cancelled request to leave the engine")
+    assert api.responses.retrieve(long.id).status == "cancelled"
+
+
 def test_refused_request_is_an_invalid_request_error(http_port):
     from engine.request import InvalidRequestError
     from serve_app.ingress import ServeTokenBackend

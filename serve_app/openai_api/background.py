@@ -1,0 +1,89 @@
+"""Background responses: `background: true` on POST /v1/responses returns at once (status `queued`) while the
+response is generated in a task of the ingress replica that took it; clients poll GET /v1/responses/{id} and may
+POST /v1/responses/{id}/cancel.
+
+The task is not tied to the HTTP request, so a client that leaves, or a load balancer's idle timeout, does not
+stop it. Its states go to the response store (`queued` when accepted, `in_progress` once the engine has taken
+it, then `completed`, `incomplete`, `failed` or `cancelled`), so every ingress replica answers GET and cancel.
+A cancel that reaches another ingress replica is passed on through the store: the running replica polls it
+(`poll_s`) and stops the task, which stores `cancelled` with what was generated so far.
+
+What it does not survive: the ingress replica that runs it stopping (its tasks end with the process; the
+response then stays `in_progress` until a cancel marks it `cancelled` after `CANCEL_WAIT_S`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from serve_app.openai_api.stored_responses import ResponseStore, StoredResponse, is_unfinished
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.5  # how often a running background response asks the store whether it was cancelled
+CANCEL_WAIT_S = 10.0  # how long a cancel waits for the run to store its final state
+
+
+class BackgroundRuns:
+    """The background responses this app (one ingress replica) runs: response id -> its task."""
+
+    def __init__(self, store: ResponseStore, poll_s: float = CANCEL_POLL_S):
+        self.store = store
+        self.poll_s = poll_s
+        self._runs: dict[str, asyncio.Task] = {}
+        self._watcher: asyncio.Task | None = None  # one poll of the store for all runs, while there are any
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def start(self, response_id: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run `run()` (which stores the response's states itself, `cancelled` when cancelled) until it ends
+        or a cancel for `response_id` arrives, here or through the store."""
+        work = asyncio.ensure_future(run())
+        self._runs[response_id] = work
+        work.add_done_callback(lambda _: self._runs.pop(response_id, None))
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Cancel the runs whose cancel came through the store (from another ingress replica, or a DELETE)."""
+        while self._runs:
+            await asyncio.sleep(self.poll_s)
+            try:
+                cancelled = await self.store.cancel_requested(list(self._runs))
+            except Exception as err:  # the store is away for now: the runs go on, and so does the watch
+                log.warning("background responses: cancel check failed (%s: %s)", type(err).__name__, err)
+                continue
+            for response_id in cancelled:
+                work = self._runs.get(response_id)
+                if work is not None:
+                    work.cancel()
+
+    async def cancel(self, response_id: str) -> StoredResponse | None:
+        """Stop the background response and return its stored final state (None: not stored). A run on another
+        ingress replica is asked through the store and has CANCEL_WAIT_S to store its final state; a run that
+        did not (its replica is gone, or it was cancelled before it began) is marked cancelled here."""
+        work = self._runs.get(response_id)
+        if work is not None:
+            work.cancel()
+            await asyncio.wait({work}, timeout=CANCEL_WAIT_S)
+            deadline = time.monotonic()  # it has ended here: whatever it stored is final
+        else:
+            await self.store.request_cancel(response_id)
+            deadline = time.monotonic() + CANCEL_WAIT_S
+        while True:
+            stored = await self.store.get(response_id)
+            if stored is None or not is_unfinished(stored):
+                return stored
+            if time.monotonic() >= deadline:
+                if work is None:
+                    log.warning("background response %s: no final state %g s after its cancel; marking it "
+                                "cancelled", response_id, CANCEL_WAIT_S)
+                stopped = StoredResponse({**stored.response, "status": "cancelled"}, stored.input_items,
+                                         stored.previous_id)
+                await self.store.put(response_id, stopped)
+                return stopped
+            await asyncio.sleep(0.05)

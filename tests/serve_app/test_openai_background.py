@@ -1,0 +1,166 @@
+"""Background responses (`background: true`): answered at once as `queued`, generated detached from the HTTP
+request, polled with GET, cancelled with POST .../cancel (also from another ingress replica, through the store),
+failures stored as `failed`; through the openai client against live uvicorn servers."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from engine.request import BackendOverloaded
+from serve_app.openai_api.app import create_app
+from serve_app.openai_api.stored_responses import MemoryResponseStore
+from tests.serve_app.conftest import MODEL, START_DATE, LiveServer, openai_client, scripted_app
+from tests.serve_app.stub_backend import ScriptedBackend
+
+ANSWER = "<|channel|>analysis<|message|>Think a bit.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+LONG = "<|channel|>final<|message|>" + "word " * 200 + "<|return|>"
+
+
+@pytest.fixture(scope="module")
+def live():
+    """Two apps (two ingress replicas) on one backend and one store, mounted at /a and /b of one server."""
+    backend, store = ScriptedBackend(), MemoryResponseStore(max_responses=100)
+    apps = [create_app(backend, model_name=MODEL, max_context=backend.max_context, conversation_start_date=START_DATE,
+                       response_store=store) for _ in range(2)]
+    with LiveServer(Starlette(routes=[Mount("/a", apps[0]), Mount("/b", apps[1])])) as server:
+        yield backend, server, store
+
+
+@pytest.fixture
+def backend(live) -> ScriptedBackend:
+    live[0].reset()
+    return live[0]
+
+
+@pytest.fixture
+def api(live) -> openai.OpenAI:
+    return openai_client(f"{live[1].url}/a")
+
+
+@pytest.fixture
+def other(live) -> openai.OpenAI:
+    """The second ingress replica: it shares only the store with the first."""
+    return openai_client(f"{live[1].url}/b")
+
+
+def wait_for(api: openai.OpenAI, response_id: str, statuses: tuple[str, ...], timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = api.responses.retrieve(response_id)
+        if response.status in statuses:
+            return response
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}, waiting for {statuses}"
+        time.sleep(0.02)
+
+
+def test_answered_at_once_then_polled_to_the_same_response_as_in_the_foreground(api, other, backend):
+    backend.push(ANSWER, first_delay_s=0.5)
+    t0 = time.monotonic()
+    queued = api.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=64)
+    assert time.monotonic() - t0 < 0.4  # did not wait for the first token
+    assert (queued.status, queued.background, queued.output, queued.usage) == ("queued", True, [], None)
+    assert other.responses.retrieve(queued.id).status == "queued"  # every replica reads it from the store
+    done = wait_for(other, queued.id, ("completed",))
+    backend.push(ANSWER)
+    foreground = api.responses.create(model=MODEL, input="Hi", max_output_tokens=64)
+    assert done.output_text == foreground.output_text == "Done."
+    assert [item.type for item in done.output] == [item.type for item in foreground.output] == ["reasoning", "message"]
+    assert done.usage.model_dump() == foreground.usage.model_dump()
+    assert backend.requests[0].prompt_ids == backend.requests[1].prompt_ids
+    assert (done.background, foreground.background) == (True, False)
+
+
+def test_in_progress_once_the_engine_has_it_and_a_length_cut_is_incomplete(api, backend):
+    backend.push(LONG, delay_s=0.05)
+    created = api.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=40)
+    wait_for(api, created.id, ("in_progress",))
+    done = wait_for(api, created.id, ("incomplete",))
+    assert done.incomplete_details.reason == "max_output_tokens" and done.usage.output_tokens == 40
+
+
+def test_cancel_stops_the_engine_request_and_keeps_what_was_generated(api, backend):
+    backend.push(LONG, delay_s=0.05)
+    created = api.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(api, created.id, ("in_progress",))
+    time.sleep(0.3)
+    cancelled = api.responses.cancel(created.id)
+    assert cancelled.status == "cancelled" and cancelled.id == created.id
+    assert backend.abort_seen.wait(5) and created.id in backend.aborted
+    text = cancelled.output[0].content[0].text
+    assert text.startswith("word") and len(text) < len("word " * 200)
+    assert api.responses.retrieve(created.id).status == "cancelled"
+    assert api.responses.cancel(created.id).status == "cancelled"  # again: the same answer
+
+
+def test_a_cancel_sent_to_another_replica_reaches_the_run(api, other, backend):
+    backend.push(LONG, delay_s=0.05)
+    created = api.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(api, created.id, ("in_progress",))
+    t0 = time.monotonic()
+    cancelled = other.responses.cancel(created.id)
+    assert cancelled.status == "cancelled" and time.monotonic() - t0 < 5  # the run's replica polls every 0.5 s
+    assert created.id in backend.aborted and cancelled.output
+
+
+def test_delete_while_running_stops_it_and_it_stays_deleted(api, other, backend, live):
+    backend.push(LONG, delay_s=0.05)
+    created = api.responses.create(model=MODEL, input="Hi", background=True)
+    wait_for(api, created.id, ("in_progress",))
+    assert other.responses.delete(created.id) is None
+    assert backend.abort_seen.wait(5) and created.id in backend.aborted
+    time.sleep(0.3)  # the stopped run's final state must not bring it back
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(created.id)
+    assert not live[2]._cancel  # nothing left behind in the store
+
+
+@pytest.mark.parametrize("script, code", [
+    (dict(fail_after=2), "server_error"),
+    (dict(error=BackendOverloaded("decode queue full")), "server_overloaded"),
+])
+def test_a_run_that_fails_is_stored_as_failed_with_the_error(api, backend, script, code):
+    backend.push(LONG, **script)
+    created = api.responses.create(model=MODEL, input="Hi", background=True)
+    failed = wait_for(api, created.id, ("failed",))
+    assert failed.error.code == code and failed.error.message
+
+
+def test_cancel_errors(api, backend):
+    backend.push(ANSWER)
+    foreground = api.responses.create(model=MODEL, input="Hi")
+    with pytest.raises(openai.BadRequestError, match="background=true"):
+        api.responses.cancel(foreground.id)
+    backend.push(ANSWER)
+    finished = wait_for(api, api.responses.create(model=MODEL, input="Hi", background=True).id, ("completed",))
+    with pytest.raises(openai.BadRequestError, match="already finished"):
+        api.responses.cancel(finished.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.cancel("resp_unknown")
+
+
+def test_continuing_a_running_response_waits_for_it_to_finish(api, backend):
+    backend.push(ANSWER, first_delay_s=0.4)
+    created = api.responses.create(model=MODEL, input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError, match="still queued") as err:
+        api.responses.create(model=MODEL, input="And?", previous_response_id=created.id)
+    assert err.value.body["param"] == "previous_response_id"
+    wait_for(api, created.id, ("completed",))
+    backend.push(ANSWER)
+    continued = api.responses.create(model=MODEL, input="And?", previous_response_id=created.id)
+    assert continued.status == "completed" and "Done." in backend.encoding.decode(backend.requests[-1].prompt_ids)
+
+
+def test_requests_a_background_run_cannot_serve_are_400(api, live):
+    for extra, param in [({"store": False}, "store"), ({"stream": True}, "stream")]:
+        response = httpx.post(f"{live[1].url}/a/v1/responses",
+                              json={"model": MODEL, "input": "Hi", "background": True, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    with scripted_app(ScriptedBackend()) as stateless:  # no store: nothing to poll
+        response = httpx.post(f"{stateless.url}/v1/responses", json={"model": MODEL, "input": "Hi", "background": True})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "background"
