@@ -20,6 +20,9 @@ from serve_app.response_store import ServeResponseStore
 
 log = logging.getLogger("ray.serve")
 
+# Under Serve's default graceful_shutdown_timeout_s (20 s), after which the replica is killed.
+BACKGROUND_DRAIN_S = 10.0
+
 
 class ServeTokenBackend:
     """engine/request.py's TokenBackend over a DecodeServer DeploymentHandle."""
@@ -85,8 +88,17 @@ class HarmonyIngress:
         from serve_app.openai_api.app import create_app
 
         s = self.settings
-        return create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
+        self._app = create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
                           conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
                           api_keys=s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
                           response_store=self.response_store, cors_allow_origins=s.cors_allow_origins,
                           allow_priority=s.allow_priority)
+        return self._app
+
+    async def __del__(self):
+        """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
+        seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py)."""
+        app = getattr(self, "_app", None)
+        background = app.state.background if app is not None else None
+        if background is not None:
+            await background.stop(wait_s=BACKGROUND_DRAIN_S)

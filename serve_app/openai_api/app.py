@@ -77,6 +77,7 @@ def create_app(
                          background=BackgroundRuns(response_store) if response_store is not None else None)
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)

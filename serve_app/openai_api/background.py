@@ -8,8 +8,9 @@ it, then `completed`, `incomplete`, `failed` or `cancelled`), so every ingress r
 A cancel that reaches another ingress replica is passed on through the store: the running replica polls it
 (`poll_s`) and stops the task, which stores `cancelled` with what was generated so far.
 
-What it does not survive: the ingress replica that runs it stopping (its tasks end with the process; the
-response then stays `in_progress` until a cancel marks it `cancelled` after `CANCEL_WAIT_S`).
+An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish, then
+stores the rest as `failed` with code `server_shutdown` (the client may create them again). A replica that dies
+without that leaves its runs `in_progress` until a cancel marks them `cancelled` after `CANCEL_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class BackgroundRuns:
         self.poll_s = poll_s
         self._runs: dict[str, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None  # one poll of the store for all runs, while there are any
+        self.stopping = False  # set by stop(): a run cancelled now is stored as failed, not cancelled
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -61,6 +63,20 @@ class BackgroundRuns:
                 work = self._runs.get(response_id)
                 if work is not None:
                     work.cancel()
+
+    async def stop(self, wait_s: float) -> None:
+        """The replica is stopping: give the runs `wait_s` to finish, then cancel the rest with `stopping` set (each
+        stores itself as failed) and wait for them to have stored that (CANCEL_WAIT_S at most)."""
+        runs = set(self._runs.values())
+        if runs and wait_s > 0:
+            _, runs = await asyncio.wait(runs, timeout=wait_s)
+        if not runs:
+            return
+        log.warning("stopping: %d background responses still running; storing them as failed", len(runs))
+        self.stopping = True
+        for work in runs:
+            work.cancel()
+        await asyncio.wait(runs, timeout=CANCEL_WAIT_S)
 
     async def cancel(self, response_id: str) -> StoredResponse | None:
         """Stop the background response and return its stored final state (None: not stored). A run on another

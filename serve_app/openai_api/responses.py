@@ -371,7 +371,12 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
                 pass
             await keep(snapshot(final_status(), assembler.output, usage_json(gen)))
         except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
-            await keep(snapshot("cancelled", assembler.output, usage_json(gen)))
+            if ctx.background.stopping:  # not the client's doing: the replica stops (BackgroundRuns.stop)
+                await keep(snapshot("failed", assembler.output, usage_json(gen), error={
+                    "code": "server_shutdown", "message": "The server replica running this background response "
+                    "stopped before it finished; create it again."}))
+            else:
+                await keep(snapshot("cancelled", assembler.output, usage_json(gen)))
         except Exception as err:  # a refusal or an engine failure: the response failed, with OpenAI's error
             api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
             if not isinstance(err, APIError):

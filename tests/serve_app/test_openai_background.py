@@ -164,3 +164,30 @@ def test_requests_a_background_run_cannot_serve_are_400(api, live):
     with scripted_app(ScriptedBackend()) as stateless:  # no store: nothing to poll
         response = httpx.post(f"{stateless.url}/v1/responses", json={"model": MODEL, "input": "Hi", "background": True})
         assert response.status_code == 400 and response.json()["error"]["param"] == "background"
+
+
+def test_a_stopping_replica_lets_short_runs_finish_and_stores_the_rest_as_failed():
+    """BackgroundRuns.stop (HarmonyIngress.__del__ under Serve): runs that end within the wait complete, the others
+    are stored as failed with code server_shutdown and their engine requests are aborted."""
+    import asyncio
+
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, conversation_start_date=START_DATE,
+                     response_store=store)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            ids = []
+            for script in (dict(text=ANSWER), dict(text=LONG, delay_s=0.05)):
+                backend.push(**script)
+                answer = await http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "background": True})
+                ids.append(answer.json()["id"])
+            await app.state.background.stop(wait_s=0.5)
+            assert len(app.state.background) == 0
+            return [(await http.get(f"/v1/responses/{i}")).json() for i in ids]
+
+    short, long = asyncio.run(main())
+    assert short["status"] == "completed"
+    assert long["status"] == "failed" and long["error"]["code"] == "server_shutdown"
+    assert long["output"] and long["id"] in backend.aborted
