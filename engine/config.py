@@ -104,10 +104,18 @@ class EngineConfig:
     # of the decode step, all accepted (0: off; any batch size). The tokens are the same as without (in fp32; in
     # bf16 up to the rounding of another batch shape, as for speculative decoding).
     jump_forward_tokens: int = 8
+    # Priority scheduling (GenerateRequest.priority): None orders by priority, then arrival (a steady stream of
+    # better-priority requests can hold a worse one back forever); a number of seconds makes one priority step
+    # worth that much waiting (engine/scheduler.py), so every request is eventually admitted.
+    priority_aging_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive_int(name, getattr(self, name))
+        aging = self.priority_aging_s
+        if aging is not None and (isinstance(aging, bool) or not isinstance(aging, (int, float)) or not aging > 0
+                                  or aging == float("inf")):
+            raise EngineConfigError(f"priority_aging_s must be a positive number of seconds or None, got {aging!r}")
         for name in ("max_model_len", "kv_cache_bytes"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))

@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next forward, and with how many new tokens.
 
 Policy (first come, first served within a priority; GenerateRequest.priority, lower first, orders both queues
-by (priority, arrival), and "oldest" / "newest" below mean first / last in that order):
+by (priority, arrival), and "oldest" / "newest" below mean first / last in that order; with
+`priority_aging_s` a priority step is worth that many seconds of waiting instead, so a request is never
+passed by better-priority ones that arrive more than `priority_aging_s` x the difference after it):
 - a waiting sequence of a better priority than the worst running one, finding no seat or no pages for its
   first chunk, preempts running sequences of worse priority (the worst first) until it fits;
 - running sequences go first, oldest first: a decoding one takes 1 token of the step's budget
@@ -83,11 +85,6 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
 
 
-def _rank(seq: Sequence) -> tuple[int, int]:
-    """Queue order: priority (lower first), then arrival (FCFS)."""
-    return seq.priority, seq.arrival
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None):
         self.config = config
@@ -95,11 +92,17 @@ class Scheduler:
         self.max_model_len = max_model_len or config.max_model_len  # drafts never run past it
         self.waiting: list[Sequence] = []  # sorted by _rank
         self.running: list[Sequence] = []  # sorted by _rank; each holds pages
+        aging = config.priority_aging_s
+        # Queue order: priority (lower first), then arrival (FCFS). Aged: priority x aging_s + arrival time, a
+        # key that does not change while a request waits (everyone's waiting time grows alike), so the queues
+        # stay sorted without re-sorting, and an order once decided never flips back (no preemption ping-pong).
+        self._rank = (lambda s: (s.priority, s.arrival)) if aging is None else \
+            (lambda s: (s.priority * aging + s.arrival_time, s.arrival))
 
     # ---- queue changes ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_rank)
+        bisect.insort(self.waiting, seq, key=self._rank)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queues and free its pages (finish, abort, export)."""
@@ -140,7 +143,7 @@ class Scheduler:
     def schedule(self, kind: StepKind = StepKind.MIXED) -> SchedulerOutput:
         out = SchedulerOutput(kind)
         budget = self.config.max_num_batched_tokens
-        if self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority:
+        if self.waiting and self.running and self._outranks(self.waiting[0], self.running[-1]):
             self._yield_to_priority(kind, out)
         drafts, forced, spare_rows = self._drafts(kind)
         if not drafts and self._all_decode(kind) and len(self.running) <= budget \
@@ -229,8 +232,12 @@ class Scheduler:
         seq = self.waiting[0]
         if not self._admits(kind, seq):
             return
-        while self.running and self.running[-1].priority > seq.priority and not self._room_for(seq):
+        while self.running and self._outranks(seq, self.running[-1]) and not self._room_for(seq):
             self._preempt(self.running[-1], out)
+
+    def _outranks(self, waiting: Sequence, running: Sequence) -> bool:
+        """May `waiting` preempt `running`: a better priority, and (aged) ahead of it in the queue order."""
+        return waiting.priority < running.priority and self._rank(waiting) < self._rank(running)
 
     def _room_for(self, seq: Sequence) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
@@ -293,6 +300,6 @@ class Scheduler:
                     seq.num_cached_prefix = hit
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_rank)
+            bisect.insort(self.running, seq, key=self._rank)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n, seq.is_prefill))
             budget -= n

@@ -325,6 +325,11 @@ class ServeAppConfig(_Settings):
                           "prefix-cache hit in a mixed step, the sampler's paths, drafts; engine/warm_up.py), so the "
                           "first user requests do not compile kernels (20b on an H200: first 1k-token TTFT 1,189 -> "
                           "23 ms); its counters are then reset.")
+    priority_aging_s: float | None = Field(
+        30.0, gt=0, description="With ingress.allow_priority: one priority step is worth this many seconds of "
+                                "waiting in the engines' queues, so a request is passed only by better-priority "
+                                "ones that arrive within that many seconds (x the difference) after it, and never "
+                                "starves; null: strict priority (vLLM's).")
     max_failed_steps: int = Field(
         3, ge=0, description="Engine steps failing in a row after which a replica reports itself unhealthy, so "
                              "Serve replaces it (engine/health.py; a device error or a dead rank does so at once); "
@@ -485,6 +490,7 @@ class ServeAppConfig(_Settings):
             speculative_ngram=self.speculative_ngram,
             speculative_max_seqs=self.speculative_max_seqs,
             jump_forward_tokens=self.jump_forward_tokens,
+            priority_aging_s=self.priority_aging_s,
             tp_size=self.tp_size,
             ep_size=self.ep_size,
         )

@@ -118,6 +118,51 @@ def test_waiting_requests_start_by_priority_and_equal_ones_never_preempt(make_en
     assert engine.metrics.snapshot()["preemptions_total"] == 0  # nobody waiting was better than who ran
 
 
+@pytest.mark.parametrize("gap_s, aging_s, want", [
+    (0.0, None, ["running", "high", "low"]),  # strict priority
+    (0.25, None, ["running", "high", "low"]),
+    (0.0, 0.05, ["running", "high", "low"]),  # aged, but the better one came within 0.05 s
+    (0.25, 0.05, ["running", "low", "high"]),  # aged: 0.25 s of waiting outweighs one priority step
+])
+def test_priority_aging_lets_a_long_waiting_request_go_first(make_engine, gap_s, aging_s, want):
+    """priority_aging_s: a worse-priority request that waited longer than aging_s x the difference is admitted
+    before a better one that arrived later (it cannot starve); the better one still does not preempt it."""
+    import time
+
+    engine = make_engine(max_num_seqs=1, priority_aging_s=aging_s)
+    engine.add_request(req("running", 0, max_tokens=6, seed=11))
+    engine.step()  # it holds the only seat
+    engine.add_request(req("low", 1, max_tokens=4, seed=12))
+    time.sleep(gap_s)
+    engine.add_request(req("high", 0, max_tokens=4, seed=13))
+    order, out = finish_order(engine)
+    assert order == want
+    assert engine.metrics.snapshot()["preemptions_total"] == 0
+    for r in (req("low", 1, max_tokens=4, seed=12), req("high", 0, max_tokens=4, seed=13)):
+        assert out[r.request_id] == alone(make_engine, r)
+
+
+def test_an_aged_request_still_yields_its_seat_to_a_much_better_one(make_engine):
+    """Aging moves a request forward in the queue; a running request of worse priority is still preempted by a
+    better one that outranks it in that order."""
+    engine = make_engine(max_num_seqs=1, priority_aging_s=1000.0)
+    engine.add_request(req("low", 5, max_tokens=30, seed=14))
+    for _ in range(3):
+        engine.step()
+    engine.add_request(req("urgent", 0, max_tokens=4, seed=15))
+    order, _ = finish_order(engine)
+    assert order == ["urgent", "low"] and engine.seqs == {}
+    assert engine.metrics.snapshot()["preemptions_total"] == 1
+
+
+def test_priority_aging_must_be_positive(make_engine):
+    from engine.config import EngineConfig, EngineConfigError
+
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "30"):
+        with pytest.raises(EngineConfigError, match="priority_aging_s"):
+            EngineConfig(priority_aging_s=bad)
+
+
 @pytest.mark.parametrize("priority", [True, 1.0, "1", 2**31, -(2**31) - 1])
 def test_priority_must_be_a_32_bit_integer(make_engine, priority):
     with pytest.raises(InvalidRequestError) as err:
