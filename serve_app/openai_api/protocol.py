@@ -327,6 +327,7 @@ class ReasoningItem(Lenient):
     id: str | None = None
     content: list[ReasoningText] | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: str | None = None  # ours carries the reasoning text (responses.reasoning_envelope)
 
 
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

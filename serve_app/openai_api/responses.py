@@ -18,6 +18,8 @@ response cut by max_output_tokens has status "incomplete" and ends with `respons
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import time
 import uuid
@@ -68,6 +70,26 @@ _ITEMS = TypeAdapter(list[InputItem])
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
+ENVELOPE_PREFIX = "gptoss-reasoning-v1:"
+
+
+def reasoning_envelope(text: str) -> str:
+    """A reasoning item's `encrypted_content` (with include=["reasoning.encrypted_content"]): the text, base64. Not a
+    secret (gpt-oss's reasoning is returned in `content` too); it lets clients that send reasoning items back with
+    only `encrypted_content` (OpenAI's stateless pattern, store=false) keep the reasoning a tool call needs."""
+    return ENVELOPE_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def opened_envelope(value: str | None) -> str:
+    """The reasoning text of our `encrypted_content`; "" for None or another server's (which cannot be read)."""
+    if not value or not value.startswith(ENVELOPE_PREFIX):
+        return ""
+    try:
+        return base64.b64decode(value[len(ENVELOPE_PREFIX):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
+
+
 def input_items(req: ResponsesRequest) -> list:
     return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
 
@@ -114,7 +136,8 @@ def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list
                     param=f"input.{i}.call_id")
             history.append(ToolResult(call_names[item.call_id], text_of(item.output)))
         elif isinstance(item, ReasoningItem):
-            text = "".join(c.text for c in item.content or []) or "".join(s.text for s in item.summary)
+            text = "".join(c.text for c in item.content or []) or "".join(s.text for s in item.summary) or \
+                opened_envelope(item.encrypted_content)
             if text:
                 history.append(AssistantReasoning(text))
     tools = [] if req.tool_choice == "none" else [
@@ -192,7 +215,9 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | No
 class ResponsesAssembler:
     """Item events -> output items and stream events (the non-stream body is the same items)."""
 
-    def __init__(self) -> None:
+    def __init__(self, encrypted_reasoning: bool = False) -> None:
+        """encrypted_reasoning: give finished reasoning items `encrypted_content` (reasoning_envelope)."""
+        self.encrypted_reasoning = encrypted_reasoning
         self.output: list[dict[str, Any]] = []
         self._slot: dict[int, int] = {}  # parser item index -> output index
         self.sequence = 0
@@ -222,6 +247,8 @@ class ResponsesAssembler:
                                  name=item["name"])]
         else:
             part = item["content"][0]
+            if ev.kind is ItemKind.REASONING and self.encrypted_reasoning:
+                item["encrypted_content"] = reasoning_envelope(part["text"])
             done = "response.reasoning_text.done" if ev.kind is ItemKind.REASONING else "response.output_text.done"
             extra = {} if ev.kind is ItemKind.REASONING else {"logprobs": []}
             events = [self.event(done, **at, content_index=0, text=part["text"], **extra),
@@ -327,6 +354,9 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "previous_response_id": req.previous_response_id, "background": bool(req.background),
         }
 
+    def new_assembler() -> ResponsesAssembler:
+        return ResponsesAssembler(encrypted_reasoning="reasoning.encrypted_content" in (req.include or []))
+
     def final_status() -> str:
         return "incomplete" if gen.finish_reason == "length" else "completed"
 
@@ -337,7 +367,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             yield [frame for ev in step.events for frame in assembler.apply(ev, status)]
 
     async def body(gen: Generation) -> dict:
-        assembler = ResponsesAssembler()
+        assembler = new_assembler()
         async for _ in frames(gen, assembler):
             pass
         done = snapshot(final_status(), assembler.output, usage_json(gen))
@@ -345,7 +375,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         return done
 
     async def stream(gen: Generation) -> AsyncIterator[bytes]:
-        assembler = ResponsesAssembler()
+        assembler = new_assembler()
         try:
             yield _frame(assembler.event("response.created", response=snapshot("in_progress", [])))
             yield _frame(assembler.event("response.in_progress", response=snapshot("in_progress", [])))
@@ -363,7 +393,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
     async def run_in_background() -> None:
         """The background run (background.py): its states go to the store, the last one whatever happens."""
-        assembler = ResponsesAssembler()
+        assembler = new_assembler()
         try:
             await gen.start()
             await keep(snapshot("in_progress", []))

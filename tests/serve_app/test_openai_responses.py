@@ -59,6 +59,44 @@ def test_non_stream_function_call_then_answer(client, backend):
             "<|message|>{\"sky\": \"sunny\"}<|end|><|start|>assistant") in prompt
 
 
+def test_reasoning_round_trips_through_encrypted_content_alone(client, backend):
+    """include=["reasoning.encrypted_content"] (OpenAI's stateless pattern, store=false): a client that sends the
+    reasoning item back with only its encrypted_content gets the same prompt as one that sends the text."""
+    backend.push(CALL)
+    first = client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS, store=False,
+                                    include=["reasoning.encrypted_content"])
+    reasoning, preamble, call = first.output
+    assert reasoning.encrypted_content and "Need the weather." not in reasoning.encrypted_content
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    prompts = []
+    for sent in (reasoning.model_dump(exclude_none=True),  # the text
+                 {"type": "reasoning", "id": reasoning.id, "summary": [],
+                  "encrypted_content": reasoning.encrypted_content}):  # the envelope alone
+        backend.push(ANSWER)
+        client.responses.create(model=MODEL, tools=TOOLS, store=False, input=[
+            {"role": "user", "content": "Weather in Rome?"}, sent, preamble.model_dump(exclude_none=True),
+            call.model_dump(exclude_none=True), result])
+        prompts.append(backend.requests[-1].prompt_ids)
+    assert prompts[0] == prompts[1] and "Need the weather." in ENC.decode(prompts[1])
+
+    # another server's encrypted_content cannot be read: the item adds nothing, and is no error
+    backend.push(ANSWER)
+    client.responses.create(model=MODEL, tools=TOOLS, store=False, input=[
+        {"role": "user", "content": "Weather in Rome?"},
+        {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABo-not-ours=="},
+        call.model_dump(exclude_none=True), result])
+    assert "Need the weather." not in ENC.decode(backend.requests[-1].prompt_ids)
+
+    backend.push(CALL)  # not asked for: no envelope; streamed: in the reasoning item's output_item.done
+    plain = client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS)
+    assert plain.output[0].encrypted_content is None
+    backend.push(CALL)
+    events = list(client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS, stream=True,
+                                          include=["reasoning.encrypted_content"]))
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert [d.encrypted_content for d in done] == [reasoning.encrypted_content]
+
+
 def test_stream_events_in_order(client, backend):
     backend.push(CALL, chunk=2)
     events = list(client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS, stream=True,
