@@ -275,6 +275,40 @@ def test_worker_errors_surface_on_rank_0_and_stop_the_group(checkpoint):
         ex.shutdown()
 
 
+def test_a_killed_rank_makes_the_async_engine_unhealthy(checkpoint):
+    """A real dead rank (SIGKILL, no report) under the serving loop: the request in flight fails, check_health
+    reports the WorkerFailedError (a Serve replica is then replaced), and later requests are refused at once."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.request import EngineUnhealthyError
+
+    ex = Executor.spawn(2)
+    engine = AsyncEngine(ex.start_engine(checkpoint, config(tp_size=2)))
+    first, second = requests()[:2]
+
+    async def main():
+        assert [t async for d in engine.generate(first) for t in d.token_ids]  # the group works
+        engine.check_health()
+        os.kill(ex.workers.pids[1], signal.SIGKILL)
+        with pytest.raises(StepFailedError) as failed:
+            [t async for d in engine.generate(second) for t in d.token_ids]
+        assert isinstance(failed.value.__cause__, WorkerFailedError)
+        with pytest.raises(EngineUnhealthyError, match="WorkerFailedError: rank 1 of the model group failed"):
+            engine.check_health()
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnhealthyError):
+            await engine.generate(GenerateRequest("late", second.prompt_ids, second.sampling)).__anext__()
+        assert time.monotonic() - t0 < 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+        engine.engine.close()
+        ex.shutdown()
+
+
 def test_workers_exit_when_rank_0_dies_without_shutdown(tmp_path):
     """Rank 0 vanishes (os._exit: no shutdown, no atexit): its workers notice and exit, no orphans."""
     script = tmp_path / "rank0.py"
