@@ -1,10 +1,7 @@
 """/v1/responses over Harmony: POST creates a response; GET, DELETE and GET .../input_items read stored ones;
 POST .../cancel stops a background one (background.py).
 
-Input: a string (one user message) or items: messages (user / assistant / system / developer),
-`function_call`, `function_call_output` (matched to its call by `call_id`) and `reasoning` (its
-`reasoning_text` content, else its summary). `instructions`, system and developer messages are the
-developer instructions. With a response store (stored_responses.py) a response is kept unless the request
+The input becomes a Harmony prompt in responses_input.py. With a response store (stored_responses.py) a response is kept unless the request
 says `store: false`, and `previous_response_id` puts that response's conversation (every earlier input and
 output item of its chain, not its instructions) before the input; without one, `store` is ignored and
 `previous_response_id` is refused. `background: true` (with a store) answers at once with status `queued` and
@@ -18,11 +15,8 @@ response cut by max_output_tokens has status "incomplete" and ends with `respons
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import time
-import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -31,165 +25,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
-from serve_app.harmony.render import (
-    AssistantReasoning,
-    AssistantText,
-    AssistantToolCall,
-    FunctionTool,
-    HistoryItem,
-    Prompt,
-    ToolResult,
-    UserMessage,
-    render_prompt,
-)
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
 from serve_app.openai_api.generation import (
     Generation,
-    IngressConfig,
     IngressContext,
     SamplingRequest,
     respond,
     sampling_params,
 )
 from serve_app.openai_api.output_options import forced_call_ids, forced_tool, output_constraint_off_loop
-from serve_app.openai_api.protocol import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    InputItem,
-    MessageItem,
-    ReasoningItem,
-    ResponsesRequest,
-    text_of,
-)
+from serve_app.openai_api.protocol import InputItem, ResponsesRequest
+from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import sse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ITEMS = TypeAdapter(list[InputItem])
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
-
-
-ENVELOPE_PREFIX = "gptoss-reasoning-v1:"
-
-
-def reasoning_envelope(text: str) -> str:
-    """A reasoning item's `encrypted_content` (with include=["reasoning.encrypted_content"]): the text, base64. Not a
-    secret (gpt-oss's reasoning is returned in `content` too); it lets clients that send reasoning items back with
-    only `encrypted_content` (OpenAI's stateless pattern, store=false) keep the reasoning a tool call needs."""
-    return ENVELOPE_PREFIX + base64.b64encode(text.encode()).decode()
-
-
-def opened_envelope(value: str | None) -> str:
-    """The reasoning text of our `encrypted_content`; "" for None or another server's (which cannot be read)."""
-    if not value or not value.startswith(ENVELOPE_PREFIX):
-        return ""
-    try:
-        return base64.b64decode(value[len(ENVELOPE_PREFIX):], validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        return ""
-
-
-def input_items(req: ResponsesRequest) -> list:
-    return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-
-
-def _is_instruction(item: Any) -> bool:
-    return isinstance(item, MessageItem) and item.role in ("system", "developer")
-
-
-def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list | None = None,
-                     drop: int = 0) -> Prompt:
-    """The Harmony prompt of `req`, its input after `earlier` (the items of the response it continues), less
-    the `drop` oldest conversation items (every item but system and developer messages, which stay: truncation)
-    and the outputs of calls dropped with them."""
-    instructions = [req.instructions] if req.instructions else []
-    history: list[HistoryItem] = []
-    call_names: dict[str, str] = {}
-    dropped_calls: set[str] = set()
-    own = input_items(req)
-    items = (earlier or []) + own
-    for i, item in enumerate(items, start=len(own) - len(items)):  # i: the index in the request's `input`
-        if drop and not _is_instruction(item):
-            drop -= 1
-            if isinstance(item, FunctionCallItem):
-                dropped_calls.add(item.call_id)
-            continue
-        if isinstance(item, FunctionCallOutputItem) and item.call_id in dropped_calls:
-            continue
-        if isinstance(item, MessageItem):
-            text = text_of(item.content)
-            if item.role in ("system", "developer"):
-                instructions.append(text)
-            elif item.role == "user":
-                history.append(UserMessage(text))
-            elif text:
-                history.append(AssistantText(text))
-        elif isinstance(item, FunctionCallItem):
-            call_names[item.call_id] = item.name
-            history.append(AssistantToolCall(item.name, item.arguments))
-        elif isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in call_names:
-                raise BadRequest(
-                    f"input[{i}] is a function_call_output for call_id {item.call_id!r}, which matches no earlier "
-                    "function_call item; include the function_call item before its output.",
-                    param=f"input.{i}.call_id")
-            history.append(ToolResult(call_names[item.call_id], text_of(item.output)))
-        elif isinstance(item, ReasoningItem):
-            text = "".join(c.text for c in item.content or []) or "".join(s.text for s in item.summary) or \
-                opened_envelope(item.encrypted_content)
-            if text:
-                history.append(AssistantReasoning(text))
-    tools = [] if req.tool_choice == "none" else [
-        FunctionTool(t.name, t.description or "", t.parameters) for t in req.tools or []
-    ]
-    return Prompt(
-        history=history,
-        instructions="\n\n".join(s for s in instructions if s) or None,
-        tools=tools,
-        reasoning_effort=(req.reasoning.effort if req.reasoning else None) or "medium",
-        conversation_start_date=config.start_date(),
-        knowledge_cutoff=config.knowledge_cutoff,
-    )
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def stored_input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as JSON, each with an id (the client's, or a new one)."""
-    out = []
-    for item in input_items(req):
-        data = item.model_dump(mode="json", exclude_none=True)
-        data["id"] = data.get("id") or _new_id(_ID_PREFIX[item.type])
-        out.append(data)
-    return out
-
-
-def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | None, response_format: str | None,
-                  forced_len: int) -> list[int]:
-    """The prompt's token ids. With `truncation: "auto"` a prompt that leaves too little room drops its oldest
-    conversation items (responses_prompt's `drop`, the fewest that fit; the last item always stays) so that
-    max_output_tokens fit after it, or the ingress' default_max_tokens, or else one token. A prompt that still
-    does not fit is left to sampling_params' 400."""
-    def render(drop: int) -> list[int]:
-        return render_prompt(replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format))
-
-    ids = render(0)
-    limit = ctx.config.max_context - forced_len - (req.max_output_tokens or ctx.config.default_max_tokens or 1)
-    if req.truncation != "auto" or len(ids) <= limit:
-        return ids
-    lo, hi = 1, sum(not _is_instruction(item) for item in (earlier or []) + input_items(req)) - 1
-    best = None
-    while lo <= hi:  # the prompt shrinks as more is dropped: the fewest drops that fit
-        mid = (lo + hi) // 2
-        candidate = render(mid)
-        if len(candidate) <= limit:
-            best, hi = candidate, mid - 1
-        else:
-            lo = mid + 1
-    return best if best is not None else render(max(hi, 0))
 
 
 async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | None:
@@ -257,14 +109,14 @@ class ResponsesAssembler:
 
     def _start(self, ev: ItemStarted) -> list[dict[str, Any]]:
         if ev.kind is ItemKind.TOOL_CALL:
-            item = {"id": _new_id("fc"), "type": "function_call", "call_id": _new_id("call"),
+            item = {"id": new_id("fc"), "type": "function_call", "call_id": new_id("call"),
                     "name": ev.tool_name, "arguments": "", "status": "in_progress"}
             part = None
         elif ev.kind is ItemKind.REASONING:
-            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "content": [],
+            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": [],
                     "status": "in_progress", "phase": "commentary" if ev.channel == "commentary" else "final_answer"}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         n = len(self.output)
@@ -322,7 +174,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
     ), len(prompt_ids) + len(forced), ctx.config)
     sampling = replace(sampling, constraint=constraint)
-    gen = Generation(ctx, request_id=_new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
+    gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
                      priority=ctx.config.request_priority(req.priority))
     created = time.time()
     store = ctx.store is not None and req.store is not False

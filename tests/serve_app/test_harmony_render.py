@@ -31,7 +31,7 @@ from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.generation import IngressConfig
 from serve_app.openai_api.chat import chat_prompt
 from serve_app.openai_api.protocol import ChatCompletionRequest, ResponsesRequest
-from serve_app.openai_api.responses import responses_prompt
+from serve_app.openai_api.responses_input import responses_prompt
 
 ENC = load_harmony_encoding()
 CONFIG = IngressConfig(model_name="m", max_context=4096, conversation_start_date="2025-06-28")
