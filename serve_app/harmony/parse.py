@@ -145,6 +145,11 @@ class HarmonyOutputParser:
                 self._recovered.pop()  # the token being fed: reported through last_token_kind instead
         return events
 
+    @property
+    def current_index(self) -> int | None:
+        """The index of the item text goes to now: the open item, else the last one (None before any)."""
+        return self._open.index if self._open is not None else (self._num_items - 1 if self._num_items else None)
+
     def take_recovered(self) -> list[int]:
         """Header tokens (fed earlier, reported with kind None) whose text just became content."""
         recovered, self._recovered = self._recovered, []

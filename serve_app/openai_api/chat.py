@@ -22,11 +22,9 @@ import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
-from openai_harmony import HarmonyEncoding
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.request import TokenLogprob
 from serve_app.harmony.parse import ItemDelta, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import (
     AssistantReasoning,
@@ -49,7 +47,8 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import forced_call_ids, forced_tool, output_constraint_off_loop, prediction_ids
+from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json, output_constraint_off_loop,
+                                                 prediction_ids)
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.streaming import interleave, sse
 
@@ -139,15 +138,6 @@ class ChatAssembler:
             "reasoning_content": "".join(self.reasoning) if self.reasoning else None,
             "tool_calls": self.tool_calls or None,
         }
-
-
-def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncoding) -> list[dict[str, Any]]:
-    def token(token_id: int, logprob: float) -> dict[str, Any]:
-        raw = encoding.decode([token_id], errors="surrogateescape").encode("utf-8", "surrogateescape")
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top[:top]]}
-            for e in entries]
 
 
 def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:

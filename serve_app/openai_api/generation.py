@@ -150,6 +150,11 @@ class StopMatcher:
 class Step:
     events: list[ParseEvent]
     content_logprobs: list[TokenLogprob] = field(default_factory=list)
+    content_logprob_items: list[int] = field(default_factory=list)  # the item (ParseEvent.index) of each above
+
+    def add_logprobs(self, logprobs: list[TokenLogprob], item: int | None) -> None:
+        self.content_logprobs += logprobs
+        self.content_logprob_items += [-1 if item is None else item] * len(logprobs)
 
 
 class BackendRequest:
@@ -301,7 +306,9 @@ class Generation(BackendRequest):
             if step.events or step.content_logprobs:
                 yield step
         events = self._finish()
-        yield Step(events, self._recovered_logprobs())
+        last = Step(events)
+        last.add_logprobs(self._recovered_logprobs(), self._parser.current_index)
+        yield last
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -313,7 +320,7 @@ class Generation(BackendRequest):
             self.completion_tokens += 1
             for event in self._parser.feed(token_id):
                 self._apply_stop(event, step.events)
-            step.content_logprobs += self._recovered_logprobs()
+            step.add_logprobs(self._recovered_logprobs(), self._parser.current_index)
             kind = self._parser.last_token_kind
             lp = logprobs[i] if i < len(logprobs) else None
             if kind is None:
@@ -323,7 +330,7 @@ class Generation(BackendRequest):
             if kind is ItemKind.REASONING:
                 self.reasoning_tokens += 1
             elif kind is ItemKind.CONTENT and lp is not None:
-                step.content_logprobs.append(lp)
+                step.add_logprobs([lp], self._parser.current_index)
             if self._stopped_by_string:
                 break
         return step

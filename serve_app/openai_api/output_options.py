@@ -12,6 +12,7 @@ from openai_harmony import HarmonyEncoding
 
 from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, is_plain_text,
                                          response_format_grammar, response_format_text)
+from engine.request import TokenLogprob
 from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.protocol import forced_name
 
@@ -73,3 +74,13 @@ async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
     if is_plain_text(fmt) and not strict_tools:
         return None, None
     return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced))
+
+
+def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncoding) -> list[dict[str, Any]]:
+    """Content tokens' logprobs in OpenAI's shape (Chat's `logprobs.content`, Responses' output_text `logprobs`)."""
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = encoding.decode([token_id], errors="surrogateescape").encode("utf-8", "surrogateescape")
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top[:top]]}
+            for e in entries]

@@ -389,18 +389,13 @@ class ResponsesRequest(RequestBase):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # with include "message.output_text.logprobs"
 
     @field_validator("conversation")
     @classmethod
     def _no_conversations(cls, value: Any) -> Any:
         return _reject_unless(value, (None,), "this server keeps no conversation objects; continue a stored "
                               "response with previous_response_id, or send the whole conversation in `input`")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        return _reject_unless(value, (None, 0), "logprobs are served by /v1/chat/completions only")
 
     @field_validator("tools")
     @classmethod

@@ -20,20 +20,24 @@ import time
 from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
+from openai_harmony import HarmonyEncoding
 from pydantic import TypeAdapter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.request import TokenLogprob
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
 from serve_app.openai_api.generation import (
     Generation,
     IngressContext,
     SamplingRequest,
+    Step,
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import forced_call_ids, forced_tool, output_constraint_off_loop
+from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
+                                                 output_constraint_off_loop)
 from serve_app.openai_api.protocol import InputItem, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
@@ -67,9 +71,14 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | No
 class ResponsesAssembler:
     """Item events -> output items and stream events (the non-stream body is the same items)."""
 
-    def __init__(self, encrypted_reasoning: bool = False) -> None:
-        """encrypted_reasoning: give finished reasoning items `encrypted_content` (reasoning_envelope)."""
+    def __init__(self, encrypted_reasoning: bool = False, logprobs_top: int | None = None,
+                 encoding: HarmonyEncoding | None = None) -> None:
+        """encrypted_reasoning: give finished reasoning items `encrypted_content` (reasoning_envelope).
+        logprobs_top: output_text logprobs with that many alternatives each (None: none; `encoding` names tokens)."""
         self.encrypted_reasoning = encrypted_reasoning
+        self.logprobs_top = logprobs_top
+        self.encoding = encoding
+        self._logprobs: dict[int, list[TokenLogprob]] = {}  # parser item index -> logprobs not yet in an event
         self.output: list[dict[str, Any]] = []
         self._slot: dict[int, int] = {}  # parser item index -> output index
         self.sequence = 0
@@ -77,6 +86,22 @@ class ResponsesAssembler:
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def step(self, step: Step, status_when_done: str = "completed") -> list[dict[str, Any]]:
+        """The stream events of one generation step (its logprobs first, then its item events)."""
+        if self.logprobs_top is not None:
+            for entry, index in zip(step.content_logprobs, step.content_logprob_items):
+                self._logprobs.setdefault(index, []).append(entry)
+        return [frame for ev in step.events for frame in self.apply(ev, status_when_done)]
+
+    def _take_logprobs(self, part: dict[str, Any], index: int) -> list[dict[str, Any]]:
+        """The item's logprobs that arrived since the last call, as JSON, also appended to its part."""
+        entries = self._logprobs.pop(index, None)
+        if not entries:
+            return []
+        out = logprobs_json(entries, self.logprobs_top, self.encoding)
+        part["logprobs"] += out
+        return out
 
     def apply(self, ev: ParseEvent, status_when_done: str = "completed") -> list[dict[str, Any]]:
         if isinstance(ev, ItemStarted):
@@ -91,7 +116,8 @@ class ResponsesAssembler:
             item["content"][0]["text"] += ev.text
             if ev.kind is ItemKind.REASONING:
                 return [self.event("response.reasoning_text.delta", **at, content_index=0, delta=ev.text)]
-            return [self.event("response.output_text.delta", **at, content_index=0, delta=ev.text, logprobs=[])]
+            logprobs = self._take_logprobs(item["content"][0], ev.index)
+            return [self.event("response.output_text.delta", **at, content_index=0, delta=ev.text, logprobs=logprobs)]
         assert isinstance(ev, ItemDone)
         item["status"] = status_when_done
         if ev.kind is ItemKind.TOOL_CALL:
@@ -102,7 +128,9 @@ class ResponsesAssembler:
             if ev.kind is ItemKind.REASONING and self.encrypted_reasoning:
                 item["encrypted_content"] = reasoning_envelope(part["text"])
             done = "response.reasoning_text.done" if ev.kind is ItemKind.REASONING else "response.output_text.done"
-            extra = {} if ev.kind is ItemKind.REASONING else {"logprobs": []}
+            if ev.kind is not ItemKind.REASONING:
+                self._take_logprobs(part, ev.index)
+            extra = {} if ev.kind is ItemKind.REASONING else {"logprobs": list(part["logprobs"])}
             events = [self.event(done, **at, content_index=0, text=part["text"], **extra),
                       self.event("response.content_part.done", **at, content_index=0, part=dict(part))]
         return events + [self.event("response.output_item.done", output_index=n, item=_copy(item))]
@@ -169,9 +197,11 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     earlier = await earlier_items(req, ctx)
     forced = forced_call_ids(forced_name, ctx.encoding)
     prompt_ids = fitted_prompt(req, ctx, earlier, response_format, len(forced))
+    # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs alternatives)
+    top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in (req.include or []) else None
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, logprobs=top_logprobs,
     ), len(prompt_ids) + len(forced), ctx.config)
     sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
@@ -207,7 +237,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         }
 
     def new_assembler() -> ResponsesAssembler:
-        return ResponsesAssembler(encrypted_reasoning="reasoning.encrypted_content" in (req.include or []))
+        return ResponsesAssembler(encrypted_reasoning="reasoning.encrypted_content" in (req.include or []),
+                                  logprobs_top=top_logprobs, encoding=ctx.encoding)
 
     def final_status() -> str:
         return "incomplete" if gen.finish_reason == "length" else "completed"
@@ -216,7 +247,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         async for step in gen.steps():
             # Items closed by the last step were cut short when the response hit max_output_tokens.
             status = "incomplete" if gen.finish_reason == "length" else "completed"
-            yield [frame for ev in step.events for frame in assembler.apply(ev, status)]
+            yield assembler.step(step, status)
 
     async def body(gen: Generation) -> dict:
         assembler = new_assembler()

@@ -119,6 +119,7 @@ RESPONSES_400 = [
     ("max_output_tokens as a string", {**RESP, "max_output_tokens": "5"}, "max_output_tokens"),
     ("top_p as a string", {**RESP, "top_p": "1"}, "top_p"),
     ("background", {**RESP, "background": True}, "background"),
+    ("top_logprobs out of range", {**RESP, "top_logprobs": 21}, "top_logprobs"),
     ("text.format type", {**RESP, "text": {"format": {"type": "xml"}}}, "text.format"),
     ("text.format schema unusable", {**RESP, "text": {"format": {"type": "json_schema", "name": "x",
                                                                  "schema": {"type": "foo"}}}}, "text.format.schema"),

@@ -46,7 +46,7 @@ VALID = {
                       "instructions": "be brief", "temperature": 0.7, "stream": False,
                       "tools": [{"type": "function", "name": "get", "parameters": SCHEMA}],
                       "text": {"format": {"type": "text"}}, "reasoning": {"effort": "low"}, "truncation": "auto",
-                      "store": True},
+                      "store": True, "include": ["message.output_text.logprobs"], "top_logprobs": 2},
 }
 ODD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -0.0, float("nan"), "", "x", "\u0000",
        "<|start|>user<|message|>", "a" * 3000, [], [None], [1, 2], {}, {"type": None}, {"a": [{}]}, [[[]]],

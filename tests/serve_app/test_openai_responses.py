@@ -97,6 +97,58 @@ def test_reasoning_round_trips_through_encrypted_content_alone(client, backend):
     assert [d.encrypted_content for d in done] == [reasoning.encrypted_content]
 
 
+TWO_MESSAGES = ("<|channel|>analysis<|message|>Plan it.<|end|>"
+                "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>It is sunny in Rome.<|return|>")
+
+
+def expected_logprobs(backend, request) -> list[list[tuple[str, float]]]:
+    """(token text, logprob) of each message's text tokens, as the scripted backend made them for `request`."""
+    from tests.serve_app.stub_backend import ScriptedBackend
+
+    ids = backend.tokens(TWO_MESSAGES)
+    entries = ScriptedBackend._logprobs(ids, request)
+    message = backend.tokens("<|message|>")[0]
+    ends = {backend.tokens(t)[0] for t in ("<|end|>", "<|return|>")}
+    starts = [i + 1 for i, t in enumerate(ids) if t == message][1:]  # the two messages after the analysis
+    out = []
+    for start in starts:
+        end = next(i for i in range(start, len(ids)) if ids[i] in ends)
+        out.append([(ENC.decode([e.token_id]), e.logprob) for e in entries[start:end]])
+    return out
+
+
+def test_output_text_logprobs_per_message(client, backend):
+    """include ["message.output_text.logprobs"] with top_logprobs: each message item's output_text carries the
+    logprobs of its own tokens (a preamble and the final answer, deltas spanning both), streamed or not."""
+    backend.push(TWO_MESSAGES, chunk=5)
+    r = client.responses.create(model=MODEL, input="Weather?", include=["message.output_text.logprobs"],
+                                top_logprobs=2)
+    assert backend.requests[-1].sampling.logprobs == 2
+    messages = [item for item in r.output if item.type == "message"]
+    got = [[(lp.token, lp.logprob) for lp in m.content[0].logprobs] for m in messages]
+    assert got == expected_logprobs(backend, backend.requests[-1])
+    assert "".join(t for t, _ in got[1]) == "It is sunny in Rome."
+    assert all(len(lp.top_logprobs) == 2 for m in messages for lp in m.content[0].logprobs)
+
+    backend.push(TWO_MESSAGES, chunk=5)
+    events = list(client.responses.create(model=MODEL, input="Weather?", include=["message.output_text.logprobs"],
+                                          top_logprobs=1, stream=True))
+    want = expected_logprobs(backend, backend.requests[-1])
+    done = events[-1].response
+    for n, message in enumerate(item for item in done.output if item.type == "message"):
+        deltas = [(lp.token, lp.logprob) for e in events if e.type == "response.output_text.delta"
+                  and e.item_id == message.id for lp in e.logprobs]
+        final = [e for e in events if e.type == "response.output_text.done" and e.item_id == message.id][0]
+        assert deltas == [(lp.token, lp.logprob) for lp in final.logprobs] == want[n]
+        assert [(lp.token, lp.logprob) for lp in message.content[0].logprobs] == want[n]
+
+    backend.push(TWO_MESSAGES)  # not asked for: none computed, none returned
+    plain = client.responses.create(model=MODEL, input="Weather?", top_logprobs=3)
+    assert backend.requests[-1].sampling.logprobs is None
+    assert all(item.content[0].logprobs == [] for item in plain.output if item.type == "message")
+
+
 def test_stream_events_in_order(client, backend):
     backend.push(CALL, chunk=2)
     events = list(client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS, stream=True,

@@ -401,3 +401,23 @@ def test_a_prediction_is_verified_by_the_engine_and_changes_no_token(real):
     assert details.accepted_prediction_tokens >= len(direct.output_ids) // 2, details
     assert details.rejected_prediction_tokens >= 0
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+def test_responses_logprobs_are_the_chat_logprobs_of_the_same_conversation(real):
+    """The real engine and parser (random output, mostly recovered as text): the logprobs of a Responses request's
+    message items, in order, are those Chat returns for the same greedy conversation (the same tokens; the values
+    to fp32 rounding, as the second request takes its prompt from the prefix cache)."""
+    _, _, server = real
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    resp = client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=24, temperature=0,
+                                   include=["message.output_text.logprobs"], top_logprobs=2)
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    want = [lp for lp in chat.choices[0].logprobs.content]
+    got = [lp for item in resp.output if item.type == "message" for lp in item.content[0].logprobs]
+    tokens = lambda lps: [(lp.token, [t.token for t in lp.top_logprobs]) for lp in lps]  # noqa: E731
+    values = lambda lps: [v for lp in lps for v in (lp.logprob, *(t.logprob for t in lp.top_logprobs))]  # noqa: E731
+    assert want and tokens(got) == tokens(want)
+    assert values(got) == pytest.approx(values(want), abs=1e-4)
