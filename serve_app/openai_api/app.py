@@ -17,7 +17,7 @@ from starlette.responses import Response
 from engine.request import EngineUnhealthyError, TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
-from serve_app.openai_api.auth import ApiKeyGate
+from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
@@ -133,22 +133,23 @@ def create_app(
         check_model(req.model)
         return await create_response(req, request, ctx)
 
+    # Stored responses are scoped to the API key that made them (auth.requester; None without keys).
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return await retrieve_response(response_id, ctx)
+    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+        return await retrieve_response(response_id, ctx, requester(request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def remove_response(response_id: str) -> dict[str, Any]:
-        return await delete_response(response_id, ctx)
+    async def remove_response(request: Request, response_id: str) -> dict[str, Any]:
+        return await delete_response(response_id, ctx, requester(request))
 
     @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel(response_id: str) -> dict[str, Any]:
-        return await cancel_response(response_id, ctx)
+    async def cancel(request: Request, response_id: str) -> dict[str, Any]:
+        return await cancel_response(response_id, ctx, requester(request))
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def get_input_items(response_id: str, order: str = "desc", limit: int = 20,
+    async def get_input_items(request: Request, response_id: str, order: str = "desc", limit: int = 20,
                               after: str | None = None) -> dict[str, Any]:
-        return await list_input_items(response_id, ctx, order=order, limit=limit, after=after)
+        return await list_input_items(response_id, ctx, requester(request), order=order, limit=limit, after=after)
 
     return app
 

@@ -4,11 +4,13 @@ A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap ev
 disconnect handling): refused requests get OpenAI's 401 before any route runs; /health stays open for load
 balancers and Serve's own probes. The path is taken relative to the app's root (Serve's route_prefix), so an
 app mounted under a prefix is guarded the same; anything else (/v1/..., unknown paths) needs a key. Keys are
-compared in constant time.
+compared in constant time. An accepted request's key is named in `request.state.api_key_id` (a hash, never the
+key), which scopes stored responses to the key that made them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Iterable
 
@@ -24,6 +26,16 @@ def app_path(scope: Scope) -> str:
     """The request's path below the app's mount point (Starlette puts the root path in `path` since 0.35)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+def key_id(token: bytes) -> str:
+    """A stable name for an API key that does not reveal it (what stored responses record as their owner)."""
+    return hashlib.sha256(b"gptoss-api-key:" + token).hexdigest()[:24]
+
+
+def requester(request) -> str | None:
+    """The key_id of the request's API key; None where the app takes no keys."""
+    return getattr(request.state, "api_key_id", None)
 
 
 def bearer_token(scope: Scope) -> bytes | None:
@@ -54,4 +66,5 @@ class ApiKeyGate:
                 response = JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["api_key_id"] = key_id(token)
         await self.app(scope, receive, send)

@@ -99,7 +99,7 @@ class BackgroundRuns:
                     log.warning("background response %s: no final state %g s after its cancel; marking it "
                                 "cancelled", response_id, CANCEL_WAIT_S)
                 stopped = StoredResponse({**stored.response, "status": "cancelled"}, stored.input_items,
-                                         stored.previous_id)
+                                         stored.previous_id, stored.owner)
                 await self.store.put(response_id, stopped)
                 return stopped
             await asyncio.sleep(0.05)

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.request import TokenLogprob
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
+from serve_app.openai_api.auth import requester
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
 from serve_app.openai_api.generation import (
     Generation,
@@ -48,7 +49,14 @@ T = TypeVar("T")
 _ITEMS = TypeAdapter(list[InputItem])
 
 
-async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | None:
+async def owned(ctx: IngressContext, response_id: str, owner: str | None) -> StoredResponse | None:
+    """The stored response if `owner` (auth.requester) made it, else None: another API key's responses are not
+    found (404), as if they did not exist."""
+    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
+    return stored if stored is not None and stored.owner == owner else None
+
+
+async def earlier_items(req: ResponsesRequest, ctx: IngressContext, owner: str | None) -> list | None:
     """The items of the conversation `req.previous_response_id` continues (None without one)."""
     if req.previous_response_id is None:
         return None
@@ -56,7 +64,7 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext) -> list | No
         raise BadRequest("previous_response_id needs stored responses, which this server does not keep "
                          "(ingress.store_max_responses=0); send the whole conversation in `input`",
                          param="previous_response_id")
-    head = await _ask_store(ctx.store.get(req.previous_response_id))
+    head = await owned(ctx, req.previous_response_id, owner)
     if head is not None and is_unfinished(head):
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} is still {head.response['status']}; "
                          "continue it once it has finished (GET /v1/responses/{id} shows its status).",
@@ -194,7 +202,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced_name)
-    earlier = await earlier_items(req, ctx)
+    owner = requester(http)
+    earlier = await earlier_items(req, ctx, owner)
     forced = forced_call_ids(forced_name, ctx.encoding)
     prompt_ids = fitted_prompt(req, ctx, earlier, response_format, len(forced))
     # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs alternatives)
@@ -215,7 +224,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         if not store:
             return
         try:
-            await ctx.store.put(gen.request_id, StoredResponse(response, own_items, req.previous_response_id))
+            await ctx.store.put(gen.request_id, StoredResponse(response, own_items, req.previous_response_id, owner))
         except Exception:  # the answer stands; only a later previous_response_id to it will fail
             log.exception("response %s: storing it failed", gen.request_id)
 
@@ -301,7 +310,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
     if req.background:
         queued = snapshot("queued", [])
-        await _ask_store(ctx.store.put(gen.request_id, StoredResponse(queued, own_items, req.previous_response_id)))
+        await _ask_store(ctx.store.put(gen.request_id, StoredResponse(queued, own_items, req.previous_response_id,
+                                                                      owner)))
         ctx.background.start(gen.request_id, run_in_background)
         headers = None if "x-request-id" in http.headers else {"x-request-id": gen.request_id}
         return JSONResponse(queued, headers=headers)
@@ -322,17 +332,17 @@ async def _ask_store(call: Awaitable[T]) -> T:
         raise EngineFailure(f"The response store did not answer ({type(err).__name__}); retry.") from err
 
 
-async def retrieve_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
-    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
+async def retrieve_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:
+    stored = await owned(ctx, response_id, owner)
     if stored is None:
         raise ResponseNotFound(response_id)
     return stored.response
 
 
-async def cancel_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
+async def cancel_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:
     """POST /v1/responses/{id}/cancel: stop a background response; the answer is its final state (`cancelled`,
     with the output generated so far; or the state it reached first, if it finished meanwhile)."""
-    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
+    stored = await owned(ctx, response_id, owner)
     if stored is None:
         raise ResponseNotFound(response_id)
     if not stored.response.get("background"):
@@ -348,20 +358,20 @@ async def cancel_response(response_id: str, ctx: IngressContext) -> dict[str, An
     return final.response
 
 
-async def delete_response(response_id: str, ctx: IngressContext) -> dict[str, Any]:
-    if ctx.store is None or not await _ask_store(ctx.store.delete(response_id)):
+async def delete_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:
+    if await owned(ctx, response_id, owner) is None or not await _ask_store(ctx.store.delete(response_id)):
         raise ResponseNotFound(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-async def list_input_items(response_id: str, ctx: IngressContext, *, order: str, limit: int,
+async def list_input_items(response_id: str, ctx: IngressContext, owner: str | None, *, order: str, limit: int,
                            after: str | None) -> dict[str, Any]:
     """GET /v1/responses/{id}/input_items: the request's own input items, newest first unless order=asc."""
     if order not in ("asc", "desc"):
         raise BadRequest(f"order must be 'asc' or 'desc', not {order!r}", param="order")
     if not 1 <= limit <= 100:
         raise BadRequest(f"limit must be between 1 and 100, not {limit}", param="limit")
-    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
+    stored = await owned(ctx, response_id, owner)
     if stored is None:
         raise ResponseNotFound(response_id)
     items = stored.input_items if order == "asc" else stored.input_items[::-1]

@@ -31,6 +31,7 @@ class StoredResponse:
     response: dict[str, Any]  # the response object as returned (its `output` items included)
     input_items: list[dict[str, Any]]  # the request's own input items, each with an `id`
     previous_id: str | None = None  # the response it continued
+    owner: str | None = None  # the API key (auth.key_id) that made it; only that key reads, continues or deletes it
 
     def size(self) -> int:
         """Bytes of its JSON, what the store's byte limit counts."""

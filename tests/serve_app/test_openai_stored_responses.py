@@ -18,6 +18,7 @@ from tests.serve_app.stub_backend import ScriptedBackend
 ENC = load_harmony_encoding()
 FIRST = "<|channel|>analysis<|message|>Greet back.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>"
 SECOND = "<|channel|>final<|message|>Fine, thanks.<|return|>"
+LONG_ANSWER = "<|channel|>final<|message|>" + "word " * 200 + "<|return|>"
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather",
           "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}]
 CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
@@ -229,3 +230,33 @@ def test_an_unreachable_store_is_a_503_and_never_fails_an_answer(caplog):
                 call()
             assert err.value.status_code == 503 and "response store" in err.value.message
     assert "storing it failed" in caplog.text
+
+
+def test_stored_responses_belong_to_the_api_key_that_made_them():
+    """With API keys, another key neither reads, continues, lists, cancels nor deletes a stored response: to it
+    the id does not exist (404, or 400 previous_response_not_found)."""
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    with scripted_app(backend, response_store=store, api_keys=["sk-alice", "sk-bob"]) as server:
+        alice, bob = (openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=30)
+                      for key in ("sk-alice", "sk-bob"))
+        backend.push(FIRST)
+        first = alice.responses.create(model=MODEL, input="Hi")
+        backend.push(LONG_ANSWER, delay_s=0.05)
+        running = alice.responses.create(model=MODEL, input="Hi", background=True)
+        for call in (lambda: bob.responses.retrieve(first.id), lambda: bob.responses.delete(first.id),
+                     lambda: bob.responses.input_items.list(first.id), lambda: bob.responses.cancel(running.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        with pytest.raises(openai.BadRequestError) as err:
+            bob.responses.create(model=MODEL, input="And?", previous_response_id=first.id)
+        assert err.value.body["code"] == "previous_response_not_found"
+        assert len(backend.requests) == 2  # bob's continuation never reached the engine
+
+        assert alice.responses.retrieve(first.id).id == first.id
+        assert [i.id for i in alice.responses.input_items.list(first.id).data]
+        assert alice.responses.cancel(running.id).status == "cancelled"
+        backend.push(SECOND)
+        assert alice.responses.create(model=MODEL, input="And?", previous_response_id=first.id).output_text
+        alice.responses.delete(first.id)
+        assert not any(stored.owner is None for stored, _ in store._items.values())  # every one has its owner
+        assert "sk-alice" not in json.dumps([stored.owner for stored, _ in store._items.values()])
