@@ -23,10 +23,10 @@ from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
                                          parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
-from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.background import BackgroundRuns
-from serve_app.openai_api.responses import (cancel_response, create_response, delete_response, list_input_items,
-                                            retrieve_response)
+from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
+                                            list_input_items, retrieve_response)
 from serve_app.openai_api.stored_responses import ResponseStore
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -132,6 +132,13 @@ def create_app(
         req = await parse_request(request, ResponsesRequest, config.max_body_bytes)
         check_model(req.model)
         return await create_response(req, request, ctx)
+
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens(request: Request) -> dict[str, Any]:
+        req = await parse_request(request, InputTokensRequest, config.max_body_bytes)
+        if req.model is not None:
+            check_model(req.model)
+        return await count_input_tokens(req, request, ctx)
 
     # Stored responses are scoped to the API key that made them (auth.requester; None without keys).
     @app.get("/v1/responses/{response_id}")

@@ -414,6 +414,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: the prompt-shaping fields of a Responses request, all optional; fields that
+    only matter for generating (sampling, `store`, ...) are accepted and ignored, as is anything unknown."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: Union[str, list[InputItem]] = Field(default_factory=list)
+
+
 class CompletionRequest(SamplingBase, TextOutputFields):
     """POST /v1/completions."""
 

@@ -39,7 +39,8 @@ from serve_app.openai_api.generation import (
 )
 from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
                                                  output_constraint_off_loop)
-from serve_app.openai_api.protocol import InputItem, ResponsesRequest
+from serve_app.harmony.constrain import HarmonySchemaSpec
+from serve_app.openai_api.protocol import InputItem, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import sse
@@ -192,20 +193,34 @@ def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
                          "GET /v1/responses/{id}, or stream without background", param="stream")
 
 
-async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
-    check_background(req, ctx)
+async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
+                    owner: str | None) -> tuple[list[int], list[int], HarmonySchemaSpec | None]:
+    """(prompt ids, forced header ids, output constraint) of a Responses request, as its engine request gets them:
+    the stored conversation it continues, its input, tools and text format, truncated when it asks for that."""
     forced_name = forced_tool(req.tool_choice, [t.name for t in req.tools or []])
     offered = [] if req.tool_choice == "none" else req.tools or []
-    text_format = req.text.format if req.text else None
     constraint, response_format = await output_constraint_off_loop(
-        text_format, "text.format",
+        req.text.format if req.text else None, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced_name)
-    owner = requester(http)
     earlier = await earlier_items(req, ctx, owner)
     forced = forced_call_ids(forced_name, ctx.encoding)
-    prompt_ids = fitted_prompt(req, ctx, earlier, response_format, len(forced))
+    return fitted_prompt(req, ctx, earlier, response_format, len(forced)), forced, constraint
+
+
+async def count_input_tokens(req: InputTokensRequest, http: Request, ctx: IngressContext) -> dict[str, Any]:
+    """POST /v1/responses/input_tokens: the input tokens a Responses request with these fields would be charged
+    (its usage.input_tokens), without running it; a prompt over the context is counted, not refused."""
+    prompt_ids, forced, _ = await prompt_of(req, ctx, requester(http))
+    return {"object": "response.input_tokens", "input_tokens": len(prompt_ids) + len(forced)}
+
+
+async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
+    check_background(req, ctx)
+    owner = requester(http)
+    prompt_ids, forced, constraint = await prompt_of(req, ctx, owner)
+    text_format = req.text.format if req.text else None
     # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs alternatives)
     top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in (req.include or []) else None
     sampling = sampling_params(SamplingRequest(

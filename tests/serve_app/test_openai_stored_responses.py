@@ -260,3 +260,46 @@ def test_stored_responses_belong_to_the_api_key_that_made_them():
         alice.responses.delete(first.id)
         assert not any(stored.owner is None for stored, _ in store._items.values())  # every one has its owner
         assert "sk-alice" not in json.dumps([stored.owner for stored, _ in store._items.values()])
+
+
+def test_input_tokens_counts_what_the_response_is_charged(api, backend, live):
+    """POST /v1/responses/input_tokens (the openai client's responses.input_tokens.count): for each body, the count
+    is the usage.input_tokens of creating the response, and nothing reaches the engine."""
+    backend.push(FIRST)
+    first = api.responses.create(model=MODEL, input="Hi", instructions="Answer in one word.")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    bodies = [
+        dict(input="Hello there"),
+        dict(input="Weather in Rome?", instructions="Be brief.", tools=TOOLS, reasoning={"effort": "high"}),
+        dict(input="Weather in Rome?", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}),
+        dict(input="Where?", text={"format": {"type": "json_schema", "name": "place", "schema": schema,
+                                              "strict": True}}),
+        dict(input="How are you?", previous_response_id=first.id),
+        dict(input=[{"role": "user", "content": f"Part {i}: " + "word " * 500} for i in range(20)],
+             truncation="auto", max_output_tokens=100),  # ~10k tokens over 8,192: counted as truncated
+    ]
+    for body in bodies:
+        sent = len(backend.requests)
+        # (max_output_tokens is not among the client's count() arguments; the server takes it, as truncation
+        # leaves room for it)
+        extra = {k: body[k] for k in ("max_output_tokens",) if k in body}
+        counted = api.responses.input_tokens.count(model=MODEL, **{k: v for k, v in body.items() if k not in extra},
+                                                   extra_body=extra or None)
+        assert counted.object == "response.input_tokens" and len(backend.requests) == sent
+        backend.push(SECOND)
+        created = api.responses.create(model=MODEL, **body)
+        assert counted.input_tokens == created.usage.input_tokens == len(backend.requests[-1].prompt_ids), body
+        if body.get("truncation") == "auto":
+            assert 8192 // 2 < counted.input_tokens <= 8192 - 100  # older parts dropped, room left for the output
+
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_tokens.count(model="no-such-model", input="Hi")
+    with pytest.raises(openai.BadRequestError) as err:
+        api.responses.input_tokens.count(input="Hi", previous_response_id="resp_missing")
+    assert err.value.body["code"] == "previous_response_not_found"
+    no_model = httpx.post(f"{live[1].url}/v1/responses/input_tokens", json={"input": "Hello there",
+                                                                          "personality": "friendly"})
+    assert no_model.json() == {"object": "response.input_tokens",
+                               "input_tokens": api.responses.input_tokens.count(model=MODEL, input="Hello there")
+                               .input_tokens}
