@@ -62,7 +62,7 @@ def engine_config(device: str, kv_cache_gib: float, precompile: bool):
 
     cuda = device.startswith("cuda")
     return EngineConfig(device=device, kv_cache_bytes=int(kv_cache_gib * 2**30), cuda_graphs=cuda,
-                        async_decode=cuda, triton_precompile=precompile)
+                        async_decode=cuda, triton_precompile=precompile, priority_aging_s=30.0)
 
 
 def child(args) -> None:
