@@ -20,7 +20,7 @@ import ray
 from ray.serve.exceptions import BackPressureError, RayServeException
 
 from engine.kv_payload import KVPayloadError, PrefilledKV
-from engine.request import GenerateRequest, TokenDelta
+from engine.request import EngineUnhealthyError, GenerateRequest, TokenDelta
 from serve_app.config import GIB, ServeAppConfig
 from serve_app.engine_host import (check_engine_health, engine_stats, log, replica_device, report_metrics_forever,
                                    start_engine, stop_hosting)
@@ -176,4 +176,6 @@ def _reason(err: BaseException) -> str:
         return "prefill_timeout"
     if isinstance(err, KVTransferError):
         return "transfer_error"
+    if isinstance(getattr(err, "cause", None), EngineUnhealthyError):  # that prefill replica is being replaced
+        return "prefill_unhealthy"
     return "prefill_error"

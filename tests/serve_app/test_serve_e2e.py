@@ -20,7 +20,7 @@ import ray
 import torch
 from ray import serve
 
-from engine.request import GenerateRequest, SamplingParams
+from engine.request import EngineUnhealthyError, GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, PREFILL_NAME, RESPONSE_STORE_NAME, build_app, deployment_options
 from serve_app.config import ServeAppConfig
 from serve_app.decode_server import DecodeServer
@@ -272,6 +272,8 @@ class FaultyPrefill(PrefillServer):
         mode = request.request_id.split("-", 1)[0]
         if mode == "raise":
             raise RuntimeError("injected prefill failure")
+        if mode == "sick":  # what an unhealthy engine answers (check_health fails too; Serve replaces the replica)
+            raise EngineUnhealthyError("injected: a step failed with an error the engine cannot recover from")
         if mode == "slow":
             await asyncio.sleep(4)  # past the decode replica's prefill_timeout_s
         handle = await super().prefill(request, offer)
@@ -303,14 +305,15 @@ def test_failed_prefill_or_transfer_falls_back_to_local_prefill(http_port, refer
     # 20 ms after a 1.5 s timeout); what it counts is left out below.
     assert [t for d in handle.generate.remote(GenerateRequest("ok-0", prompt, sampling)) for t in d.token_ids] == want
     s0 = faulty_stats.remote().result()
-    for mode in ("ok", "raise", "slow", "lost", "mismatch"):
+    for mode in ("ok", "raise", "slow", "lost", "mismatch", "sick"):
         t0 = time.monotonic()
         got = [t for d in handle.generate.remote(GenerateRequest(f"{mode}-1", prompt, sampling)) for t in d.token_ids]
         assert got == want, f"mode {mode}"
         assert time.monotonic() - t0 < 10
     s = faulty_stats.remote().result()
-    assert (s["transfers"] - s0["transfers"], s["fallbacks"] - s0["fallbacks"]) == (2, 4)  # ok and mismatch
-    # arrived; 4 recovered locally
+    assert (s["transfers"] - s0["transfers"], s["fallbacks"] - s0["fallbacks"]) == (2, 5)  # ok and mismatch
+    # arrived; 5 recovered locally
+    assert s["fallback_reasons"]["prefill_unhealthy"] - s0["fallback_reasons"].get("prefill_unhealthy", 0) == 1
     serve.delete("faulty")
 
 
