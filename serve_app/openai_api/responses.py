@@ -310,16 +310,19 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
             if ctx.background.stopping:  # not the client's doing: the replica stops (BackgroundRuns.stop)
                 await keep(snapshot("failed", assembler.output, usage_json(gen), error={
-                    "code": "server_shutdown", "message": "The server replica running this background response "
-                    "stopped before it finished; create it again."}))
+                    "code": "server_error", "message": "The server replica running this background response "
+                    "stopped before it finished (server_shutdown); create it again."}))
             else:
                 await keep(snapshot("cancelled", assembler.output, usage_json(gen)))
         except Exception as err:  # a refusal or an engine failure: the response failed, with OpenAI's error
             api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
             if not isinstance(err, APIError):
                 log.exception("background response %s failed", gen.request_id)
+            # OpenAI's codes for a response's error are a closed set: ours go into the message
+            code = "invalid_prompt" if isinstance(api, BadRequest) else "server_error"
+            detail = f" ({api.code})" if api.code else ""
             await keep(snapshot("failed", assembler.output, usage_json(gen),
-                                error={"code": api.code or api.error_type, "message": api.message}))
+                                error={"code": code, "message": api.message + detail}))
         finally:
             await gen.close()
 

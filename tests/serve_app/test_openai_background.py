@@ -76,6 +76,28 @@ def test_answered_at_once_then_polled_to_the_same_response_as_in_the_foreground(
     assert (done.background, foreground.background) == (True, False)
 
 
+def test_every_state_validates_against_openai_types(live, backend):
+    """The bodies of each state (queued, in_progress, cancelled, failed) parse as the openai package's Response."""
+    from openai.types.responses import Response
+
+    url = f"{live[1].url}/a/v1/responses"
+    backend.push(LONG, delay_s=0.05)
+    backend.push(LONG, fail_after=3, delay_s=0.05)
+    running, failing = (httpx.post(url, json={"model": MODEL, "input": "Hi", "background": True}).json()
+                        for _ in range(2))
+    bodies = [running]
+    deadline = time.monotonic() + 10
+    while (body := httpx.get(f"{url}/{running['id']}").json())["status"] != "in_progress":
+        assert time.monotonic() < deadline
+    bodies.append(body)
+    bodies.append(httpx.post(f"{url}/{running['id']}/cancel").json())
+    while (body := httpx.get(f"{url}/{failing['id']}").json())["status"] != "failed":
+        assert time.monotonic() < deadline
+    bodies.append(body)
+    assert [Response.model_validate(b).status for b in bodies] == ["queued", "in_progress", "cancelled", "failed"]
+    assert Response.model_validate(bodies[-1]).error.code == "server_error"
+
+
 def test_in_progress_once_the_engine_has_it_and_a_length_cut_is_incomplete(api, backend):
     backend.push(LONG, delay_s=0.05)
     created = api.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=40)
@@ -122,13 +144,15 @@ def test_delete_while_running_stops_it_and_it_stays_deleted(api, other, backend,
 
 @pytest.mark.parametrize("script, code", [
     (dict(fail_after=2), "server_error"),
-    (dict(error=BackendOverloaded("decode queue full")), "server_overloaded"),
+    (dict(error=BackendOverloaded("decode queue full")), "server_error"),
 ])
 def test_a_run_that_fails_is_stored_as_failed_with_the_error(api, backend, script, code):
     backend.push(LONG, **script)
     created = api.responses.create(model=MODEL, input="Hi", background=True)
     failed = wait_for(api, created.id, ("failed",))
     assert failed.error.code == code and failed.error.message
+    if "error" in script:
+        assert "overloaded" in failed.error.message and "(server_overloaded)" in failed.error.message
 
 
 def test_cancel_errors(api, backend):
@@ -168,7 +192,8 @@ def test_requests_a_background_run_cannot_serve_are_400(api, live):
 
 def test_a_stopping_replica_lets_short_runs_finish_and_stores_the_rest_as_failed():
     """BackgroundRuns.stop (HarmonyIngress.__del__ under Serve): runs that end within the wait complete, the others
-    are stored as failed with code server_shutdown and their engine requests are aborted."""
+    are stored as failed (code server_error, the message says the replica stopped) and their engine requests are
+    aborted."""
     import asyncio
 
     backend, store = ScriptedBackend(), MemoryResponseStore()
@@ -189,5 +214,6 @@ def test_a_stopping_replica_lets_short_runs_finish_and_stores_the_rest_as_failed
 
     short, long = asyncio.run(main())
     assert short["status"] == "completed"
-    assert long["status"] == "failed" and long["error"]["code"] == "server_shutdown"
+    assert long["status"] == "failed" and long["error"]["code"] == "server_error"
+    assert "stopped before it finished" in long["error"]["message"]
     assert long["output"] and long["id"] in backend.aborted

@@ -184,6 +184,12 @@ def test_body_validates_against_openai_types(server, backend):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": TOOLS}, timeout=30)
     parsed = Response.model_validate(r.json())
     assert parsed.output[2].type == "function_call"
+    backend.push(TWO_MESSAGES)  # with logprobs and encrypted reasoning
+    r = httpx.post(f"{server.url}/v1/responses", json={
+        "model": MODEL, "input": "hi", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"],
+        "top_logprobs": 2}, timeout=30)
+    parsed = Response.model_validate(r.json())
+    assert parsed.output[0].encrypted_content and parsed.output[2].content[0].logprobs[0].top_logprobs
 
 
 def test_raw_stream_frames_name_their_events(server, backend):
