@@ -53,7 +53,7 @@ ODD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -0.0, float("nan"), ""
        {"role": "user", "content": None}, [{"role": "assistant", "content": None, "tool_calls": []}],
        [{"role": "tool", "content": "x"}], [{"type": "text"}], 7.5, "auto", "none", "required", "json_object"]
 ADDED_KEYS = ["extra", "stream", "n", "max_tokens", "stop", "user", "metadata", "parallel_tool_calls",
-              "previous_response_id", "background"]
+              "previous_response_id", "background", "priority"]
 
 
 def broken(body: dict, rng: random.Random) -> dict:
@@ -95,7 +95,7 @@ def served(tmp_path_factory):
                           max_num_batched_tokens=256)
     engine = AsyncEngine(LLMEngine(load_model(folder, dtype="float32", progress=False), config))
     app = create_app(engine, model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date="2025-06-28",
-                     response_store=MemoryResponseStore())
+                     response_store=MemoryResponseStore(), allow_priority=True)
     with LiveServer(app) as server:
         yield engine, server
     engine.shutdown()
@@ -205,9 +205,9 @@ def test_broken_background_requests(served):
 
 
 def test_clients_leaving_at_random_points_leave_nothing_held(served, caplog):
-    """24 concurrent clients over the three endpoints, streamed or not, n = 1-3, each leaving after 0, 1, 3 or 10
-    lines, at a short read timeout, or at the end: no error answer, no error logged, and afterwards no request
-    and no K/V page held."""
+    """24 concurrent clients over the three endpoints, streamed or not, n = 1-3, priorities -2..2, each leaving after
+    0, 1, 3 or 10 lines, at a short read timeout, or at the end: no error answer, no error logged, and afterwards no
+    request and no K/V page held."""
     engine, server = served
     failures = []
 
@@ -219,8 +219,10 @@ def test_clients_leaving_at_random_points_leave_nothing_held(served, caplog):
             ("/v1/responses", {"input": "Hey " * rng.randint(1, 40), "max_output_tokens": rng.randint(1, 120)}),
             ("/v1/completions", {"prompt": "x " * rng.randint(1, 60), "max_tokens": rng.randint(1, 120),
                                  "n": rng.randint(1, 3)})])
-        body = {"model": MODEL, **body, "stream": rng.random() < 0.7}
+        # priorities on a 4-seat engine: better ones preempt worse ones while clients leave
+        body = {"model": MODEL, **body, "stream": rng.random() < 0.7, "priority": rng.randint(-2, 2)}
         leave_after = rng.choice([0, 1, 3, 10, None, None])
+        time.sleep(rng.uniform(0, 0.5))  # staggered, so better priorities also arrive while worse ones run
         try:
             if body["stream"]:
                 with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
