@@ -219,7 +219,7 @@ def test_clients_leaving_at_random_points_leave_nothing_held(served, caplog):
             ("/v1/responses", {"input": "Hey " * rng.randint(1, 40), "max_output_tokens": rng.randint(1, 120)}),
             ("/v1/completions", {"prompt": "x " * rng.randint(1, 60), "max_tokens": rng.randint(1, 120),
                                  "n": rng.randint(1, 3)})])
-        # priorities on a 4-seat engine: better ones preempt worse ones while clients leave
+        # priorities on a 4-seat engine: a better one arriving while worse ones run may preempt them (timing)
         body = {"model": MODEL, **body, "stream": rng.random() < 0.7, "priority": rng.randint(-2, 2)}
         leave_after = rng.choice([0, 1, 3, 10, None, None])
         time.sleep(rng.uniform(0, 0.5))  # staggered, so better priorities also arrive while worse ones run
