@@ -3,17 +3,20 @@ ingress' ResponseStore (stored /v1/responses) beside them.
 
 `build_app` is the application builder behind `serve_app:app`, so the same code serves three entry
 points: `serve run serve_app:app key=value ...`, a Serve YAML with `import_path: serve_app:app` and
-`args:`, and `serve.run(build_app({...}))` in Python. See serve_app/config.py for the arguments.
+`args:`, and `serve.run(build_app({...}))` in Python. See serve_app/config.py for the arguments. With a
+`models` list it builds several models behind one API (build_models_app).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
-from serve_app.config import DeploymentSettings, ServeAppConfig
+from serve_app.config import DeploymentSettings, IngressSettings, ServeAppConfig
+from serve_app.config_args import ServeConfigError, deep_merge, nest_args
 from serve_app.placement import NOSET_CUDA_VISIBLE_DEVICES, ReplicaResources
 
 INGRESS_NAME = "HarmonyIngress"
@@ -54,12 +57,55 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
 
 
 def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Application:
-    from serve_app.decode_server import DecodeServer
-    from serve_app.ingress import HarmonyIngress
-    from serve_app.prefill_server import PrefillServer
-    from serve_app.response_store import ResponseStoreServer
-
+    """The application of one model, or of several behind one API when `args` has `models` (build_models_app)."""
+    if isinstance(args, dict) and "models" in args:
+        return build_models_app(args)
     config = ServeAppConfig.from_args(args)
+    return _ingress_app([(config, _model_deployments(config))], config.ingress)
+
+
+def models_configs(args: dict[str, Any]) -> list[ServeAppConfig]:
+    """`models`: a list of model settings (a YAML list, or JSON text from `serve run`), each a ServeAppConfig's
+    fields; every other argument is a default for all of them. The ingress (`ingress.*`) is shared, so it is set
+    at the top level only. Served model names must differ."""
+    shared = nest_args(args)
+    models = shared.pop("models")
+    if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
+        raise ServeConfigError("models: a non-empty list of model settings (each like serve_app:app's arguments), "
+                               f"not {models!r}")
+    configs = []
+    for i, own in enumerate(models):
+        own = nest_args(own)
+        if "ingress" in own:
+            raise ServeConfigError(f"models.{i}.ingress: the ingress is shared by every model; set ingress.* at the "
+                                   "top level")
+        try:
+            configs.append(ServeAppConfig.from_args(deep_merge(shared, own)))
+        except ServeConfigError as err:
+            raise ServeConfigError(f"models.{i}: {err}") from None
+    names = [c.served_model_name for c in configs]
+    if len(set(names)) != len(names):
+        raise ServeConfigError(f"models: served_model_name must differ between models, got {names}")
+    return configs
+
+
+def build_models_app(args: dict[str, Any]) -> Application:
+    """Several models behind one OpenAI API (serve_app/openai_api/model_router.py): each with its own decode (and
+    prefill) deployments, named after its served_model_name, one ingress and one response store for all."""
+    configs = models_configs(args)
+    return _ingress_app([(c, _model_deployments(c, suffix=f"-{_safe(c.served_model_name)}")) for c in configs],
+                        configs[0].ingress)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _model_deployments(config: ServeAppConfig, suffix: str = ""):
+    """One model's decode deployment (bound to its prefill deployment when disaggregated), names + `suffix`."""
+    from serve_app.decode_server import DecodeServer
+    from serve_app.prefill_server import PrefillServer
+
     # Decide `auto` once, here, so every replica agrees (a CPU head node must not pick cpu for GPU nodes).
     device = config.resolved_device()
     transport = config.resolved_transport(device)
@@ -67,23 +113,32 @@ def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Applicatio
 
     prefill = None
     if config.disaggregated:
-        prefill = serve.deployment(PrefillServer, name=PREFILL_NAME, **deployment_options(
+        prefill = serve.deployment(PrefillServer, name=PREFILL_NAME + suffix, **deployment_options(
             config, config.prefill, device, transport, runs_prompts=True)).bind(resolved)
-    decode = serve.deployment(DecodeServer, name=DECODE_NAME, **deployment_options(
+    return serve.deployment(DecodeServer, name=DECODE_NAME + suffix, **deployment_options(
         config, config.decode, device, transport, runs_prompts=not config.disaggregated)).bind(prefill, resolved)
-    replicas = {"num_replicas": config.ingress.num_replicas} if config.ingress.num_replicas is not None \
-        else {"autoscaling_config": config.ingress.autoscaling.to_serve()}
+
+
+def _ingress_app(models: list[tuple[ServeAppConfig, Any]], settings: IngressSettings) -> Application:
+    """The ingress over `models` ((config, decode deployment); the first is the default) and the response store."""
+    from serve_app.ingress import HarmonyIngress
+    from serve_app.response_store import ResponseStoreServer
+
+    replicas = {"num_replicas": settings.num_replicas} if settings.num_replicas is not None \
+        else {"autoscaling_config": settings.autoscaling.to_serve()}
     ingress = serve.deployment(
-        HarmonyIngress, name=INGRESS_NAME, **replicas, max_ongoing_requests=config.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+        HarmonyIngress, name=INGRESS_NAME, **replicas, max_ongoing_requests=settings.max_ongoing_requests,
+        ray_actor_options={"num_cpus": settings.num_cpus},
     )
     store = None
-    if config.ingress.store_max_responses > 0:  # one replica: it is the store (serve_app/response_store.py)
+    if settings.store_max_responses > 0:  # one replica: it is the store (serve_app/response_store.py)
         # No CPU reserved (like Serve's own controller): its calls take microseconds, and a reservation could
         # leave it unplaceable on a node the other replicas fill (seen: 2 cores, 2 ingress replicas; the app
         # then never became ready).
         store = serve.deployment(
             ResponseStoreServer, name=RESPONSE_STORE_NAME, num_replicas=1, max_ongoing_requests=1024,
             ray_actor_options={"num_cpus": 0},
-        ).bind(config.ingress.store_max_responses, int(config.ingress.store_max_mib * 2**20))
-    return ingress.bind(decode, config.served_model_name, config.max_context, config.ingress, store)
+        ).bind(settings.store_max_responses, int(settings.store_max_mib * 2**20))
+    (first, decode), *rest = models
+    more = {config.served_model_name: (other, config.max_context) for config, other in rest} or None
+    return ingress.bind(decode, first.served_model_name, first.max_context, settings, store, more)

@@ -7,8 +7,9 @@ torch: token ids go out, TokenDeltas come back.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.exceptions import RayTaskError
@@ -72,33 +73,43 @@ class ServeTokenBackend:
 
 @serve.ingress()
 class HarmonyIngress:
-    """HTTP ingress. `decode`: the DecodeServer handle; the context limit is asked from it at start."""
+    """HTTP ingress. `decode`: the DecodeServer handle of the model `served_model_name`; `more_models`: further
+    models behind the same API, {served name: (their DecodeServer handle, max_context or None)}, routed by the
+    body's `model` (serve_app/openai_api/model_router.py). A context limit left None is asked from the model."""
 
     async def __init__(self, decode, served_model_name: str, max_context: int | None = None,
-                       settings: IngressSettings | None = None, response_store=None):
+                       settings: IngressSettings | None = None, response_store=None,
+                       more_models: dict[str, tuple[Any, int | None]] | None = None):
         """response_store: the ResponseStore deployment's handle (None: /v1/responses is stateless)."""
-        if max_context is None:
-            max_context = await decode.max_context.remote()
-        self.backend = ServeTokenBackend(decode, max_context)
+        models = {served_model_name: (decode, max_context), **(more_models or {})}
+        self.backends: dict[str, ServeTokenBackend] = {}
+        for name, (handle, limit) in models.items():
+            self.backends[name] = ServeTokenBackend(handle, limit if limit is not None else
+                                                    await handle.max_context.remote())
+        self.backend = self.backends[served_model_name]  # the first model's (the only one, usually)
         self.served_model_name = served_model_name
         self.settings = settings or IngressSettings(api_keys=[])
         self.response_store = ServeResponseStore(response_store) if response_store is not None else None
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import create_app
+        from serve_app.openai_api.model_router import serve_models
 
         s = self.settings
-        self._app = create_app(self.backend, model_name=self.served_model_name, max_context=self.backend.max_context,
-                          conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
-                          api_keys=s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
-                          response_store=self.response_store, cors_allow_origins=s.cors_allow_origins,
-                          allow_priority=s.allow_priority)
-        return self._app
+        several = len(self.backends) > 1  # then keys and CORS wrap the router, once, not each model's app
+        self._apps = {name: create_app(
+            backend, model_name=name, max_context=backend.max_context,
+            conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
+            api_keys=() if several else s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
+            response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
+            allow_priority=s.allow_priority) for name, backend in self.backends.items()}
+        if not several:
+            return self._apps[self.served_model_name]
+        return serve_models(self._apps, max_body_bytes=next(iter(self._apps.values())).state.max_body_bytes,
+                            api_keys=s.api_key_values(), cors_allow_origins=s.cors_allow_origins)
 
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
         seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py)."""
-        app = getattr(self, "_app", None)
-        background = app.state.background if app is not None else None
-        if background is not None:
-            await background.stop(wait_s=BACKGROUND_DRAIN_S)
+        runs = [app.state.background for app in getattr(self, "_apps", {}).values() if app.state.background is not None]
+        await asyncio.gather(*(background.stop(wait_s=BACKGROUND_DRAIN_S) for background in runs))

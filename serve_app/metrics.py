@@ -3,7 +3,7 @@
 Ray's metrics agent on every node serves them in Prometheus format next to Serve's own metrics
 (`ray_serve_*`: request counts, latencies, replica counts); Ray prefixes each name with `ray_`, so
 `gptoss_ttft_seconds` is scraped as `ray_gptoss_ttft_seconds_bucket`. Every series carries the
-deployment and replica tags, so dashboards can sum over replicas or split by them.
+deployment, model and replica tags, so dashboards can sum over replicas or split by them.
 
 The engine keeps its own counters (engine/metrics.py); `ServerMetrics.observe_engine` polls a
 snapshot of them and forwards gauges and counter increments. TTFT and TPOT are measured where the
@@ -32,10 +32,11 @@ def replica_tags(deployment: str) -> dict[str, str]:
 class ServerMetrics:
     """The metrics one prefill or decode replica reports."""
 
-    def __init__(self, deployment: str):
+    def __init__(self, deployment: str, model: str):
+        """deployment: `prefill` or `decode`; model: the served model name (apps may serve several)."""
         from ray.util import metrics
 
-        self.tags = replica_tags(deployment)
+        self.tags = {**replica_tags(deployment), "model": model}
         keys = tuple(self.tags)
         self.queue_depth = metrics.Gauge(
             "gptoss_queue_depth", "Requests waiting for a batch slot or KV pages", tag_keys=keys)

@@ -26,7 +26,7 @@ class PrefillServer:
         self.transport = make_transport(self.config.resolved_transport(self.config.resolved_device()), self.device,
                                         int(self.config.cuda_ipc_buffer_gib * GIB))
         self.engine = await asyncio.to_thread(start_engine, self.config, self.config.prefill, self.device)
-        self.metrics = ServerMetrics("prefill")
+        self.metrics = ServerMetrics("prefill", self.config.served_model_name)
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
 
     async def prefill(self, request: GenerateRequest, offer: ReceiveOffer) -> KVHandle:

@@ -78,6 +78,7 @@ def create_app(
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)
+    app.state.max_body_bytes = max_body_bytes
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)

@@ -55,8 +55,9 @@ class ModelNotFound(APIError):
     status_code = 404
     error_type = "invalid_request_error"
 
-    def __init__(self, model: str, served: str):
-        super().__init__(f"The model {model!r} does not exist; this server serves {served!r}.",
+    def __init__(self, model: str, served: str | list[str]):
+        names = ", ".join(repr(name) for name in ([served] if isinstance(served, str) else served))
+        super().__init__(f"The model {model!r} does not exist; this server serves {names}.",
                          param="model", code="model_not_found")
 
 

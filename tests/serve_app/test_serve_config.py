@@ -197,6 +197,35 @@ def test_app_is_a_serve_application_builder():
     assert no_prefill._bound_deployment.init_args[0]._bound_deployment.init_args[0] is None
 
 
+def test_several_models_behind_one_ingress():
+    """`models`: each entry a model's settings over the shared top-level ones; its deployments named after it; one
+    ingress (the first model is its default, the others `more_models`) and one store."""
+    import json
+
+    models = [{"served_model_name": "small", "max_context": 1024},
+              {"served_model_name": "large/v2", "max_num_seqs": 8, "decode.num_replicas": 3}]
+    app = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
+        f"models={json.dumps(models)}", "disaggregated=false", "max_context=2048", "ingress.api_keys=sk-x"))
+    ingress = app._bound_deployment
+    decode, name, max_context, settings, store, more = ingress.init_args
+    assert (decode._bound_deployment.name, name, max_context) == (f"{DECODE_NAME}-small", "small", 1024)
+    assert settings.api_key_values() == ("sk-x",) and store._bound_deployment.name == "ResponseStore"
+    (other_name, (other, other_context)), = more.items()
+    assert (other_name, other_context) == ("large/v2", 2048)  # the top-level default
+    other = other._bound_deployment
+    assert other.name == f"{DECODE_NAME}-large_v2" and other.num_replicas == 3
+    assert other.init_args[0] is None and other.init_args[1].max_num_seqs == 8  # not disaggregated; its own seats
+    split = call_user_app_builder_with_args_if_necessary(serve_app.app, {"models": [{"served_model_name": "a"}]})
+    assert split._bound_deployment.init_args[0]._bound_deployment.init_args[0]._bound_deployment.name == \
+        f"{PREFILL_NAME}-a"
+    for models, message in [([], "non-empty list"), ("x", "non-empty list"),
+                            ([{"served_model_name": "a", "ingress": {"num_cpus": 1}}], "models.0.ingress"),
+                            ([{"served_model_name": "a"}, {"served_model_name": "a"}], "must differ"),
+                            ([{"served_model_name": "a"}, {"tp_size": 0}], "models.1")]:
+        with pytest.raises(ServeConfigError, match=message):
+            serve_app.app({"models": models})
+
+
 def test_ingress_imports_no_torch():
     code = ("import sys, serve_app, serve_app.ingress; from serve_app.openai_api.app import create_app; "
             "assert 'torch' not in sys.modules, 'the ingress imported torch'")

@@ -558,6 +558,37 @@ def test_a_full_prefill_queue_sends_prompts_to_decode(http_port):
         serve.delete(app)
 
 
+def test_two_models_behind_one_api(http_port):
+    """`models`: two models (here the same tiny weights under two names and contexts), one endpoint; each request
+    runs on its model's decode deployment, /v1/models lists both, a stored response of one continues on the other.
+    A second app, deleted after."""
+    app = "two"
+    args = {"models": [{"served_model_name": "small"}, {"served_model_name": "large", "max_context": 512}],
+            "max_context": "1024", "kv_cache_memory_gib": "0.0625", "disaggregated": "false",
+            "decode.num_replicas": "1", "decode.graceful_shutdown_timeout_s": "1",
+            "ingress.conversation_start_date": "2026-11-29"}
+    serve.run(build_app(args), name=app, route_prefix="/two")
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/two/v1", api_key="unused", max_retries=0,
+                            timeout=60)
+        assert [(m.id, m.model_extra["max_model_len"]) for m in api.models.list().data] == \
+            [("small", 1024), ("large", 512)]
+        chat = dict(messages=CHAT["messages"], temperature=0, max_tokens=8)
+        answers = {name: api.chat.completions.create(model=name, **chat) for name in ("small", "large", "large")}
+        assert answers["small"].choices[0].message == answers["large"].choices[0].message  # same weights, greedy
+        finished = {name: serve.get_deployment_handle(f"{DECODE_NAME}-{name}", app).stats.remote().result()
+                    ["requests_finished_total"] for name in ("small", "large")}
+        assert (sum(finished["small"].values()), sum(finished["large"].values())) == (1, 2), finished
+        first = api.responses.create(model="small", input="Hi there", max_output_tokens=4, temperature=0)
+        second = api.responses.create(model="large", input="More", previous_response_id=first.id,
+                                      max_output_tokens=4, temperature=0)
+        assert second.model == "large" and second.usage.input_tokens > first.usage.input_tokens
+        with pytest.raises(openai.NotFoundError, match="'small', 'large'"):
+            api.chat.completions.create(model="medium", **chat)
+    finally:
+        serve.delete(app)
+
+
 POISON_TOKEN = 1234  # a prompt holding this token id makes SickDecode's injected device fault fire
 
 
