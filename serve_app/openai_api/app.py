@@ -31,6 +31,9 @@ from serve_app.openai_api.stored_responses import ResponseStore
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
+# CORS for the allowed origins (`cors_allow_origins`): any method and header; clients may read these two headers.
+CORS_OPTIONS = dict(allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id", "retry-after"],
+                    max_age=600)
 
 
 def create_app(
@@ -83,8 +86,7 @@ def create_app(
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)
     if cors_allow_origins:  # added last, so outermost: a preflight (which carries no key) is answered before the gate
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_allow_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id", "retry-after"], max_age=600)
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_allow_origins), **CORS_OPTIONS)
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gptoss-serve",

@@ -22,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.openai_api.app import CORS_OPTIONS
 from serve_app.openai_api.auth import ApiKeyGate, app_path
 from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge
 
@@ -135,6 +136,5 @@ def serve_models(apps: Mapping[str, ASGIApp], *, max_body_bytes: int, api_keys: 
     if api_keys:
         app = ApiKeyGate(app, api_keys)
     if cors_allow_origins:
-        app = CORSMiddleware(app, allow_origins=list(cors_allow_origins), allow_methods=["*"], allow_headers=["*"],
-                             expose_headers=["x-request-id", "retry-after"], max_age=600)
+        app = CORSMiddleware(app, allow_origins=list(cors_allow_origins), **CORS_OPTIONS)
     return app

@@ -9,7 +9,7 @@ MODULES = [
     "serve_app.harmony.encoding", "serve_app.harmony.render", "serve_app.harmony.parse", "serve_app.harmony.constrain",
     "serve_app.openai_api.protocol", "serve_app.openai_api.errors", "serve_app.openai_api.streaming",
     "serve_app.openai_api.generation", "serve_app.openai_api.chat", "serve_app.openai_api.responses",
-    "serve_app.openai_api.responses_input", "serve_app.openai_api.background",
+    "serve_app.openai_api.responses_input", "serve_app.openai_api.background", "serve_app.openai_api.model_router",
     "serve_app.openai_api.app", "serve_app.prefix_router", "tests.serve_app.stub_backend",
 ]
 
