@@ -51,8 +51,8 @@ def create_app(
     cors_allow_origins: Sequence[str] = (),
     allow_priority: bool = False,
 ) -> FastAPI:
-    """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones), /v1/completions, /v1/models
-    and /health for `backend`.
+    """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
+    token counts), /v1/completions, /v1/models and /health for `backend`.
 
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).

@@ -47,8 +47,8 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json, output_constraint_off_loop,
-                                                 prediction_ids)
+from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
+                                                 output_constraint_off_loop, prediction_ids)
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.streaming import interleave, sse
 

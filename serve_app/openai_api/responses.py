@@ -1,10 +1,10 @@
 """/v1/responses over Harmony: POST creates a response; GET, DELETE and GET .../input_items read stored ones;
 POST .../cancel stops a background one (background.py).
 
-The input becomes a Harmony prompt in responses_input.py. With a response store (stored_responses.py) a response is kept unless the request
-says `store: false`, and `previous_response_id` puts that response's conversation (every earlier input and
-output item of its chain, not its instructions) before the input; without one, `store` is ignored and
-`previous_response_id` is refused. `background: true` (with a store) answers at once with status `queued` and
+The input becomes a Harmony prompt in responses_input.py. With a response store (stored_responses.py) a
+response is kept unless the request says `store: false`, and `previous_response_id` puts that response's
+conversation (every earlier input and output item of its chain, not its instructions) before the input; without
+one, `store` is ignored and `previous_response_id` is refused. `background: true` (with a store) answers at once with status `queued` and
 generates the response in a task of this replica (background.py). `conversation` objects are not supported.
 
 Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
