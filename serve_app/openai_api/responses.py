@@ -4,8 +4,9 @@ POST .../cancel stops a background one (background.py).
 The input becomes a Harmony prompt in responses_input.py. With a response store (stored_responses.py) a
 response is kept unless the request says `store: false`, and `previous_response_id` puts that response's
 conversation (every earlier input and output item of its chain, not its instructions) before the input; without
-one, `store` is ignored and `previous_response_id` is refused. `background: true` (with a store) answers at once with status `queued` and
-generates the response in a task of this replica (background.py). `conversation` objects are not supported.
+one, `store` is ignored and `previous_response_id` is refused. `background: true` (with a store) answers at once
+with status `queued` and generates the response in a task of this replica (background.py). `conversation` objects
+are not supported.
 
 Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
 preamble with phase "commentary"), `function_call` (recipient `functions.NAME`, any channel). A
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.request import TokenLogprob
+from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.openai_api.auth import requester
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
@@ -39,7 +41,6 @@ from serve_app.openai_api.generation import (
 )
 from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
                                                  output_constraint_off_loop)
-from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.openai_api.protocol import InputItem, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
