@@ -17,6 +17,7 @@ from ray.serve.exceptions import BackPressureError
 
 from engine.request import BackendOverloaded, EngineUnhealthyError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.config import IngressSettings
+from serve_app.metrics import ApiMetrics
 from serve_app.response_store import ServeResponseStore
 
 log = logging.getLogger("ray.serve")
@@ -90,6 +91,7 @@ class HarmonyIngress:
         self.served_model_name = served_model_name
         self.settings = settings or IngressSettings(api_keys=[])
         self.response_store = ServeResponseStore(response_store) if response_store is not None else None
+        self.api_metrics = ApiMetrics()
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import create_app
@@ -102,7 +104,8 @@ class HarmonyIngress:
             conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
             api_keys=() if several else s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
             response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
-            allow_priority=s.allow_priority) for name, backend in self.backends.items()}
+            allow_priority=s.allow_priority, usage_sink=self.api_metrics.record)
+            for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]
         return serve_models(self._apps, max_body_bytes=next(iter(self._apps.values())).state.max_body_bytes,

@@ -125,3 +125,32 @@ class ServerMetrics:
 
     def observe_fallback(self, reason: str) -> None:
         self.fallbacks.inc(1, tags={"reason": reason})
+
+
+class ApiMetrics:
+    """What the ingress reports per engine request as it ends (serve_app/openai_api/usage.py): requests by model,
+    endpoint, API key and outcome, and their tokens by kind (prompt, of which cached, and completion). `key` is
+    the key's auth.key_id (a hash), or `none` where the app takes no keys: usage per client, for accounting."""
+
+    def __init__(self):
+        from ray.util import metrics
+
+        self.tags = replica_tags("ingress")
+        keys = tuple(self.tags) + ("model", "endpoint", "key")
+        self.requests = metrics.Counter(
+            "gptoss_api_requests", "Engine requests the API ended, by outcome (the finish reason, or cancelled, "
+            "refused, failed); a request with n choices counts n", tag_keys=keys + ("outcome",))
+        self.tokens = metrics.Counter(
+            "gptoss_api_tokens", "Tokens of the engine requests the API ended, by kind: prompt, cached (of the "
+            "prompt, from the prefix cache), completion", tag_keys=keys + ("kind",))
+        for m in (self.requests, self.tokens):
+            m.set_default_tags(self.tags)
+
+    def record(self, usage) -> None:
+        """A usage.UsageSink."""
+        tags = {**self.tags, "model": usage.model, "endpoint": usage.endpoint, "key": usage.key or "none"}
+        self.requests.inc(1, tags={**tags, "outcome": usage.outcome})
+        for kind, count in (("prompt", usage.prompt_tokens), ("cached", usage.cached_tokens),
+                            ("completion", usage.completion_tokens)):
+            if count > 0:  # Ray counters take positive increments only
+                self.tokens.inc(count, tags={**tags, "kind": kind})

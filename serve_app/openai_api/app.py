@@ -28,6 +28,7 @@ from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
                                             list_input_items, retrieve_response)
 from serve_app.openai_api.stored_responses import ResponseStore
+from serve_app.openai_api.usage import UsageSink
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
@@ -50,6 +51,7 @@ def create_app(
     response_store: ResponseStore | None = None,
     cors_allow_origins: Sequence[str] = (),
     allow_priority: bool = False,
+    usage_sink: UsageSink | None = None,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
     token counts), /v1/completions, /v1/models and /health for `backend`.
@@ -65,6 +67,7 @@ def create_app(
     None: that endpoint is stateless.
     cors_allow_origins: origins whose browser pages may call the API (CORS; "*" for any); empty: none.
     allow_priority: honour requests' `priority` (lower runs sooner in the engines); off: a non-zero one is a 400.
+    usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -77,7 +80,8 @@ def create_app(
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
                            allow_priority=allow_priority)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
-                         background=BackgroundRuns(response_store) if response_store is not None else None)
+                         background=BackgroundRuns(response_store) if response_store is not None else None,
+                         usage_sink=usage_sink)
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)

@@ -37,6 +37,7 @@ from serve_app.harmony.render import (
     UserMessage,
     render_prompt,
 )
+from serve_app.openai_api.auth import requester
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
     Generation,
@@ -51,6 +52,7 @@ from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, l
                                                  output_constraint_off_loop, prediction_ids)
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.streaming import interleave, sse
+from serve_app.openai_api.usage import Caller
 
 SEPARATOR = "\n\n"  # between two Harmony messages that land in the same field
 
@@ -180,7 +182,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
         params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
         return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
-                          sampling=params, stop=req.stop, forced_ids=forced, priority=priority)
+                          sampling=params, stop=req.stop, forced_ids=forced, priority=priority,
+                          caller=Caller("chat.completions", requester(http)))
 
     group = GenerationGroup([nth(i) for i in range(n)])
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}

@@ -33,6 +33,7 @@ from starlette.responses import Response
 
 from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, SamplingParams, TokenDelta
 from serve_app.harmony.constrain import FINAL
+from serve_app.openai_api.auth import requester
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
     BackendRequest,
@@ -46,6 +47,7 @@ from serve_app.openai_api.generation import (
 from serve_app.openai_api.output_options import output_constraint_off_loop
 from serve_app.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from serve_app.openai_api.streaming import interleave, sse
+from serve_app.openai_api.usage import Caller
 
 # gpt-oss's generation config: <|return|>, <|endoftext|>, <|call|>
 RAW_STOP_TOKEN_IDS = (200002, 199999, 200012)
@@ -73,8 +75,9 @@ class TextGeneration(BackendRequest):
     """One completion: token deltas -> text steps, with stop strings and (optionally) logprobs."""
 
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 stop: list[str], echo_text: str = "", priority: int = 0):
-        super().__init__(ctx, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, priority=priority)
+                 stop: list[str], echo_text: str = "", priority: int = 0, caller: Caller | None = None):
+        super().__init__(ctx, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, priority=priority,
+                         caller=caller)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._matcher = StopMatcher(stop) if stop else None
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
@@ -186,7 +189,8 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
             params = sampling if j == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + j) % 2**64)
             rid = request_id if len(req.prompt) * n == 1 else f"{request_id}-{i}-{j}"
             gens.append(TextGeneration(ctx, request_id=rid, prompt_ids=ids, sampling=params, stop=req.stop,
-                                       echo_text=text if req.echo else "", priority=priority))
+                                       echo_text=text if req.echo else "", priority=priority,
+                                       caller=Caller("completions", requester(http))))
     group = GenerationGroup(gens)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}
     with_logprobs = req.logprobs is not None

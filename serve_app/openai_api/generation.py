@@ -38,6 +38,7 @@ from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.stored_responses import ResponseStore
+from serve_app.openai_api.usage import Caller, UsageRecord, UsageSink, report
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class IngressContext:
     encoding: HarmonyEncoding
     store: ResponseStore | None = None  # stored /v1/responses; None: the endpoint is stateless
     background: BackgroundRuns | None = None  # background /v1/responses this replica runs (with a store)
+    usage_sink: UsageSink | None = None  # told each engine request's usage when it ends (usage.py)
 
 
 @dataclass
@@ -167,8 +169,11 @@ class BackendRequest:
     stream's `steps()` picks the wait up again, so a refusal after that arrives as an in-stream error."""
 
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 priority: int = 0):
+                 priority: int = 0, caller: Caller | None = None):
+        """caller: the endpoint and API key its usage record names (usage.py)."""
         self.ctx = ctx
+        self.caller = caller or Caller("")
+        self._failure: str | None = None  # "refused" / "failed", for the usage record
         self.request_id = request_id
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -224,6 +229,20 @@ class BackendRequest:
                     await aclose()
                 except Exception:  # aborted above already: the close only releases the stream's own resources
                     log.exception("request %s: closing the backend stream failed", self.request_id)
+        report(self.ctx.usage_sink, UsageRecord(
+            model=self.ctx.config.model_name, endpoint=self.caller.endpoint, key=self.caller.key,
+            outcome=self._outcome(), prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens))
+
+    def _outcome(self) -> str:
+        """How it ended, for its usage record (usage.UsageRecord.outcome)."""
+        if self._failure is not None:
+            return self._failure
+        if self.finish_reason is not None:
+            return self.finish_reason
+        if self._backend_done and self._backend_finish not in (None, FINISH_ABORT):
+            return self._backend_finish
+        return "cancelled"
 
     async def _next_delta(self) -> TokenDelta | None:
         try:
@@ -232,19 +251,19 @@ class BackendRequest:
             self._backend_done = True
             return None
         except InvalidRequestError as err:
-            self._backend_done = True
+            self._backend_done, self._failure = True, "refused"
             raise self.refusal(err) from None
         except BackendOverloaded as err:  # refused before it ran: a 503 with Retry-After, logged as load, not a fault
-            self._backend_done = True
+            self._backend_done, self._failure = True, "refused"
             log.info("request %s: refused, backend overloaded (%s)", self.request_id, err)
             raise ServerOverloaded(f"The server is overloaded ({err}); retry shortly.") from None
         except EngineUnhealthyError as err:  # refused before it ran by an engine about to be replaced: retry
-            self._backend_done = True
+            self._backend_done, self._failure = True, "refused"
             log.warning("request %s: refused, engine unhealthy (%s)", self.request_id, err)
             raise ServerOverloaded(f"The engine that took this request cannot serve ({err}); retry shortly.",
                                    code="engine_unavailable") from None
         except Exception as err:  # engine/transport failure: the client gets a 503, not a traceback
-            self._backend_done = True
+            self._backend_done, self._failure = True, "failed"
             log.exception("request %s: backend failed", self.request_id)
             raise EngineFailure(f"The engine failed while generating ({type(err).__name__}: {err}); retry.") from err
         if delta.finish_reason is not None:
@@ -279,11 +298,11 @@ class BackendRequest:
 class Generation(BackendRequest):
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
                  sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None,
-                 priority: int = 0):
+                 priority: int = 0, caller: Caller | None = None):
         """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
         header): sent as prompt, parsed as output, not counted as completion tokens."""
         super().__init__(ctx, request_id=request_id, prompt_ids=list(prompt_ids) + list(forced_ids or []),
-                         sampling=sampling, priority=priority)
+                         sampling=sampling, priority=priority, caller=caller)
         self.reasoning_tokens = 0
         self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
         self._stops = list(stop or [])

@@ -45,6 +45,7 @@ from serve_app.openai_api.protocol import InputItem, InputTokensRequest, Respons
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import sse
+from serve_app.openai_api.usage import Caller
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -230,7 +231,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     ), len(prompt_ids) + len(forced), ctx.config)
     sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
-                     priority=ctx.config.request_priority(req.priority))
+                     priority=ctx.config.request_priority(req.priority), caller=Caller("responses", owner))
     created = time.time()
     store = ctx.store is not None and req.store is not False
     own_items = stored_input_items(req) if store else []

@@ -330,7 +330,8 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
               "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
               "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
               "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing", "ray_gptoss_draft_tokens",
-              "ray_gptoss_response_store_responses", "ray_gptoss_response_store_bytes"]
+              "ray_gptoss_response_store_responses", "ray_gptoss_response_store_bytes", "ray_gptoss_api_requests",
+              "ray_gptoss_api_tokens"]
 
     accepted = re.compile(r'ray_gptoss_draft_tokens(_total)?\{[^}]*kind="accepted"')  # (m-1's, once exported)
 
@@ -348,6 +349,14 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
     assert re.search(r'ray_gptoss_prefix_cache_tokens(_total)?\{[^}]*kind="query"', text)
     assert re.search(r'ray_gptoss_prefix_routing(_total)?\{[^}]*deployment="PrefillServer"[^}]*outcome=', text) or \
         re.search(r'ray_gptoss_prefix_routing(_total)?\{[^}]*outcome="[a-z_]+"[^}]*deployment="PrefillServer"', text)
+    # the ingress' usage accounting of the earlier HTTP requests: per model, endpoint and API key (its hash)
+    from serve_app.openai_api.auth import key_id
+
+    usage = [line for line in text.splitlines() if line.startswith("ray_gptoss_api_tokens")
+             and 'endpoint="chat.completions"' in line and f'key="{key_id(KEY.encode())}"' in line
+             and 'kind="prompt"' in line and f'model="{CONFIG.served_model_name}"' in line]
+    assert usage and float(usage[0].rsplit(" ", 1)[1]) > 0, usage
+    assert KEY not in text  # the key itself is never a label
 
 
 def test_api_keys_guard_the_v1_paths(http_port):
