@@ -15,8 +15,9 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from serve_app.config import DeploymentSettings, IngressSettings, ServeAppConfig
+from serve_app.config import ServeAppConfig
 from serve_app.config_args import ServeConfigError, deep_merge, nest_args
+from serve_app.deployment_settings import DeploymentSettings, IngressSettings
 from serve_app.placement import NOSET_CUDA_VISIBLE_DEVICES, ReplicaResources
 
 INGRESS_NAME = "HarmonyIngress"

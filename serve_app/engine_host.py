@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from serve_app.config import DeploymentSettings, ServeAppConfig, random_model_config, tiny_model_path
+from serve_app.config import ServeAppConfig, random_model_config, tiny_model_path
+from serve_app.deployment_settings import DeploymentSettings
 from serve_app.harmony.constrain import HARMONY_VOCAB_SIZE, warm_up_in_background
 from serve_app.metrics import ServerMetrics
 from serve_app.placement import ReplicaResources, local_cuda_device, start_rank_workers

@@ -16,7 +16,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from engine.request import BackendOverloaded, EngineUnhealthyError, GenerateRequest, InvalidRequestError, TokenDelta
-from serve_app.config import IngressSettings
+from serve_app.deployment_settings import IngressSettings
 from serve_app.metrics import ApiMetrics
 from serve_app.response_store import ServeResponseStore
 

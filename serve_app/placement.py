@@ -24,7 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.config import DeploymentSettings, ServeAppConfig
+from serve_app.config import ServeAppConfig
+from serve_app.deployment_settings import DeploymentSettings
 
 STRATEGY = "STRICT_PACK"
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"

@@ -1,0 +1,191 @@
+"""The settings of each deployment of the Serve application: prefill and decode (replicas or autoscaling,
+placement, queues, health checks) and the ingress (the OpenAI API's own options). serve_app/config.py's
+ServeAppConfig holds one of each; they are validated by the same pydantic rules (unknown keys are errors)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+
+class _Settings(BaseModel):
+    # Unknown keys are typos (`max_replica=4`): reject them instead of silently using a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AutoscalingSettings(_Settings):
+    """Serve's `autoscaling_config` for one deployment, with defaults for LLM replicas: a replica takes
+    minutes to start (weights, KV pools, CUDA graphs) and serves requests that last tens of seconds, so
+    scale up after sustained load only and scale down late, never in the middle of a burst."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running, even when idle.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas; each holds a whole node's GPUs on a GPU cluster.")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="Replicas started at deploy time; None: min_replicas.")
+    target_ongoing_requests: float = Field(
+        ..., gt=0, description="In-flight requests per replica the autoscaler aims for (queued + running).")
+    upscale_delay_s: float = Field(
+        60.0, ge=0, description="Load must stay above target this long before a replica is added.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="Load must stay below target this long before a replica is removed.")
+    metrics_interval_s: float = Field(10.0, gt=0, description="How often replicas report their load.")
+    look_back_period_s: float = Field(30.0, gt=0, description="Window over which reported load is averaged.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "AutoscalingSettings":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie between min_replicas "
+                             f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
+        return self
+
+    def to_serve(self) -> dict[str, Any]:
+        """The dict Serve's `autoscaling_config` option takes, checked by Serve's own model."""
+        from ray.serve.config import AutoscalingConfig
+
+        out = self.model_dump(exclude_none=True)
+        AutoscalingConfig(**out)  # Serve's own rules (raises on what it rejects)
+        return out
+
+
+class DeploymentSettings(_Settings):
+    """Per-deployment Serve options for the prefill or the decode deployment."""
+
+    num_replicas: int | None = Field(
+        None, ge=1, description="A fixed replica count; None: autoscale with `autoscaling`.")
+    autoscaling: AutoscalingSettings = Field(description="Autoscaling policy, used when num_replicas is None.")
+    max_ongoing_requests: int = Field(
+        ..., ge=1, description="Requests one replica accepts at once; more wait in the caller's queue.")
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="Requests that may wait in each caller's queue (Ray Serve's max_queued_requests: "
+                               "per ingress replica for decode, per decode replica for prefill); more are refused "
+                               "at once. Decode: HTTP 503 `server_overloaded` with Retry-After: 1 (the openai "
+                               "client retries it); prefill: the decode replica runs the prompt itself. -1: no "
+                               "limit.")
+    cpus_per_worker: float | None = Field(
+        None, ge=0, description="CPUs reserved per model rank (one rank per GPU; the replica's own process "
+                                "is rank 0). None: 1 on cuda, 0.5 on cpu.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per worker bundle, e.g. {'H200': 1} to pin "
+                                          "replicas to a node type.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve checks a replica.")
+    health_check_timeout_s: float = Field(
+        60.0, gt=0, description="A check slower than this marks the replica unhealthy (a long prefill "
+                                "step can hold the event loop for seconds).")
+    graceful_shutdown_timeout_s: float = Field(
+        300.0, ge=0, description="On scale-down or redeploy, how long running streams may finish.")
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (no limit) or at least 1")
+        return value
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _no_builtin_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for key in ("CPU", "GPU", "memory"):
+            if key in value:
+                raise ValueError(f"resources_per_worker must not set {key!r}: use cpus_per_worker, and the "
+                                 "GPU count follows from tp_size/ep_size/dp_size")
+        return value
+
+
+def default_prefill() -> DeploymentSettings:
+    # Prefill requests are short and compute-bound: a replica saturates with a few prompts in flight (the
+    # autoscaling target), but it accepts many more and queues them in its engine (first come, first served,
+    # batched into its steps). Refused requests wait in the caller's Serve router, which retries after 0, 25,
+    # 50, ... 500 ms: with 16 here, 32 concurrent chats on the tiny CPU model had TTFT p50 1,050-1,350 ms
+    # against 740-890 ms with 64 (three runs each, 2026-11-30, bench/RESULTS.md, "The Serve app on GPUs").
+    return DeploymentSettings(max_ongoing_requests=64, autoscaling=AutoscalingSettings(target_ongoing_requests=4))
+
+
+def default_decode() -> DeploymentSettings:
+    # Decode batches up to max_num_seqs sequences; aim below that so new requests rarely queue.
+    return DeploymentSettings(max_ongoing_requests=128, autoscaling=AutoscalingSettings(target_ongoing_requests=48))
+
+
+def default_ingress_autoscaling() -> AutoscalingSettings:
+    # An ingress replica is CPU-only and starts in seconds, so it can follow load closely; its cost per request
+    # is small (~15 us of CPU per streamed token), so one holds hundreds of streams.
+    return AutoscalingSettings(max_replicas=8, target_ongoing_requests=256, upscale_delay_s=10, downscale_delay_s=300)
+
+
+API_KEYS_ENV = "GPTOSS_API_KEYS"  # comma-separated; the default of ingress.api_keys
+
+
+def api_keys_from_env() -> list[SecretStr]:
+    """The keys in $GPTOSS_API_KEYS of the process that builds the app (`serve run`'s, or the cluster's under
+    `serve deploy`): comma-separated, blanks around them dropped."""
+    return [SecretStr(key.strip()) for key in os.environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+
+
+class IngressSettings(_Settings):
+    """The HTTP ingress (OpenAI API): CPU-only, torch-free, cheap to replicate."""
+
+    num_replicas: int | None = Field(
+        1, ge=1, description="Ingress replicas (each parses Harmony for its requests); None: autoscale with "
+                             "`autoscaling` (an ingress replica is CPU-only and starts in seconds).")
+    autoscaling: AutoscalingSettings = Field(
+        default_factory=default_ingress_autoscaling,
+        description="Ingress autoscaling, used when num_replicas is None: in-flight HTTP requests (streams "
+                    "included) per replica.")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
+    max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests per ingress replica.")
+    conversation_start_date: str | None = Field(
+        None, pattern=r"^\d{4}-\d{2}-\d{2}$",
+        description="YYYY-MM-DD in the Harmony system message. None: today's UTC date at each request (the "
+                    "prompt, and so the output, then changes at midnight; pin it for reproducible runs).")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="Output tokens of a chat or responses request that sets no limit (max_tokens, "
+                                "max_completion_tokens, max_output_tokens); None: the rest of the context, as "
+                                "OpenAI's API does. /v1/completions keeps OpenAI's 16.")
+    stream_keepalive_s: float | None = Field(
+        15.0, gt=0, description="A stream waits this long for its first token (a refusal within it is the HTTP "
+                                "status: 400, 503), then starts with HTTP 200 and sends the SSE comment "
+                                "`: keep-alive` after each such idle period, so a load balancer's idle timeout "
+                                "(AWS ALB: 60 s) does not cut a request waiting in a queue; a later refusal is "
+                                "an error event in the stream. None: wait silently for the first token.")
+    store_max_responses: int = Field(
+        10_000, ge=0, description="Stored /v1/responses (for previous_response_id and GET / DELETE by id), kept "
+                                  "in one ResponseStore replica's memory, least recently used out first; a "
+                                  "request with store=false is not kept. 0: no store (the endpoint is "
+                                  "stateless and previous_response_id is refused).")
+    store_max_mib: float = Field(512, gt=0, description="Memory the stored responses may take, their JSON's size.")
+    allow_priority: bool = Field(
+        False, description="Honour requests' `priority` (vLLM's extension, an integer: lower runs sooner; a waiting "
+                           "request of a better priority preempts running ones of worse priority in the engines). "
+                           "Off: a non-zero priority is a 400, since any client could put itself first; turn it "
+                           "on where the clients are trusted (e.g. behind a gateway that sets it).")
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="Origins whose browser pages may call the API (CORS), e.g. "
+                                          "https://app.example.com; \"*\" for any. A list or comma-separated text. "
+                                          "Empty: no CORS headers (browsers then refuse cross-origin calls).")
+    api_keys: list[SecretStr] = Field(
+        default_factory=api_keys_from_env,
+        description="Keys clients must send on every path but /health (`Authorization: Bearer KEY`, the "
+                    "openai client's api_key; else HTTP 401). Empty: no check. A list or comma-separated text; "
+                    "default: $GPTOSS_API_KEYS (comma-separated) where the app is built, which keeps the keys out "
+                    "of the Serve config the dashboard shows.")
+
+    @field_validator("api_keys", "cors_allow_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        # `serve run ingress.api_keys=k1,k2`
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for key in keys:
+            value = key.get_secret_value()
+            if not value or any(c.isspace() or c == "," for c in value) or not value.isprintable():
+                raise ValueError("each API key must be a non-empty printable string without spaces or commas")
+        return keys
+
+    def api_key_values(self) -> tuple[str, ...]:
+        return tuple(key.get_secret_value() for key in self.api_keys)
