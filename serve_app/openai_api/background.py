@@ -9,9 +9,9 @@ A cancel that reaches another ingress replica is passed on through the store: th
 (`poll_s`) and stops the task, which stores `cancelled` with what was generated so far.
 
 An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish, then
-stores the rest as `failed` (code `server_error`, the message says why; the client may create them again). A
-replica that dies without that leaves its runs `in_progress` until a cancel marks them `cancelled` after
-`CANCEL_WAIT_S`.
+stores the rest as `failed` (code `server_error`, the message says why; the client may create them again). The
+runs of a replica that dies without that are marked failed by the store 30 s after its last cancel poll
+(stored_responses.MemoryResponseStore.orphan_after_s), or cancelled by a cancel after `CANCEL_WAIT_S`.
 """
 
 from __future__ import annotations

@@ -12,13 +12,16 @@ previous_response_not_found). Under Ray Serve one replica holds it for every ing
 (serve_app/response_store.py). Nothing is written to disk: a restart forgets every response.
 
 Background responses (background.py) are stored at once with status `queued`, then `in_progress`, then their
-final state; the store also carries the request to cancel one to whichever ingress replica runs it.
+final state; the store also carries the request to cancel one to whichever ingress replica runs it. That replica
+asks for cancels every 0.5 s, which tells the store it is alive: a response still unfinished `orphan_after_s` after
+the last such word from its replica (which died without a graceful stop) is marked failed when next read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,9 +65,13 @@ class ResponseStore(Protocol):
 class MemoryResponseStore:
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
 
-    def __init__(self, max_responses: int = 10_000, max_bytes: int = 512 << 20):
+    def __init__(self, max_responses: int = 10_000, max_bytes: int = 512 << 20, orphan_after_s: float = 30.0,
+                 clock=time.monotonic):
         if max_responses < 1 or max_bytes < 1:
             raise ValueError(f"max_responses ({max_responses}) and max_bytes ({max_bytes}) must be positive")
+        self.orphan_after_s = orphan_after_s
+        self._clock = clock
+        self._seen: dict[str, float] = {}  # unfinished response -> when its replica last asked for cancels
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # oldest use first
@@ -90,6 +97,8 @@ class MemoryResponseStore:
         self._drop(response_id)
         self._items[response_id] = (stored, size)
         self.bytes += size
+        if is_unfinished(stored):
+            self._seen[response_id] = self._clock()
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             self._drop(next(iter(self._items)))
         return True
@@ -99,7 +108,16 @@ class MemoryResponseStore:
         if entry is None:
             return None
         self._items.move_to_end(response_id)
-        return entry[0]
+        stored = entry[0]
+        if is_unfinished(stored) and self._clock() - self._seen.get(response_id, self._clock()) > self.orphan_after_s:
+            log.warning("background response %s: no word from its replica for %g s; marking it failed", response_id,
+                        self.orphan_after_s)
+            stored = StoredResponse({**stored.response, "status": "failed", "error": {
+                "code": "server_error", "message": "The server replica running this background response stopped "
+                "before it finished; create it again."}}, stored.input_items, stored.previous_id, stored.owner)
+            self._cancel.discard(response_id)
+            await self.put(response_id, stored)
+        return stored
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The items a continuation of `response_id` follows (module docstring), or None when it or any
@@ -130,10 +148,16 @@ class MemoryResponseStore:
         return True
 
     async def cancel_requested(self, response_ids: list[str]) -> list[str]:
-        """Those of `response_ids` asked to stop (one call per poll for all of an ingress replica's runs)."""
+        """Those of `response_ids` asked to stop (one call per poll for all of an ingress replica's runs); the poll
+        also says the replica running them is alive."""
+        now = self._clock()
+        for response_id in response_ids:
+            if response_id in self._seen:
+                self._seen[response_id] = now
         return [response_id for response_id in response_ids if response_id in self._cancel]
 
     def _drop(self, response_id: str) -> bool:
+        self._seen.pop(response_id, None)
         entry = self._items.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry[1]

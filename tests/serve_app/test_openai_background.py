@@ -217,3 +217,42 @@ def test_a_stopping_replica_lets_short_runs_finish_and_stores_the_rest_as_failed
     assert long["status"] == "failed" and long["error"]["code"] == "server_error"
     assert "stopped before it finished" in long["error"]["message"]
     assert long["output"] and long["id"] in backend.aborted
+
+
+def test_a_run_whose_replica_died_is_failed_once_its_polls_stop():
+    """The store hears from a run's replica at every cancel poll (every 0.5 s); a response still unfinished 30 s after
+    the last one (its replica died without stop()) is failed when read, with its conversation kept."""
+    import asyncio
+
+    from serve_app.openai_api.stored_responses import StoredResponse
+
+    now = [0.0]
+    store = MemoryResponseStore(clock=lambda: now[0])
+    queued = {"id": "resp_1", "status": "queued", "output": [], "error": None}
+
+    async def main():
+        await store.put("resp_1", StoredResponse(queued, [{"id": "msg_1", "type": "message"}], None, "owner"))
+        now[0] = 20.0
+        assert await store.cancel_requested(["resp_1"]) == []  # a poll: its replica is alive
+        now[0] = 49.0
+        assert (await store.get("resp_1")).response["status"] == "queued"  # 29 s since that poll
+        now[0] = 51.0
+        failed = await store.get("resp_1")
+        assert failed.response["status"] == "failed" and "stopped before it finished" in \
+            failed.response["error"]["message"]
+        assert (failed.input_items, failed.owner) == ([{"id": "msg_1", "type": "message"}], "owner")
+        assert (await store.get("resp_1")).response["status"] == "failed" and not store._seen
+
+    asyncio.run(main())
+
+
+def test_a_long_run_stays_alive_through_its_polls(backend):
+    """A run longer than orphan_after_s is not failed while its replica polls (a store with a short limit)."""
+    store = MemoryResponseStore(orphan_after_s=1.2)
+    with scripted_app(backend, response_store=store) as server:
+        client = openai_client(server.url)
+        backend.push(LONG, delay_s=0.05)  # ~67 deltas: ~3.4 s
+        created = client.responses.create(model=MODEL, input="Hi", background=True)
+        t0 = time.monotonic()
+        done = wait_for(client, created.id, ("completed", "failed"))
+        assert done.status == "completed" and time.monotonic() - t0 > 2.4, (done.status, done.error)
