@@ -20,8 +20,8 @@ from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
-from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
-                                         parse_json)
+from serve_app.openai_api.errors import (BadRequest, ModelNotFound, PayloadTooLarge, ServerOverloaded,
+                                         install_error_handlers, parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.background import BackgroundRuns
@@ -149,7 +149,10 @@ def create_app(
 
     # Stored responses are scoped to the API key that made them (auth.requester; None without keys).
     @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+    async def get_response(request: Request, response_id: str, stream: str | None = None) -> dict[str, Any]:
+        if stream not in (None, "false", "False"):  # the client would wait for events that never come
+            raise BadRequest("streaming a stored response (stream=true, starting_after) is not supported; "
+                             "retrieve it without stream", param="stream")
         return await retrieve_response(response_id, ctx, requester(request))
 
     @app.delete("/v1/responses/{response_id}")
