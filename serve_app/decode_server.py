@@ -22,8 +22,8 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.request import EngineUnhealthyError, GenerateRequest, TokenDelta
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import (check_engine_health, engine_stats, log, replica_device, report_metrics_forever,
-                                   start_engine, stop_hosting)
+from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
+                                   stop_hosting)
 from serve_app.kv_transfer import CudaIpcTransport, KVTransferError, ReceiveOffer, make_transport, payload_upper_bound
 from serve_app.metrics import ServerMetrics
 
@@ -154,7 +154,9 @@ class DecodeServer:
         return self.engine.max_context
 
     def check_health(self) -> None:
-        check_engine_health(self)
+        """Serve's health check: EngineUnhealthyError while the engine cannot serve (engine/health.py); Serve
+        replaces the replica after 3 in a row, and meanwhile the engine refuses new requests with a 503."""
+        self.engine.check_health()
 
     def stats(self) -> dict:
         """Debug: pool usage and counters of this replica's engine, transfers and fallbacks."""

@@ -87,13 +87,6 @@ async def report_metrics_forever(engine, metrics: ServerMetrics, interval_s: flo
         await asyncio.sleep(interval_s)
 
 
-def check_engine_health(server) -> None:
-    """A server's Serve `check_health`: raise while its engine cannot serve (EngineUnhealthyError, saying why).
-    Serve calls it every `health_check_period_s` and replaces a replica after 3 failures in a row; meanwhile
-    the engine refuses new requests with the same error (a 503 the client may retry)."""
-    server.engine.check_health()
-
-
 def engine_stats(engine) -> dict:
     """Pool usage and counters of the replica's engine (the servers' `stats` debug method)."""
     return engine.metrics()

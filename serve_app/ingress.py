@@ -94,7 +94,7 @@ class HarmonyIngress:
         self.api_metrics = ApiMetrics()
 
     def __serve_build_asgi_app__(self):
-        from serve_app.openai_api.app import create_app
+        from serve_app.openai_api.app import DEFAULT_MAX_BODY_BYTES, create_app
         from serve_app.openai_api.model_router import serve_models
 
         s = self.settings
@@ -108,8 +108,8 @@ class HarmonyIngress:
             for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]
-        return serve_models(self._apps, max_body_bytes=next(iter(self._apps.values())).state.max_body_bytes,
-                            api_keys=s.api_key_values(), cors_allow_origins=s.cors_allow_origins)
+        return serve_models(self._apps, max_body_bytes=DEFAULT_MAX_BODY_BYTES, api_keys=s.api_key_values(),
+                            cors_allow_origins=s.cors_allow_origins)
 
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few

@@ -13,8 +13,8 @@ import time
 
 from engine.request import GenerateRequest
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import (check_engine_health, engine_stats, log, replica_device, report_metrics_forever,
-                                   start_engine, stop_hosting)
+from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
+                                   stop_hosting)
 from serve_app.kv_transfer import KVHandle, ReceiveOffer, make_transport
 from serve_app.metrics import ServerMetrics
 
@@ -48,7 +48,9 @@ class PrefillServer:
         return handle
 
     def check_health(self) -> None:
-        check_engine_health(self)
+        """Serve's health check: EngineUnhealthyError while the engine cannot serve (engine/health.py); Serve
+        replaces the replica after 3 in a row, and meanwhile the engine refuses new requests with a 503."""
+        self.engine.check_health()
 
     def stats(self) -> dict:
         """Debug: the engine's pool usage and counters."""

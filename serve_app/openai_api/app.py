@@ -18,13 +18,13 @@ from engine.request import EngineUnhealthyError, TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.auth import ApiKeyGate, requester
+from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api.errors import (BadRequest, ModelNotFound, PayloadTooLarge, ServerOverloaded,
                                          install_error_handlers, parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, InputTokensRequest, ResponsesRequest
-from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
                                             list_input_items, retrieve_response)
 from serve_app.openai_api.stored_responses import ResponseStore
@@ -85,7 +85,6 @@ def create_app(
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)
-    app.state.max_body_bytes = max_body_bytes
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)

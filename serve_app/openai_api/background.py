@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Awaitable, Callable
 
 from serve_app.openai_api.stored_responses import ResponseStore, StoredResponse, is_unfinished
@@ -99,8 +100,7 @@ class BackgroundRuns:
                 if work is None:
                     log.warning("background response %s: no final state %g s after its cancel; marking it "
                                 "cancelled", response_id, CANCEL_WAIT_S)
-                stopped = StoredResponse({**stored.response, "status": "cancelled"}, stored.input_items,
-                                         stored.previous_id, stored.owner)
+                stopped = replace(stored, response={**stored.response, "status": "cancelled"})
                 await self.store.put(response_id, stopped)
                 return stopped
             await asyncio.sleep(0.05)

@@ -38,8 +38,8 @@ from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.stored_responses import ResponseStore
-from serve_app.openai_api.usage import Caller, UsageRecord, UsageSink, report
 from serve_app.openai_api.streaming import EventStreamResponse, run_unless_disconnected
+from serve_app.openai_api.usage import Caller, UsageRecord, UsageSink, report
 
 log = logging.getLogger(__name__)
 
@@ -442,6 +442,11 @@ class GenerationGroup:
                    for key in ("reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")}}
 
 
+def request_id_headers(http: Request, response_id: str) -> dict[str, str] | None:
+    """The answer's `x-request-id` when the request came without one (respond(): why)."""
+    return None if "x-request-id" in http.headers else {"x-request-id": response_id}
+
+
 async def respond(http: Request, gen: Generation | GenerationGroup, *, response_id: str, stream: bool,
                   make_stream: Callable[[Any], AsyncIterator[bytes]],
                   make_body: Callable[[Any], Awaitable[dict]], keepalive_s: float | None) -> Response:
@@ -457,7 +462,7 @@ async def respond(http: Request, gen: Generation | GenerationGroup, *, response_
     request ids are it or `<id>-<choice>`) as the answer's, as OpenAI's answers carry one (the openai client's
     `_request_id`). Under Serve the proxy gives every request one (or keeps the client's), tags the replicas'
     log lines of the request with it and returns it: a second value here would only be appended to it."""
-    headers = None if "x-request-id" in http.headers else {"x-request-id": response_id}
+    headers = request_id_headers(http, response_id)
     keepalive = keepalive_s if stream else None
     try:
         await run_unless_disconnected(http, lambda: first_deltas(gen, keepalive))

@@ -36,6 +36,7 @@ from serve_app.openai_api.generation import (
     IngressContext,
     SamplingRequest,
     Step,
+    request_id_headers,
     respond,
     sampling_params,
 )
@@ -236,12 +237,15 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     store = ctx.store is not None and req.store is not False
     own_items = stored_input_items(req) if store else []
 
+    def stored(response: dict[str, Any]) -> StoredResponse:
+        return StoredResponse(response, own_items, req.previous_response_id, owner)
+
     async def keep(response: dict[str, Any]) -> None:
         """Store the finished response before the client hears it finished, so a follow-up can name it."""
         if not store:
             return
         try:
-            await ctx.store.put(gen.request_id, StoredResponse(response, own_items, req.previous_response_id, owner))
+            await ctx.store.put(gen.request_id, stored(response))
         except Exception:  # the answer stands; only a later previous_response_id to it will fail
             log.exception("response %s: storing it failed", gen.request_id)
 
@@ -272,8 +276,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     async def frames(gen: Generation, assembler: ResponsesAssembler) -> AsyncIterator[list[dict[str, Any]]]:
         async for step in gen.steps():
             # Items closed by the last step were cut short when the response hit max_output_tokens.
-            status = "incomplete" if gen.finish_reason == "length" else "completed"
-            yield assembler.step(step, status)
+            yield assembler.step(step, final_status())
 
     async def body(gen: Generation) -> dict:
         assembler = new_assembler()
@@ -301,21 +304,23 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             await gen.close()
 
     async def run_in_background() -> None:
-        """The background run (background.py): its states go to the store, the last one whatever happens."""
+        """The background run (background.py): its states go to the store, the last one whatever happens, once
+        its engine request has ended (so a cancel's answer means the engine holds nothing of it)."""
         assembler = new_assembler()
+        final = None
         try:
             await gen.start()
             await keep(snapshot("in_progress", []))
             async for _ in frames(gen, assembler):
                 pass
-            await keep(snapshot(final_status(), assembler.output, usage_json(gen)))
+            final = snapshot(final_status(), assembler.output, usage_json(gen))
         except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
             if ctx.background.stopping:  # not the client's doing: the replica stops (BackgroundRuns.stop)
-                await keep(snapshot("failed", assembler.output, usage_json(gen), error={
+                final = snapshot("failed", assembler.output, usage_json(gen), error={
                     "code": "server_error", "message": "The server replica running this background response "
-                    "stopped before it finished (server_shutdown); create it again."}))
+                    "stopped before it finished (server_shutdown); create it again."})
             else:
-                await keep(snapshot("cancelled", assembler.output, usage_json(gen)))
+                final = snapshot("cancelled", assembler.output, usage_json(gen))
         except Exception as err:  # a refusal or an engine failure: the response failed, with OpenAI's error
             api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
             if not isinstance(err, APIError):
@@ -323,18 +328,18 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             # OpenAI's codes for a response's error are a closed set: ours go into the message
             code = "invalid_prompt" if isinstance(api, BadRequest) else "server_error"
             detail = f" ({api.code})" if api.code else ""
-            await keep(snapshot("failed", assembler.output, usage_json(gen),
-                                error={"code": code, "message": api.message + detail}))
+            final = snapshot("failed", assembler.output, usage_json(gen),
+                             error={"code": code, "message": api.message + detail})
         finally:
             await gen.close()
+            if final is not None:
+                await keep(final)
 
     if req.background:
         queued = snapshot("queued", [])
-        await _ask_store(ctx.store.put(gen.request_id, StoredResponse(queued, own_items, req.previous_response_id,
-                                                                      owner)))
+        await _ask_store(ctx.store.put(gen.request_id, stored(queued)))
         ctx.background.start(gen.request_id, run_in_background)
-        headers = None if "x-request-id" in http.headers else {"x-request-id": gen.request_id}
-        return JSONResponse(queued, headers=headers)
+        return JSONResponse(queued, headers=request_id_headers(http, gen.request_id))
     return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body,
                          keepalive_s=ctx.config.stream_keepalive_s)
 

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ class MemoryResponseStore:
         if is_unfinished(stored) and self._clock() - self._seen.get(response_id, self._clock()) > self.orphan_after_s:
             log.warning("background response %s: no word from its replica for %g s; marking it failed", response_id,
                         self.orphan_after_s)
-            stored = StoredResponse({**stored.response, "status": "failed", "error": {
+            stored = replace(stored, response={**stored.response, "status": "failed", "error": {
                 "code": "server_error", "message": "The server replica running this background response stopped "
-                "before it finished; create it again."}}, stored.input_items, stored.previous_id, stored.owner)
+                "before it finished; create it again."}})
             self._cancel.discard(response_id)
             await self.put(response_id, stored)
         return stored
