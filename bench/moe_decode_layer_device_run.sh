@@ -4,7 +4,8 @@
 # compared with), the kernel's GPU tests, then the layer against the split path in one process (bench.moe at T = 1:
 # rows fp8_routed and fp8_layer, both models); AB=1 adds bench.decode_ab (120b with FP8 QKV / O / unembedding,
 # 20b with every decode opt-in), the decode step with and without the kernel; ENGINE=1 adds 120b's and 20b's
-# batch-1 engine runs with decode_moe='fused'. TESTS=0 skips the tests, MOE=0 the layer bench.
+# batch-1 engine runs with decode_moe='fused'. TESTS=0 skips the tests, PROBE=0 the kernel's trace probe
+# (bench/moe_decode_layer_probe.py), MOE=0 the layer bench.
 #   LIMIT_S=580 bash bench/moe_decode_layer_device_run.sh
 set -u
 DEVICE_START=$(date +%s)
@@ -12,8 +13,12 @@ source scripts/device_env.sh
 step build 150 python3 -m scripts.prebuild_cuda_kernels --only decode_front,moe_decode_layer
 tail -n 3 "$OUT/build.log"
 [ "${TESTS:-1}" = 1 ] && step tests 200 python3 -m pytest -q -ra -x -p no:cacheprovider \
-    tests/kernels/test_moe_decode_layer_cuda_gpu.py -k "${TEST_K:-not nothing}"
+    tests/kernels/test_moe_decode_layer_cuda_gpu.py -k "${TEST_K:-not zzz_none}"
 [ -f "$OUT/tests.log" ] && tail -n 12 "$OUT/tests.log"
+if [ "${PROBE:-1}" = 1 ]; then
+    step probe 150 python3 -m bench.moe_decode_layer_probe --out "$OUT/moe_decode_layer_probe_h200.json"
+    tail -n 40 "$OUT/probe.log"
+fi
 if [ "${MOE:-1}" = 1 ]; then
     step moe 200 python3 -m bench.moe --tokens 1 --skip gemm,decode,dense --out "$OUT/moe_layer_t1_h200.json"
     grep -E "fp8_routed|fp8_layer|FAILED" "$OUT/moe.log"

@@ -149,6 +149,13 @@ __device__ __forceinline__ float warp_max(float m) {
     return m;
 }
 
+__device__ __forceinline__ void stamp(const Args& args, int point) {
+    if (args.trace == nullptr) return;
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    args.trace[blockIdx.x * kTracePoints + point] = t;
+}
+
 struct Unit {
     bool gate_up;
     int slot, tile;
@@ -185,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
     const int nkb_x = args.hp / 128, nkb_a = args.ip / 128, nkb_w = (args.hp > args.ip ? args.hp : args.ip) / 128;
 
     // 0. Before the PDL wait (nothing a predecessor writes): this warp's router row, the ring's barriers.
+    if (threadIdx.x == 0) stamp(args, 0);
     const int my_e = cta + grid * warp;
     const bool router_warp = warp < kConsumerWarps && my_e < args.num_experts;
     const int nvec = hidden / 8;
@@ -204,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (threadIdx.x == 0) stamp(args, 1);
 
     // 1. Logits (one warp per expert, the CUDA front's order), the token's FP8 row, CTA 0 zeroes the amax.
     if (router_warp) {
@@ -247,6 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
     __syncthreads();
     if (threadIdx.x == 0) grid_barrier(args.barrier, grid);  // B1: every logit written
     __syncthreads();
+    if (threadIdx.x == 0) stamp(args, 2);
 
     // 2. Routing in every CTA from the same logits (warp 0): bias, bf16 rounding, top-k with ties to the lower id,
     // softmax over the k (the CUDA front's instructions), this rank's slots in ascending expert order.
@@ -320,6 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
         }
     }
     __syncthreads();
+    if (threadIdx.x == 0) stamp(args, 3);
     const int n_act = route[0];
     if (n_act == 0) {  // none of this rank's experts: its contribution is zero (every CTA took the same branch)
         for (int d = cta * kThreads + threadIdx.x; d < hidden; d += grid * kThreads) args.out[d] = __float2bfloat16(0.f);
@@ -355,6 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
                 bulk_copy(smem_u32(ring + (static_cast<size_t>(s) * kTileRows + lane) * L.row_stride),
                           src + static_cast<size_t>(lane) * row_bytes, bytes, full);
         }
+        if (lane == 0) stamp(args, 11);
         return;
     }
 
@@ -383,6 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
     auto run_unit = [&](int i) {
         const int s = i % stages;
         mbar_wait(smem_u32(bars + s), (i / stages) & 1);
+        if (i == 0 && threadIdx.x == 0) stamp(args, 4);
         const Unit w = unit_of(i, cta, grid, n_act, n1);
         const uint8_t* st = ring + static_cast<size_t>(s) * kTileRows * L.row_stride;
         const int k = w.gate_up ? hidden : inter;
@@ -442,8 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
 
     for (int i = 0; i < my_gate_up; ++i) run_unit(i);
     consumers_sync();
+    if (threadIdx.x == 0) stamp(args, 5);
     if (threadIdx.x == 0) grid_barrier(args.barrier, grid);  // B2: every activation and its amax written
     consumers_sync();
+    if (threadIdx.x == 0) stamp(args, 6);
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // all CTAs are resident by now
     // The activation of each slot to FP8 per 128 channels (every CTA: its down units may be any slot's).
     for (int blk = warp; blk < n_act * nkb_a; blk += kConsumerWarps) {
@@ -459,10 +474,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
         if (lane == 0) as[blk] = scale;
     }
     consumers_sync();
+    if (threadIdx.x == 0) stamp(args, 7);
     for (int i = my_gate_up; i < my_units; ++i) run_unit(i);
     consumers_sync();
+    if (threadIdx.x == 0) stamp(args, 8);
     if (threadIdx.x == 0) grid_barrier(args.barrier, grid);  // B3: every down row written
     consumers_sync();
+    if (threadIdx.x == 0) stamp(args, 9);
 
     // 5. Combine a slice of the output: the k pairs in routing order, fp32, then bf16.
     const int per_cta = (hidden + grid - 1) / grid;
@@ -476,6 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
         }
         args.out[d] = __float2bfloat16_rn(acc);
     }
+    if (threadIdx.x == 0) stamp(args, 10);
 }
 
 size_t smem_bytes(int hp, int ip, int stages, int max_units) { return layout_of(hp, ip, stages, max_units).total; }

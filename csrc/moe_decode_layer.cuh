@@ -36,7 +36,12 @@ struct Args {
     int hidden, inter, hp, ip, num_experts, top_k, first_expert, num_local;
     float alpha, limit;
     int stages, max_units;          // ring stages; units of work per CTA at most (smem for their scales)
+    long long* trace;               // null, or [grid, kTracePoints] %globaltimer stamps per CTA (bench probe)
 };
+
+// Trace points: entry, after the PDL wait, after B1, after routing, first tile landed, gate_up done, after B2,
+// activation quantized, down done, after B3, combine done, (producer) last copy issued
+constexpr int kTracePoints = 12;
 
 // Bytes of dynamic shared memory for these shapes.
 size_t smem_bytes(int hp, int ip, int stages, int max_units);

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
-#include <utility>
 
 #include "moe_decode_layer.cuh"
 
@@ -16,18 +15,24 @@ namespace moe_decode_layer {
 
 namespace {
 
+// The kernel's dynamic shared memory attribute only grows (a smaller call must not shrink it under a larger one).
+size_t smem_attribute_set = 0;
+
 bool aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// (grid, kernel smem attribute set) per device and smem size: cudaFuncSetAttribute once, not per launch
+// The grid per device, the kernel's shared-memory attribute raised when a launch needs more: cudaFuncSetAttribute
+// only then, not per launch. (The attribute is the function's, for every device of the process.)
 int grid_for(int device, size_t smem) {
     static std::mutex mu;
-    static std::map<std::pair<int, size_t>, int> grids;
+    static std::map<int, int> grids;
     std::lock_guard<std::mutex> lock(mu);
-    auto it = grids.find({device, smem});
-    if (it != grids.end()) return it->second;
+    auto it = grids.find(device);
+    if (it != grids.end() && smem <= smem_attribute_set) return it->second;
     int grid = 0;
-    C10_CUDA_CHECK(prepare(device, static_cast<int>(smem), &grid));
-    grids[{device, smem}] = grid;
+    const size_t want = std::max(smem, smem_attribute_set);
+    C10_CUDA_CHECK(prepare(device, static_cast<int>(want), &grid));
+    smem_attribute_set = want;
+    grids[device] = grid;
     return grid;
 }
 
@@ -49,7 +54,7 @@ void layer(torch::Tensor x, torch::Tensor router_w, torch::Tensor router_b, torc
            torch::Tensor b13, torch::Tensor w2, torch::Tensor s2, torch::Tensor b2, torch::Tensor out,
            torch::Tensor ids, torch::Tensor weights, torch::Tensor logits, torch::Tensor act, torch::Tensor amax,
            torch::Tensor ybuf, torch::Tensor barrier, int64_t first_expert, double alpha, double limit,
-           int64_t stages, bool pdl) {
+           int64_t stages, bool pdl, torch::Tensor trace) {
     const int hidden = static_cast<int>(x.size(-1)), num_experts = static_cast<int>(router_w.size(0));
     const int num_local = static_cast<int>(w13.size(0)), inter = static_cast<int>(w13.size(1) / 2);
     const int hp = static_cast<int>(w13.size(2)), ip = static_cast<int>(w2.size(2));
@@ -81,7 +86,8 @@ void layer(torch::Tensor x, torch::Tensor router_w, torch::Tensor router_b, torc
                     && act.scalar_type() == at::kFloat && act.numel() >= kMaxSlots * inter && aligned16(act)
                     && amax.scalar_type() == at::kInt && amax.numel() >= kMaxSlots * (ip / 128)
                     && ybuf.scalar_type() == at::kFloat && ybuf.numel() >= kMaxSlots * hidden
-                    && barrier.scalar_type() == at::kInt && barrier.numel() >= 2,
+                    && barrier.scalar_type() == at::kInt && barrier.numel() >= 2
+                    && (trace.numel() == 0 || trace.scalar_type() == at::kLong),
                 "moe_decode_layer: output or scratch buffers");
     const int device = x.get_device();
     const int64_t st = plan_stages(device, hidden, inter, hp, ip, stages);
@@ -99,7 +105,11 @@ void layer(torch::Tensor x, torch::Tensor router_w, torch::Tensor router_b, torc
               reinterpret_cast<unsigned*>(amax.data_ptr<int>()), ybuf.data_ptr<float>(),
               reinterpret_cast<unsigned*>(barrier.data_ptr<int>()), hidden, inter, hp, ip, num_experts, top_k,
               static_cast<int>(first_expert), num_local, static_cast<float>(alpha), static_cast<float>(limit),
-              static_cast<int>(st), mu};
+              static_cast<int>(st), mu, nullptr};
+    if (trace.numel() > 0) {
+        TORCH_CHECK(trace.numel() >= static_cast<int64_t>(grid) * kTracePoints, "trace: [grid, kTracePoints] int64");
+        args.trace = reinterpret_cast<long long*>(trace.data_ptr<int64_t>());
+    }
     const c10::cuda::CUDAGuard guard(x.device());
     C10_CUDA_CHECK(launch(args, grid, smem, c10::cuda::getCurrentCUDAStream(), pdl));
 }
