@@ -48,13 +48,13 @@ def make_layer(e: int) -> Fp8Experts:
     return fp8
 
 
-def trace_once(fp8, x, w, b, stages: int) -> dict:
+def trace_once(fp8, x, w, b, stages: int, copy_only: int = 0) -> dict:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     trace = torch.zeros(sms, len(fused.TRACE_POINTS), dtype=torch.int64, device=DEV)
     cache = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     cache.zero_()  # L2 flushed of the weights
     torch.cuda.synchronize()
-    fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=stages, trace=trace)
+    fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=stages, trace=trace, copy_only=copy_only)
     torch.cuda.synchronize()
     t = trace.double()
     t0 = t[:, 0].min()
@@ -89,10 +89,17 @@ def main() -> None:
     for stages in range(2, deepest + 1):
         result["us"][f"layer_s{stages}"] = graph_time_us(
             lambda x, s=stages: fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=s)[0], xs)[0]
+    for mode, name in ((1, "copy_rows"), (2, "copy_tiles")):  # the stream alone: row copies, one copy per tile
+        for stages in (2, deepest):
+            result["us"][f"{name}_s{stages}"] = graph_time_us(
+                lambda x, s=stages, m=mode: fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=s,
+                                                               copy_only=m)[0], xs)[0]
     result["us"]["split_again"] = graph_time_us(split, xs)[0]
     for stages in sorted({2, deepest}):
         trace_once(fp8, xs[0][0], w, b, stages)  # warm
         result["trace"][f"s{stages}"] = trace_once(fp8, xs[1][0], w, b, stages)
+    trace_once(fp8, xs[0][0], w, b, deepest, copy_only=1)
+    result["trace"][f"copy_rows_s{deepest}"] = trace_once(fp8, xs[1][0], w, b, deepest, copy_only=1)
     mb = 4 * (fp8.w13[0].numel() + fp8.w2[0].numel()) / 1e6
     print(f"MoE layer at T = 1, {args.experts} experts, {mb:.1f} MB of expert weights per token; {result['device']}")
     for name, us in result["us"].items():

@@ -360,6 +360,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
                 row_bytes = args.ip;
             }
             const uint32_t full = smem_u32(bars + s);
+            if (args.copy_only == 2) {  // probe: the tile's rows as one copy, their K padding included
+                if (lane == 0) {
+                    mbar_expect_tx(full, kTileRows * row_bytes);
+                    bulk_copy(smem_u32(ring + static_cast<size_t>(s) * kTileRows * L.row_stride), src,
+                              kTileRows * row_bytes, full);
+                }
+                continue;
+            }
             if (lane == 0) mbar_expect_tx(full, kTileRows * bytes);
             __syncwarp();
             if (lane < kTileRows)
@@ -396,6 +404,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
         const int s = i % stages;
         mbar_wait(smem_u32(bars + s), (i / stages) & 1);
         if (i == 0 && threadIdx.x == 0) stamp(args, 4);
+        if (args.copy_only) {  // probe: the stream alone
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_u32(bars + kMaxStages + s));
+            return;
+        }
         const Unit w = unit_of(i, cta, grid, n_act, n1);
         const uint8_t* st = ring + static_cast<size_t>(s) * kTileRows * L.row_stride;
         const int k = w.gate_up ? hidden : inter;

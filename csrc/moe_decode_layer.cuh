@@ -37,6 +37,8 @@ struct Args {
     float alpha, limit;
     int stages, max_units;          // ring stages; units of work per CTA at most (smem for their scales)
     long long* trace;               // null, or [grid, kTracePoints] %globaltimer stamps per CTA (bench probe)
+    int copy_only;                  // probe: 0 the layer; 1 stream the weights only (row copies, no math);
+                                    // 2 the same with one bulk copy per 16-row tile (pads included)
 };
 
 // Trace points: entry, after the PDL wait, after B1, after routing, first tile landed, gate_up done, after B2,

@@ -78,11 +78,12 @@ def new_barrier(device) -> torch.Tensor:
 
 def decode_layer(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int, experts,
                  barrier: torch.Tensor, stages: int = 0,
-                 trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 trace: torch.Tensor | None = None, copy_only: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [1, D] bf16 -> (this rank's MoE output [1, D] bf16, expert ids [1, k] int32, weights [1, k] fp32).
     `experts`: an Fp8Experts (its w13 / s13 / b13 / w2 / s2 / b2, first_expert, alpha, limit); `barrier`:
     new_barrier(), one per layer; stages: the ring's depth (0: the most that fit); trace: None, or int64 [SMs, 12]
-    that gets each CTA's %globaltimer stamps (TRACE_POINTS; bench/moe_decode_layer_probe.py)."""
+    that gets each CTA's %globaltimer stamps (TRACE_POINTS; bench/moe_decode_layer_probe.py); copy_only (probe): 1
+    streams the weights without the math (row copies), 2 the same as one copy per 16-row tile: the output is garbage."""
     if not supports(x, router_weight, top_k, experts) or router_bias.shape != router_weight.shape[:1]:
         raise ValueError(f"moe_decode_layer_cuda: x {tuple(x.shape)} {x.dtype}, router {tuple(router_weight.shape)} "
                          f"{router_weight.dtype}, k={top_k}: outside this kernel's range")
@@ -98,5 +99,6 @@ def decode_layer(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
     _extension().layer(x.contiguous(), router_weight.contiguous(), router_bias.contiguous(), experts.w13, experts.s13,
                        experts.b13, experts.w2, experts.s2, experts.b2, out, ids, weights, logits, act, amax, ybuf,
                        barrier, experts.first_expert, float(experts.alpha), float(experts.limit), stages,
-                       pdl.active(x), trace if trace is not None else _NO_TRACE.setdefault(dev, torch.empty(0, dtype=torch.int64, device=dev)))
+                       pdl.active(x), trace if trace is not None else _NO_TRACE.setdefault(dev, torch.empty(0, dtype=torch.int64, device=dev)),
+                       copy_only)
     return out, ids, weights
