@@ -48,13 +48,14 @@ def make_layer(e: int) -> Fp8Experts:
     return fp8
 
 
-def trace_once(fp8, x, w, b, stages: int, copy_only: int = 0) -> dict:
+def trace_once(fp8, x, w, b, stages: int, producer: str = "bulk", copy_only: bool = False) -> dict:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     trace = torch.zeros(sms, len(fused.TRACE_POINTS), dtype=torch.int64, device=DEV)
     cache = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     cache.zero_()  # L2 flushed of the weights
     torch.cuda.synchronize()
-    fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=stages, trace=trace, copy_only=copy_only)
+    fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=stages, trace=trace, producer=producer,
+                       copy_only=copy_only)
     torch.cuda.synchronize()
     t = trace.double()
     t0 = t[:, 0].min()
@@ -86,26 +87,28 @@ def main() -> None:
         return fp8.routed_forward(x, w, b, TOP_K)
 
     result["us"]["split"] = graph_time_us(split, xs)[0]
-    for stages in range(2, deepest + 1):
-        result["us"][f"layer_s{stages}"] = graph_time_us(
-            lambda x, s=stages: fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=s)[0], xs)[0]
-    for mode, name in ((1, "copy_rows"), (2, "copy_tiles")):  # the stream alone: row copies, one copy per tile
+    def timed(stages: int, producer: str, copy_only: bool) -> float:
+        return graph_time_us(lambda x: fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=stages,
+                                                          producer=producer, copy_only=copy_only)[0], xs)[0]
+
+    for producer in ("bulk", "cp_async"):
+        for stages in range(2, deepest + 1):
+            result["us"][f"layer_{producer}_s{stages}"] = timed(stages, producer, False)
+    for producer in ("bulk", "bulk_tile", "cp_async"):  # the stream alone
         for stages in (2, deepest):
-            result["us"][f"{name}_s{stages}"] = graph_time_us(
-                lambda x, s=stages, m=mode: fused.decode_layer(x, w, b, TOP_K, fp8, fp8.layer_barrier, stages=s,
-                                                               copy_only=m)[0], xs)[0]
+            result["us"][f"copy_{producer}_s{stages}"] = timed(stages, producer, True)
     result["us"]["split_again"] = graph_time_us(split, xs)[0]
-    for stages in sorted({2, deepest}):
-        trace_once(fp8, xs[0][0], w, b, stages)  # warm
-        result["trace"][f"s{stages}"] = trace_once(fp8, xs[1][0], w, b, stages)
-    trace_once(fp8, xs[0][0], w, b, deepest, copy_only=1)
-    result["trace"][f"copy_rows_s{deepest}"] = trace_once(fp8, xs[1][0], w, b, deepest, copy_only=1)
+    for producer in ("bulk", "cp_async"):
+        for copy_only in (False, True):
+            trace_once(fp8, xs[0][0], w, b, deepest, producer, copy_only)  # warm
+            key = f"{'copy' if copy_only else 'layer'}_{producer}_s{deepest}"
+            result["trace"][key] = trace_once(fp8, xs[1][0], w, b, deepest, producer, copy_only)
     mb = 4 * (fp8.w13[0].numel() + fp8.w2[0].numel()) / 1e6
     print(f"MoE layer at T = 1, {args.experts} experts, {mb:.1f} MB of expert weights per token; {result['device']}")
     for name, us in result["us"].items():
-        print(f"  {name:<12} {us:7.1f} us  {mb / us:5.2f} TB/s")
+        print(f"  {name:<22} {us:7.1f} us  {mb / us:5.2f} TB/s")
     for key, points in result["trace"].items():
-        print(f"  trace ring {key} (us after the first entry: min / median / max over CTAs)")
+        print(f"  trace {key} (us after the first entry: min / median / max over CTAs)")
         for name, (lo, med, hi) in points.items():
             print(f"    {name:<18} {lo:7.2f} {med:7.2f} {hi:7.2f}")
     out = Path(args.out)

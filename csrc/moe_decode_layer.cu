@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
     }
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
-            mbar_init(smem_u32(bars + s), 1);
+            mbar_init(smem_u32(bars + s), args.producer == 2 ? kProducerWarps * 32 : 1);
             mbar_init(smem_u32(bars + kMaxStages + s), kConsumerWarps);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -341,8 +341,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
     const int my_units = cta < total ? (total - 1 - cta) / grid + 1 : 0;
     const int my_gate_up = cta < n1 ? (n1 - 1 - cta) / grid + 1 : 0;
 
-    // 3. The producer warp: every unit's 16 rows into the ring, one bulk copy per row, as soon as a slot is free.
-    if (warp == kConsumerWarps) {
+    // 3. The producer warps: every unit's 16 rows into the ring as soon as a slot is free: one bulk copy per row
+    // (one warp), or 16-byte cp.async by all four warps, each thread's completion an arrival on the slot's barrier.
+    if (warp >= kConsumerWarps) {
+        const int ptid = threadIdx.x - kConsumerWarps * 32;
+        if (args.producer != 2 && ptid >= 32) return;
         for (int i = 0; i < my_units; ++i) {
             const int s = i % stages, round = i / stages;
             if (round > 0) mbar_wait(smem_u32(bars + kMaxStages + s), (round - 1) & 1);
@@ -360,7 +363,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
                 row_bytes = args.ip;
             }
             const uint32_t full = smem_u32(bars + s);
-            if (args.copy_only == 2) {  // probe: the tile's rows as one copy, their K padding included
+            if (args.producer == 2) {
+                const int per_row = bytes / 16;
+                uint8_t* dst = ring + static_cast<size_t>(s) * kTileRows * L.row_stride;
+                for (int q = ptid; q < kTileRows * per_row; q += kProducerWarps * 32) {
+                    const int r = q / per_row, c = q - r * per_row;
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                                 :: "r"(smem_u32(dst + r * L.row_stride + c * 16)),
+                                    "l"(src + static_cast<size_t>(r) * row_bytes + c * 16) : "memory");
+                }
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(full) : "memory");
+                continue;
+            }
+            if (args.producer == 1) {  // probe: the tile's rows as one copy, their K padding included
                 if (lane == 0) {
                     mbar_expect_tx(full, kTileRows * row_bytes);
                     bulk_copy(smem_u32(ring + static_cast<size_t>(s) * kTileRows * L.row_stride), src,
@@ -374,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
                 bulk_copy(smem_u32(ring + (static_cast<size_t>(s) * kTileRows + lane) * L.row_stride),
                           src + static_cast<size_t>(lane) * row_bytes, bytes, full);
         }
-        if (lane == 0) stamp(args, 11);
+        if (ptid == 0) stamp(args, 11);
         return;
     }
 

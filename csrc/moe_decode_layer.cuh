@@ -8,7 +8,8 @@
 namespace moe_decode_layer {
 
 constexpr int kConsumerWarps = 8;
-constexpr int kThreads = (kConsumerWarps + 1) * 32;  // + one producer warp issuing the weight copies
+constexpr int kProducerWarps = 4;                    // weight copies: one warp (bulk copies) or all four (cp.async)
+constexpr int kThreads = (kConsumerWarps + kProducerWarps) * 32;
 constexpr int kTileRows = 16;                        // weight rows per unit of work (one mma M)
 constexpr int kMaxSlots = 4;                         // local active experts of the token (top-k <= 4)
 constexpr int kMaxExperts = 128;
@@ -37,8 +38,9 @@ struct Args {
     float alpha, limit;
     int stages, max_units;          // ring stages; units of work per CTA at most (smem for their scales)
     long long* trace;               // null, or [grid, kTracePoints] %globaltimer stamps per CTA (bench probe)
-    int copy_only;                  // probe: 0 the layer; 1 stream the weights only (row copies, no math);
-                                    // 2 the same with one bulk copy per 16-row tile (pads included)
+    int producer;                   // 0: a bulk copy per weight row (one warp issues them); 2: 16-byte cp.async by
+                                    // the four producer warps; 1 (probe, copy_only): one bulk copy per 16-row tile
+    int copy_only;                  // probe: 1 streams the weights only (no math; the output is garbage)
 };
 
 // Trace points: entry, after the PDL wait, after B1, after routing, first tile landed, gate_up done, after B2,

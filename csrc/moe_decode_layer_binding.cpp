@@ -54,7 +54,7 @@ void layer(torch::Tensor x, torch::Tensor router_w, torch::Tensor router_b, torc
            torch::Tensor b13, torch::Tensor w2, torch::Tensor s2, torch::Tensor b2, torch::Tensor out,
            torch::Tensor ids, torch::Tensor weights, torch::Tensor logits, torch::Tensor act, torch::Tensor amax,
            torch::Tensor ybuf, torch::Tensor barrier, int64_t first_expert, double alpha, double limit,
-           int64_t stages, bool pdl, torch::Tensor trace, int64_t copy_only) {
+           int64_t stages, bool pdl, torch::Tensor trace, int64_t producer, int64_t copy_only) {
     const int hidden = static_cast<int>(x.size(-1)), num_experts = static_cast<int>(router_w.size(0));
     const int num_local = static_cast<int>(w13.size(0)), inter = static_cast<int>(w13.size(1) / 2);
     const int hp = static_cast<int>(w13.size(2)), ip = static_cast<int>(w2.size(2));
@@ -105,7 +105,9 @@ void layer(torch::Tensor x, torch::Tensor router_w, torch::Tensor router_b, torc
               reinterpret_cast<unsigned*>(amax.data_ptr<int>()), ybuf.data_ptr<float>(),
               reinterpret_cast<unsigned*>(barrier.data_ptr<int>()), hidden, inter, hp, ip, num_experts, top_k,
               static_cast<int>(first_expert), num_local, static_cast<float>(alpha), static_cast<float>(limit),
-              static_cast<int>(st), mu, nullptr, static_cast<int>(copy_only)};
+              static_cast<int>(st), mu, nullptr, static_cast<int>(producer), static_cast<int>(copy_only)};
+    TORCH_CHECK(producer == 0 || producer == 2 || (producer == 1 && copy_only == 1),
+                "producer: 0 (bulk copy per row), 2 (cp.async), 1 (one copy per tile: copy_only probes only)");
     if (trace.numel() > 0) {
         TORCH_CHECK(trace.numel() >= static_cast<int64_t>(grid) * kTracePoints, "trace: [grid, kTracePoints] int64");
         args.trace = reinterpret_cast<long long*>(trace.data_ptr<int64_t>());

@@ -31,6 +31,10 @@ MAX_SLOTS = 4  # the kernel's scratch holds this many local experts per token
 TRACE_POINTS = ("entry", "pdl_wait", "b1", "routed", "first_tile", "gate_up_done", "b2", "act_quantized", "down_done",
                 "b3", "combined", "last_copy_issued")
 _NO_TRACE: dict = {}
+# How weight rows reach the ring: "bulk" (a cp.async.bulk per row, issued by one warp), "cp_async" (16-byte cp.async by
+# four warps), "bulk_tile" (one bulk copy per 16-row tile, K padding included: copy_only probes only)
+PRODUCERS = {"bulk": 0, "bulk_tile": 1, "cp_async": 2}
+PRODUCER = "bulk"
 
 
 @functools.cache
@@ -78,12 +82,14 @@ def new_barrier(device) -> torch.Tensor:
 
 def decode_layer(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int, experts,
                  barrier: torch.Tensor, stages: int = 0,
-                 trace: torch.Tensor | None = None, copy_only: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 trace: torch.Tensor | None = None, producer: int | None = None,
+                 copy_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [1, D] bf16 -> (this rank's MoE output [1, D] bf16, expert ids [1, k] int32, weights [1, k] fp32).
     `experts`: an Fp8Experts (its w13 / s13 / b13 / w2 / s2 / b2, first_expert, alpha, limit); `barrier`:
     new_barrier(), one per layer; stages: the ring's depth (0: the most that fit); trace: None, or int64 [SMs, 12]
-    that gets each CTA's %globaltimer stamps (TRACE_POINTS; bench/moe_decode_layer_probe.py); copy_only (probe): 1
-    streams the weights without the math (row copies), 2 the same as one copy per 16-row tile: the output is garbage."""
+    that gets each CTA's %globaltimer stamps (TRACE_POINTS; bench/moe_decode_layer_probe.py); producer: how weight
+    rows reach shared memory (PRODUCERS; None: PRODUCER); copy_only (probe): stream the weights without the math (the
+    output is garbage)."""
     if not supports(x, router_weight, top_k, experts) or router_bias.shape != router_weight.shape[:1]:
         raise ValueError(f"moe_decode_layer_cuda: x {tuple(x.shape)} {x.dtype}, router {tuple(router_weight.shape)} "
                          f"{router_weight.dtype}, k={top_k}: outside this kernel's range")
@@ -100,5 +106,5 @@ def decode_layer(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torc
                        experts.b13, experts.w2, experts.s2, experts.b2, out, ids, weights, logits, act, amax, ybuf,
                        barrier, experts.first_expert, float(experts.alpha), float(experts.limit), stages,
                        pdl.active(x), trace if trace is not None else _NO_TRACE.setdefault(dev, torch.empty(0, dtype=torch.int64, device=dev)),
-                       copy_only)
+                       PRODUCERS[PRODUCER if producer is None else producer], int(copy_only))
     return out, ids, weights

@@ -85,14 +85,15 @@ def test_awkward_shapes(e, d, inter):
     check_layer(fp8, *router(e, d, e + 1))
 
 
-def test_ring_depths_change_nothing(experts20):
+def test_ring_depths_and_producers_change_nothing(experts20):
     fp8, _ = experts20
     w, b = router(E20, fp8.hidden, 4)
     deepest = fused._extension().plan_stages(0, fp8.hidden, fp8.intermediate, fp8.w13.shape[2], fp8.w2.shape[2], 0)
     assert deepest >= 3  # 20b's shapes fit more than the minimum ring on an H200
     for _ in range(2):
         x = torch.randn(1, fp8.hidden, device=DEV, dtype=torch.bfloat16)
-        outs = [fused.decode_layer(x, w, b, K, fp8, fused.new_barrier(DEV), stages=s)[0] for s in (2, 3, deepest)]
+        outs = [fused.decode_layer(x, w, b, K, fp8, fused.new_barrier(DEV), stages=s, producer=p)[0]
+                for s in (2, 3, deepest) for p in ("bulk", "cp_async")]
         assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
