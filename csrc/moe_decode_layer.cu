@@ -204,6 +204,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
                     ? __ldg(reinterpret_cast<const uint4*>(args.router_w + static_cast<size_t>(my_e) * hidden) + idx)
                     : make_uint4(0, 0, 0, 0);
     }
+    // warp 0 routes after B1: the router bias now (lane + 32 i)
+    float bias_v[kMaxExperts / 32];
+#pragma unroll
+    for (int i = 0; i < kMaxExperts / 32; ++i) {
+        const int e = lane + 32 * i;
+        bias_v[i] = warp == 0 && e < args.num_experts ? __bfloat162float(args.router_b[e]) : 0.f;
+    }
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
             mbar_init(smem_u32(bars + s), args.producer == 2 ? kProducerWarps * 32 : 1);
@@ -267,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
         for (int i = 0; i < kVals; ++i) {
             const int e = lane + 32 * i;
             val[i] = e < args.num_experts
-                         ? __bfloat162float(__float2bfloat16_rn(__ldcg(args.logits + e) + __bfloat162float(args.router_b[e])))
+                         ? __bfloat162float(__float2bfloat16_rn(__ldcg(args.logits + e) + bias_v[i]))
                          : -INFINITY;
         }
         int chosen[kMaxSlots];
@@ -488,18 +495,33 @@ __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const Args args)
     consumers_sync();
     if (threadIdx.x == 0) stamp(args, 6);
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // all CTAs are resident by now
-    // The activation of each slot to FP8 per 128 channels (every CTA: its down units may be any slot's).
-    for (int blk = warp; blk < n_act * nkb_a; blk += kConsumerWarps) {
-        const int slot = blk / nkb_a, kb = blk - slot * nkb_a;
-        const int c = kb * 128 + lane * 4;  // inter % 64 == 0
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-        if (c < inter) {
-            const float4 f = __ldcg(reinterpret_cast<const float4*>(args.act + static_cast<size_t>(slot) * inter + c));
-            v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+    // The activation of each slot to FP8 per 128 channels (every CTA: its down units may be any slot's). Every load
+    // first, then the math: one round trip (a loop of load-then-store took one per block, ~5 us on the H200).
+    {
+        constexpr int kPer = kMaxSlots * kMaxKBlocks / kConsumerWarps;
+        float4 f[kPer];
+        unsigned am[kPer];
+        const int blocks = n_act * nkb_a;
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+            const int blk = warp + j * kConsumerWarps;
+            const int slot = blk / nkb_a, c = (blk - slot * nkb_a) * 128 + lane * 4;  // inter % 64 == 0
+            f[j] = blk < blocks && c < inter
+                       ? __ldcg(reinterpret_cast<const float4*>(args.act + static_cast<size_t>(slot) * inter + c))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+            am[j] = blk < blocks ? __ldcg(args.amax + blk) : 0u;
         }
-        const float scale = __fdiv_rn(fmaxf(__uint_as_float(__ldcg(args.amax + blk)), 1e-4f), 448.f);
-        *reinterpret_cast<uint32_t*>(aq + static_cast<size_t>(slot) * args.ip + c) = quant4(v, scale);
-        if (lane == 0) as[blk] = scale;
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+            const int blk = warp + j * kConsumerWarps;
+            if (blk < blocks) {
+                const int slot = blk / nkb_a, c = (blk - slot * nkb_a) * 128 + lane * 4;
+                const float v[4] = {f[j].x, f[j].y, f[j].z, f[j].w};
+                const float scale = __fdiv_rn(fmaxf(__uint_as_float(am[j]), 1e-4f), 448.f);
+                *reinterpret_cast<uint32_t*>(aq + static_cast<size_t>(slot) * args.ip + c) = quant4(v, scale);
+                if (lane == 0) as[blk] = scale;
+            }
+        }
     }
     consumers_sync();
     if (threadIdx.x == 0) stamp(args, 7);

@@ -15,6 +15,7 @@ constexpr int kMaxSlots = 4;                         // local active experts of 
 constexpr int kMaxExperts = 128;
 constexpr int kVecPerLane = 12;                      // router row: hidden <= 12 * 32 * 8 = 3072
 constexpr int kMaxStages = 6;
+constexpr int kMaxKBlocks = 24;                      // intermediate (padded) <= 24 * 128 = 3072
 
 struct Args {
     const __nv_bfloat16* x;         // [hidden], the token (normed)

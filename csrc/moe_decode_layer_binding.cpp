@@ -65,7 +65,7 @@ void layer(torch::Tensor x, torch::Tensor router_w, torch::Tensor router_b, torc
                     && aligned16(router_w) && router_b.scalar_type() == at::kBFloat16 && router_b.numel() == num_experts,
                 "router: weight [E, hidden] and bias [E], bf16");
     TORCH_CHECK(hidden % 64 == 0 && inter % 64 == 0 && hidden <= kVecPerLane * 32 * 8 && hp % 128 == 0 && ip % 128 == 0
-                    && hidden <= hp && inter <= ip && num_experts <= kMaxExperts && 0 < top_k && top_k <= kMaxSlots
+                    && hidden <= hp && inter <= ip && ip <= kMaxKBlocks * 128 && num_experts <= kMaxExperts && 0 < top_k && top_k <= kMaxSlots
                     && top_k <= num_experts,
                 "moe_decode_layer: shapes out of this kernel's range");
     TORCH_CHECK(w13.element_size() == 1 && w13.is_contiguous() && aligned16(w13) && w13.sizes() == at::IntArrayRef({num_local, 2 * inter, hp}),

@@ -59,10 +59,10 @@ def model_outside_range(num_experts: int, hidden: int, intermediate: int, top_k:
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return f"it needs an SM90+ CUDA device, got {device}"
     if not (num_experts <= MAX_EXPERTS and 0 < top_k <= MAX_TOP_K and hidden % 64 == 0 and intermediate % 64 == 0
-            and hidden <= MAX_HIDDEN):
+            and hidden <= MAX_HIDDEN and intermediate <= MAX_HIDDEN):
         return (f"{num_experts} experts, hidden {hidden}, intermediate {intermediate}, top-{top_k} are outside its "
-                f"range (<= {MAX_EXPERTS} experts, top-k <= {MAX_TOP_K}, hidden and intermediate multiples of 64, "
-                f"hidden <= {MAX_HIDDEN})")
+                f"range (<= {MAX_EXPERTS} experts, top-k <= {MAX_TOP_K}, hidden and intermediate multiples of 64 up to "
+                f"{MAX_HIDDEN})")
     return None
 
 
