@@ -7,7 +7,6 @@ Variants, each checked against TorchExperts (bf16, same dequantized weights) bef
   fp8_dg     Fp8Experts, DeepGEMM grouped GEMMs only (masked layout for T <= 64, contiguous/psum above)
   fp8_dg_alt the other layout at T = 64 and 512 (how the threshold was chosen)
   fp8_tr     Fp8Experts, Triton only (the decode GEMM for T <= 64, the grouped GEMM above)
-  fp8_layer  (T = 1) router + layer as one persistent CUDA kernel (Fp8Experts.fused_decode_layer)
   fp8_routed (T <= 16) router + layer as the engine's decode step runs them: Fp8Experts.routed_forward, the
              fused decode front (router GEMV, top-k, plan, quantization in one launch; at T = 1 the front
              EngineConfig.decode_front="auto" picks: the CUDA cluster front for 120b's 128 experts) then fp8_tr's path
@@ -160,19 +159,18 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
             rows.append(layer_row(model, e, t, name, us, mode, diff, distinct,
                                   BF16_EXPERT_BYTES if backend == "bf16" else FP8_EXPERT_BYTES, **extra))
         if not shard and t <= ROUTED_MAX_TOKENS:
-            rows.extend(bench_routed(model, layer, t))
+            rows.append(bench_routed(model, layer, t))
     return rows
 
 
 ROUTED_MAX_TOKENS = 16
 
 
-def bench_routed(model: str, layer: Layer, t: int) -> list[dict]:
+def bench_routed(model: str, layer: Layer, t: int) -> dict:
     """The layer as the engine's decode step runs it (`Fp8Experts.routed_forward`): router GEMV, routing,
     plan and quantization in the fused front, then the Triton decode GEMMs, in a CUDA graph (PDL on) over
     4 inputs whose routings differ. Bytes counted: the experts each input routes to (the router's 0.7 MB
-    left out). At T = 1 also `fp8_layer`: the whole layer as one persistent CUDA kernel
-    (Fp8Experts.fused_decode_layer, kernels/moe/moe_decode_layer_cuda.py) on the same inputs."""
+    left out)."""
     g = torch.Generator(device=DEV).manual_seed(1000 + t)
     rw = (torch.randn(layer.e, D, device=DEV, generator=g) * D ** -0.5).bfloat16()
     rb = (torch.randn(layer.e, device=DEV, generator=g) * 0.1).bfloat16()
@@ -189,20 +187,8 @@ def bench_routed(model: str, layer: Layer, t: int) -> list[dict]:
     diff = calc_diff(fn(xs[0][0]), layer.ref(xs[0][0], *routed[0]))
     us, mode = graph_time_us(fn, xs)
     distinct = sum(int(torch.unique(ids).numel()) for ids, _ in routed) / len(routed)
-    rows = [layer_row(model, layer.e, t, "fp8_routed", us, mode, diff, distinct, FP8_EXPERT_BYTES,
-                      front="cuda" if layer.fp8.cuda_front and t == 1 else "triton")]
-    if t == 1:
-        layer.fp8.fused_decode_layer = True
-        try:
-            diff = calc_diff(fn(xs[0][0]), layer.ref(xs[0][0], *routed[0]))
-            us, mode = graph_time_us(fn, xs)
-            rows.append(layer_row(model, layer.e, t, "fp8_layer", us, mode, diff, distinct, FP8_EXPERT_BYTES))
-        except RuntimeError as exc:  # report and go on
-            print(f"{model:>5} T={t:<6} fp8_layer  FAILED {str(exc).splitlines()[0][:160]}", flush=True)
-            rows.append(dict(model=model, experts=layer.e, tokens=t, variant="fp8_layer", error=str(exc)[:300]))
-        finally:
-            layer.fp8.fused_decode_layer = False
-    return rows
+    return layer_row(model, layer.e, t, "fp8_routed", us, mode, diff, distinct, FP8_EXPERT_BYTES,
+                     front="cuda" if layer.fp8.cuda_front and t == 1 else "triton")
 
 
 def layer_row(model: str, e: int, t: int, variant: str, us: float, mode: str, diff: float, distinct: float,

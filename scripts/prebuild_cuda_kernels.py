@@ -1,12 +1,11 @@
 """Build this project's CUDA C++ kernels (csrc/*.cu) where a node is set up, so a replica never waits on nvcc.
 
-    python -m scripts.prebuild_cuda_kernels [--only decode_front,mxfp4_decode,moe_decode_layer]
+    python -m scripts.prebuild_cuda_kernels [--only decode_front,mxfp4_decode]
 
 Needs nvcc (CUDA_HOME) and ninja, not a GPU. Each extension lands in its folder under ~/.cache/gpt_oss_serve
-(kernels/cuda_extension.py; DECODE_FRONT_CUDA_BUILD_DIR / MXFP4_CUDA_BUILD_DIR / MOE_DECODE_LAYER_CUDA_BUILD_DIR move
-them); later processes of the same user load the built module instead of compiling (the first two together: 30 s on
-an H200 node). All build at once, each in its own process; exit status 1 if any fails (a replica then falls back to
-the Triton front, EngineConfig.decode_front, or the split decode MoE, EngineConfig.decode_moe).
+(kernels/cuda_extension.py; DECODE_FRONT_CUDA_BUILD_DIR / MXFP4_CUDA_BUILD_DIR move them); later processes of the
+same user load the built module instead of compiling (both together: 30 s on an H200 node). Both build at
+once, each in its own process; exit status 1 if either fails (a replica then falls back to the Triton front, EngineConfig.decode_front).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import concurrent.futures
 import sys
 import time
 
-EXTENSIONS = ("decode_front", "mxfp4_decode", "moe_decode_layer")
+EXTENSIONS = ("decode_front", "mxfp4_decode")
 
 
 def build(name: str) -> float:
@@ -25,10 +24,6 @@ def build(name: str) -> float:
         from kernels.moe import decode_front_cuda
 
         decode_front_cuda.build_in_background().result()
-    elif name == "moe_decode_layer":
-        from kernels.moe import moe_decode_layer_cuda
-
-        moe_decode_layer_cuda.build_in_background().result()
     else:
         from kernels.moe import mxfp4_cuda
 

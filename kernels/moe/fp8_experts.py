@@ -64,9 +64,6 @@ class Fp8Experts(nn.Module):
         # single-token steps' front as one CUDA cluster (decode_front_cuda; set by engine/model_factory.py from
         # EngineConfig.decode_front, its extension built before the first step)
         self.cuda_front = False
-        # single-token steps' whole layer (router .. combine) as one persistent CUDA kernel
-        # (moe_decode_layer_cuda; set by engine/model_factory.py from EngineConfig.decode_moe)
-        self.fused_decode_layer = False
         # SwiGLU + quantization with approximate divisions (epilogues_triton.swiglu_quant): None = its
         # default (prefill-sized calls only); True / False to compare (bench/prefill_ab)
         self.swiglu_fast_div: bool | None = None
@@ -86,8 +83,6 @@ class Fp8Experts(nn.Module):
         # the fused decode front's ticket counter (zero between calls; see decode_front_triton)
         # (a plain zeros buffer: building the module must not import Triton)
         self.register_buffer("front_ticket", torch.zeros(1, dtype=torch.int32, **kw), persistent=False)
-        # the fused decode layer's grid-barrier state (moe_decode_layer_cuda.new_barrier: arrivals, generation)
-        self.register_buffer("layer_barrier", torch.zeros(2, dtype=torch.int32, **kw), persistent=False)
         # Decode steps of at most this many tokens read the MXFP4 copy attached by attach_mxfp4 (0: never)
         self.mxfp4_max_tokens = 0
         self._mxfp4: tuple[dict, dict] | None = None
@@ -200,11 +195,6 @@ class Fp8Experts(nn.Module):
         quantization); everything else routes with kernels.moe.route first."""
         backend = resolve_backend(self.backend, x.device)
         t = x.shape[0]
-        if t == 1 and self.fused_decode_layer and backend != "torch":
-            from kernels.moe import moe_decode_layer_cuda as fused
-
-            if fused.supports(x, router_weight, top_k, self):
-                return fused.decode_layer(x, router_weight, router_bias, top_k, self, self.layer_barrier)[0]
         from kernels.moe import decode_front_triton as front
 
         if not self.fused_front or backend == "torch" or x.dtype != torch.bfloat16 or not 0 < t <= front.FRONT_MAX_TOKENS \
