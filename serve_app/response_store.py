@@ -17,10 +17,10 @@ REPORT_INTERVAL_S = 2.0
 
 
 class ResponseStoreServer(MemoryResponseStore):
-    """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`
-    and `_bytes` (Ray's Prometheus export prefixes `ray_`) every few seconds. Periodically, not once per change:
-    a gauge set once at start did not reach Ray's export in one CI run (the engines' gauges, reported
-    periodically, did)."""
+    """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`,
+    `_bytes` and `_background_running` (Ray's Prometheus export prefixes `ray_`) every few seconds, after marking the
+    orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge set once at start
+    did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
     async def __init__(self, max_responses: int, max_bytes: int):
         from ray.util import metrics
@@ -33,18 +33,22 @@ class ResponseStoreServer(MemoryResponseStore):
                               tag_keys=tuple(tags))
         size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses",
                              tag_keys=tuple(tags))
+        running = metrics.Gauge("gptoss_response_store_background_running",
+                                "Background responses stored as queued or in progress", tag_keys=tuple(tags))
 
         async def report_forever() -> None:
             while True:
+                await self.sweep_orphans()  # a dead ingress replica's runs: failed now, not when someone reads them
                 count.set(len(self), tags=tags)
                 size.set(self.bytes, tags=tags)
+                running.set(self.running(), tags=tags)
                 await asyncio.sleep(REPORT_INTERVAL_S)
 
         self._reporter = asyncio.get_running_loop().create_task(report_forever())
 
     def stats(self) -> dict[str, int]:
         return {"responses": len(self), "bytes": self.bytes, "max_responses": self.max_responses,
-                "max_bytes": self.max_bytes}
+                "max_bytes": self.max_bytes, "background_running": self.running()}
 
 
 class ServeResponseStore:

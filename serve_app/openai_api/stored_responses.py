@@ -14,7 +14,8 @@ previous_response_not_found). Under Ray Serve one replica holds it for every ing
 Background responses (background.py) are stored at once with status `queued`, then `in_progress`, then their
 final state; the store also carries the request to cancel one to whichever ingress replica runs it. That replica
 asks for cancels every 0.5 s, which tells the store it is alive: a response still unfinished `orphan_after_s` after
-the last such word from its replica (which died without a graceful stop) is marked failed when next read.
+the last such word from its replica (which died without a graceful stop) is marked failed when next read, or by
+`sweep_orphans`, which the store's Serve replica runs every few seconds (serve_app/response_store.py).
 """
 
 from __future__ import annotations
@@ -109,15 +110,41 @@ class MemoryResponseStore:
             return None
         self._items.move_to_end(response_id)
         stored = entry[0]
-        if is_unfinished(stored) and self._clock() - self._seen.get(response_id, self._clock()) > self.orphan_after_s:
-            log.warning("background response %s: no word from its replica for %g s; marking it failed", response_id,
-                        self.orphan_after_s)
-            stored = replace(stored, response={**stored.response, "status": "failed", "error": {
-                "code": "server_error", "message": "The server replica running this background response stopped "
-                "before it finished; create it again."}})
-            self._cancel.discard(response_id)
-            await self.put(response_id, stored)
+        if self._orphaned(response_id, stored):
+            stored = await self._fail_orphan(response_id, stored)
         return stored
+
+    def running(self) -> int:
+        """Background responses stored as unfinished (queued or in progress), orphans not yet marked included."""
+        return len(self._seen)
+
+    async def sweep_orphans(self) -> int:
+        """Mark failed every unfinished response whose replica has been silent for `orphan_after_s`, without waiting
+        for a read (a dead replica's runs otherwise stay `in_progress` until someone asks); returns how many. Not a
+        use of them: their places in the least-recently-used order stay."""
+        orphans = [rid for rid in list(self._seen) if rid in self._items and self._orphaned(rid, self._items[rid][0])]
+        for response_id in orphans:
+            await self._fail_orphan(response_id, self._items[response_id][0])
+        return len(orphans)
+
+    def _orphaned(self, response_id: str, stored: StoredResponse) -> bool:
+        return is_unfinished(stored) and self._clock() - self._seen.get(response_id, self._clock()) > self.orphan_after_s
+
+    async def _fail_orphan(self, response_id: str, stored: StoredResponse) -> StoredResponse:
+        """Store it as failed in its place (OrderedDict assignment keeps the position)."""
+        log.warning("background response %s: no word from its replica for %g s; marking it failed", response_id,
+                    self.orphan_after_s)
+        failed = replace(stored, response={**stored.response, "status": "failed", "error": {
+            "code": "server_error", "message": "The server replica running this background response stopped "
+            "before it finished; create it again."}})
+        self._cancel.discard(response_id)
+        self._seen.pop(response_id, None)
+        size = failed.size()
+        self.bytes += size - self._items[response_id][1]
+        self._items[response_id] = (failed, size)
+        while self.bytes > self.max_bytes and self._items:
+            self._drop(next(iter(self._items)))
+        return failed
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The items a continuation of `response_id` follows (module docstring), or None when it or any

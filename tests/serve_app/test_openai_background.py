@@ -255,6 +255,40 @@ def test_a_run_whose_replica_died_is_failed_once_its_polls_stop():
     asyncio.run(main())
 
 
+def test_the_sweep_fails_orphans_without_a_read_and_keeps_their_place():
+    """sweep_orphans (the store replica runs it every few seconds) marks a silent replica's runs failed before anyone
+    reads them, leaves runs whose replica polls alone, keeps the least-recently-used order, and running() counts."""
+    import asyncio
+
+    from serve_app.openai_api.stored_responses import StoredResponse
+
+    now = [0.0]
+    store = MemoryResponseStore(clock=lambda: now[0])
+
+    def resp(rid: str, status: str) -> StoredResponse:
+        return StoredResponse({"id": rid, "status": status, "output": [], "error": None}, [], None, "owner")
+
+    async def main():
+        await store.put("resp_old", resp("resp_old", "completed"))
+        await store.put("resp_dead", resp("resp_dead", "in_progress"))
+        await store.put("resp_live", resp("resp_live", "queued"))
+        assert store.running() == 2
+        now[0] = 25.0
+        assert await store.cancel_requested(["resp_live"]) == []  # resp_live's replica polls; resp_dead's is gone
+        now[0] = 31.0
+        assert await store.sweep_orphans() == 1
+        assert store.running() == 1 and list(store._items) == ["resp_old", "resp_dead", "resp_live"]
+        dead = store._items["resp_dead"][0]
+        assert dead.response["status"] == "failed" and dead.response["error"]["code"] == "server_error"
+        assert store.bytes == sum(size for _, size in store._items.values())
+        assert await store.sweep_orphans() == 0  # nothing twice
+        now[0] = 56.0
+        assert await store.sweep_orphans() == 1 and store.running() == 0  # resp_live's replica fell silent too
+        assert (await store.get("resp_live")).response["status"] == "failed"
+
+    asyncio.run(main())
+
+
 def test_a_long_run_stays_alive_through_its_polls(backend):
     """A run longer than orphan_after_s is not failed while its replica polls (a store with a short limit)."""
     store = MemoryResponseStore(orphan_after_s=1.2)

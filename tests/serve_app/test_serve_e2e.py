@@ -330,7 +330,8 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
               "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
               "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
               "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing", "ray_gptoss_draft_tokens",
-              "ray_gptoss_response_store_responses", "ray_gptoss_response_store_bytes", "ray_gptoss_api_requests",
+              "ray_gptoss_response_store_responses", "ray_gptoss_response_store_bytes",
+              "ray_gptoss_response_store_background_running", "ray_gptoss_api_requests",
               "ray_gptoss_api_tokens"]
 
     accepted = re.compile(r'ray_gptoss_draft_tokens(_total)?\{[^}]*kind="accepted"')  # (m-1's, once exported)
