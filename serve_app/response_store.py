@@ -79,3 +79,9 @@ class ServeResponseStore:
 
     async def cancel_requested(self, response_ids: list[str]) -> list[str]:
         return await self._call("cancel_requested", response_ids)
+
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
+        return await self._call("append_events", response_id, events)
+
+    async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
+        return await self._call("events_after", response_id, after)

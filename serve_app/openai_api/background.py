@@ -8,6 +8,12 @@ it, then `completed`, `incomplete`, `failed` or `cancelled`), so every ingress r
 A cancel that reaches another ingress replica is passed on through the store: the running replica polls it
 (`poll_s`) and stops the task, which stores `cancelled` with what was generated so far.
 
+With `stream: true` too, the run records its stream events in the store (EventRecorder: a write every
+FLUSH_S at most) and the client reads them from there (follow_events, a read every FOLLOW_POLL_S): on the
+POST that created it, or on GET /v1/responses/{id}?stream=true&starting_after=N from any ingress replica, after a
+dropped connection. A follower that leaves stops nothing. A cancelled run's events end without a terminal event
+(OpenAI's stream events have none for `cancelled`; GET says so); an orphaned one's end with `response.failed`.
+
 An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish, then
 stores the rest as `failed` (code `server_error`, the message says why; the client may create them again). The
 runs of a replica that dies without that are marked failed by the store 30 s after its last cancel poll
@@ -20,14 +26,74 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from serve_app.openai_api.stored_responses import ResponseStore, StoredResponse, is_unfinished
+from serve_app.openai_api.streaming import sse
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.5  # how often a running background response asks the store whether it was cancelled
 CANCEL_WAIT_S = 10.0  # how long a cancel waits for the run to store its final state
+FLUSH_S = 0.05  # a streamed background run writes its new events to the store at most this often
+FOLLOW_POLL_S = 0.05  # a follower asks the store for new events this often while there are none
+
+
+class EventRecorder:
+    """A streamed background run's events on their way to the store, written in batches (one store call per
+    FLUSH_S, not per token). A store that fails loses those events, not the run (logged)."""
+
+    def __init__(self, store: ResponseStore, response_id: str, flush_s: float = FLUSH_S):
+        self.store, self.response_id, self.flush_s = store, response_id, flush_s
+        self._pending: list[dict[str, Any]] = []
+        self._last_flush = time.monotonic()
+
+    async def add(self, events: list[dict[str, Any]]) -> None:
+        """Queue events; write the queue when FLUSH_S has passed since the last write."""
+        self._pending.extend(events)
+        if time.monotonic() - self._last_flush >= self.flush_s:
+            await self.flush()
+
+    async def flush(self, raise_errors: bool = False) -> None:
+        events, self._pending = self._pending, []
+        self._last_flush = time.monotonic()
+        if not events:
+            return
+        try:
+            await self.store.append_events(self.response_id, events)
+        except Exception as err:
+            if raise_errors:
+                raise
+            log.warning("background response %s: %d stream events not stored (%s: %s)", self.response_id,
+                        len(events), type(err).__name__, err)
+
+
+async def follow_events(store: ResponseStore, response_id: str, after: int,
+                        poll_s: float = FOLLOW_POLL_S) -> AsyncIterator[bytes]:
+    """SSE frames of a streamed background response's events after sequence number `after`, as they are stored,
+    until it has finished and every event is out (or it is deleted). A store that fails ends the stream with an
+    `error` event; the response goes on, and the client can resume."""
+    last = after
+    while True:
+        try:
+            got = await store.events_after(response_id, last)
+        except Exception as err:
+            log.warning("background response %s: reading its events failed (%s: %s)", response_id,
+                        type(err).__name__, err)
+            yield sse({"type": "error", "sequence_number": last + 1, "code": "server_error", "param": None,
+                       "message": f"The response store did not answer ({type(err).__name__}); resume with "
+                                  f"starting_after={last}."}, event="error")
+            return
+        if got is None:  # deleted (or dropped for room) meanwhile
+            return
+        events, finished = got
+        for ev in events:
+            last = ev["sequence_number"]
+            yield sse(ev, event=ev["type"])
+        if finished and not events:
+            return
+        if not events:
+            await asyncio.sleep(poll_s)
 
 
 class BackgroundRuns:

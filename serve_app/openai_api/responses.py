@@ -5,8 +5,9 @@ The input becomes a Harmony prompt in responses_input.py. With a response store 
 response is kept unless the request says `store: false`, and `previous_response_id` puts that response's
 conversation (every earlier input and output item of its chain, not its instructions) before the input; without
 one, `store` is ignored and `previous_response_id` is refused. `background: true` (with a store) answers at once
-with status `queued` and generates the response in a task of this replica (background.py). `conversation` objects
-are not supported.
+with status `queued` and generates the response in a task of this replica (background.py); with `stream: true`
+too, the answer is the response's event stream, read back from the store, which GET .../{id}?stream=true resumes
+(starting_after). `conversation` objects are not supported.
 
 Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
 preamble with phase "commentary"), `function_call` (recipient `functions.NAME`, any channel). A
@@ -44,8 +45,9 @@ from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, l
                                                  output_constraint_off_loop)
 from serve_app.openai_api.protocol import InputItem, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
+from serve_app.openai_api.background import EventRecorder, follow_events
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
-from serve_app.openai_api.streaming import sse
+from serve_app.openai_api.streaming import EventStreamResponse, sse
 from serve_app.openai_api.usage import Caller
 
 log = logging.getLogger(__name__)
@@ -182,7 +184,7 @@ def usage_json(gen: Generation) -> dict[str, Any]:
 
 
 def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
-    """400 for a background request this server cannot run: it must be stored, and is polled, not streamed."""
+    """400 for a background request this server cannot run: it must be stored."""
     if not req.background:
         return
     if ctx.store is None:
@@ -191,9 +193,6 @@ def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
     if req.store is False:
         raise BadRequest("a background response must be stored (it is read back with GET /v1/responses/{id}); "
                          "leave store out or set it true", param="store")
-    if req.stream:
-        raise BadRequest("streaming a background response is not supported; leave stream out and poll "
-                         "GET /v1/responses/{id}, or stream without background", param="stream")
 
 
 async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
@@ -303,16 +302,25 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         finally:
             await gen.close()
 
+    # a streamed background run's events go to the store (background.EventRecorder), its stream reads them there
+    recorder = EventRecorder(ctx.store, gen.request_id) if req.background and req.stream else None
+    background_assembler = new_assembler()
+
     async def run_in_background() -> None:
         """The background run (background.py): its states go to the store, the last one whatever happens, once
-        its engine request has ended (so a cancel's answer means the engine holds nothing of it)."""
-        assembler = new_assembler()
+        its engine request has ended (so a cancel's answer means the engine holds nothing of it); streamed, its
+        events too, the last ones before the final state."""
+        assembler = background_assembler
         final = None
         try:
             await gen.start()
-            await keep(snapshot("in_progress", []))
-            async for _ in frames(gen, assembler):
-                pass
+            in_progress = snapshot("in_progress", [])
+            await keep(in_progress)
+            if recorder is not None:
+                await recorder.add([assembler.event("response.in_progress", response=in_progress)])
+            async for batch in frames(gen, assembler):
+                if recorder is not None:
+                    await recorder.add(batch)
             final = snapshot(final_status(), assembler.output, usage_json(gen))
         except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
             if ctx.background.stopping:  # not the client's doing: the replica stops (BackgroundRuns.stop)
@@ -333,13 +341,25 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         finally:
             await gen.close()
             if final is not None:
+                if recorder is not None:
+                    if final["status"] != "cancelled":  # OpenAI's stream has no event for a cancelled response
+                        await recorder.add([assembler.event(f"response.{final['status']}", response=final)])
+                    await recorder.flush()
                 await keep(final)
 
     if req.background:
         queued = snapshot("queued", [])
         await _ask_store(ctx.store.put(gen.request_id, stored(queued)))
+        headers = request_id_headers(http, gen.request_id)
+        if recorder is None:
+            ctx.background.start(gen.request_id, run_in_background)
+            return JSONResponse(queued, headers=headers)
+        await recorder.add([background_assembler.event("response.created", response=queued),
+                            background_assembler.event("response.queued", response=queued)])
+        await _ask_store(recorder.flush(raise_errors=True))
         ctx.background.start(gen.request_id, run_in_background)
-        return JSONResponse(queued, headers=request_id_headers(http, gen.request_id))
+        return EventStreamResponse(follow_events(ctx.store, gen.request_id, -1), headers=headers,
+                                   keepalive_s=ctx.config.stream_keepalive_s)
     return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body,
                          keepalive_s=ctx.config.stream_keepalive_s)
 
@@ -362,6 +382,24 @@ async def retrieve_response(response_id: str, ctx: IngressContext, owner: str | 
     if stored is None:
         raise ResponseNotFound(response_id)
     return stored.response
+
+
+async def stream_stored_response(http: Request, response_id: str, ctx: IngressContext, owner: str | None,
+                                 starting_after: int | None) -> Response:
+    """GET /v1/responses/{id}?stream=true[&starting_after=N]: a background response created with stream=true,
+    its stream events after sequence number N (all without it), then live ones until it finishes."""
+    stored = await owned(ctx, response_id, owner)
+    if stored is None:
+        raise ResponseNotFound(response_id)
+    after = -1 if starting_after is None else starting_after
+    if after < -1:
+        raise BadRequest(f"starting_after must be a sequence number (>= 0), not {starting_after}",
+                         param="starting_after")
+    if await _ask_store(ctx.store.events_after(response_id, after)) is None:
+        raise BadRequest(f"Response {response_id!r} was not created with background=true and stream=true: it has no "
+                         "event stream to read; retrieve it without stream", param="stream")
+    return EventStreamResponse(follow_events(ctx.store, response_id, after),
+                               headers=request_id_headers(http, response_id), keepalive_s=ctx.config.stream_keepalive_s)
 
 
 async def cancel_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:

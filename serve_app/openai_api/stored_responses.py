@@ -16,6 +16,10 @@ final state; the store also carries the request to cancel one to whichever ingre
 asks for cancels every 0.5 s, which tells the store it is alive: a response still unfinished `orphan_after_s` after
 the last such word from its replica (which died without a graceful stop) is marked failed when next read, or by
 `sweep_orphans`, which the store's Serve replica runs every few seconds (serve_app/response_store.py).
+
+A background response created with `stream: true` also keeps its stream events (append_events), so any ingress
+replica can stream it and a client can resume (GET ?stream=true&starting_after=N, events_after); they count toward
+the byte limit and go with the response.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ class ResponseStore(Protocol):
 
     async def cancel_requested(self, response_ids: list[str]) -> list[str]: ...
 
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool: ...
+
+    async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None: ...
+
 
 class MemoryResponseStore:
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
@@ -80,6 +88,7 @@ class MemoryResponseStore:
         # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
         # running one polls cancel_requested, and its final put clears the entry.
         self._cancel: set[str] = set()
+        self._events: dict[str, tuple[list[dict[str, Any]], int]] = {}  # response -> (its stream events, their bytes)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -95,7 +104,7 @@ class MemoryResponseStore:
             log.warning("response %s: %d bytes is more than the store holds (%d); not stored", response_id, size,
                         self.max_bytes)
             return False
-        self._drop(response_id)
+        self._drop(response_id, keep_events=True)
         self._items[response_id] = (stored, size)
         self.bytes += size
         if is_unfinished(stored):
@@ -139,6 +148,13 @@ class MemoryResponseStore:
             "before it finished; create it again."}})
         self._cancel.discard(response_id)
         self._seen.pop(response_id, None)
+        if response_id in self._events:  # its stream ends as a failed response's does
+            events = self._events[response_id][0]
+            await self.append_events(response_id, [{"type": "response.failed", "sequence_number":
+                                                    events[-1]["sequence_number"] + 1 if events else 0,
+                                                    "response": failed.response}])
+            if response_id not in self._items:  # that event made room by dropping the response itself
+                return failed
         size = failed.size()
         self.bytes += size - self._items[response_id][1]
         self._items[response_id] = (failed, size)
@@ -183,9 +199,39 @@ class MemoryResponseStore:
                 self._seen[response_id] = now
         return [response_id for response_id in response_ids if response_id in self._cancel]
 
-    def _drop(self, response_id: str) -> bool:
+    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
+        """Add stream events (each with its `sequence_number`, in order) to a stored response's event log; False if
+        the response is not stored (deleted, or dropped for room)."""
+        if response_id not in self._items:
+            return False
+        log_, size = self._events.get(response_id, ([], 0))
+        added = len(json.dumps(events, ensure_ascii=False, separators=(",", ":")))
+        self._events[response_id] = (log_ + events, size + added)
+        self.bytes += added
+        while self.bytes > self.max_bytes and self._items:
+            self._drop(next(iter(self._items)))
+        return True
+
+    async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
+        """(its stream events with sequence_number > after, whether the response has finished), or None if it is
+        not stored or keeps no events (it was not created with background and stream). The events and the state
+        come from one moment: a run stores its last events before its final state."""
+        entry = self._items.get(response_id)
+        if entry is None or response_id not in self._events:
+            return None
+        stored = entry[0]
+        if self._orphaned(response_id, stored):
+            stored = await self._fail_orphan(response_id, stored)
+        if response_id not in self._events:  # dropped for room by the orphan's failed event
+            return None
+        events = [ev for ev in self._events[response_id][0] if ev["sequence_number"] > after]
+        return events, not is_unfinished(stored)
+
+    def _drop(self, response_id: str, keep_events: bool = False) -> bool:
         self._seen.pop(response_id, None)
         entry = self._items.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry[1]
+        if not keep_events and response_id in self._events:
+            self.bytes -= self._events.pop(response_id)[1]
         return entry is not None

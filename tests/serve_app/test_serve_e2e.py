@@ -422,8 +422,9 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(http_port):
 
 
 def test_background_responses_through_the_response_store(http_port):
-    """background=true on real Ray: answered `queued` at once, the polled result is the foreground answer; a long
-    one cancelled through the API stops in the decode engine and keeps what it generated."""
+    """background=true on real Ray: answered `queued` at once, the polled result is the foreground answer; streamed,
+    its events read back through the store replica and resumed from the middle; a long one cancelled through the API
+    stops in the decode engine and keeps what it generated."""
     api = client(http_port)
     params = dict(model=CONFIG.served_model_name, input="Hi there", temperature=0, max_output_tokens=6)
     queued = api.responses.create(background=True, **params)
@@ -436,6 +437,14 @@ def test_background_responses_through_the_response_store(http_port):
     assert done.status == foreground.status and done.usage.output_tokens == foreground.usage.output_tokens == 6
     assert [item.model_dump(exclude={"id", "call_id"}) for item in done.output] == \
         [item.model_dump(exclude={"id", "call_id"}) for item in foreground.output]
+    # streamed: the events come back through the store replica; a resume from the middle continues them
+    events = list(api.responses.create(background=True, stream=True, **params))
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    assert events[0].response.status == "queued" and events[-1].type == "response.completed"
+    assert events[-1].response.usage.output_tokens == 6
+    middle = len(events) // 2
+    resumed = list(api.responses.retrieve(events[0].response.id, stream=True, starting_after=middle))
+    assert [ev.model_dump() for ev in resumed] == [ev.model_dump() for ev in events[middle + 1:]]
 
     long = api.responses.create(background=True, **dict(params, max_output_tokens=900))
     while api.responses.retrieve(long.id).status == "queued":
