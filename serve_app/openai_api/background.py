@@ -54,7 +54,7 @@ class EventRecorder:
         if time.monotonic() - self._last_flush >= self.flush_s:
             await self.flush()
 
-    async def flush(self, raise_errors: bool = False) -> None:
+    async def flush(self) -> None:
         events, self._pending = self._pending, []
         self._last_flush = time.monotonic()
         if not events:
@@ -62,8 +62,6 @@ class EventRecorder:
         try:
             await self.store.append_events(self.response_id, events)
         except Exception as err:
-            if raise_errors:
-                raise
             log.warning("background response %s: %d stream events not stored (%s: %s)", self.response_id,
                         len(events), type(err).__name__, err)
 

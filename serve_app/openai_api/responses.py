@@ -354,9 +354,9 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
         if recorder is None:
             ctx.background.start(gen.request_id, run_in_background)
             return JSONResponse(queued, headers=headers)
-        await recorder.add([background_assembler.event("response.created", response=queued),
-                            background_assembler.event("response.queued", response=queued)])
-        await _ask_store(recorder.flush(raise_errors=True))
+        await _ask_store(ctx.store.append_events(gen.request_id, [
+            background_assembler.event("response.created", response=queued),
+            background_assembler.event("response.queued", response=queued)]))
         ctx.background.start(gen.request_id, run_in_background)
         return EventStreamResponse(follow_events(ctx.store, gen.request_id, -1), headers=headers,
                                    keepalive_s=ctx.config.stream_keepalive_s)
