@@ -300,12 +300,15 @@ def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
     want = experts(x, ids, weights).float()
     # The kernel and the twin sum the gate_up GEMM in different orders, so an intermediate value sitting
     # on an FP8 rounding boundary can land one FP8 step apart (seen once in CI: 4 of 8,000 outputs off by
-    # 4e-3). Judge the whole output by the similarity measure of the GPU tests, and bound the outliers.
-    diff = 1 - 2 * (got * want).sum() / (got.square().sum() + want.square().sum())
-    # (no max-abs bound: one flipped FP8 step of a large activation moves an output by up to ~0.125 x
-    # that activation x its down-projection weight)
-    assert diff.item() <= 1e-5, diff.item()
-    assert ((got - want).abs() > 2e-3).float().mean().item() <= 0.01
+    # 4e-3). Such a flip moves its token's whole output row (the down projection mixes every channel): in CI
+    # on 2026-12-05 (seed 2501842398) 18 of one row's 200 outputs moved by > 2e-3, while that row's similarity
+    # measure was 3e-6 and the whole output's 5e-7. So judge by that measure, the GPU tests' own, per row too:
+    # a flip stays orders of magnitude under these bounds, a wrong index or scale is O(1).
+    def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (1 - 2 * (a * b).sum() / (a.square().sum() + b.square().sum())).item()
+
+    assert calc_diff(got, want) <= 1e-5, calc_diff(got, want)
+    assert max(calc_diff(g, w) for g, w in zip(got, want)) <= 1e-4
 
 
 def exact_router_inputs(t: int, e: int, hidden: int):
