@@ -21,8 +21,8 @@ from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
-from serve_app.openai_api.errors import (BadRequest, ModelNotFound, PayloadTooLarge, ServerOverloaded,
-                                         install_error_handlers, parse_json)
+from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
+                                         parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
@@ -148,13 +148,10 @@ def create_app(
 
     # Stored responses are scoped to the API key that made them (auth.requester; None without keys).
     @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str, stream: str | None = None,
-                           starting_after: str | None = None) -> Any:
-        if stream in ("true", "True", "1"):  # a streamed background response's events (resumable)
-            return await stream_stored_response(request, response_id, ctx, requester(request),
-                                                _query_int(starting_after, "starting_after"))
-        if stream not in (None, "false", "False", "0"):
-            raise BadRequest(f"stream must be true or false, not {stream!r}", param="stream")
+    async def get_response(request: Request, response_id: str, stream: bool = False,
+                           starting_after: int | None = None) -> Any:
+        if stream:  # a streamed background response's events (resumable)
+            return await stream_stored_response(request, response_id, ctx, requester(request), starting_after)
         return await retrieve_response(response_id, ctx, requester(request))
 
     @app.delete("/v1/responses/{response_id}")
@@ -191,13 +188,3 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _query_int(value: str | None, param: str) -> int | None:
-    """An integer query parameter (None when absent); anything else is a 400 naming it."""
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise BadRequest(f"{param} must be an integer, not {value!r}", param=param) from None

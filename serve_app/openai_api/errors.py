@@ -125,7 +125,13 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 _TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
+# FastAPI's first location of a request error names the part of the request (body, query string, path, headers)
+_REQUEST_PARTS = {"body", "query", "path", "header"}
+
+
 def _param_path(loc: tuple) -> list[str]:
+    if loc and loc[0] in _REQUEST_PARTS:
+        loc = loc[1:]
     return [str(part) for part in loc if part != "body"
             and not (isinstance(part, str) and (not part.isidentifier() or part in _TYPE_LABELS))]
 

@@ -31,6 +31,7 @@ from engine.request import TokenLogprob
 from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.openai_api.auth import requester
+from serve_app.openai_api.background import EventRecorder, follow_events
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
 from serve_app.openai_api.generation import (
     Generation,
@@ -45,7 +46,6 @@ from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, l
                                                  output_constraint_off_loop)
 from serve_app.openai_api.protocol import InputItem, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
-from serve_app.openai_api.background import EventRecorder, follow_events
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import EventStreamResponse, sse
 from serve_app.openai_api.usage import Caller
@@ -304,7 +304,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
     # a streamed background run's events go to the store (background.EventRecorder), its stream reads them there
     recorder = EventRecorder(ctx.store, gen.request_id) if req.background and req.stream else None
-    background_assembler = new_assembler()
+    background_assembler = new_assembler() if req.background else None
 
     async def run_in_background() -> None:
         """The background run (background.py): its states go to the store, the last one whatever happens, once
@@ -391,10 +391,10 @@ async def stream_stored_response(http: Request, response_id: str, ctx: IngressCo
     stored = await owned(ctx, response_id, owner)
     if stored is None:
         raise ResponseNotFound(response_id)
-    after = -1 if starting_after is None else starting_after
-    if after < -1:
+    if starting_after is not None and starting_after < 0:
         raise BadRequest(f"starting_after must be a sequence number (>= 0), not {starting_after}",
                          param="starting_after")
+    after = -1 if starting_after is None else starting_after
     if await _ask_store(ctx.store.events_after(response_id, after)) is None:
         raise BadRequest(f"Response {response_id!r} was not created with background=true and stream=true: it has no "
                          "event stream to read; retrieve it without stream", param="stream")

@@ -24,6 +24,7 @@ the byte limit and go with the response.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import time
@@ -109,8 +110,7 @@ class MemoryResponseStore:
         self.bytes += size
         if is_unfinished(stored):
             self._seen[response_id] = self._clock()
-        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
-            self._drop(next(iter(self._items)))
+        self._make_room()
         return True
 
     async def get(self, response_id: str) -> StoredResponse | None:
@@ -158,8 +158,7 @@ class MemoryResponseStore:
         size = failed.size()
         self.bytes += size - self._items[response_id][1]
         self._items[response_id] = (failed, size)
-        while self.bytes > self.max_bytes and self._items:
-            self._drop(next(iter(self._items)))
+        self._make_room()
         return failed
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
@@ -205,11 +204,11 @@ class MemoryResponseStore:
         if response_id not in self._items:
             return False
         log_, size = self._events.get(response_id, ([], 0))
+        log_.extend(events)
         added = len(json.dumps(events, ensure_ascii=False, separators=(",", ":")))
-        self._events[response_id] = (log_ + events, size + added)
+        self._events[response_id] = (log_, size + added)
         self.bytes += added
-        while self.bytes > self.max_bytes and self._items:
-            self._drop(next(iter(self._items)))
+        self._make_room()
         return True
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
@@ -224,8 +223,13 @@ class MemoryResponseStore:
             stored = await self._fail_orphan(response_id, stored)
         if response_id not in self._events:  # dropped for room by the orphan's failed event
             return None
-        events = [ev for ev in self._events[response_id][0] if ev["sequence_number"] > after]
-        return events, not is_unfinished(stored)
+        log_ = self._events[response_id][0]  # in sequence order: a follower's poll slices, it does not scan
+        return log_[bisect.bisect_right(log_, after, key=lambda ev: ev["sequence_number"]):], not is_unfinished(stored)
+
+    def _make_room(self) -> None:
+        """Drop the least recently used responses (with their events) until the count and byte limits hold."""
+        while self._items and (len(self._items) > self.max_responses or self.bytes > self.max_bytes):
+            self._drop(next(iter(self._items)))
 
     def _drop(self, response_id: str, keep_events: bool = False) -> bool:
         self._seen.pop(response_id, None)
