@@ -41,7 +41,9 @@ FOLLOW_POLL_S = 0.05  # a follower asks the store for new events this often whil
 
 class EventRecorder:
     """A streamed background run's events on their way to the store, written in batches (one store call per
-    FLUSH_S, not per token). A store that fails loses those events, not the run (logged)."""
+    FLUSH_S, not per token). A write that fails keeps its events for the next one (logged), so a store that is
+    away for a while delays the followers but leaves no gap; the store ignores events it already has, so a write
+    that timed out after it landed repeats nothing."""
 
     def __init__(self, store: ResponseStore, response_id: str, flush_s: float = FLUSH_S):
         self.store, self.response_id, self.flush_s = store, response_id, flush_s
@@ -54,16 +56,29 @@ class EventRecorder:
         if time.monotonic() - self._last_flush >= self.flush_s:
             await self.flush()
 
-    async def flush(self) -> None:
-        events, self._pending = self._pending, []
+    async def flush(self) -> bool:
+        """Write the queued events; False if the store failed (they stay queued for the next write)."""
         self._last_flush = time.monotonic()
-        if not events:
-            return
+        if not self._pending:
+            return True
         try:
-            await self.store.append_events(self.response_id, events)
+            await self.store.append_events(self.response_id, self._pending)
         except Exception as err:
-            log.warning("background response %s: %d stream events not stored (%s: %s)", self.response_id,
-                        len(events), type(err).__name__, err)
+            log.warning("background response %s: %d stream events not stored yet (%s: %s); retrying with the next "
+                        "write", self.response_id, len(self._pending), type(err).__name__, err)
+            return False
+        self._pending = []
+        return True
+
+    async def close(self, tries: int = 3, wait_s: float = 0.2) -> None:
+        """The run's last write (its final events, before its final state): tried `tries` times."""
+        for attempt in range(tries):
+            if await self.flush():
+                return
+            if attempt + 1 < tries:
+                await asyncio.sleep(wait_s)
+        log.error("background response %s: its last %d stream events were not stored; its stream ends without them",
+                  self.response_id, len(self._pending))
 
 
 async def follow_events(store: ResponseStore, response_id: str, after: int,

@@ -344,7 +344,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
                 if recorder is not None:
                     if final["status"] != "cancelled":  # OpenAI's stream has no event for a cancelled response
                         await recorder.add([assembler.event(f"response.{final['status']}", response=final)])
-                    await recorder.flush()
+                    await recorder.close()
                 await keep(final)
 
     if req.background:

@@ -200,10 +200,15 @@ class MemoryResponseStore:
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
         """Add stream events (each with its `sequence_number`, in order) to a stored response's event log; False if
-        the response is not stored (deleted, or dropped for room)."""
+        the response is not stored (deleted, or dropped for room). Events it already has (a sequence number not past
+        its last one: a write retried after a timeout that had landed) are left out."""
         if response_id not in self._items:
             return False
         log_, size = self._events.get(response_id, ([], 0))
+        if log_:
+            events = [ev for ev in events if ev["sequence_number"] > log_[-1]["sequence_number"]]
+        if not events:
+            return True
         log_.extend(events)
         added = len(json.dumps(events, ensure_ascii=False, separators=(",", ":")))
         self._events[response_id] = (log_, size + added)

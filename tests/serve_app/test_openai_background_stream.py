@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
-from tests.serve_app.conftest import MODEL
+from tests.serve_app.conftest import MODEL, openai_client, scripted_app
+from tests.serve_app.stub_backend import ScriptedBackend
 from tests.serve_app.test_openai_background import ANSWER, LONG, api, backend, live, other, wait_for  # noqa: F401
 
 
@@ -103,5 +104,51 @@ def test_the_store_counts_events_drops_them_with_the_response_and_ends_an_orphan
         assert got[0]["response"]["status"] == "failed"
         await store.delete("resp_1")
         assert store.bytes == 0 and await store.events_after("resp_1", -1) is None
+
+    asyncio.run(main())
+
+
+class LandedThenTimedOutStore(MemoryResponseStore):
+    """A store whose event writes fail now and then: every third raises before it lands, every fifth lands and then
+    raises (a Serve call that timed out after the replica had done it)."""
+
+    def __init__(self):
+        super().__init__(max_responses=100)
+        self.writes = 0
+
+    async def append_events(self, response_id, events):
+        self.writes += 1
+        if self.writes > 1 and self.writes % 3 == 0:  # the first, the POST's own, must land
+            raise TimeoutError()
+        landed = await super().append_events(response_id, events)
+        if self.writes % 5 == 0:
+            raise TimeoutError()
+        return landed
+
+
+def test_failed_event_writes_are_retried_without_gap_or_repeat(caplog):
+    backend, store = ScriptedBackend(), LandedThenTimedOutStore()
+    with scripted_app(backend, response_store=store) as server:
+        backend.push(LONG, delay_s=0.005)  # ~1 s: ~20 writes, one per 50 ms
+        events = list(openai_client(server.url).responses.create(model=MODEL, input="Hi", background=True,
+                                                                 stream=True))
+    assert store.writes >= 6  # some writes failed before landing, some after
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed" and text_of(events) == "word " * 200
+    assert "not stored yet" in caplog.text
+
+
+def test_the_store_ignores_events_it_already_has():
+    store = MemoryResponseStore()
+    events = [{"type": "a", "sequence_number": n} for n in range(4)]
+
+    async def main():
+        await store.put("resp_1", StoredResponse({"id": "resp_1", "status": "in_progress", "output": []}, []))
+        await store.append_events("resp_1", events[:3])
+        size = store.bytes
+        await store.append_events("resp_1", events[1:3])  # a retried write that had landed
+        assert store.bytes == size
+        await store.append_events("resp_1", events[2:])  # a retried write that had landed in part
+        assert (await store.events_after("resp_1", -1))[0] == events
 
     asyncio.run(main())
