@@ -127,9 +127,9 @@ class LandedThenTimedOutStore(MemoryResponseStore):
 
 
 def test_failed_event_writes_are_retried_without_gap_or_repeat(caplog):
-    backend, store = ScriptedBackend(), LandedThenTimedOutStore()
-    with scripted_app(backend, response_store=store) as server:
-        backend.push(LONG, delay_s=0.005)  # ~1 s: ~20 writes, one per 50 ms
+    stub, store = ScriptedBackend(), LandedThenTimedOutStore()
+    with scripted_app(stub, response_store=store) as server:
+        stub.push(LONG, delay_s=0.005)  # ~1 s: ~20 writes, one per 50 ms
         events = list(openai_client(server.url).responses.create(model=MODEL, input="Hi", background=True,
                                                                  stream=True))
     assert store.writes >= 6  # some writes failed before landing, some after
