@@ -1,4 +1,5 @@
-"""The response store under Ray Serve: one replica holds the stored /v1/responses of every ingress replica.
+"""The response store under Ray Serve: one replica holds the stored /v1/responses (and /v1/conversations) of every
+ingress replica.
 
 `ResponseStoreServer` is the deployment (a MemoryResponseStore in its process, so one replica: a second
 would hold other responses); `ServeResponseStore` is the ResponseStore the ingress uses, over its handle.
@@ -11,14 +12,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredResponse
+from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredConversation, StoredResponse
 
 REPORT_INTERVAL_S = 2.0
 
 
 class ResponseStoreServer(MemoryResponseStore):
     """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`,
-    `_bytes` and `_background_running` (Ray's Prometheus export prefixes `ray_`) every few seconds, after marking the
+    `_conversations`, `_bytes` and `_background_running` (Ray's Prometheus export prefixes `ray_`) every few seconds, after marking the
     orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge set once at start
     did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
@@ -31,7 +32,9 @@ class ResponseStoreServer(MemoryResponseStore):
         tags = replica_tags("response_store")
         count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
                               tag_keys=tuple(tags))
-        size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses",
+        conversations = metrics.Gauge("gptoss_response_store_conversations", "Stored /v1/conversations conversations",
+                                      tag_keys=tuple(tags))
+        size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses and conversations",
                              tag_keys=tuple(tags))
         running = metrics.Gauge("gptoss_response_store_background_running",
                                 "Background responses stored as queued or in progress", tag_keys=tuple(tags))
@@ -39,7 +42,9 @@ class ResponseStoreServer(MemoryResponseStore):
         async def report_forever() -> None:
             while True:
                 await self.sweep_orphans()  # a dead ingress replica's runs: failed now, not when someone reads them
-                count.set(len(self), tags=tags)
+                stored_conversations = self.conversations()
+                count.set(len(self) - stored_conversations, tags=tags)
+                conversations.set(stored_conversations, tags=tags)
                 size.set(self.bytes, tags=tags)
                 running.set(self.running(), tags=tags)
                 await asyncio.sleep(REPORT_INTERVAL_S)
@@ -47,7 +52,8 @@ class ResponseStoreServer(MemoryResponseStore):
         self._reporter = asyncio.get_running_loop().create_task(report_forever())
 
     def stats(self) -> dict[str, int]:
-        return {"responses": len(self), "bytes": self.bytes, "max_responses": self.max_responses,
+        stored_conversations = self.conversations()
+        return {"responses": len(self) - stored_conversations, "conversations": stored_conversations, "bytes": self.bytes, "max_responses": self.max_responses,
                 "max_bytes": self.max_bytes, "background_running": self.running()}
 
 
@@ -85,3 +91,21 @@ class ServeResponseStore:
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
         return await self._call("events_after", response_id, after)
+
+    async def put_conversation(self, conversation_id: str, stored: StoredConversation) -> bool:
+        return await self._call("put_conversation", conversation_id, stored)
+
+    async def get_conversation(self, conversation_id: str) -> StoredConversation | None:
+        return await self._call("get_conversation", conversation_id)
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
+        return await self._call("update_conversation", conversation_id, metadata)
+
+    async def delete_conversation(self, conversation_id: str) -> bool:
+        return await self._call("delete_conversation", conversation_id)
+
+    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]]) -> str:
+        return await self._call("add_conversation_items", conversation_id, items)
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
+        return await self._call("delete_conversation_item", conversation_id, item_id)

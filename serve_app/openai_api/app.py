@@ -21,6 +21,8 @@ from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completions import create_completion
+from serve_app.openai_api import conversations
+from serve_app.openai_api.conversations import ConversationCreate, ConversationUpdate, ItemsCreate, include_of
 from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
                                          parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
@@ -54,7 +56,7 @@ def create_app(
     usage_sink: UsageSink | None = None,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
-    token counts), /v1/completions, /v1/models and /health for `backend`.
+    token counts), /v1/conversations (and their items), /v1/completions, /v1/models and /health for `backend`.
 
     max_context: prompt + completion tokens per request; the backend's own `max_context` caps it.
     default_max_tokens: completion budget when a request sets none (default: the rest of the context).
@@ -63,8 +65,8 @@ def create_app(
     stream_keepalive_s: a stream waits this long for its first token before it starts (HTTP 200; a later
     refusal is an error event), then sends `: keep-alive` after each such idle period; None: it waits and
     stays silent as long as it takes.
-    response_store: where /v1/responses keeps responses (`store`, `previous_response_id`, GET, DELETE);
-    None: that endpoint is stateless.
+    response_store: where /v1/responses keeps responses (`store`, `previous_response_id`, GET, DELETE) and
+    /v1/conversations its conversations; None: the endpoints are stateless (no conversations).
     cors_allow_origins: origins whose browser pages may call the API (CORS; "*" for any); empty: none.
     allow_priority: honour requests' `priority` (lower runs sooner in the engines); off: a non-zero one is a 400.
     usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
@@ -166,6 +168,45 @@ def create_app(
     async def get_input_items(request: Request, response_id: str, order: str = "desc", limit: int = 20,
                               after: str | None = None) -> dict[str, Any]:
         return await list_input_items(response_id, ctx, requester(request), order=order, limit=limit, after=after)
+
+    # Conversations, scoped to API keys as stored responses are (conversations.py).
+    @app.post("/v1/conversations")
+    async def create_conversation(request: Request) -> dict[str, Any]:
+        req = await parse_request(request, ConversationCreate, config.max_body_bytes)
+        return await conversations.create_conversation(req, ctx, requester(request))
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
+        return (await conversations.owned_conversation(ctx, conversation_id, requester(request))).conversation
+
+    @app.post("/v1/conversations/{conversation_id}")
+    async def update_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
+        req = await parse_request(request, ConversationUpdate, config.max_body_bytes)
+        return await conversations.update_conversation(conversation_id, req, ctx, requester(request))
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(request: Request, conversation_id: str) -> dict[str, Any]:
+        return await conversations.delete_conversation(conversation_id, ctx, requester(request))
+
+    @app.post("/v1/conversations/{conversation_id}/items")
+    async def add_conversation_items(request: Request, conversation_id: str) -> dict[str, Any]:
+        req = await parse_request(request, ItemsCreate, config.max_body_bytes)
+        return await conversations.add_items(conversation_id, req, ctx, requester(request), include_of(request))
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def list_conversation_items(request: Request, conversation_id: str, order: str = "desc", limit: int = 20,
+                                      after: str | None = None) -> dict[str, Any]:
+        return await conversations.list_items(conversation_id, ctx, requester(request), order=order, limit=limit,
+                                              after=after, include=include_of(request))
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def get_conversation_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
+        return await conversations.retrieve_item(conversation_id, item_id, ctx, requester(request),
+                                                 include_of(request))
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_conversation_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
+        return await conversations.delete_item(conversation_id, item_id, ctx, requester(request))
 
     return app
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +20,7 @@ from engine.request import InvalidRequestError
 from serve_app.openai_api.streaming import ClientGone
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -61,13 +62,18 @@ class ModelNotFound(APIError):
                          param="model", code="model_not_found")
 
 
-class ResponseNotFound(APIError):
+class NotFound(APIError):
     status_code = 404
     error_type = "invalid_request_error"
 
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="not_found")
+
+
+class ResponseNotFound(NotFound):
     def __init__(self, response_id: str):
         super().__init__(f"No response found with id {response_id!r} (responses with store=false are not kept, "
-                         "and the oldest are dropped when the store is full).", code="not_found")
+                         "and the oldest are dropped when the store is full).")
 
 
 class InvalidApiKey(APIError):
@@ -114,6 +120,15 @@ class ServerOverloaded(APIError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+async def ask_store(call: Awaitable[T]) -> T:
+    """A response store call's answer; a store that fails or does not answer is a 503 (the request may be retried)."""
+    try:
+        return await call
+    except Exception as err:
+        log.exception("the response store failed")
+        raise EngineFailure(f"The response store did not answer ({type(err).__name__}); retry.") from err
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:

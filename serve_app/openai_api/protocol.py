@@ -373,9 +373,14 @@ class TextOptions(Lenient):
         return check_response_format(value, nested=False)
 
 
+class ConversationRef(Strict):
+    id: str
+
+
 class ResponsesRequest(RequestBase):
-    """`previous_response_id` continues a stored response and `background` runs one detached (stored_responses.py,
-    background.py; both checked where the store is); `conversation` is not supported."""
+    """`previous_response_id` continues a stored response, `conversation` runs in a stored conversation and
+    `background` runs it detached (stored_responses.py, conversations.py, background.py; checked where the store
+    is)."""
 
     input: Union[str, list[InputItem]]
     instructions: str | None = None
@@ -387,15 +392,14 @@ class ResponsesRequest(RequestBase):
     truncation: Literal["auto", "disabled"] | None = None
     stream_options: dict[str, Any] | None = None
     previous_response_id: str | None = None
-    conversation: Any = None
+    conversation: Union[str, ConversationRef, None] = None  # its id after validation (conversations.py)
     background: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # with include "message.output_text.logprobs"
 
     @field_validator("conversation")
     @classmethod
-    def _no_conversations(cls, value: Any) -> Any:
-        return _reject_unless(value, (None,), "this server keeps no conversation objects; continue a stored "
-                              "response with previous_response_id, or send the whole conversation in `input`")
+    def _conversation_id(cls, value: Union[str, ConversationRef, None]) -> str | None:
+        return value.id if isinstance(value, ConversationRef) else value
 
     @field_validator("tools")
     @classmethod

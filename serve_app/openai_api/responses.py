@@ -7,7 +7,8 @@ conversation (every earlier input and output item of its chain, not its instruct
 one, `store` is ignored and `previous_response_id` is refused. `background: true` (with a store) answers at once
 with status `queued` and generates the response in a task of this replica (background.py); with `stream: true`
 too, the answer is the response's event stream, read back from the store, which GET .../{id}?stream=true resumes
-(starting_after). `conversation` objects are not supported.
+(starting_after). `conversation` runs it in a stored conversation (conversations.py): the conversation's items
+come before the input, and its turn is appended when it ends with output.
 
 Output: one item per Harmony message: `reasoning` (analysis), `message` (final, or a commentary
 preamble with phase "commentary"), `function_call` (recipient `functions.NAME`, any channel). A
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator
 
 from openai_harmony import HarmonyEncoding
 from pydantic import TypeAdapter
@@ -32,7 +33,8 @@ from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.openai_api.auth import requester
 from serve_app.openai_api.background import EventRecorder, follow_events
-from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound
+from serve_app.openai_api.conversations import conversation_input, list_page, record_turn
+from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound, ask_store
 from serve_app.openai_api.generation import (
     Generation,
     IngressContext,
@@ -51,19 +53,24 @@ from serve_app.openai_api.streaming import EventStreamResponse, sse
 from serve_app.openai_api.usage import Caller
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _ITEMS = TypeAdapter(list[InputItem])
 
 
 async def owned(ctx: IngressContext, response_id: str, owner: str | None) -> StoredResponse | None:
     """The stored response if `owner` (auth.requester) made it, else None: another API key's responses are not
     found (404), as if they did not exist."""
-    stored = await _ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
+    stored = await ask_store(ctx.store.get(response_id)) if ctx.store is not None else None
     return stored if stored is not None and stored.owner == owner else None
 
 
 async def earlier_items(req: ResponsesRequest, ctx: IngressContext, owner: str | None) -> list | None:
-    """The items of the conversation `req.previous_response_id` continues (None without one)."""
+    """The items of the conversation `req.previous_response_id` continues, or of its `conversation` (None without
+    either)."""
+    if req.conversation is not None:
+        if req.previous_response_id is not None:
+            raise BadRequest("conversation and previous_response_id cannot both be given: a response continues "
+                             "either a conversation or an earlier response", param="conversation")
+        return await conversation_input(ctx, req.conversation, owner)
     if req.previous_response_id is None:
         return None
     if ctx.store is None:
@@ -75,7 +82,7 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext, owner: str |
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} is still {head.response['status']}; "
                          "continue it once it has finished (GET /v1/responses/{id} shows its status).",
                          param="previous_response_id")
-    items = await _ask_store(ctx.store.conversation(req.previous_response_id)) if head is not None else None
+    items = await ask_store(ctx.store.conversation(req.previous_response_id)) if head is not None else None
     if items is None:
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} not found.",
                          param="previous_response_id", code="previous_response_not_found")
@@ -234,13 +241,16 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
                      priority=ctx.config.request_priority(req.priority), caller=Caller("responses", owner))
     created = time.time()
     store = ctx.store is not None and req.store is not False
-    own_items = stored_input_items(req) if store else []
+    own_items = stored_input_items(req) if store or req.conversation is not None else []
 
     def stored(response: dict[str, Any]) -> StoredResponse:
         return StoredResponse(response, own_items, req.previous_response_id, owner)
 
     async def keep(response: dict[str, Any]) -> None:
-        """Store the finished response before the client hears it finished, so a follow-up can name it."""
+        """Store the finished response (and its turn in its conversation) before the client hears it finished, so a
+        follow-up can name it."""
+        if req.conversation is not None:
+            await record_turn(ctx, req.conversation, own_items, response)
         if not store:
             return
         try:
@@ -263,6 +273,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "text": {"format": text_format or {"type": "text"}}, "truncation": req.truncation or "disabled",
             "store": store,
             "previous_response_id": req.previous_response_id, "background": bool(req.background),
+            "conversation": {"id": req.conversation} if req.conversation is not None else None,
         }
 
     def new_assembler() -> ResponsesAssembler:
@@ -349,12 +360,12 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
     if req.background:
         queued = snapshot("queued", [])
-        await _ask_store(ctx.store.put(gen.request_id, stored(queued)))
+        await ask_store(ctx.store.put(gen.request_id, stored(queued)))
         headers = request_id_headers(http, gen.request_id)
         if recorder is None:
             ctx.background.start(gen.request_id, run_in_background)
             return JSONResponse(queued, headers=headers)
-        await _ask_store(ctx.store.append_events(gen.request_id, [
+        await ask_store(ctx.store.append_events(gen.request_id, [
             background_assembler.event("response.created", response=queued),
             background_assembler.event("response.queued", response=queued)]))
         ctx.background.start(gen.request_id, run_in_background)
@@ -366,15 +377,6 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
 def _frame(event: dict[str, Any]) -> bytes:
     return sse(event, event=event["type"])
-
-
-async def _ask_store(call: Awaitable[T]) -> T:
-    """A store call's answer; a store that fails or does not answer is a 503 (the request may be retried)."""
-    try:
-        return await call
-    except Exception as err:
-        log.exception("the response store failed")
-        raise EngineFailure(f"The response store did not answer ({type(err).__name__}); retry.") from err
 
 
 async def retrieve_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:
@@ -395,7 +397,7 @@ async def stream_stored_response(http: Request, response_id: str, ctx: IngressCo
         raise BadRequest(f"starting_after must be a sequence number (>= 0), not {starting_after}",
                          param="starting_after")
     after = -1 if starting_after is None else starting_after
-    if await _ask_store(ctx.store.events_after(response_id, after)) is None:
+    if await ask_store(ctx.store.events_after(response_id, after)) is None:
         raise BadRequest(f"Response {response_id!r} was not created with background=true and stream=true: it has no "
                          "event stream to read; retrieve it without stream", param="stream")
     return EventStreamResponse(follow_events(ctx.store, response_id, after),
@@ -415,14 +417,14 @@ async def cancel_response(response_id: str, ctx: IngressContext, owner: str | No
     if not is_unfinished(stored):
         raise BadRequest(f"Response {response_id!r} has already finished (status {stored.response['status']!r}); "
                          "only a queued or in_progress response can be cancelled.", param="response_id")
-    final = await _ask_store(ctx.background.cancel(response_id))
+    final = await ask_store(ctx.background.cancel(response_id))
     if final is None:  # deleted meanwhile
         raise ResponseNotFound(response_id)
     return final.response
 
 
 async def delete_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:
-    if await owned(ctx, response_id, owner) is None or not await _ask_store(ctx.store.delete(response_id)):
+    if await owned(ctx, response_id, owner) is None or not await ask_store(ctx.store.delete(response_id)):
         raise ResponseNotFound(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -430,19 +432,7 @@ async def delete_response(response_id: str, ctx: IngressContext, owner: str | No
 async def list_input_items(response_id: str, ctx: IngressContext, owner: str | None, *, order: str, limit: int,
                            after: str | None) -> dict[str, Any]:
     """GET /v1/responses/{id}/input_items: the request's own input items, newest first unless order=asc."""
-    if order not in ("asc", "desc"):
-        raise BadRequest(f"order must be 'asc' or 'desc', not {order!r}", param="order")
-    if not 1 <= limit <= 100:
-        raise BadRequest(f"limit must be between 1 and 100, not {limit}", param="limit")
     stored = await owned(ctx, response_id, owner)
     if stored is None:
         raise ResponseNotFound(response_id)
-    items = stored.input_items if order == "asc" else stored.input_items[::-1]
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise BadRequest(f"after: no input item {after!r} in response {response_id!r}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return list_page(stored.input_items, order=order, limit=limit, after=after, where=f"response {response_id!r}")

@@ -97,6 +97,11 @@ def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list
             call_names[item.call_id] = item.name
             history.append(AssistantToolCall(item.name, item.arguments))
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in call_names and i < 0:  # a stored item: a conversation's, its call deleted
+                raise BadRequest(
+                    f"item {item.id!r} of the conversation is a function_call_output for call_id {item.call_id!r}, "
+                    "which matches no earlier function_call item; delete it, or add the call before it.",
+                    param="conversation" if req.conversation is not None else "previous_response_id")
             if item.call_id not in call_names:
                 raise BadRequest(
                     f"input[{i}] is a function_call_output for call_id {item.call_id!r}, which matches no earlier "
@@ -125,14 +130,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def stored_item_json(item: Any) -> dict[str, Any]:
+    """An input item as JSON with an id (the client's, or a new one)."""
+    data = item.model_dump(mode="json", exclude_none=True)
+    data["id"] = data.get("id") or new_id(_ID_PREFIX[item.type])
+    return data
+
+
 def stored_input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as JSON, each with an id (the client's, or a new one)."""
-    out = []
-    for item in input_items(req):
-        data = item.model_dump(mode="json", exclude_none=True)
-        data["id"] = data.get("id") or new_id(_ID_PREFIX[item.type])
-        out.append(data)
-    return out
+    """The request's input items as JSON, each with an id."""
+    return [stored_item_json(item) for item in input_items(req)]
 
 
 def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | None, response_format: str | None,

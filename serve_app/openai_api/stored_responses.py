@@ -20,6 +20,10 @@ the last such word from its replica (which died without a graceful stop) is mark
 A background response created with `stream: true` also keeps its stream events (append_events), so any ingress
 replica can stream it and a client can resume (GET ?stream=true&starting_after=N, events_after); they count toward
 the byte limit and go with the response.
+
+The store also keeps /v1/conversations conversations (conversations.py): an object (id, created_at, metadata) and its
+items, which grow as responses made in the conversation end. They share the count and byte limits and the least
+recently used order with the responses; a conversation dropped for room is gone (404).
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ class StoredResponse:
         return len(json.dumps([self.response, self.input_items], ensure_ascii=False, separators=(",", ":")))
 
 
+@dataclass(frozen=True)
+class StoredConversation:
+    conversation: dict[str, Any]  # the conversation object as returned (id, object, created_at, metadata)
+    items: list[dict[str, Any]]  # its items, oldest first, each with an `id`
+    owner: str | None = None  # as StoredResponse.owner
+
+    def size(self) -> int:
+        return len(json.dumps([self.conversation, self.items], ensure_ascii=False, separators=(",", ":")))
+
+
 UNFINISHED = ("queued", "in_progress")  # a background response still running (serve_app/openai_api/background.py)
 
 
@@ -71,6 +85,18 @@ class ResponseStore(Protocol):
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None: ...
 
+    async def put_conversation(self, conversation_id: str, stored: StoredConversation) -> bool: ...
+
+    async def get_conversation(self, conversation_id: str) -> StoredConversation | None: ...
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None: ...
+
+    async def delete_conversation(self, conversation_id: str) -> bool: ...
+
+    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]]) -> str: ...
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None: ...
+
 
 class MemoryResponseStore:
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
@@ -84,7 +110,8 @@ class MemoryResponseStore:
         self._seen: dict[str, float] = {}  # unfinished response -> when its replica last asked for cancels
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # oldest use first
+        # responses and conversations, oldest use first
+        self._items: OrderedDict[str, tuple[StoredResponse | StoredConversation, int]] = OrderedDict()
         self.bytes = 0
         # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
         # running one polls cancel_requested, and its final put clears the entry.
@@ -100,21 +127,32 @@ class MemoryResponseStore:
             self._cancel.discard(response_id)
             if response_id not in self._items:  # deleted while it ran: stays deleted
                 return False
-        size = stored.size()
-        if size > self.max_bytes:
-            log.warning("response %s: %d bytes is more than the store holds (%d); not stored", response_id, size,
-                        self.max_bytes)
+        if not self._keep(response_id, stored):
             return False
-        self._drop(response_id, keep_events=True)
-        self._items[response_id] = (stored, size)
-        self.bytes += size
         if is_unfinished(stored):
             self._seen[response_id] = self._clock()
+        return True
+
+    def _keep(self, key: str, stored: StoredResponse | StoredConversation) -> bool:
+        """Put `stored` at `key` as the most recently used (its stream events stay), then make room; False if it is
+        larger than the whole store (not kept; what `key` held stays)."""
+        size = stored.size()
+        if size > self.max_bytes:
+            log.warning("%s: %d bytes is more than the store holds (%d); not stored", key, size, self.max_bytes)
+            return False
+        self._drop(key, keep_events=True)
+        self._items[key] = (stored, size)
+        self.bytes += size
         self._make_room()
         return True
 
+    def _entry(self, key: str, kind: type) -> tuple[Any, int] | None:
+        """The entry at `key` if it holds a `kind` (a response id never names a conversation, nor the reverse)."""
+        entry = self._items.get(key)
+        return entry if entry is not None and isinstance(entry[0], kind) else None
+
     async def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._items.get(response_id)
+        entry = self._entry(response_id, StoredResponse)
         if entry is None:
             return None
         self._items.move_to_end(response_id)
@@ -122,6 +160,10 @@ class MemoryResponseStore:
         if self._orphaned(response_id, stored):
             stored = await self._fail_orphan(response_id, stored)
         return stored
+
+    def conversations(self) -> int:
+        """Conversations stored (the rest of len() are responses)."""
+        return sum(isinstance(entry[0], StoredConversation) for entry in self._items.values())
 
     def running(self) -> int:
         """Background responses stored as unfinished (queued or in progress), orphans not yet marked included."""
@@ -176,14 +218,16 @@ class MemoryResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         """Drop it; a background response still running is also stopped (request_cancel) and not stored again."""
-        entry = self._items.get(response_id)
-        if entry is not None and is_unfinished(entry[0]):
+        entry = self._entry(response_id, StoredResponse)
+        if entry is None:
+            return False
+        if is_unfinished(entry[0]):
             self._cancel.add(response_id)
         return self._drop(response_id)
 
     async def request_cancel(self, response_id: str) -> bool:
         """Ask the replica running this background response to stop it; False if it is not stored or finished."""
-        entry = self._items.get(response_id)
+        entry = self._entry(response_id, StoredResponse)
         if entry is None or not is_unfinished(entry[0]):
             return False
         self._cancel.add(response_id)
@@ -202,7 +246,7 @@ class MemoryResponseStore:
         """Add stream events (each with its `sequence_number`, in order) to a stored response's event log; False if
         the response is not stored (deleted, or dropped for room). Events it already has (a sequence number not past
         its last one: a write retried after a timeout that had landed) are left out."""
-        if response_id not in self._items:
+        if self._entry(response_id, StoredResponse) is None:
             return False
         log_, size = self._events.get(response_id, ([], 0))
         if log_:
@@ -220,7 +264,7 @@ class MemoryResponseStore:
         """(its stream events with sequence_number > after, whether the response has finished), or None if it is
         not stored or keeps no events (it was not created with background and stream). The events and the state
         come from one moment: a run stores its last events before its final state."""
-        entry = self._items.get(response_id)
+        entry = self._entry(response_id, StoredResponse)
         if entry is None or response_id not in self._events:
             return None
         stored = entry[0]
@@ -231,8 +275,52 @@ class MemoryResponseStore:
         log_ = self._events[response_id][0]  # in sequence order: a follower's poll slices, it does not scan
         return log_[bisect.bisect_right(log_, after, key=lambda ev: ev["sequence_number"]):], not is_unfinished(stored)
 
+    async def put_conversation(self, conversation_id: str, stored: StoredConversation) -> bool:
+        """Store a new conversation (False: larger than the whole store, not kept)."""
+        return self._keep(conversation_id, stored)
+
+    async def get_conversation(self, conversation_id: str) -> StoredConversation | None:
+        entry = self._entry(conversation_id, StoredConversation)
+        if entry is None:
+            return None
+        self._items.move_to_end(conversation_id)
+        return entry[0]
+
+    async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
+        """Replace its metadata; None if it is not stored."""
+        entry = self._entry(conversation_id, StoredConversation)
+        if entry is None:
+            return None
+        updated = replace(entry[0], conversation={**entry[0].conversation, "metadata": metadata})
+        return updated if self._keep(conversation_id, updated) else None
+
+    async def delete_conversation(self, conversation_id: str) -> bool:
+        return self._entry(conversation_id, StoredConversation) is not None and self._drop(conversation_id)
+
+    async def add_conversation_items(self, conversation_id: str, items: list[dict[str, Any]]) -> str:
+        """Append items (each with its `id`) in one step, so turns that end at once do not lose each other's:
+        "added", "not_found", or "too_large" (the conversation would outgrow the whole store; nothing added)."""
+        entry = self._entry(conversation_id, StoredConversation)
+        if entry is None:
+            return "not_found"
+        grown = replace(entry[0], items=entry[0].items + items)
+        if grown.size() > self.max_bytes:
+            return "too_large"
+        self._keep(conversation_id, grown)
+        return "added"
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
+        """Remove one item; the conversation after it, or None if the conversation or the item is not stored."""
+        entry = self._entry(conversation_id, StoredConversation)
+        if entry is None or all(item["id"] != item_id for item in entry[0].items):
+            return None
+        shrunk = replace(entry[0], items=[item for item in entry[0].items if item["id"] != item_id])
+        self._keep(conversation_id, shrunk)
+        return shrunk
+
     def _make_room(self) -> None:
-        """Drop the least recently used responses (with their events) until the count and byte limits hold."""
+        """Drop the least recently used entries (responses with their events, conversations) until the count and byte
+        limits hold."""
         while self._items and (len(self._items) > self.max_responses or self.bytes > self.max_bytes):
             self._drop(next(iter(self._items)))
 

@@ -204,6 +204,30 @@ def test_broken_background_requests(served):
     assert_nothing_held(engine)
 
 
+def test_broken_conversation_requests(served):
+    """Broken bodies creating conversations, adding items to a real one, and running responses in it (also naming
+    previous_response_id): the same answers, nothing held, and the conversation still reads."""
+    engine, server = served
+    conversation = {"items": [{"role": "user", "content": "Hi"}, {"type": "message", "role": "assistant",
+                                                                   "content": [{"type": "output_text", "text": "Yo"}]}],
+                    "metadata": {"topic": "t"}}
+    status, text = post(server, "/v1/conversations", conversation)
+    assert status == 200
+    conv_id = json.loads(text)["id"]
+    rng = random.Random(13)
+    bodies = [("/v1/conversations", broken(conversation, rng)) for _ in range(30)]
+    bodies += [(f"/v1/conversations/{conv_id}/items", broken({"items": conversation["items"]}, rng)) for _ in range(30)]
+    bodies += [("/v1/responses", broken({**VALID["/v1/responses"], "conversation": {"id": conv_id}}, rng))
+               for _ in range(30)]
+    statuses: dict[int, int] = {}
+    failures = answer_failures(server, bodies, statuses)
+    assert not failures, failures[:5]
+    assert statuses.get(200, 0) >= 10 and sum(n for s, n in statuses.items() if s >= 400) >= 20, statuses
+    listed = httpx.get(f"{server.url}/v1/conversations/{conv_id}/items?limit=100", timeout=10)
+    assert listed.status_code == 200 and len(listed.json()["data"]) >= 2
+    assert_nothing_held(engine)
+
+
 def test_clients_leaving_at_random_points_leave_nothing_held(served, caplog):
     """24 concurrent clients over the three endpoints, streamed or not, n = 1-3, priorities -2..2, each leaving after
     0, 1, 3 or 10 lines, at a short read timeout, or at the end: no error answer, no error logged, and afterwards no

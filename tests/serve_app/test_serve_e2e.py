@@ -330,7 +330,8 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
               "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
               "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
               "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing", "ray_gptoss_draft_tokens",
-              "ray_gptoss_response_store_responses", "ray_gptoss_response_store_bytes",
+              "ray_gptoss_response_store_responses", "ray_gptoss_response_store_conversations",
+              "ray_gptoss_response_store_bytes",
               "ray_gptoss_response_store_background_running", "ray_gptoss_api_requests",
               "ray_gptoss_api_tokens"]
 
@@ -419,6 +420,29 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(http_port):
         api.responses.retrieve(second.id)
     store = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
     assert store["responses"] >= 1 and store["max_responses"] == CONFIG.ingress.store_max_responses
+
+
+def test_conversations_through_the_response_store(http_port):
+    """/v1/conversations on the ResponseStore deployment: a second turn in a conversation is the same request as the
+    conversation sent whole (same input tokens, same greedy output), and the conversation lists both turns."""
+    api = client(http_port)
+    params = dict(model=CONFIG.served_model_name, temperature=0, max_output_tokens=6)
+    conv = api.conversations.create(items=[{"role": "developer", "content": "Be brief."}])
+    first = api.responses.create(input="Hi there", conversation=conv.id, **params)
+    second = api.responses.create(input="Tell me more", conversation=conv.id, **params)
+    whole = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+             *[item.model_dump(exclude_none=True) for item in first.output], {"role": "user", "content": "Tell me more"}]
+    again = api.responses.create(input=whole, store=False, **params)
+    assert second.usage.input_tokens == again.usage.input_tokens > first.usage.input_tokens
+    assert [item.model_dump(exclude={"id"}) for item in second.output if item.type != "function_call"] == \
+        [item.model_dump(exclude={"id"}) for item in again.output if item.type != "function_call"]
+    items = api.conversations.items.list(conv.id, order="asc", limit=100).data
+    assert len(items) == 3 + len(first.output) + len(second.output) and items[-1].id == second.output[-1].id
+    store = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
+    assert store["conversations"] >= 1
+    api.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        api.conversations.retrieve(conv.id)
 
 
 def test_background_responses_through_the_response_store(http_port):
