@@ -24,6 +24,7 @@ INGRESS_NAME = "HarmonyIngress"
 RESPONSE_STORE_NAME = "ResponseStore"
 DECODE_NAME = "DecodeServer"
 PREFILL_NAME = "PrefillServer"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node (ray._common.constants)
 
 
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,
@@ -136,10 +137,12 @@ def _ingress_app(models: list[tuple[ServeAppConfig, Any]], settings: IngressSett
         # No CPU reserved (like Serve's own controller): its calls take microseconds, and a reservation could
         # leave it unplaceable on a node the other replicas fill (seen: 2 cores, 2 ingress replicas; the app
         # then never became ready).
+        # With a file it runs where the file is: on the head node (the path is that node's).
+        where = {"resources": {HEAD_NODE_RESOURCE: 0.001}} if settings.store_path else {}
         store = serve.deployment(
             ResponseStoreServer, name=RESPONSE_STORE_NAME, num_replicas=1, max_ongoing_requests=1024,
-            ray_actor_options={"num_cpus": 0},
-        ).bind(settings.store_max_responses, int(settings.store_max_mib * 2**20))
+            ray_actor_options={"num_cpus": 0, **where},
+        ).bind(settings.store_max_responses, int(settings.store_max_mib * 2**20), settings.store_path)
     (first, decode), *rest = models
     more = {config.served_model_name: (other, config.max_context) for config, other in rest} or None
     return ingress.bind(decode, first.served_model_name, first.max_context, settings, store, more)

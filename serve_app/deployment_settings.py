@@ -157,6 +157,11 @@ class IngressSettings(_Settings):
                                   "(the endpoint is stateless, previous_response_id and conversations are refused).")
     store_max_mib: float = Field(512, gt=0, description="Memory the stored responses and conversations may take, "
                                                         "their JSON's size.")
+    store_path: str | None = Field(
+        None, description="A SQLite file on the head node where the store writes every stored response and "
+                          "conversation and reads them back when its replica restarts (a redeploy or a crash then "
+                          "forgets nothing; streams of background responses cannot be resumed across it). The "
+                          "store's replica is placed on the head node. None: memory only.")
     allow_priority: bool = Field(
         False, description="Honour requests' `priority` (vLLM's extension, an integer: lower runs sooner; a waiting "
                            "request of a better priority preempts running ones of worse priority in the engines). "

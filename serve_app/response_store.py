@@ -3,8 +3,9 @@ ingress replica.
 
 `ResponseStoreServer` is the deployment (a MemoryResponseStore in its process, so one replica: a second
 would hold other responses); `ServeResponseStore` is the ResponseStore the ingress uses, over its handle.
-A restart of that replica forgets every stored response (continuations of them then get 400
-previous_response_not_found).
+A restart of that replica forgets every stored response and conversation (continuations of them then get 400
+previous_response_not_found, the conversations 404), unless `ingress.store_path` gives it a file to keep them in
+(store_file.py; the replica then runs on the head node, where that path is).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ class ResponseStoreServer(MemoryResponseStore):
     orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge set once at start
     did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
-    async def __init__(self, max_responses: int, max_bytes: int):
+    async def __init__(self, max_responses: int, max_bytes: int, path: str | None = None):
+        """path: the SQLite file every entry is written through to and read back from at start (store_file.py);
+        None: memory only, a restart forgets everything."""
         from ray.util import metrics
 
         from serve_app.metrics import replica_tags
+        from serve_app.openai_api.store_file import StoreFile
 
-        MemoryResponseStore.__init__(self, max_responses, max_bytes)
+        MemoryResponseStore.__init__(self, max_responses, max_bytes, file=StoreFile(path) if path else None)
         tags = replica_tags("response_store")
         count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
                               tag_keys=tuple(tags))

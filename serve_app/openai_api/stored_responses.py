@@ -9,7 +9,7 @@ square.
 `MemoryResponseStore` keeps them in this process, least recently used first out when a count or byte limit
 is reached; a chain whose older link was dropped can no longer be continued (400
 previous_response_not_found). Under Ray Serve one replica holds it for every ingress replica
-(serve_app/response_store.py). Nothing is written to disk: a restart forgets every response.
+(serve_app/response_store.py). Memory only unless it has a file (below): then a restart forgets nothing.
 
 Background responses (background.py) are stored at once with status `queued`, then `in_progress`, then their
 final state; the store also carries the request to cancel one to whichever ingress replica runs it. That replica
@@ -34,7 +34,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,16 @@ class StoredConversation:
 
     def size(self) -> int:
         return len(json.dumps([self.conversation, self.items], ensure_ascii=False, separators=(",", ":")))
+
+
+class StoreFileLike(Protocol):
+    """store_file.StoreFile's interface (it imports this module, so it is not imported here)."""
+
+    def write(self, key: str, stored: StoredResponse | StoredConversation) -> None: ...
+
+    def remove(self, key: str) -> None: ...
+
+    def entries(self) -> Iterator[tuple[str, StoredResponse | StoredConversation]]: ...
 
 
 UNFINISHED = ("queued", "in_progress")  # a background response still running (serve_app/openai_api/background.py)
@@ -102,7 +112,8 @@ class MemoryResponseStore:
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
 
     def __init__(self, max_responses: int = 10_000, max_bytes: int = 512 << 20, orphan_after_s: float = 30.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, file: "StoreFileLike | None" = None):
+        """file: where every entry is also written (store_file.StoreFile), read back here; None: memory only."""
         if max_responses < 1 or max_bytes < 1:
             raise ValueError(f"max_responses ({max_responses}) and max_bytes ({max_bytes}) must be positive")
         self.orphan_after_s = orphan_after_s
@@ -117,9 +128,34 @@ class MemoryResponseStore:
         # running one polls cancel_requested, and its final put clears the entry.
         self._cancel: set[str] = set()
         self._events: dict[str, tuple[list[dict[str, Any]], int]] = {}  # response -> (its stream events, their bytes)
+        self._file = file
+        if file is not None:
+            self._load(file)
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def _load(self, file: "StoreFileLike") -> None:
+        """The file's entries, least recently written first; unfinished background responses are watched again (an
+        ingress replica still running one tells the store so with its next cancel poll, else it becomes an orphan)."""
+        for key, stored in file.entries():
+            size = stored.size()
+            self._items[key] = (stored, size)
+            self.bytes += size
+            if isinstance(stored, StoredResponse) and is_unfinished(stored):
+                self._seen[key] = self._clock()
+        self._make_room()  # the limits may be lower than when they were written
+        if self._items:
+            log.info("response store: %d entries (%d bytes) read from its file", len(self._items), self.bytes)
+
+    def _write(self, key: str, stored: StoredResponse | StoredConversation | None) -> None:
+        """The file's copy of `key`: `stored`, or none. A file that fails is logged; memory stays the truth."""
+        if self._file is None:
+            return
+        try:
+            self._file.write(key, stored) if stored is not None else self._file.remove(key)
+        except Exception:
+            log.exception("response store: writing %s to its file failed", key)
 
     async def put(self, response_id: str, stored: StoredResponse) -> bool:
         """Store it (False: larger than the whole store, not kept), dropping the least recently used."""
@@ -140,9 +176,10 @@ class MemoryResponseStore:
         if size > self.max_bytes:
             log.warning("%s: %d bytes is more than the store holds (%d); not stored", key, size, self.max_bytes)
             return False
-        self._drop(key, keep_events=True)
+        self._drop(key, keep_events=True, in_file=True)
         self._items[key] = (stored, size)
         self.bytes += size
+        self._write(key, stored)
         self._make_room()
         return True
 
@@ -200,6 +237,7 @@ class MemoryResponseStore:
         size = failed.size()
         self.bytes += size - self._items[response_id][1]
         self._items[response_id] = (failed, size)
+        self._write(response_id, failed)
         self._make_room()
         return failed
 
@@ -324,11 +362,15 @@ class MemoryResponseStore:
         while self._items and (len(self._items) > self.max_responses or self.bytes > self.max_bytes):
             self._drop(next(iter(self._items)))
 
-    def _drop(self, response_id: str, keep_events: bool = False) -> bool:
+    def _drop(self, response_id: str, keep_events: bool = False, in_file: bool = False) -> bool:
+        """Forget the entry (and, unless keep_events, its stream events); in_file: its row stays (about to be
+        rewritten)."""
         self._seen.pop(response_id, None)
         entry = self._items.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry[1]
+            if not in_file:
+                self._write(response_id, None)
         if not keep_events and response_id in self._events:
             self.bytes -= self._events.pop(response_id)[1]
         return entry is not None

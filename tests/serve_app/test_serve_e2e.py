@@ -11,6 +11,8 @@ import dataclasses
 import math
 import pathlib
 import re
+import shutil
+import tempfile
 import time
 import urllib.request
 
@@ -53,6 +55,8 @@ ARGS = {
     # tests see of it: content or not, streamed in pieces or recovered at the end) is the same every day.
     "ingress.conversation_start_date": "2026-11-29",
     "ingress.api_keys": "sk-e2e-first,sk-e2e-second",  # every /v1/ call below sends the first
+    # the store writes through to a file and reads it back when its replica restarts (on the head node: this one)
+    "ingress.store_path": str(pathlib.Path(tempfile.mkdtemp(prefix="gptoss-e2e-")) / "responses.db"),
 }
 KEY = "sk-e2e-first"
 CONFIG = ServeAppConfig.from_args(ARGS)
@@ -66,6 +70,7 @@ def ray_ports():
         yield ports
     finally:
         stop_ray()
+        shutil.rmtree(pathlib.Path(ARGS["ingress.store_path"]).parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +331,9 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
     decode = serve.get_deployment_handle(DECODE_NAME, APP).options(stream=True)
     predicted = dataclasses.replace(sampling, prediction=tuple(want))
     assert [t for d in decode.generate.remote(GenerateRequest("m-1", prompt, predicted)) for t in d.token_ids] == want
+    # one request through the HTTP API, so that the API's own metrics exist when this test runs alone
+    client(ray_ports.http).chat.completions.create(model=CONFIG.served_model_name, max_tokens=2, temperature=0,
+                                                   messages=[{"role": "user", "content": "Hi"}])
     wanted = ["ray_gptoss_ttft_seconds_bucket", "ray_gptoss_tpot_seconds_bucket", "ray_gptoss_kv_transfer_bytes_bucket",
               "ray_gptoss_kv_transfer_seconds_bucket", "ray_gptoss_kv_usage_ratio", "ray_gptoss_queue_depth",
               "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
@@ -443,6 +451,32 @@ def test_conversations_through_the_response_store(http_port):
     api.conversations.delete(conv.id)
     with pytest.raises(openai.NotFoundError):
         api.conversations.retrieve(conv.id)
+
+
+def test_the_store_replica_restarts_with_what_it_had(http_port):
+    """With ingress.store_path, a store replica that dies (killed here) is replaced by one that reads the file: the
+    stored response and the conversation are still there, and the conversation goes on."""
+    api = client(http_port)
+    params = dict(model=CONFIG.served_model_name, temperature=0, max_output_tokens=4)
+    first = api.responses.create(input="Hi there", **params)
+    conv = api.conversations.create(items=[{"role": "user", "content": "Remember this."}])
+    [(old_name, old_actor)] = replica_actors(APP, RESPONSE_STORE_NAME)
+    ray.kill(old_actor, no_restart=True)
+
+    def restarted():
+        if [n for n, _ in replica_actors(APP, RESPONSE_STORE_NAME)] in ([], [old_name]):
+            return None
+        try:
+            return api.responses.retrieve(first.id)
+        except openai.APIStatusError:  # the replacement is not serving yet: a 503 from the ingress
+            return None
+
+    again = wait_until(restarted, 90, "a replacement store replica")
+    assert again.model_dump() == first.model_dump()
+    assert api.conversations.retrieve(conv.id).id == conv.id
+    second = api.responses.create(input="And now?", conversation=conv.id, **params)
+    assert second.conversation.id == conv.id
+    assert len(api.conversations.items.list(conv.id).data) == 2 + len(second.output)
 
 
 def test_background_responses_through_the_response_store(http_port):
