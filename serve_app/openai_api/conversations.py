@@ -8,8 +8,9 @@ assistant), as OpenAI lists it.
 Routes: POST /v1/conversations (`items`, up to 20, and `metadata`); GET, POST (new `metadata`) and DELETE
 /v1/conversations/{id}; POST /v1/conversations/{id}/items (up to 20 `items`); GET .../items (`after`, `limit` 1-100,
 `order` desc by default); GET and DELETE .../items/{item_id}. `include=reasoning.encrypted_content` gives reasoning
-items our `encrypted_content` (responses_input.reasoning_envelope); other `include` values are accepted and change
-nothing (an assistant message keeps the logprobs its response computed, if it was asked for them).
+items our `encrypted_content` (responses_input.reasoning_envelope); `include=message.output_text.logprobs` gives an
+assistant message the logprobs its response computed (if that response asked for them; without the include they are
+listed empty); other `include` values are accepted and change nothing.
 
 A /v1/responses request with `conversation` (an id, or `{"id": ...}`) sees the conversation's items before its input,
 token for token as if they were sent in `input`. When it ends `completed` or `incomplete`, its input items and then
@@ -97,9 +98,15 @@ def conversation_item(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_includes(item: dict[str, Any], include: list[str]) -> dict[str, Any]:
+    """The item as listed: reasoning with `encrypted_content` if asked for; output text with its logprobs only if
+    asked for (message.output_text.logprobs; they are there when its response computed them)."""
     if item.get("type") == "reasoning" and "reasoning.encrypted_content" in include:
         text = "".join(part.get("text", "") for part in item.get("content") or [])
         return {**item, "encrypted_content": reasoning_envelope(text)}
+    if item.get("type") == "message" and "message.output_text.logprobs" not in include and \
+            any(part.get("logprobs") for part in item.get("content") or []):
+        return {**item, "content": [{**part, "logprobs": []} if part.get("logprobs") else part
+                                    for part in item["content"]]}
     return item
 
 

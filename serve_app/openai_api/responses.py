@@ -398,8 +398,9 @@ async def stream_stored_response(http: Request, response_id: str, ctx: IngressCo
                          param="starting_after")
     after = -1 if starting_after is None else starting_after
     if await ask_store(ctx.store.events_after(response_id, after)) is None:
-        raise BadRequest(f"Response {response_id!r} was not created with background=true and stream=true: it has no "
-                         "event stream to read; retrieve it without stream", param="stream")
+        raise BadRequest(f"Response {response_id!r} has no event stream to read (it was not created with "
+                         "background=true and stream=true, or the response store restarted since); retrieve it "
+                         "without stream", param="stream")
     return EventStreamResponse(follow_events(ctx.store, response_id, after),
                                headers=request_id_headers(http, response_id), keepalive_s=ctx.config.stream_keepalive_s)
 

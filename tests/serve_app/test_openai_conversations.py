@@ -160,6 +160,19 @@ def test_reasoning_items_carry_encrypted_content_when_included(api, backend):
     assert one.encrypted_content == included.encrypted_content
 
 
+def test_output_logprobs_are_listed_only_when_included(api, backend):
+    conv = api.conversations.create()
+    backend.push(SECOND)
+    made = api.responses.create(model=MODEL, input="Hi", conversation=conv.id, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    computed = made.output[0].content[0].logprobs
+    assert computed and len(computed[0].top_logprobs) == 2
+    plain = api.conversations.items.list(conv.id).data[0]
+    included = api.conversations.items.list(conv.id, include=["message.output_text.logprobs"]).data[0]
+    assert plain.id == included.id == made.output[0].id and plain.content[0].logprobs == []
+    assert [lp.model_dump() for lp in included.content[0].logprobs] == [lp.model_dump() for lp in computed]
+
+
 def test_only_turns_that_end_with_output_join_the_conversation(api, backend):
     """completed and incomplete turns are added; a failed or cancelled one adds nothing (the client sends it again)."""
     conv = api.conversations.create()
