@@ -16,29 +16,12 @@ from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredCon
 from tests.serve_app.conftest import MODEL, openai_client, scripted_app
 from tests.serve_app.stub_backend import ScriptedBackend
 from tests.serve_app.test_openai_background import wait_for
-from tests.serve_app.test_openai_stored_responses import CALL, FIRST, SECOND, TOOLS, as_input
+from tests.serve_app.test_openai_stored_responses import (CALL, FIRST, SECOND, TOOLS, api, as_input,  # noqa: F401
+                                                          backend, live)
 
 ENC = load_harmony_encoding()
 ITEM = TypeAdapter(ConversationItem)
 LONG = "<|channel|>final<|message|>" + "word " * 200 + "<|return|>"
-
-
-@pytest.fixture(scope="module")
-def live():
-    backend, store = ScriptedBackend(), MemoryResponseStore(max_responses=100)
-    with scripted_app(backend, response_store=store) as server:
-        yield backend, server, store
-
-
-@pytest.fixture
-def backend(live) -> ScriptedBackend:
-    live[0].reset()
-    return live[0]
-
-
-@pytest.fixture
-def api(live) -> openai.OpenAI:
-    return openai_client(live[1].url)
 
 
 def test_a_conversation_is_created_read_updated_and_deleted(api):
