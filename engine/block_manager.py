@@ -27,12 +27,14 @@ from engine.sequence import Sequence
 
 
 
-def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = None) -> list[bytes]:
+def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = None, salt: str = "") -> list[bytes]:
     """Chained hashes of the whole blocks of a token list: out[i] names tokens [0, (i + 1) * block_size), so
-    equal hashes mean an equal prefix of that length (the prefix cache's block names; the Serve router's)."""
+    equal hashes mean an equal prefix of that length (the prefix cache's block names; the Serve router's). A
+    salt (GenerateRequest.cache_salt) starts the chain elsewhere: equal prefixes of different salts never meet."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     n = len(tokens) // block_size if max_blocks is None else min(len(tokens) // block_size, max_blocks)
-    parent, out = b"", []
+    parent = hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest() if salt else b""
+    out = []
     for b in range(n):
         parent = hashlib.blake2b(parent + tokens[b * block_size:(b + 1) * block_size].tobytes(), digest_size=16).digest()
         out.append(parent)
@@ -226,7 +228,7 @@ class BlockManager:
     # ---- prefix caching ------------------------------------------------------------------------------
     def _hashes(self, seq: Sequence) -> list[bytes]:
         if seq.block_hashes is None:
-            seq.block_hashes = prefix_block_hashes(seq.prompt_ids, self.block_size)
+            seq.block_hashes = prefix_block_hashes(seq.prompt_ids, self.block_size, salt=seq.cache_salt)
         return seq.block_hashes
 
     def _first_sliding_block(self, num_blocks: int) -> int:

@@ -19,6 +19,7 @@ HARMONY_STOP_TOKEN_IDS = (200002, 200012)
 # openai_harmony's is_special_token. Penalties leave them alone, or a second <|channel|> would be penalized.
 HARMONY_FIRST_SPECIAL_ID = 199998
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_CACHE_SALT = 1024  # characters of GenerateRequest.cache_salt
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -177,6 +178,9 @@ class GenerateRequest:
     # Scheduling rank: lower runs sooner (vLLM's convention), ties by arrival. A waiting request of a better
     # priority preempts running ones of worse priority when it finds no slot or pages (engine/scheduler.py).
     priority: int = 0
+    # Prefix-cache namespace: a request reuses cached prompt blocks only of requests with the same salt ("" is the
+    # shared one), so tenants cannot learn from each other's cache hits (time to first token) what others sent.
+    cache_salt: str = ""
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Raise InvalidRequestError unless an engine of this vocabulary and context can run the request."""
@@ -188,6 +192,9 @@ class GenerateRequest:
         if type(self.priority) is not int or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
             raise InvalidRequestError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got "
                                       f"{self.priority!r}", "priority")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
+                                      "cache_salt")
         ids = self.prompt_ids
         if not isinstance(ids, (list, tuple)):
             raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(ids).__name__}", "prompt_ids")

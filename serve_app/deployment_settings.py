@@ -167,6 +167,12 @@ class IngressSettings(_Settings):
                            "request of a better priority preempts running ones of worse priority in the engines). "
                            "Off: a non-zero priority is a 400, since any client could put itself first; turn it "
                            "on where the clients are trusted (e.g. behind a gateway that sets it).")
+    isolate_prefix_cache: bool = Field(
+        False, description="With api_keys: each key's requests reuse only cached prompt blocks of the same key "
+                           "(engine prefix caches and prefix routing are salted by the key), so the cache hits a "
+                           "client sees in its time to first token tell it nothing of other keys' prompts; a "
+                           "system prompt shared across keys is then computed once per key. Off: one shared "
+                           "cache (a request's own `cache_salt` still separates it).")
     cors_allow_origins: list[str] = Field(
         default_factory=list, description="Origins whose browser pages may call the API (CORS), e.g. "
                                           "https://app.example.com; \"*\" for any. A list or comma-separated text. "

@@ -104,7 +104,8 @@ class HarmonyIngress:
             conversation_start_date=s.conversation_start_date, default_max_tokens=s.default_max_tokens,
             api_keys=() if several else s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
             response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
-            allow_priority=s.allow_priority, usage_sink=self.api_metrics.record)
+            allow_priority=s.allow_priority, isolate_prefix_cache=s.isolate_prefix_cache,
+            usage_sink=self.api_metrics.record)
             for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]

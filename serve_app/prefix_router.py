@@ -92,14 +92,14 @@ def near_holders(holders: list[Any], queues: dict[Any, int | None], imbalance: i
     return [r for r in holders if (queues.get(r) or 0) <= shortest + imbalance]
 
 
-def prompt_of(pending: PendingRequest | None) -> list[int] | None:
-    """The prompt token ids of a routed call (DecodeServer.generate(request), PrefillServer.prefill(request,
-    offer)), or None for calls without a GenerateRequest (stats, abort)."""
+def request_of(pending: PendingRequest | None) -> GenerateRequest | None:
+    """The GenerateRequest of a routed call (DecodeServer.generate(request), PrefillServer.prefill(request,
+    offer)), or None for calls without one (stats, abort)."""
     if pending is None:
         return None
     for arg in list(pending.args) + list(pending.kwargs.values()):
         if isinstance(arg, GenerateRequest):
-            return arg.prompt_ids
+            return arg
     return None
 
 
@@ -138,11 +138,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         others = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        prompt = prompt_of(pending_request)
-        if prompt is None:
+        request = request_of(pending_request)
+        if request is None:
             self._decided("no_prompt")
             return [others]
-        hashes = prefix_block_hashes(prompt, self.block_tokens, MAX_BLOCKS)
+        # (salted as the engines' prefix caches are: a salt's prompts go where that salt's prefix is)
+        hashes = prefix_block_hashes(request.prompt_ids, self.block_tokens, MAX_BLOCKS, request.cache_salt)
         self._hashes[id(pending_request)] = hashes
         while len(self._hashes) > 4096:
             self._hashes.popitem(last=False)

@@ -53,6 +53,7 @@ def create_app(
     response_store: ResponseStore | None = None,
     cors_allow_origins: Sequence[str] = (),
     allow_priority: bool = False,
+    isolate_prefix_cache: bool = False,
     usage_sink: UsageSink | None = None,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
@@ -69,6 +70,8 @@ def create_app(
     /v1/conversations its conversations; None: the endpoints are stateless (no conversations).
     cors_allow_origins: origins whose browser pages may call the API (CORS; "*" for any); empty: none.
     allow_priority: honour requests' `priority` (lower runs sooner in the engines); off: a non-zero one is a 400.
+    isolate_prefix_cache: with api_keys, each key's requests reuse only their own cached prompt blocks (the cache
+    hits, visible in time to first token, then tell a key nothing of what other keys sent).
     usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
     """
     backend_limit = getattr(backend, "max_context", None)
@@ -80,7 +83,7 @@ def create_app(
     config = IngressConfig(model_name=model_name, max_context=limit, default_max_tokens=default_max_tokens,
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
-                           allow_priority=allow_priority)
+                           allow_priority=allow_priority, isolate_prefix_cache=isolate_prefix_cache)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
                          background=BackgroundRuns(response_store) if response_store is not None else None,
                          usage_sink=usage_sink)

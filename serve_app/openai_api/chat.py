@@ -183,7 +183,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
         return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
                           sampling=params, stop=req.stop, forced_ids=forced, priority=priority,
-                          caller=Caller("chat.completions", requester(http)))
+                          caller=Caller("chat.completions", requester(http)), cache_salt=req.cache_salt)
 
     group = GenerationGroup([nth(i) for i in range(n)])
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}

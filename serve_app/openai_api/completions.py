@@ -75,9 +75,10 @@ class TextGeneration(BackendRequest):
     """One completion: token deltas -> text steps, with stop strings and (optionally) logprobs."""
 
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 stop: list[str], echo_text: str = "", priority: int = 0, caller: Caller | None = None):
+                 stop: list[str], echo_text: str = "", priority: int = 0, caller: Caller | None = None,
+                 cache_salt: str | None = None):
         super().__init__(ctx, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, priority=priority,
-                         caller=caller)
+                         caller=caller, cache_salt=cache_salt)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._matcher = StopMatcher(stop) if stop else None
         self._stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids)
@@ -190,7 +191,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
             rid = request_id if len(req.prompt) * n == 1 else f"{request_id}-{i}-{j}"
             gens.append(TextGeneration(ctx, request_id=rid, prompt_ids=ids, sampling=params, stop=req.stop,
                                        echo_text=text if req.echo else "", priority=priority,
-                                       caller=Caller("completions", requester(http))))
+                                       caller=Caller("completions", requester(http)), cache_salt=req.cache_salt))
     group = GenerationGroup(gens)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}
     with_logprobs = req.logprobs is not None

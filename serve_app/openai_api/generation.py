@@ -54,6 +54,7 @@ class IngressConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     stream_keepalive_s: float | None = 15.0  # respond(): a waiting stream starts and sends keep-alives; None: off
     allow_priority: bool = False  # honour requests' `priority` (else a non-zero one is a 400): request_priority
+    isolate_prefix_cache: bool = False  # each API key its own prefix-cache namespace: cache_salt
 
     def request_priority(self, priority: int | None) -> int:
         """A request's engine priority (lower runs sooner, engine/scheduler.py). Off by default: any client
@@ -62,6 +63,13 @@ class IngressConfig:
             raise BadRequest("priority is not enabled on this server (ingress.allow_priority); leave it out or "
                              "send 0", param="priority")
         return priority or 0
+
+    def cache_salt(self, key: str | None, client_salt: str | None) -> str:
+        """The engine request's prefix-cache namespace (GenerateRequest.cache_salt): the API key's when
+        isolate_prefix_cache is on (and keys are configured), then the request's own `cache_salt`; "" shares."""
+        parts = ([f"key:{key}"] if self.isolate_prefix_cache and key else []) + \
+            ([f"client:{client_salt}"] if client_salt else [])
+        return "\0".join(parts)
 
     def start_date(self) -> str:
         return self.conversation_start_date or datetime.now(timezone.utc).date().isoformat()
@@ -169,8 +177,9 @@ class BackendRequest:
     stream's `steps()` picks the wait up again, so a refusal after that arrives as an in-stream error."""
 
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 priority: int = 0, caller: Caller | None = None):
-        """caller: the endpoint and API key its usage record names (usage.py)."""
+                 priority: int = 0, caller: Caller | None = None, cache_salt: str | None = None):
+        """caller: the endpoint and API key its usage record names (usage.py); cache_salt: the request's own
+        (IngressConfig.cache_salt adds the key's)."""
         self.ctx = ctx
         self.caller = caller or Caller("")
         self._failure: str | None = None  # "refused" / "failed", for the usage record
@@ -180,7 +189,8 @@ class BackendRequest:
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
         self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding (a prediction), totals so far
         self.finish_reason: str | None = None  # the API's finish reason, once finished
-        self._request = GenerateRequest(request_id, list(prompt_ids), sampling, priority)
+        self._request = GenerateRequest(request_id, list(prompt_ids), sampling, priority,
+                                        ctx.config.cache_salt(self.caller.key, cache_salt))
         self._backend_finish: str | None = None
         self._stream: Any = None
         self._first: TokenDelta | None = None
@@ -298,11 +308,11 @@ class BackendRequest:
 class Generation(BackendRequest):
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
                  sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None,
-                 priority: int = 0, caller: Caller | None = None):
+                 priority: int = 0, caller: Caller | None = None, cache_salt: str | None = None):
         """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
         header): sent as prompt, parsed as output, not counted as completion tokens."""
         super().__init__(ctx, request_id=request_id, prompt_ids=list(prompt_ids) + list(forced_ids or []),
-                         sampling=sampling, priority=priority, caller=caller)
+                         sampling=sampling, priority=priority, caller=caller, cache_salt=cache_salt)
         self.reasoning_tokens = 0
         self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
         self._stops = list(stop or [])

@@ -121,6 +121,9 @@ class SamplingBase(Strict):
     seed: int | None = None
     user: str | None = None
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)  # vLLM's extension; see IngressConfig
+    # vLLM's extension: a prefix-cache namespace (IngressConfig.cache_salt); requests share cached prompt blocks
+    # only with requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class TextOutputFields(Strict):

@@ -238,7 +238,8 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     ), len(prompt_ids) + len(forced), ctx.config)
     sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
-                     priority=ctx.config.request_priority(req.priority), caller=Caller("responses", owner))
+                     priority=ctx.config.request_priority(req.priority), caller=Caller("responses", owner),
+                     cache_salt=req.cache_salt)
     created = time.time()
     store = ctx.store is not None and req.store is not False
     own_items = stored_input_items(req) if store or req.conversation is not None else []

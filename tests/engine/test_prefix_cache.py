@@ -9,6 +9,7 @@ import json
 import pytest
 
 from engine.block_manager import KVCacheError, PagePool
+from engine.request import InvalidRequestError
 from tests.engine.engine_testlib import (BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end)
 
 SYSTEM = random_prompt(27, 900)  # a shared prefix: 6 whole blocks and 3 tokens
@@ -110,6 +111,29 @@ def test_deltas_report_the_cached_prompt_tokens(make_engine):
             for d in engine.step():
                 seen.setdefault(d.request_id, set()).add(d.num_cached_tokens)
     assert seen == {"d0": {0}, "d1": {6 * BLOCK}}
+
+
+def test_a_cache_salt_shares_cached_blocks_only_within_its_namespace(make_engine):
+    """Requests of one salt hit each other's cached prefix; of another salt (or none) they compute it again, and
+    generate the same tokens either way."""
+    from dataclasses import replace
+
+    engine = make_engine(enable_prefix_caching=True)
+    ids, cached = {}, {}
+    p0, p1 = prompts(2)  # the same 6-block prefix, different tails
+    for rid, prompt, salt in [("a0", p0, "tenant-a"), ("b0", p1, "tenant-b"), ("s0", p1, ""), ("a1", p1, "tenant-a"),
+                              ("b1", p0, "tenant-b"), ("s1", p0, "")]:
+        engine.add_request(replace(request(rid, prompt, greedy(3)), cache_salt=salt))
+        while engine.has_unfinished():
+            for d in engine.step():
+                ids.setdefault(d.request_id, []).extend(d.token_ids)
+                cached[d.request_id] = d.num_cached_tokens
+    # the first of each namespace computes the prefix; the second finds it (only its own namespace's)
+    assert cached == {"a0": 0, "b0": 0, "s0": 0, "a1": 6 * BLOCK, "b1": 6 * BLOCK, "s1": 6 * BLOCK}
+    assert ids["a1"] == ids["b0"] == ids["s0"] and ids["a0"] == ids["b1"] == ids["s1"]  # same prompt, same tokens
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        engine.add_request(replace(request("bad", p0, greedy(3)), cache_salt=7))
+    assert_pool_full(engine)
 
 
 def test_identical_prompt_recomputes_its_last_token_only(make_engine):

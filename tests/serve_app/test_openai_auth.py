@@ -167,3 +167,37 @@ def test_no_cors_headers_by_default(gated):
     _, server = gated
     r = httpx.get(server.url + "/health", headers={"Origin": "https://app.example.com"}, timeout=10)
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cache_salts_are_the_keys_with_isolation_and_the_requests_own():
+    """What each engine request carries as its prefix-cache namespace: the request's `cache_salt` on every endpoint;
+    with isolate_prefix_cache, the API key's (its id, never the key) before it; without keys, isolation adds nothing."""
+    from serve_app.openai_api.app import create_app
+    from serve_app.openai_api.auth import key_id
+    from tests.serve_app.conftest import scripted_app
+
+    answer = "<|channel|>final<|message|>Hi<|return|>"
+    backend = ScriptedBackend(max_context=MAX_CONTEXT)
+    app = create_app(backend, model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date=START_DATE,
+                     api_keys=["sk-a"], isolate_prefix_cache=True)
+    with LiveServer(app) as server:
+        client = api(server, "sk-a")
+        calls = [lambda **x: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                            **x),
+                 lambda **x: client.completions.create(model=MODEL, prompt="Hi", **x),
+                 lambda **x: client.responses.create(model=MODEL, input="Hi", **x)]
+        for call in calls:
+            backend.push(answer)
+            call()
+            backend.push(answer)
+            call(extra_body={"cache_salt": "mine"})
+        assert [r.cache_salt for r in backend.requests] == [f"key:{key_id(b'sk-a')}",
+                                                            f"key:{key_id(b'sk-a')}\0client:mine"] * 3
+        assert "sk-a" not in backend.requests[0].cache_salt
+    backend.reset()
+    with scripted_app(backend, isolate_prefix_cache=True) as server:  # no keys: only the request's own salt
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        for extra in (None, {"cache_salt": "mine"}):
+            backend.push(answer)
+            client.responses.create(model=MODEL, input="Hi", extra_body=extra)
+        assert [r.cache_salt for r in backend.requests] == ["", "client:mine"]

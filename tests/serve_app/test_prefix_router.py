@@ -12,7 +12,7 @@ from ray import serve
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
 from engine.block_manager import prefix_block_hashes as prefix_hashes
-from serve_app.prefix_router import PrefixTable, near_holders, prompt_of
+from serve_app.prefix_router import PrefixTable, near_holders, request_of
 from tests.serve_app.serve_helpers import collect, run_async, start_ray, stop_ray
 
 APP = "prefix_routing"
@@ -58,15 +58,15 @@ def test_holders_busier_than_the_guard_are_passed_over():
     assert near_holders(["a", "b"], {"a": None, "b": None}, imbalance=0) == ["a", "b"]  # nothing known yet
 
 
-def test_prompt_of_finds_the_generate_request():
+def test_request_of_finds_the_generate_request():
     class Pending:
         def __init__(self, args, kwargs):
             self.args, self.kwargs = args, kwargs
 
     req = GenerateRequest("x", [1, 2, 3])
-    assert prompt_of(Pending([req, object()], {})) == [1, 2, 3]
-    assert prompt_of(Pending([], {"request": req})) == [1, 2, 3]
-    assert prompt_of(Pending(["abort-id"], {})) is None and prompt_of(None) is None
+    assert request_of(Pending([req, object()], {})) is req
+    assert request_of(Pending([], {"request": req})) is req
+    assert request_of(Pending(["abort-id"], {})) is None and request_of(None) is None
 
 
 @pytest.fixture(scope="module")

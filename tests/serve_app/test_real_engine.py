@@ -256,6 +256,45 @@ def test_usage_reports_prompt_tokens_from_the_prefix_cache(tmp_path):
         engine.shutdown()
 
 
+def test_isolated_prefix_caches_per_api_key_and_cache_salt(tmp_path):
+    """ingress.isolate_prefix_cache: the same conversation from a second API key finds nothing of the first key's
+    in the prefix cache (cached_tokens 0), from the same key it finds its prefix; a request's own cache_salt
+    separates it further. The answers stay the same (greedy)."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from model.loader import load_model
+    from model.tiny import make_tiny
+    from serve_app.openai_api.app import create_app
+
+    make_tiny(tmp_path, dtype="float32", seed=3)
+    config = EngineConfig(max_model_len=MAX_CONTEXT, num_full_pages=64, num_sliding_pages=64, max_num_seqs=4,
+                          max_num_batched_tokens=256, enable_prefix_caching=True)
+    engine = AsyncEngine(LLMEngine(load_model(tmp_path, dtype="float32", progress=False), config))
+    import openai
+    try:
+        with LiveServer(create_app(engine, model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date=DATE,
+                                   api_keys=["sk-a", "sk-b"], isolate_prefix_cache=True)) as server:
+            a, b = (openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+                    for key in ("sk-a", "sk-b"))
+
+            def chat(client, **extra):
+                return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
+                                                      **extra)
+
+            first, other_key, same_key = chat(a), chat(b), chat(a)
+            salted, salted_again = chat(a, extra_body={"cache_salt": "s1"}), chat(a, extra_body={"cache_salt": "s1"})
+            whole = (first.usage.prompt_tokens - 1) // 16 * 16
+            assert [r.usage.prompt_tokens_details.cached_tokens for r in
+                    (first, other_key, same_key, salted, salted_again)] == [0, 0, whole, 0, whole]
+            assert whole > 0 and len({r.choices[0].message.content for r in (first, other_key, salted)}) == 1
+            with pytest.raises(openai.BadRequestError) as err:
+                chat(a, extra_body={"cache_salt": ""})
+            assert err.value.param == "cache_salt"
+    finally:
+        engine.shutdown()
+
+
 def test_seeded_stream_equals_seeded_non_stream(real):
     _, _, server = real
     import openai
