@@ -26,6 +26,10 @@ def test_prefix_hashes_name_equal_prefixes_alike():
     assert len(ha) == 1000 // 64 and len(hb) == len(ha)
     assert ha[:10] == hb[:10] and all(x != y for x, y in zip(ha[10:], hb[10:]))  # 700 // 64 = 10 blocks agree
     assert prefix_hashes(a[:63], 64) == [] and prefix_hashes(a, 64, max_blocks=3) == ha[:3]
+    # salts (cache_salt): each its own namespace, all blocks apart; one salt names alike within itself
+    salted = [prefix_hashes(a, 64, salt=salt) for salt in ("x", "y")]
+    assert not (set(salted[0]) | set(salted[1])) & set(ha) and not set(salted[0]) & set(salted[1])
+    assert prefix_hashes(b, 64, salt="x")[:10] == salted[0][:10] and prefix_hashes(a, 64, salt="") == ha
 
 
 def test_table_finds_the_deepest_prefix_on_a_live_replica():
