@@ -53,7 +53,7 @@ ODD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -0.0, float("nan"), ""
        {"role": "user", "content": None}, [{"role": "assistant", "content": None, "tool_calls": []}],
        [{"role": "tool", "content": "x"}], [{"type": "text"}], 7.5, "auto", "none", "required", "json_object"]
 ADDED_KEYS = ["extra", "stream", "n", "max_tokens", "stop", "user", "metadata", "parallel_tool_calls",
-              "previous_response_id", "background", "priority"]
+              "previous_response_id", "background", "priority", "cache_salt"]
 
 
 def broken(body: dict, rng: random.Random) -> dict:
