@@ -10,34 +10,42 @@ from typing import Any
 import anyio
 from openai_harmony import HarmonyEncoding
 
-from serve_app.harmony.constrain import (HarmonySchemaSpec, check_json_schema, is_plain_text,
-                                         response_format_grammar, response_format_text)
+from serve_app.harmony.constrain import (CHOICE, HarmonySchemaSpec, call_choice_grammar, check_json_schema,
+                                         is_plain_text, response_format_grammar, response_format_text)
 from engine.request import TokenLogprob
 from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.protocol import forced_name
 
 
-def forced_tool(tool_choice: Any, tool_names: list[str]) -> str | None:
-    """The function tool_choice forces ('required' with one tool, or named), else None; 400s for choices
-    that name no tool or leave the pick to the server."""
+# What tool_choice forces: one function by name, a choice among several (tool_choice 'required'), or nothing.
+Forced = str | tuple[str, ...] | None
+
+
+def forced_tool(tool_choice: Any, tool_names: list[str]) -> Forced:
+    """The function tool_choice forces (named, or 'required' with one tool), the functions one of which it forces
+    ('required' with several: a tuple), else None; 400s for choices that name no tool."""
     name = forced_name(tool_choice)
     if tool_choice == "required":
-        if len(tool_names) != 1:
-            raise BadRequest("tool_choice 'required' needs exactly one tool here (the server forces the call by "
-                             f"its name; there are {len(tool_names)}): name the function instead", param="tool_choice")
+        if not tool_names:
+            raise BadRequest("tool_choice 'required' needs tools", param="tool_choice")
+        if len(tool_names) > 1:
+            return tuple(tool_names)
         name = tool_names[0]
     if name is not None and name not in tool_names:
         raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     return name
 
 
-def forced_call_ids(name: str | None, encoding: HarmonyEncoding) -> list[int]:
-    """Prompt tokens that make the model call the tool `name` (forced_tool's answer): the header of a
-    commentary message to that function, ending in `<|message|>`, so the model writes its JSON arguments
-    (held to the tool's schema when the tool is strict: output_constraint). [] when nothing is forced."""
-    if name is None:
+def forced_call_ids(forced: Forced, encoding: HarmonyEncoding) -> list[int]:
+    """Prompt tokens that make the model call a tool (forced_tool's answer): the header of a commentary message
+    to that function, ending in `<|message|>`, so the model writes its JSON arguments (held to the tool's schema
+    when the tool is strict: output_constraint); for a choice, the header up to `to=functions`, the rest (which
+    function, and its arguments) held by the call-choice grammar. [] when nothing is forced."""
+    if forced is None:
         return []
-    return encoding.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+    if isinstance(forced, tuple):
+        return encoding.encode("<|channel|>commentary to=functions", allowed_special="all")
+    return encoding.encode(f"<|channel|>commentary to=functions.{forced} <|constrain|>json<|message|>",
                            allowed_special="all")
 
 
@@ -51,27 +59,31 @@ def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int,
 
 
 def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],
-                      forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
+                      forced: Forced) -> tuple[HarmonySchemaSpec | None, str | None]:
     """Structured output of one request: (the constraint its engine requests carry, the developer message's
-    response-format section), both None for plain text without strict tools. strict_tools: (name,
-    parameters, param path) of the strict tools the prompt offers; `forced`: the tool whose call the prompt
-    ends in (forced_tool), which starts inside its grammar when it is strict."""
+    response-format section), both None for plain text without strict tools or a choice of tools. strict_tools:
+    (name, parameters, param path) of the strict tools the prompt offers; `forced`: the tool whose call the prompt
+    ends in (forced_tool), which starts inside its grammar when it is strict, or the tools among which the output
+    starts by choosing (call_choice_grammar: a strict one's arguments held to its schema, others' to a JSON
+    object)."""
     final, section = response_format_grammar(fmt, fmt_param)
-    tools = tuple((name, check_json_schema(params or {"type": "object", "properties": {}}, param))
-                  for name, params, param in strict_tools)
-    if final is None and not tools:
+    schemas = {name: params or {"type": "object", "properties": {}} for name, params, _ in strict_tools}
+    tools = tuple((name, check_json_schema(schemas[name], param)) for name, _, param in strict_tools)
+    choice = call_choice_grammar([(name, schemas.get(name)) for name in forced]) if isinstance(forced, tuple) \
+        else None
+    if final is None and not tools and choice is None:
         return None, None
-    start_in = forced if forced in dict(tools) else None
-    return (HarmonySchemaSpec(final, tools, start_in),
+    start_in = CHOICE if choice is not None else forced if forced in dict(tools) else None
+    return (HarmonySchemaSpec(final, tools, start_in, choice),
             response_format_text(section) if section is not None else None)
 
 
 async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
                                      strict_tools: list[tuple[str, dict | None, str]],
-                                     forced: str | None) -> tuple[HarmonySchemaSpec | None, str | None]:
+                                     forced: Forced) -> tuple[HarmonySchemaSpec | None, str | None]:
     """output_constraint, on a worker thread when there is a schema to check: a large one compiles in
     10-200 ms, which on the event loop would stall every other request of this ingress."""
-    if is_plain_text(fmt) and not strict_tools:
+    if is_plain_text(fmt) and not strict_tools and not isinstance(forced, tuple):
         return None, None
     return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced))
 

@@ -241,6 +241,49 @@ def test_a_forced_call_and_a_raw_completion_start_inside_their_grammar():
     assert allowed(c.allowed_tokens()).tolist() == [RETURN]
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_choice_among_tools_writes_one_tools_name_and_its_arguments(seed):
+    """tool_choice 'required' among several tools: the prompt ends in `to=functions`; random walks through the
+    masks always write `.NAME` of one of the tools, the rest of the header (forced, one id at a time), arguments
+    held to that tool's schema, then only <|call|>."""
+    from serve_app.harmony.constrain import CHOICE, call_choice_grammar
+
+    search = {"type": "object", "properties": {"q": {"enum": ["x", "y"]}}, "required": ["q"],
+              "additionalProperties": False}
+    grammar = call_choice_grammar([("get_weather", SCHEMA), ("search", search)])
+    rng = np.random.default_rng(seed)
+    c = spec(start_in=CHOICE, call_choice=grammar).start(HARMONY_VOCAB_SIZE)
+    first = allowed(c.allowed_tokens())
+    texts = {ENC.decode([t]) for t in first}
+    assert {".get", ".search"} <= texts and all(".get_weather ".startswith(x) or ".search ".startswith(x) for x in texts)
+    out, t = [], int(rng.choice(first))
+    for _ in range(400):
+        c.accept(t)
+        if t == CALL:
+            break
+        out.append(t)
+        a = allowed(c.allowed_tokens())
+        t = CALL if CALL in a else int(rng.choice(a))
+    else:
+        pytest.fail("no <|call|> within 400 tokens")
+    name, rest = ENC.decode(out)[1:].split(" <|constrain|>json<|message|>")
+    assert valid(json.loads(rest), SCHEMA if name == "get_weather" else search), (name, rest)
+
+
+def test_a_choice_holds_a_tool_without_a_schema_to_a_json_object():
+    from serve_app.harmony.constrain import CHOICE, call_choice_grammar
+
+    grammar = call_choice_grammar([("get_weather", SCHEMA), ("note", None)])
+    c = spec(start_in=CHOICE, call_choice=grammar).start(HARMONY_VOCAB_SIZE)
+    feed(c, ids('.note <|constrain|>json<|message|>{"any":[1,{"thing":null}]}'))
+    assert allowed(c.allowed_tokens()).tolist() == [CALL]
+    c = spec(start_in=CHOICE, call_choice=grammar).start(HARMONY_VOCAB_SIZE)
+    feed(c, ids(".note <|constrain|>json<|message|>"))
+    assert ids("[")[0] not in allowed(c.allowed_tokens())  # an object, not any JSON value
+    with pytest.raises(ValueError, match="call_choice"):
+        spec(start_in=CHOICE)
+
+
 def test_a_token_the_grammar_rejects_closes_the_message_instead_of_hanging():
     c = spec(final=check_json_schema(SCHEMA, "s"), start_in=FINAL).start(HARMONY_VOCAB_SIZE)
     c.accept(ids("Sure")[0])  # not allowed (a sampler never does this): the matcher fails

@@ -145,6 +145,31 @@ def test_forced_tool_call_writes_the_call_header_into_the_prompt(client, backend
     assert "".join(tc.function.arguments or "" for tc in calls) == "{\"location\":\"Rome\"}"
 
 
+def test_required_among_several_tools_leaves_the_model_the_pick(client, backend):
+    """tool_choice 'required' with two tools: the prompt ends in the call header up to `to=functions`, the engine
+    request carries the call-choice grammar, and what the model writes (the name with its dot, the rest of the
+    header, the arguments) is that tool's call; the forced part is not counted as output."""
+    from serve_app.harmony.constrain import CHOICE
+
+    tools = TOOLS + [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    written = ".search <|constrain|>json<|message|>{\"q\":\"Rome\"}<|call|>"
+    for stream in (False, True):
+        backend.push(written, chunk=1)
+        r = client.chat.completions.create(model=MODEL, messages=HI, tools=tools, tool_choice="required", stream=stream)
+        assert prompt_text(backend).endswith("<|start|>assistant<|channel|>commentary to=functions")
+        spec = backend.requests[-1].sampling.constraint
+        assert spec.start_in == CHOICE and '".get_weather"' in spec.call_choice and '".search"' in spec.call_choice
+        if stream:
+            calls = [tc for c in r if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            assert calls[0].function.name == "search"
+            assert "".join(tc.function.arguments or "" for tc in calls) == "{\"q\":\"Rome\"}"
+        else:
+            call = r.choices[0].message.tool_calls[0]
+            assert (call.function.name, call.function.arguments) == ("search", "{\"q\":\"Rome\"}")
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert r.usage.completion_tokens == len(ENC.encode(written, allowed_special="all"))
+
+
 def test_sampling_parameters_reach_the_backend(client, backend):
     backend.push(ANSWER)
     client.chat.completions.create(model=MODEL, messages=HI, temperature=0.3, top_p=0.9, seed=7,

@@ -78,8 +78,6 @@ CHAT_400 = [
         "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "foo"}}}}}]},
      "tools.0.function.parameters"),
     ("required without tools", {**CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("required among several tools", {**CHAT, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]}, "tool_choice"),
     ("forced unknown tool", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "nope"}},
                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("tool_choice shape", {**CHAT, "tool_choice": {"type": "web_search"}}, "tool_choice"),

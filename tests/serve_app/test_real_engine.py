@@ -345,6 +345,36 @@ def test_strict_forced_tool_call_arguments_match_the_schema(real, seed):
     assert not engine.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_among_several_tools_calls_one_of_them(real, seed):
+    """tool_choice 'required' with two tools (one strict): a random model sampled at temperature 1 calls one of
+    them (the prompt ends in `to=functions`, the grammar holds the name and the arguments), in Chat and Responses;
+    the strict one's arguments satisfy its schema, the other's are a JSON object. (This random model picks
+    `weather` at seeds 1-12; the masks' random walks in test_harmony_constrain.py take both names.)"""
+    from tests.serve_app.test_harmony_constrain import valid
+
+    _, engine, server = real
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    weather = {"name": "weather", "description": "Forecast.", "parameters": WEATHER, "strict": True}
+    note = {"name": "note", "description": "Write a note.", "parameters": {"type": "object"}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=1.0, seed=seed,
+                                       tools=[{"type": "function", "function": t} for t in (weather, note)],
+                                       tool_choice="required")
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("weather", "note")
+    args = json.loads(call.function.arguments)
+    assert valid(args, WEATHER) if call.function.name == "weather" else isinstance(args, dict)
+    resp = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=80, temperature=1.0,
+                                   extra_body={"seed": seed},
+                                   tools=[{"type": "function", **t} for t in (weather, note)], tool_choice="required")
+    (item,) = [o for o in resp.output if o.type == "function_call"]
+    assert resp.status == "completed" and item.name in ("weather", "note")
+    args = json.loads(item.arguments)
+    assert valid(args, WEATHER) if item.name == "weather" else isinstance(args, dict)
+    assert not engine.engine.has_unfinished()
+
+
 def test_completion_response_format_holds_the_text_from_the_first_token(real):
     """/v1/completions with response_format (vLLM's extension): the prompt ends in the final channel's header,
     the random model's text is JSON that satisfies the schema, and the request stops at <|return|>."""
