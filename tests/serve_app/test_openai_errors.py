@@ -43,6 +43,10 @@ def assert_still_serving(client, backend) -> None:
 CHAT_400 = [
     ("malformed JSON", b'{"model": "gpt-oss-test", "messages": [', None),
     ("not an object", b'[1, 2]', None),
+    ("NaN is not JSON", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+     None),
+    ("Infinity is not JSON", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], '
+                             b'"response_format": {"a": [-Infinity]}}', None),
     ("messages wrong type", {**CHAT, "messages": "hello"}, "messages"),
     ("empty messages", {**CHAT, "messages": []}, "messages"),
     ("bad role", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
