@@ -71,6 +71,17 @@ def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple
     tools = tuple((name, check_json_schema(schemas[name], param)) for name, _, param in strict_tools)
     choice = call_choice_grammar([(name, schemas.get(name)) for name in forced]) if isinstance(forced, tuple) \
         else None
+    if choice is not None:
+        try:
+            import llguidance
+        except ImportError as err:  # a dependency of the project; a hand-made environment may lack it
+            raise BadRequest("tool_choice 'required' among several tools needs structured output, which this server "
+                             "lacks (the llguidance package is not installed); name the function", param="tool_choice"
+                             ) from err
+        error = llguidance.LLMatcher.validate_grammar(choice)
+        if error and not error.startswith("WARNING"):
+            raise BadRequest(f"tool_choice 'required': the tools' schemas do not make one grammar ({error})",
+                             param="tool_choice")
     if final is None and not tools and choice is None:
         return None, None
     start_in = CHOICE if choice is not None else forced if forced in dict(tools) else None
