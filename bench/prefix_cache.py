@@ -9,8 +9,10 @@ Workload: `--requests` prompts = one `--system`-token prefix + a distinct `--use
   request fills the cache, the rest can hit it);
 - burst: all requests at once over a new system prompt (the first admission step cannot hit: nothing
   is registered yet; later admissions can); the wall time until every request has its first token.
-Per mode: mean and median TTFT, prompt tokens computed, and the hit tokens the engine counted. Nothing
-is asserted about speed; the tokens of both runs are compared: on the CPU (fp32) they must match, on the
+Per mode: mean and median TTFT, prompt tokens computed, and the hit tokens the engine counted. With
+`--tenants K` a third run keeps the cache on but gives request i the cache salt of tenant i % K
+(`ingress.isolate_prefix_cache`: each API key its own namespace), so each tenant computes the shared prefix
+once: what isolating tenants costs. Nothing is asserted about speed; the tokens of both runs are compared: on the CPU (fp32) they must match, on the
 GPU the agreement is reported (bf16: a suffix after a cached prefix runs other GEMM shapes than the whole
 prompt, and random weights leave near-ties; the cached K/V is checked by tests/engine/test_e2e_gpu.py).
 """
@@ -39,11 +41,17 @@ def prompts(args, vocab: int) -> list[list[int]]:
     return [system + torch.randint(0, vocab, (args.user,), generator=g).tolist() for _ in range(args.requests)]
 
 
-def sequential(engine: LLMEngine, ps: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
+def salt(i: int, tenants: int) -> str:
+    """Request i's cache salt: its tenant's (round robin) when tenants are isolated, else the shared namespace."""
+    return f"tenant-{i % tenants}" if tenants else ""
+
+
+def sequential(engine: LLMEngine, ps: list[list[int]], max_tokens: int,
+               tenants: int = 0) -> tuple[list[float], list[list[int]]]:
     ttfts, outs = [], []
     for i, p in enumerate(ps):
         engine.add_request(GenerateRequest(f"s{i}-{time.monotonic_ns()}", p, SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True), cache_salt=salt(i, tenants)))
         t0, first, ids = time.perf_counter(), None, []
         while engine.has_unfinished():
             for d in engine.step():
@@ -55,11 +63,11 @@ def sequential(engine: LLMEngine, ps: list[list[int]], max_tokens: int) -> tuple
     return ttfts, outs
 
 
-def burst(engine: LLMEngine, ps: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def burst(engine: LLMEngine, ps: list[list[int]], max_tokens: int, tenants: int = 0) -> tuple[float, list[list[int]]]:
     rids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(ps))]
-    for rid, p in zip(rids, ps):
+    for i, (rid, p) in enumerate(zip(rids, ps)):
         engine.add_request(GenerateRequest(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                  ignore_eos=True)))
+                                                                  ignore_eos=True), cache_salt=salt(i, tenants)))
     t0, firsts, ids = time.perf_counter(), {}, {rid: [] for rid in rids}
     while engine.has_unfinished():
         for d in engine.step():
@@ -69,7 +77,8 @@ def burst(engine: LLMEngine, ps: list[list[int]], max_tokens: int) -> tuple[floa
     return 1e3 * max(firsts.values()), [ids[r] for r in rids]
 
 
-def run(shapes: GptOssConfig, args, cache: bool) -> dict:
+def run(shapes: GptOssConfig, args, cache: bool, tenants: int = 0) -> dict:
+    """One engine's sequential and burst runs; tenants > 0: requests salted per tenant (cache on)."""
     cuda = args.device.startswith("cuda")
     config = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=args.requests,
                           max_num_batched_tokens=args.chunk, max_model_len=args.system + args.user + args.max_tokens,
@@ -80,16 +89,16 @@ def run(shapes: GptOssConfig, args, cache: bool) -> dict:
                                          SamplingParams(temperature=0.0, max_tokens=2))])  # JIT, first launches
         ps = prompts(args, shapes.vocab_size)
         before = engine.metrics.snapshot()["prefill_tokens_total"]
-        seq_ttft, seq_ids = sequential(engine, ps, args.max_tokens)
+        seq_ttft, seq_ids = sequential(engine, ps, args.max_tokens, tenants)
         mid = engine.metrics.snapshot()["prefill_tokens_total"]
         usage = engine.block_manager.usage()
         hits_seq = usage.get("prefix_hit_tokens", 0)
         # The burst draws a new system prompt and suffixes (seed + 1): nothing of the sequential run is reused.
         args.seed += 1
-        burst_ms, burst_ids = burst(engine, prompts(args, shapes.vocab_size), args.max_tokens)
+        burst_ms, burst_ids = burst(engine, prompts(args, shapes.vocab_size), args.max_tokens, tenants)
         args.seed -= 1
         after = engine.metrics.snapshot()["prefill_tokens_total"]
-        return {"prefix_caching": cache,
+        return {"prefix_caching": cache, "tenants": tenants,
                 "sequential": {"ttft_ms_mean": statistics.mean(seq_ttft), "ttft_ms_median": statistics.median(seq_ttft),
                                "ttft_ms_first": seq_ttft[0], "prefill_tokens": mid - before, "hit_tokens": hits_seq,
                                "output_ids": seq_ids},
@@ -116,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--kv-cache-mb", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tenants", type=int, default=0, help="a third run: the cache on, requests salted per tenant")
     p.add_argument("--out", default="bench/results/prefix_cache.json")
     args = p.parse_args(argv)
     if args.tiny:
@@ -126,7 +136,10 @@ def main(argv=None) -> int:
     else:
         shapes = GptOssConfig.preset(args.model)
     runs = [run(shapes, args, cache) for cache in (False, True)]
-    pairs = [(a, b) for m in ("sequential", "burst") for a, b in zip(runs[0][m]["output_ids"], runs[1][m]["output_ids"])]
+    if args.tenants:
+        runs.append(run(shapes, args, True, args.tenants))
+    pairs = [(a, b) for r in runs[1:] for m in ("sequential", "burst")
+             for a, b in zip(runs[0][m]["output_ids"], r[m]["output_ids"])]
     same = all(a == b for a, b in pairs)
     # requests whose first output token matches / whose tokens all match: on the GPU a suffix computed after a
     # cached prefix runs other GEMM shapes than the whole prompt (bf16 rounding), and random weights leave
@@ -140,14 +153,15 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(f"{args.requests} requests of {args.system} shared + {args.user} own tokens, {args.max_tokens} out")
-    print(f"{'cache':>5s} {'seq TTFT mean':>13s} {'median':>8s} {'first':>8s} {'prefill tok':>11s} {'hits':>7s} "
+    print(f"{'cache':>14s} {'seq TTFT mean':>13s} {'median':>8s} {'first':>8s} {'prefill tok':>11s} {'hits':>7s} "
           f"{'burst ms':>9s} {'prefill tok':>11s} {'hits':>7s}")
     for r in runs:
         s, b = r["sequential"], r["burst"]
-        print(f"{'on' if r['prefix_caching'] else 'off':>5s} {s['ttft_ms_mean']:13.2f} {s['ttft_ms_median']:8.2f} "
+        mode = (f"on, {r['tenants']} tenants" if r["tenants"] else "on") if r["prefix_caching"] else "off"
+        print(f"{mode:>14s} {s['ttft_ms_mean']:13.2f} {s['ttft_ms_median']:8.2f} "
               f"{s['ttft_ms_first']:8.2f} {s['prefill_tokens']:11d} {s['hit_tokens']:7d} {b['all_first_tokens_ms']:9.2f} "
               f"{b['prefill_tokens']:11d} {b['hit_tokens']:7d}")
-    print(f"same tokens with and without the cache: {same} (first token {agree['first_token']}/{agree['requests']}, "
+    print(f"same tokens with and without the cache (and isolated): {same} (first token {agree['first_token']}/{agree['requests']}, "
           f"all tokens {agree['all_tokens']}/{agree['requests']} requests)\nwrote {out}")
     # fp32 on the CPU must agree exactly (tests/engine/test_prefix_cache.py); bf16 on the GPU is reported
     return 0 if same or args.device.startswith("cuda") else 1

@@ -261,17 +261,21 @@ def test_imported_kv_names_only_complete_sliding_blocks(make_engine):
 
 
 def test_prefix_cache_benchmark_smoke_run(tmp_path):
-    """bench/prefix_cache.py on CPU: the cache skips shared prompt tokens and changes no token."""
+    """bench/prefix_cache.py on CPU: the cache skips shared prompt tokens and changes no token; isolated tenants
+    each compute the shared prefix once."""
     from bench import prefix_cache
 
     out = tmp_path / "pc.json"
-    assert prefix_cache.main(["--tiny", "--device", "cpu", "--out", str(out)]) == 0
+    assert prefix_cache.main(["--tiny", "--device", "cpu", "--tenants", "2", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
-    off, on = rec["runs"]
-    assert rec["same_tokens"] and not off["prefix_caching"] and on["prefix_caching"]
+    off, on, isolated = rec["runs"]
+    assert rec["same_tokens"] and not off["prefix_caching"] and on["prefix_caching"] and isolated["tenants"] == 2
     assert off["sequential"]["hit_tokens"] == 0 and on["sequential"]["hit_tokens"] == 3 * 64  # 4 requests, 64 shared
     assert on["sequential"]["prefill_tokens"] == off["sequential"]["prefill_tokens"] - 3 * 64
     assert on["burst"]["hit_tokens"] > 0
+    # two isolated tenants: each computes the shared prefix once (requests 0 and 1), requests 2 and 3 hit it
+    assert isolated["sequential"]["hit_tokens"] == 2 * 64
+    assert isolated["sequential"]["prefill_tokens"] == off["sequential"]["prefill_tokens"] - 2 * 64
 
 
 def test_same_prompts_arriving_together_compute_the_prefix_once(make_engine):
