@@ -34,7 +34,7 @@ from starlette.requests import Request
 
 from serve_app.openai_api.errors import BadRequest, NotFound, ask_store
 from serve_app.openai_api.generation import IngressContext
-from serve_app.openai_api.protocol import InputItem, Strict
+from serve_app.openai_api.protocol import InputItem, Strict, check_metadata
 from serve_app.openai_api.responses_input import new_id, reasoning_envelope, stored_item_json
 from serve_app.openai_api.stored_responses import StoredConversation
 
@@ -42,20 +42,7 @@ log = logging.getLogger(__name__)
 _ITEMS = TypeAdapter(list[InputItem])
 
 MAX_ITEMS_PER_CALL = 20  # OpenAI: "You may add up to 20 items at a time."
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
 ENDED_WITH_OUTPUT = ("completed", "incomplete")  # a response's states whose turn joins its conversation
-
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if len(value) > MAX_METADATA_PAIRS:
-        raise ValueError(f"takes up to {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
-    for key, text in value.items():
-        if len(key) > MAX_METADATA_KEY or len(text) > MAX_METADATA_VALUE:
-            raise ValueError(f"keys take up to {MAX_METADATA_KEY} characters and values up to {MAX_METADATA_VALUE}; "
-                             f"{key[:80]!r} is over")
-    return value
 
 
 class ConversationCreate(Strict):
@@ -88,8 +75,9 @@ class ConversationNotFound(NotFound):
                          "and the least recently used are dropped when the store is full).", param=param)
 
 
-def conversation_item(data: dict[str, Any]) -> dict[str, Any]:
-    """A stored item (JSON, with its id) as a conversation keeps it: string content as one text part, a status."""
+def listed_item(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored item (JSON, with its id) as OpenAI lists items (a conversation's, a response's input items): string
+    content as one text part, a status."""
     if data.get("type", "message") == "message" and isinstance(data.get("content"), str):
         part = "output_text" if data.get("role") == "assistant" else "input_text"
         data = {**data, "content": [{"type": part, "text": data["content"],
@@ -139,7 +127,7 @@ async def record_turn(ctx: IngressContext, conversation_id: str, input_items: li
     Never raises: the answer stands; a failure is logged (the conversation then lacks that turn)."""
     if response["status"] not in ENDED_WITH_OUTPUT:
         return
-    items = [conversation_item(item) for item in input_items + response["output"]]
+    items = [listed_item(item) for item in input_items + response["output"]]
     try:
         outcome = await ctx.store.add_conversation_items(conversation_id, items)
     except Exception:
@@ -154,7 +142,7 @@ async def create_conversation(req: ConversationCreate, ctx: IngressContext, owne
     store = _store_of(ctx)
     conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
                     "metadata": req.metadata or {}}
-    items = [conversation_item(stored_item_json(item)) for item in req.items or []]
+    items = [listed_item(stored_item_json(item)) for item in req.items or []]
     if not await ask_store(store.put_conversation(conversation["id"], StoredConversation(conversation, items, owner))):
         raise BadRequest("the conversation's items are larger than the whole store (ingress.store_max_mib)",
                          param="items")
@@ -180,7 +168,7 @@ async def delete_conversation(conversation_id: str, ctx: IngressContext, owner: 
 async def add_items(conversation_id: str, req: ItemsCreate, ctx: IngressContext, owner: str | None,
                     include: list[str]) -> dict[str, Any]:
     await owned_conversation(ctx, conversation_id, owner)
-    items = [conversation_item(stored_item_json(item)) for item in req.items]
+    items = [listed_item(stored_item_json(item)) for item in req.items]
     outcome = await ask_store(ctx.store.add_conversation_items(conversation_id, items))
     if outcome == "not_found":
         raise ConversationNotFound(conversation_id)

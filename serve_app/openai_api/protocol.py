@@ -93,6 +93,22 @@ def check_response_format(value: dict[str, Any] | None, nested: bool) -> dict[st
     return value
 
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """`metadata` within OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512 (it is stored)."""
+    if value is None:
+        return None
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"takes up to {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY or len(text) > MAX_METADATA_VALUE:
+            raise ValueError(f"keys take up to {MAX_METADATA_KEY} characters and values up to {MAX_METADATA_VALUE}; "
+                             f"{key[:80]!r} is over")
+    return value
+
+
 def check_tool_name(name: str) -> str:
     if not TOOL_NAME.match(name):
         raise ValueError(f"tool name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
@@ -199,6 +215,11 @@ class RequestBase(SamplingBase):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
 
     @field_validator("tool_choice")
     @classmethod

@@ -33,7 +33,7 @@ from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.openai_api.auth import requester
 from serve_app.openai_api.background import EventRecorder, follow_events
-from serve_app.openai_api.conversations import conversation_input, list_page, record_turn
+from serve_app.openai_api.conversations import conversation_input, list_page, listed_item, record_turn
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound, ask_store
 from serve_app.openai_api.generation import (
     Generation,
@@ -433,8 +433,10 @@ async def delete_response(response_id: str, ctx: IngressContext, owner: str | No
 
 async def list_input_items(response_id: str, ctx: IngressContext, owner: str | None, *, order: str, limit: int,
                            after: str | None) -> dict[str, Any]:
-    """GET /v1/responses/{id}/input_items: the request's own input items, newest first unless order=asc."""
+    """GET /v1/responses/{id}/input_items: the request's own input items, newest first unless order=asc, listed as
+    OpenAI lists them (string content as one text part, a status)."""
     stored = await owned(ctx, response_id, owner)
     if stored is None:
         raise ResponseNotFound(response_id)
-    return list_page(stored.input_items, order=order, limit=limit, after=after, where=f"response {response_id!r}")
+    return list_page([listed_item(item) for item in stored.input_items], order=order, limit=limit, after=after,
+                     where=f"response {response_id!r}")

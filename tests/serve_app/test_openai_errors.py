@@ -43,6 +43,7 @@ def assert_still_serving(client, backend) -> None:
 CHAT_400 = [
     ("malformed JSON", b'{"model": "gpt-oss-test", "messages": [', None),
     ("not an object", b'[1, 2]', None),
+    ("metadata with 17 pairs", {**CHAT, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ("NaN is not JSON", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
      None),
     ("Infinity is not JSON", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], '
@@ -110,6 +111,9 @@ def test_chat_bad_requests_are_400(server, client, backend, case, body, param):
 
 
 RESPONSES_400 = [
+    ("metadata with 17 pairs", {**RESP, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ("metadata value over 512 characters", {**RESP, "metadata": {"k": "v" * 513}}, "metadata"),
+    ("metadata key over 64 characters", {**RESP, "metadata": {"k" * 65: "v"}}, "metadata"),
     ("previous_response_id", {**RESP, "previous_response_id": "resp_1"}, "previous_response_id"),
     ("input wrong type", {**RESP, "input": 42}, "input"),
     ("unknown item", {**RESP, "input": [{"type": "item_reference", "id": "x"}]}, "input.0"),

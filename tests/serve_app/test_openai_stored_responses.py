@@ -93,6 +93,9 @@ def test_retrieve_input_items_and_delete(api, backend):
     assert [i.role for i in ascending.data] == ["developer"] and ascending.has_more
     after = api.responses.input_items.list(made.id, order="asc", after=ascending.data[0].id)
     assert [i.id for i in after.data] == ["msg_mine"] and not after.has_more
+    # listed as OpenAI lists input items: string content as one input_text part, with a status
+    assert [(p.type, p.text) for p in after.data[0].content] == [("input_text", "Hi")]
+    assert {i.status for i in items.data} == {"completed"}
 
     api.responses.delete(made.id)
     for call in (lambda: api.responses.retrieve(made.id), lambda: api.responses.delete(made.id),
