@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -56,7 +57,8 @@ ARGS = {
     "ingress.conversation_start_date": "2026-11-29",
     "ingress.api_keys": "sk-e2e-first,sk-e2e-second",  # every /v1/ call below sends the first
     # the store writes through to a file and reads it back when its replica restarts (on the head node: this one)
-    "ingress.store_path": str(pathlib.Path(tempfile.mkdtemp(prefix="gptoss-e2e-")) / "responses.db"),
+    # (a path only: the store makes the folder, and the module's fixture removes it)
+    "ingress.store_path": str(pathlib.Path(tempfile.gettempdir()) / f"gptoss-e2e-{os.getpid()}" / "responses.db"),
 }
 KEY = "sk-e2e-first"
 CONFIG = ServeAppConfig.from_args(ARGS)
