@@ -20,9 +20,9 @@ REPORT_INTERVAL_S = 2.0
 
 class ResponseStoreServer(MemoryResponseStore):
     """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`,
-    `_conversations`, `_bytes` and `_background_running` (Ray's Prometheus export prefixes `ray_`) every few seconds, after marking the
-    orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge set once at start
-    did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
+    `_conversations`, `_bytes` and `_background_running` (Ray's Prometheus export prefixes `ray_`) every few seconds,
+    after marking the orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge
+    set once at start did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
     async def __init__(self, max_responses: int, max_bytes: int, path: str | None = None):
         """path: the SQLite file every entry is written through to and read back from at start (store_file.py);
@@ -57,8 +57,9 @@ class ResponseStoreServer(MemoryResponseStore):
 
     def stats(self) -> dict[str, int]:
         stored_conversations = self.conversations()
-        return {"responses": len(self) - stored_conversations, "conversations": stored_conversations, "bytes": self.bytes, "max_responses": self.max_responses,
-                "max_bytes": self.max_bytes, "background_running": self.running()}
+        return {"responses": len(self) - stored_conversations, "conversations": stored_conversations,
+                "bytes": self.bytes, "max_responses": self.max_responses, "max_bytes": self.max_bytes,
+                "background_running": self.running()}
 
 
 class ServeResponseStore:

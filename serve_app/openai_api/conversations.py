@@ -29,17 +29,16 @@ import logging
 import time
 from typing import Any
 
-from pydantic import Field, TypeAdapter, field_validator
+from pydantic import Field
 from starlette.requests import Request
 
 from serve_app.openai_api.errors import BadRequest, NotFound, ask_store
 from serve_app.openai_api.generation import IngressContext
-from serve_app.openai_api.protocol import InputItem, Strict, check_metadata
+from serve_app.openai_api.protocol import INPUT_ITEMS, InputItem, Metadata, Strict
 from serve_app.openai_api.responses_input import new_id, reasoning_envelope, stored_item_json
 from serve_app.openai_api.stored_responses import StoredConversation
 
 log = logging.getLogger(__name__)
-_ITEMS = TypeAdapter(list[InputItem])
 
 MAX_ITEMS_PER_CALL = 20  # OpenAI: "You may add up to 20 items at a time."
 ENDED_WITH_OUTPUT = ("completed", "incomplete")  # a response's states whose turn joins its conversation
@@ -47,22 +46,12 @@ ENDED_WITH_OUTPUT = ("completed", "incomplete")  # a response's states whose tur
 
 class ConversationCreate(Strict):
     items: list[InputItem] | None = Field(None, max_length=MAX_ITEMS_PER_CALL)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     safety_identifier: str | None = None  # accepted, as on /v1/responses
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
 
 
 class ConversationUpdate(Strict):
-    metadata: dict[str, str]
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, value: dict[str, str]) -> dict[str, str] | None:
-        return check_metadata(value)
+    metadata: Metadata
 
 
 class ItemsCreate(Strict):
@@ -118,7 +107,7 @@ async def conversation_input(ctx: IngressContext, conversation_id: str, owner: s
     """The items a response in the conversation follows (for the prompt), validated as input items."""
     _store_of(ctx, "conversation")
     stored = await owned_conversation(ctx, conversation_id, owner, param="conversation")
-    return _ITEMS.validate_python(stored.items)
+    return INPUT_ITEMS.validate_python(stored.items)
 
 
 async def record_turn(ctx: IngressContext, conversation_id: str, input_items: list[dict[str, Any]],

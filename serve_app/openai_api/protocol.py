@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationInfo,
+                      field_validator, model_validator)
 
 Effort = Literal["low", "medium", "high"]
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -96,10 +97,8 @@ def check_response_format(value: dict[str, Any] | None, nested: bool) -> dict[st
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
 
 
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+def check_metadata(value: dict[str, str]) -> dict[str, str]:
     """`metadata` within OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512 (it is stored)."""
-    if value is None:
-        return None
     if len(value) > MAX_METADATA_PAIRS:
         raise ValueError(f"takes up to {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
     for key, text in value.items():
@@ -107,6 +106,9 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
             raise ValueError(f"keys take up to {MAX_METADATA_KEY} characters and values up to {MAX_METADATA_VALUE}; "
                              f"{key[:80]!r} is over")
     return value
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(check_metadata)]
 
 
 def check_tool_name(name: str) -> str:
@@ -210,16 +212,11 @@ class RequestBase(SamplingBase):
 
     parallel_tool_calls: bool | None = None
     tool_choice: Any = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None  # Responses: kept for previous_response_id and GET unless false; Chat: ignored
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
 
     @field_validator("tool_choice")
     @classmethod
@@ -374,6 +371,9 @@ InputItem = Annotated[
     Discriminator(_item_tag, custom_error_type="input_item_type",
                   custom_error_message=f"input item type must be one of {', '.join(INPUT_ITEM_TYPES)}"),
 ]
+
+
+INPUT_ITEMS = TypeAdapter(list[InputItem])  # stored items (a conversation's, a response chain's) read back as input
 
 
 class ResponsesTool(FunctionDefinition):

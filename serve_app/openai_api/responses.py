@@ -24,7 +24,6 @@ from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from openai_harmony import HarmonyEncoding
-from pydantic import TypeAdapter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -46,14 +45,13 @@ from serve_app.openai_api.generation import (
 )
 from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
                                                  output_constraint_off_loop)
-from serve_app.openai_api.protocol import InputItem, InputTokensRequest, ResponsesRequest
+from serve_app.openai_api.protocol import INPUT_ITEMS, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import EventStreamResponse, sse
 from serve_app.openai_api.usage import Caller
 
 log = logging.getLogger(__name__)
-_ITEMS = TypeAdapter(list[InputItem])
 
 
 async def owned(ctx: IngressContext, response_id: str, owner: str | None) -> StoredResponse | None:
@@ -86,7 +84,7 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext, owner: str |
     if items is None:
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} not found.",
                          param="previous_response_id", code="previous_response_not_found")
-    return _ITEMS.validate_python(items)
+    return INPUT_ITEMS.validate_python(items)
 
 
 class ResponsesAssembler:

@@ -39,36 +39,51 @@ from typing import Any, Iterator, Protocol
 log = logging.getLogger(__name__)
 
 
+class _Entry:
+    """A stored entry's JSON: its two content fields (a response and its input items; a conversation and its
+    items), what the store's byte limit counts and its file holds (the short fields beside it)."""
+
+    def content(self) -> list:
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        return json.dumps(self.content(), ensure_ascii=False, separators=(",", ":"))
+
+    def size(self) -> int:
+        return len(self.to_json())
+
+
 @dataclass(frozen=True)
-class StoredResponse:
+class StoredResponse(_Entry):
     response: dict[str, Any]  # the response object as returned (its `output` items included)
     input_items: list[dict[str, Any]]  # the request's own input items, each with an `id`
     previous_id: str | None = None  # the response it continued
     owner: str | None = None  # the API key (auth.key_id) that made it; only that key reads, continues or deletes it
 
-    def size(self) -> int:
-        """Bytes of its JSON, what the store's byte limit counts."""
-        return len(json.dumps([self.response, self.input_items], ensure_ascii=False, separators=(",", ":")))
+    def content(self) -> list:
+        return [self.response, self.input_items]
 
 
 @dataclass(frozen=True)
-class StoredConversation:
+class StoredConversation(_Entry):
     conversation: dict[str, Any]  # the conversation object as returned (id, object, created_at, metadata)
     items: list[dict[str, Any]]  # its items, oldest first, each with an `id`
     owner: str | None = None  # as StoredResponse.owner
 
-    def size(self) -> int:
-        return len(json.dumps([self.conversation, self.items], ensure_ascii=False, separators=(",", ":")))
+    def content(self) -> list:
+        return [self.conversation, self.items]
 
 
 class StoreFileLike(Protocol):
     """store_file.StoreFile's interface (it imports this module, so it is not imported here)."""
 
-    def write(self, key: str, stored: StoredResponse | StoredConversation) -> None: ...
+    def write(self, key: str, stored: StoredResponse | StoredConversation, body: str) -> None:
+        """body: stored.to_json(), which the store has made already."""
 
     def remove(self, key: str) -> None: ...
 
-    def entries(self) -> Iterator[tuple[str, StoredResponse | StoredConversation]]: ...
+    def entries(self) -> Iterator[tuple[str, StoredResponse | StoredConversation, int]]:
+        """(key, entry, its size) of each entry, least recently written first."""
 
 
 UNFINISHED = ("queued", "in_progress")  # a background response still running (serve_app/openai_api/background.py)
@@ -138,8 +153,7 @@ class MemoryResponseStore:
     def _load(self, file: "StoreFileLike") -> None:
         """The file's entries, least recently written first; unfinished background responses are watched again (an
         ingress replica still running one tells the store so with its next cancel poll, else it becomes an orphan)."""
-        for key, stored in file.entries():
-            size = stored.size()
+        for key, stored, size in file.entries():
             self._items[key] = (stored, size)
             self.bytes += size
             if isinstance(stored, StoredResponse) and is_unfinished(stored):
@@ -148,12 +162,13 @@ class MemoryResponseStore:
         if self._items:
             log.info("response store: %d entries (%d bytes) read from its file", len(self._items), self.bytes)
 
-    def _write(self, key: str, stored: StoredResponse | StoredConversation | None) -> None:
-        """The file's copy of `key`: `stored`, or none. A file that fails is logged; memory stays the truth."""
+    def _write(self, key: str, stored: StoredResponse | StoredConversation | None, body: str = "") -> None:
+        """The file's copy of `key`: `stored` (its JSON: `body`), or none. A file that fails is logged; memory stays
+        the truth."""
         if self._file is None:
             return
         try:
-            self._file.write(key, stored) if stored is not None else self._file.remove(key)
+            self._file.write(key, stored, body) if stored is not None else self._file.remove(key)
         except Exception:
             log.exception("response store: writing %s to its file failed", key)
 
@@ -172,14 +187,15 @@ class MemoryResponseStore:
     def _keep(self, key: str, stored: StoredResponse | StoredConversation) -> bool:
         """Put `stored` at `key` as the most recently used (its stream events stay), then make room; False if it is
         larger than the whole store (not kept; what `key` held stays)."""
-        size = stored.size()
+        body = stored.to_json()
+        size = len(body)
         if size > self.max_bytes:
             log.warning("%s: %d bytes is more than the store holds (%d); not stored", key, size, self.max_bytes)
             return False
         self._drop(key, keep_events=True, in_file=True)
         self._items[key] = (stored, size)
         self.bytes += size
-        self._write(key, stored)
+        self._write(key, stored, body)
         self._make_room()
         return True
 
@@ -234,10 +250,10 @@ class MemoryResponseStore:
                                                     "response": failed.response}])
             if response_id not in self._items:  # that event made room by dropping the response itself
                 return failed
-        size = failed.size()
-        self.bytes += size - self._items[response_id][1]
-        self._items[response_id] = (failed, size)
-        self._write(response_id, failed)
+        body = failed.to_json()
+        self.bytes += len(body) - self._items[response_id][1]
+        self._items[response_id] = (failed, len(body))
+        self._write(response_id, failed, body)
         self._make_room()
         return failed
 
@@ -341,11 +357,7 @@ class MemoryResponseStore:
         entry = self._entry(conversation_id, StoredConversation)
         if entry is None:
             return "not_found"
-        grown = replace(entry[0], items=entry[0].items + items)
-        if grown.size() > self.max_bytes:
-            return "too_large"
-        self._keep(conversation_id, grown)
-        return "added"
+        return "added" if self._keep(conversation_id, replace(entry[0], items=entry[0].items + items)) else "too_large"
 
     async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
         """Remove one item; the conversation after it, or None if the conversation or the item is not stored."""

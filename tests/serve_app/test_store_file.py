@@ -82,13 +82,13 @@ def test_a_store_with_lower_limits_keeps_the_most_recently_written(tmp_path):
             await store.put(f"resp_{i}", response(f"resp_{i}"))
         smaller = MemoryResponseStore(max_responses=2, file=StoreFile(path))
         assert list(smaller._items) == ["resp_3", "resp_4"]
-        assert [key for key, _ in StoreFile(path).entries()] == ["resp_3", "resp_4"]  # the rest left the file
+        assert [key for key, _, _ in StoreFile(path).entries()] == ["resp_3", "resp_4"]  # the rest left the file
 
     asyncio.run(main())
 
 
 class BrokenFile(StoreFile):
-    def write(self, key, stored):
+    def write(self, key, stored, body):
         raise sqlite3.OperationalError("disk I/O error")
 
 
