@@ -105,7 +105,7 @@ class HarmonyIngress:
             api_keys=() if several else s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
             response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
             allow_priority=s.allow_priority, isolate_prefix_cache=s.isolate_prefix_cache,
-            usage_sink=self.api_metrics.record)
+            forced_call_reasoning_tokens=s.forced_call_reasoning_tokens, usage_sink=self.api_metrics.record)
             for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]

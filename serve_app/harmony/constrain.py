@@ -12,10 +12,10 @@ one message, not the reasoning before it, so `HarmonyConstraint` follows the out
   special tokens never, except the message's end once the JSON is complete: `<|return|>` for the
   answer, `<|call|>` for a tool call); the end token returns it to the unconstrained state.
 
-A forced tool call (the ingress writes the call's header at the end of the prompt) starts inside its
-grammar (`HarmonySchemaSpec.start_in`); a call among several tools (tool_choice 'required') starts after
-`to=functions`, inside a grammar of every tool's `.NAME`, the rest of its header and its arguments
-(call_choice_grammar). Decisions: JSON is compact (no whitespace outside strings, `,`
+A forced tool call (tool_choice naming a function, or 'required') holds the whole output from its first token
+(`HarmonySchemaSpec.start_in` FORCED_CALL, forced_call_grammar): an analysis message and a preamble, each optional
+and of a bounded number of tokens (the model reasons first, as it does before any call), then a commentary message
+to one of the forced functions, its `.NAME`, the rest of its header and its arguments, ended by <|call|>. Decisions: JSON is compact (no whitespace outside strings, `,`
 and `:` as separators, as gpt-oss writes tool arguments), so a model cannot pad it forever; a matcher
 that fails (an llguidance limit, a token it rejects) is logged and lets only the end token through, so
 the message closes instead of the request hanging.
@@ -61,7 +61,7 @@ _O200K_PATTERN = "|".join([
 ])
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 FINAL = "final"  # start_in: inside the final answer (a raw completion whose prompt ends in its header)
-CHOICE = "functions"  # start_in: after `to=functions` of a call header, the function still to be chosen (call_choice)
+FORCED_CALL = "functions"  # start_in: the output must call a function, after any reasoning (forced_call_grammar)
 
 
 def json_grammar(schema: dict | bool) -> str:
@@ -140,23 +140,23 @@ class HarmonySchemaSpec:
 
     final: str | None = None  # grammar of the final answer (response_format)
     tools: tuple[tuple[str, str], ...] = ()  # (function name, grammar of its arguments): strict tools
-    start_in: str | None = None  # the output starts inside a message: FINAL, a function name, or CHOICE
-    call_choice: str | None = None  # with start_in CHOICE: the rest of the call (call_choice_grammar)
+    start_in: str | None = None  # the output starts inside a message (FINAL, a function name) or FORCED_CALL
+    forced_call: str | None = None  # with start_in FORCED_CALL: the whole output's grammar (forced_call_grammar)
 
     def __post_init__(self):
         names = {name for name, _ in self.tools}
-        if self.start_in not in (None, FINAL, CHOICE) and self.start_in not in names:
-            raise ValueError(f"start_in {self.start_in!r} is neither {FINAL!r}, {CHOICE!r} nor one of the tools "
+        if self.start_in not in (None, FINAL, FORCED_CALL) and self.start_in not in names:
+            raise ValueError(f"start_in {self.start_in!r} is neither {FINAL!r}, {FORCED_CALL!r} nor one of the tools "
                              f"{sorted(names)}")
         if self.start_in == FINAL and self.final is None:
             raise ValueError("start_in 'final' needs a final grammar")
-        if (self.start_in == CHOICE) != (self.call_choice is not None):
-            raise ValueError("start_in 'functions' goes with a call_choice grammar, and only with it")
+        if (self.start_in == FORCED_CALL) != (self.forced_call is not None):
+            raise ValueError("start_in 'functions' goes with a forced_call grammar, and only with it")
 
     def prepare(self) -> None:
         """Compile this spec's grammars into the process's cache (engine.async_engine runs this on a worker
         thread before the request reaches the engine loop: a large schema compiles in 10-200 ms)."""
-        for grammar in [self.final, self.call_choice, *(g for _, g in self.tools)]:
+        for grammar in [self.final, self.forced_call, *(g for _, g in self.tools)]:
             if grammar is not None:
                 matcher_for(grammar)
 
@@ -193,8 +193,8 @@ class HarmonyConstraint:
         self._cached: tuple[int, np.ndarray | None] | None = None
         if spec.start_in == FINAL:
             self._enter(spec.final, RETURN)
-        elif spec.start_in == CHOICE:
-            self._enter(spec.call_choice, CALL)
+        elif spec.start_in == FORCED_CALL:
+            self._enter(spec.forced_call, CALL)
         elif spec.start_in is not None:
             self._enter(self._tools[spec.start_in], CALL)
 
@@ -339,12 +339,20 @@ def matcher_for(grammar: str):
     return template.deep_copy()
 
 
-def call_choice_grammar(tools: list[tuple[str, dict | None]]) -> str:
-    """The grammar of a call whose header the prompt ends in up to `to=functions` (tool_choice 'required' among
-    several tools): `.NAME` of one of `tools`, the rest of the header (` <|constrain|>json<|message|>`), and its
-    arguments: JSON held to the tool's schema, or any JSON object for a tool without one (None: not strict).
-    The name is written with its dot, as the Harmony tokens spell it (`.get`, `_weather`), not after it."""
-    lines = ["start: " + " | ".join(f"call{i}" for i in range(len(tools)))]
+def forced_call_grammar(tools: list[tuple[str, dict | None]], reasoning_tokens: int) -> str:
+    """The grammar of an output that must call one of `tools` (tool_choice naming one, or 'required'), from the
+    output's first token (the prompt ends in `<|start|>assistant`): gpt-oss's order before a call, an optional
+    analysis message and an optional preamble (a commentary message to the user), each of at most
+    `reasoning_tokens` tokens of text (then only `<|end|>` is allowed) and followed by `<|start|>assistant`; then
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` for one of the tools and its arguments:
+    JSON held to the tool's schema, or any JSON object for a tool without one (None: not strict). 0 reasoning
+    tokens: the call at once. The header is gpt-oss's own spelling of a call."""
+    lines = ['start: analysis? preamble? call' if reasoning_tokens > 0 else 'start: call',
+             'call: <|channel|> "commentary" " to=functions" (' + " | ".join(f"call{i}" for i in range(len(tools))) + ")"]
+    if reasoning_tokens > 0:
+        lines += ['analysis: <|channel|> "analysis" <|message|> thought <|end|> <|start|> "assistant"',
+                  'preamble: <|channel|> "commentary" <|message|> thought <|end|> <|start|> "assistant"',
+                  f"thought[max_tokens={int(reasoning_tokens)}]: /(?s:.*)/"]
     for i, (name, schema) in enumerate(tools):
         lines.append(f"call{i}: {json.dumps('.' + name)} \" \" <|constrain|> \"json\" <|message|> args{i}")
         held = schema if schema is not None else {"type": "object"}

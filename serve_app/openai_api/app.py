@@ -54,6 +54,7 @@ def create_app(
     cors_allow_origins: Sequence[str] = (),
     allow_priority: bool = False,
     isolate_prefix_cache: bool = False,
+    forced_call_reasoning_tokens: int = 2048,
     usage_sink: UsageSink | None = None,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
@@ -72,18 +73,23 @@ def create_app(
     allow_priority: honour requests' `priority` (lower runs sooner in the engines); off: a non-zero one is a 400.
     isolate_prefix_cache: with api_keys, each key's requests reuse only their own cached prompt blocks (the cache
     hits, visible in time to first token, then tell a key nothing of what other keys sent).
+    forced_call_reasoning_tokens: a forced tool call (tool_choice) may follow one analysis message of at most this
+    many tokens; 0: the call at once.
     usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
     if limit <= 0 or max_body_bytes <= 0:
         raise ValueError(f"max_context ({limit}) and max_body_bytes ({max_body_bytes}) must be positive")
+    if forced_call_reasoning_tokens < 0:
+        raise ValueError(f"forced_call_reasoning_tokens must be >= 0, not {forced_call_reasoning_tokens}")
     if stream_keepalive_s is not None and stream_keepalive_s <= 0:
         raise ValueError(f"stream_keepalive_s must be positive or None, not {stream_keepalive_s}")
     config = IngressConfig(model_name=model_name, max_context=limit, default_max_tokens=default_max_tokens,
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
-                           allow_priority=allow_priority, isolate_prefix_cache=isolate_prefix_cache)
+                           allow_priority=allow_priority, isolate_prefix_cache=isolate_prefix_cache,
+                           forced_call_reasoning_tokens=forced_call_reasoning_tokens)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
                          background=BackgroundRuns(response_store) if response_store is not None else None,
                          usage_sink=usage_sink)

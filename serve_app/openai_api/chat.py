@@ -48,7 +48,7 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
+from serve_app.openai_api.output_options import (forced_tools, logprobs_json,
                                                  output_constraint_off_loop, prediction_ids)
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.streaming import interleave, sse
@@ -154,15 +154,14 @@ def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    forced_name = forced_tool(req.tool_choice, [t.function.name for t in req.tools or []])
+    forced = forced_tools(req.tool_choice, [t.function.name for t in req.tools or []])
     offered = [] if req.tool_choice == "none" else req.tools or []
     constraint, response_format = await output_constraint_off_loop(
         req.response_format, "response_format",
         [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
          for i, t in enumerate(offered) if t.function.strict],
-        forced_name)
+        forced, ctx.config.forced_call_reasoning_tokens)
     prompt_ids = render_prompt(replace(chat_prompt(req, ctx.config), response_format=response_format))
-    forced = forced_call_ids(forced_name, ctx.encoding)
     max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
         else (req.max_tokens, "max_tokens")
     sampling = sampling_params(SamplingRequest(
@@ -170,7 +169,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         top_k=req.top_k, min_p=req.min_p, seed=req.seed,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
-    ), len(prompt_ids) + len(forced), ctx.config)
+    ), len(prompt_ids), ctx.config)
     sampling = replace(sampling, ignore_eos=req.ignore_eos, constraint=constraint,
                        prediction=prediction_ids(text_of(req.prediction.content) if req.prediction else None,
                                                  ctx.encoding))
@@ -182,7 +181,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         # Choice i of a seeded request draws from seed + i: reproducible, and the choices differ.
         params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
         return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
-                          sampling=params, stop=req.stop, forced_ids=forced, priority=priority,
+                          sampling=params, stop=req.stop, priority=priority,
                           caller=Caller("chat.completions", requester(http)), cache_salt=req.cache_salt)
 
     group = GenerationGroup([nth(i) for i in range(n)])

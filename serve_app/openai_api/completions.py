@@ -166,7 +166,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     if req.echo and req.logprobs is not None:
         raise BadRequest("echo with logprobs would need the prompt's logprobs, which this server does not "
                          "compute; drop one of them", param="echo")
-    constraint, _ = await output_constraint_off_loop(req.response_format, "response_format", [], None)
+    constraint, _ = await output_constraint_off_loop(req.response_format, "response_format", [])
     if constraint is not None:
         constraint = replace(constraint, start_in=FINAL)
     n = req.n or 1

@@ -55,6 +55,7 @@ class IngressConfig:
     stream_keepalive_s: float | None = 15.0  # respond(): a waiting stream starts and sends keep-alives; None: off
     allow_priority: bool = False  # honour requests' `priority` (else a non-zero one is a 400): request_priority
     isolate_prefix_cache: bool = False  # each API key its own prefix-cache namespace: cache_salt
+    forced_call_reasoning_tokens: int = 2048  # a forced tool call's reasoning before it (forced_call_grammar)
 
     def request_priority(self, priority: int | None) -> int:
         """A request's engine priority (lower runs sooner, engine/scheduler.py). Off by default: any client
@@ -307,11 +308,9 @@ class BackendRequest:
 
 class Generation(BackendRequest):
     def __init__(self, ctx: IngressContext, *, request_id: str, prompt_ids: list[int],
-                 sampling: SamplingParams, stop: list[str] | None = None, forced_ids: list[int] | None = None,
+                 sampling: SamplingParams, stop: list[str] | None = None,
                  priority: int = 0, caller: Caller | None = None, cache_salt: str | None = None):
-        """forced_ids: the start of the assistant's output, written by the server (a forced tool call's
-        header): sent as prompt, parsed as output, not counted as completion tokens."""
-        super().__init__(ctx, request_id=request_id, prompt_ids=list(prompt_ids) + list(forced_ids or []),
+        super().__init__(ctx, request_id=request_id, prompt_ids=list(prompt_ids),
                          sampling=sampling, priority=priority, caller=caller, cache_salt=cache_salt)
         self.reasoning_tokens = 0
         self._parser = HarmonyOutputParser(ctx.encoding, request_id=request_id)
@@ -323,10 +322,6 @@ class Generation(BackendRequest):
         # (token id, logprob) of the tokens fed since the last one that went into an item: header and
         # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
         self._unplaced: list[tuple[int, TokenLogprob | None]] = []
-        self._primed: list[ParseEvent] = []  # the forced header's events, sent with the first step
-        for token_id in forced_ids or []:
-            for event in self._parser.feed(token_id):
-                self._apply_stop(event, self._primed)
 
     async def steps(self) -> AsyncIterator[Step]:
         """Item events per backend delta; the last step closes open items and sets finish_reason."""
@@ -342,8 +337,7 @@ class Generation(BackendRequest):
     # -- internals ----------------------------------------------------------------------------------
 
     def _consume(self, delta: TokenDelta) -> Step:
-        step = Step(self._primed)
-        self._primed = []
+        step = Step([])
         logprobs = delta.logprobs or []
         for i, token_id in enumerate(delta.token_ids):
             self.completion_tokens += 1

@@ -1,6 +1,6 @@
-"""What a request asks of its output, turned into engine terms: a forced tool call (`tool_choice`) as prompt
-tokens, a `prediction` as draft tokens, structured output (`response_format`, `text.format`, strict tools) as
-the constraint its engine requests carry."""
+"""What a request asks of its output, turned into engine terms: a forced tool call (`tool_choice`) and
+structured output (`response_format`, `text.format`, strict tools) as the constraint its engine requests carry,
+a `prediction` as draft tokens."""
 
 from __future__ import annotations
 
@@ -10,43 +10,24 @@ from typing import Any
 import anyio
 from openai_harmony import HarmonyEncoding
 
-from serve_app.harmony.constrain import (CHOICE, HarmonySchemaSpec, call_choice_grammar, check_json_schema,
+from serve_app.harmony.constrain import (FORCED_CALL, HarmonySchemaSpec, check_json_schema, forced_call_grammar,
                                          is_plain_text, response_format_grammar, response_format_text)
 from engine.request import TokenLogprob
 from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.protocol import forced_name
 
 
-# What tool_choice forces: one function by name, a choice among several (tool_choice 'required'), or nothing.
-Forced = str | tuple[str, ...] | None
-
-
-def forced_tool(tool_choice: Any, tool_names: list[str]) -> Forced:
-    """The function tool_choice forces (named, or 'required' with one tool), the functions one of which it forces
-    ('required' with several: a tuple), else None; 400s for choices that name no tool."""
+def forced_tools(tool_choice: Any, tool_names: list[str]) -> tuple[str, ...]:
+    """The functions one of which the output must call: the one tool_choice names, or every tool for 'required';
+    () when nothing is forced. 400s for choices that name no tool."""
     name = forced_name(tool_choice)
     if tool_choice == "required":
         if not tool_names:
             raise BadRequest("tool_choice 'required' needs tools", param="tool_choice")
-        if len(tool_names) > 1:
-            return tuple(tool_names)
-        name = tool_names[0]
+        return tuple(tool_names)
     if name is not None and name not in tool_names:
         raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return name
-
-
-def forced_call_ids(forced: Forced, encoding: HarmonyEncoding) -> list[int]:
-    """Prompt tokens that make the model call a tool (forced_tool's answer): the header of a commentary message
-    to that function, ending in `<|message|>`, so the model writes its JSON arguments (held to the tool's schema
-    when the tool is strict: output_constraint); for a choice, the header up to `to=functions`, the rest (which
-    function, and its arguments) held by the call-choice grammar. [] when nothing is forced."""
-    if forced is None:
-        return []
-    if isinstance(forced, tuple):
-        return encoding.encode("<|channel|>commentary to=functions", allowed_special="all")
-    return encoding.encode(f"<|channel|>commentary to=functions.{forced} <|constrain|>json<|message|>",
-                           allowed_special="all")
+    return (name,) if name is not None else ()
 
 
 def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int, ...]:
@@ -59,44 +40,42 @@ def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int,
 
 
 def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],
-                      forced: Forced) -> tuple[HarmonySchemaSpec | None, str | None]:
+                      forced: tuple[str, ...] = (), reasoning_tokens: int = 0,
+                      ) -> tuple[HarmonySchemaSpec | None, str | None]:
     """Structured output of one request: (the constraint its engine requests carry, the developer message's
-    response-format section), both None for plain text without strict tools or a choice of tools. strict_tools:
-    (name, parameters, param path) of the strict tools the prompt offers; `forced`: the tool whose call the prompt
-    ends in (forced_tool), which starts inside its grammar when it is strict, or the tools among which the output
-    starts by choosing (call_choice_grammar: a strict one's arguments held to its schema, others' to a JSON
-    object)."""
+    response-format section), both None for plain text without strict tools or a forced call. strict_tools:
+    (name, parameters, param path) of the strict tools the prompt offers; `forced`: the tools one of which the
+    output must call (forced_tools), after at most `reasoning_tokens` of reasoning (forced_call_grammar: a strict
+    tool's arguments held to its schema, others' to a JSON object)."""
     final, section = response_format_grammar(fmt, fmt_param)
     schemas = {name: params or {"type": "object", "properties": {}} for name, params, _ in strict_tools}
     tools = tuple((name, check_json_schema(schemas[name], param)) for name, _, param in strict_tools)
-    choice = call_choice_grammar([(name, schemas.get(name)) for name in forced]) if isinstance(forced, tuple) \
-        else None
-    if choice is not None:
+    call = forced_call_grammar([(name, schemas.get(name)) for name in forced], reasoning_tokens) if forced else None
+    if call is not None:
         try:
             import llguidance
         except ImportError as err:  # a dependency of the project; a hand-made environment may lack it
-            raise BadRequest("tool_choice 'required' among several tools needs structured output, which this server "
-                             "lacks (the llguidance package is not installed); name the function", param="tool_choice"
-                             ) from err
-        error = llguidance.LLMatcher.validate_grammar(choice)
+            raise BadRequest("a forced tool_choice needs structured output, which this server lacks (the "
+                             "llguidance package is not installed)", param="tool_choice") from err
+        error = llguidance.LLMatcher.validate_grammar(call)
         if error and not error.startswith("WARNING"):
-            raise BadRequest(f"tool_choice 'required': the tools' schemas do not make one grammar ({error})",
+            raise BadRequest(f"tool_choice: the tools' schemas do not make one grammar ({error})",
                              param="tool_choice")
-    if final is None and not tools and choice is None:
+    if final is None and not tools and call is None:
         return None, None
-    start_in = CHOICE if choice is not None else forced if forced in dict(tools) else None
-    return (HarmonySchemaSpec(final, tools, start_in, choice),
+    return (HarmonySchemaSpec(final, tools, FORCED_CALL if call is not None else None, call),
             response_format_text(section) if section is not None else None)
 
 
 async def output_constraint_off_loop(fmt: dict | None, fmt_param: str,
-                                     strict_tools: list[tuple[str, dict | None, str]],
-                                     forced: Forced) -> tuple[HarmonySchemaSpec | None, str | None]:
+                                     strict_tools: list[tuple[str, dict | None, str]], forced: tuple[str, ...] = (),
+                                     reasoning_tokens: int = 0) -> tuple[HarmonySchemaSpec | None, str | None]:
     """output_constraint, on a worker thread when there is a schema to check: a large one compiles in
     10-200 ms, which on the event loop would stall every other request of this ingress."""
-    if is_plain_text(fmt) and not strict_tools and not isinstance(forced, tuple):
+    if is_plain_text(fmt) and not strict_tools and not forced:
         return None, None
-    return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced))
+    return await anyio.to_thread.run_sync(functools.partial(output_constraint, fmt, fmt_param, strict_tools, forced,
+                                                            reasoning_tokens))
 
 
 def logprobs_json(entries: list[TokenLogprob], top: int, encoding: HarmonyEncoding) -> list[dict[str, Any]]:

@@ -43,7 +43,7 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import (forced_call_ids, forced_tool, logprobs_json,
+from serve_app.openai_api.output_options import (forced_tools, logprobs_json,
                                                  output_constraint_off_loop)
 from serve_app.openai_api.protocol import INPUT_ITEMS, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
@@ -201,41 +201,40 @@ def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
 
 
 async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
-                    owner: str | None) -> tuple[list[int], list[int], HarmonySchemaSpec | None]:
-    """(prompt ids, forced header ids, output constraint) of a Responses request, as its engine request gets them:
-    the stored conversation it continues, its input, tools and text format, truncated when it asks for that."""
-    forced_name = forced_tool(req.tool_choice, [t.name for t in req.tools or []])
+                    owner: str | None) -> tuple[list[int], HarmonySchemaSpec | None]:
+    """(prompt ids, output constraint) of a Responses request, as its engine request gets them: the stored
+    conversation it continues, its input, tools and text format, truncated when it asks for that."""
+    forced = forced_tools(req.tool_choice, [t.name for t in req.tools or []])
     offered = [] if req.tool_choice == "none" else req.tools or []
     constraint, response_format = await output_constraint_off_loop(
         req.text.format if req.text else None, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
-        forced_name)
+        forced, ctx.config.forced_call_reasoning_tokens)
     earlier = await earlier_items(req, ctx, owner)
-    forced = forced_call_ids(forced_name, ctx.encoding)
-    return fitted_prompt(req, ctx, earlier, response_format, len(forced)), forced, constraint
+    return fitted_prompt(req, ctx, earlier, response_format), constraint
 
 
 async def count_input_tokens(req: InputTokensRequest, http: Request, ctx: IngressContext) -> dict[str, Any]:
     """POST /v1/responses/input_tokens: the input tokens a Responses request with these fields would be charged
     (its usage.input_tokens), without running it; a prompt over the context is counted, not refused."""
-    prompt_ids, forced, _ = await prompt_of(req, ctx, requester(http))
-    return {"object": "response.input_tokens", "input_tokens": len(prompt_ids) + len(forced)}
+    prompt_ids, _ = await prompt_of(req, ctx, requester(http))
+    return {"object": "response.input_tokens", "input_tokens": len(prompt_ids)}
 
 
 async def create_response(req: ResponsesRequest, http: Request, ctx: IngressContext) -> Response:
     check_background(req, ctx)
     owner = requester(http)
-    prompt_ids, forced, constraint = await prompt_of(req, ctx, owner)
+    prompt_ids, constraint = await prompt_of(req, ctx, owner)
     text_format = req.text.format if req.text else None
     # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs alternatives)
     top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in (req.include or []) else None
     sampling = sampling_params(SamplingRequest(
         max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, logprobs=top_logprobs,
-    ), len(prompt_ids) + len(forced), ctx.config)
+    ), len(prompt_ids), ctx.config)
     sampling = replace(sampling, constraint=constraint)
-    gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling, forced_ids=forced,
+    gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling,
                      priority=ctx.config.request_priority(req.priority), caller=Caller("responses", owner),
                      cache_salt=req.cache_salt)
     created = time.time()

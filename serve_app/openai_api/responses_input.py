@@ -142,8 +142,8 @@ def stored_input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [stored_item_json(item) for item in input_items(req)]
 
 
-def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | None, response_format: str | None,
-                  forced_len: int) -> list[int]:
+def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | None,
+                  response_format: str | None) -> list[int]:
     """The prompt's token ids. With `truncation: "auto"` a prompt that leaves too little room drops its oldest
     conversation items (responses_prompt's `drop`, the fewest that fit; the last item always stays) so that
     max_output_tokens fit after it, or the ingress' default_max_tokens, or else one token. A prompt that still
@@ -152,7 +152,7 @@ def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | No
         return render_prompt(replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format))
 
     ids = render(0)
-    limit = ctx.config.max_context - forced_len - (req.max_output_tokens or ctx.config.default_max_tokens or 1)
+    limit = ctx.config.max_context - (req.max_output_tokens or ctx.config.default_max_tokens or 1)
     if req.truncation != "auto" or len(ids) <= limit:
         return ids
     lo, hi = 1, sum(not _is_instruction(item) for item in (earlier or []) + input_items(req)) - 1

@@ -241,47 +241,81 @@ def test_a_forced_call_and_a_raw_completion_start_inside_their_grammar():
     assert allowed(c.allowed_tokens()).tolist() == [RETURN]
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_a_choice_among_tools_writes_one_tools_name_and_its_arguments(seed):
-    """tool_choice 'required' among several tools: the prompt ends in `to=functions`; random walks through the
-    masks always write `.NAME` of one of the tools, the rest of the header (forced, one id at a time), arguments
-    held to that tool's schema, then only <|call|>."""
-    from serve_app.harmony.constrain import CHOICE, call_choice_grammar
+def forced(tools, reasoning_tokens):
+    from serve_app.harmony.constrain import FORCED_CALL, forced_call_grammar
 
+    return spec(start_in=FORCED_CALL, forced_call=forced_call_grammar(tools, reasoning_tokens)).start(HARMONY_VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_forced_call_may_reason_then_calls_one_of_the_tools(seed):
+    """tool_choice forcing a call among several tools: random walks through the masks (the prompt ends in
+    `<|start|>assistant`) write at most an analysis message and a preamble, in that order, of at most 6 tokens
+    each, then `.NAME` of one of the tools, the rest of the header, arguments held to that tool's schema, then
+    only <|call|>. The walks pick among the allowed tokens, so the paths with and without reasoning come up."""
     search = {"type": "object", "properties": {"q": {"enum": ["x", "y"]}}, "required": ["q"],
               "additionalProperties": False}
-    grammar = call_choice_grammar([("get_weather", SCHEMA), ("search", search)])
     rng = np.random.default_rng(seed)
-    c = spec(start_in=CHOICE, call_choice=grammar).start(HARMONY_VOCAB_SIZE)
-    first = allowed(c.allowed_tokens())
-    texts = {ENC.decode([t]) for t in first}
-    assert {".get", ".search"} <= texts and all(".get_weather ".startswith(x) or ".search ".startswith(x) for x in texts)
-    out, t = [], int(rng.choice(first))
+    c = forced([("get_weather", SCHEMA), ("search", search)], 6)
+    out = []
     for _ in range(400):
+        a = allowed(c.allowed_tokens())
+        assert a is not None  # the grammar holds every token of the output
+        t = CALL if CALL in a else int(rng.choice(a))
         c.accept(t)
         if t == CALL:
             break
         out.append(t)
-        a = allowed(c.allowed_tokens())
-        t = CALL if CALL in a else int(rng.choice(a))
     else:
         pytest.fail("no <|call|> within 400 tokens")
-    name, rest = ENC.decode(out)[1:].split(" <|constrain|>json<|message|>")
-    assert valid(json.loads(rest), SCHEMA if name == "get_weather" else search), (name, rest)
+    *before, call = ENC.decode(out).split("<|end|><|start|>assistant")
+    assert [m.split("<|message|>")[0] for m in before] in ([], ["<|channel|>analysis"], ["<|channel|>commentary"],
+                                                          ["<|channel|>analysis", "<|channel|>commentary"])
+    end = ids("<|end|>")[0]
+    while end in out:  # each message before the call: at most 6 tokens of text
+        thought, out = out[out.index(ids("<|message|>")[0]) + 1:out.index(end)], out[out.index(end) + 1:]
+        assert len(thought) <= 6 and not any(t >= 199998 for t in thought)
+    head, rest = call.split(" <|constrain|>json<|message|>")
+    name = head.removeprefix("<|channel|>commentary to=functions.")
+    assert name in ("get_weather", "search") and valid(json.loads(rest), SCHEMA if name == "get_weather" else search)
 
 
-def test_a_choice_holds_a_tool_without_a_schema_to_a_json_object():
-    from serve_app.harmony.constrain import CHOICE, call_choice_grammar
-
-    grammar = call_choice_grammar([("get_weather", SCHEMA), ("note", None)])
-    c = spec(start_in=CHOICE, call_choice=grammar).start(HARMONY_VOCAB_SIZE)
-    feed(c, ids('.note <|constrain|>json<|message|>{"any":[1,{"thing":null}]}'))
+def test_a_forced_call_ends_its_reasoning_at_the_budget_and_writes_no_answer():
+    """After the budget only <|end|> is allowed, then the next message's start and its channel are forced (one id
+    each: jump-forward drafts); then a preamble of the same budget may come, or the call; a final answer, a second
+    analysis or another end token is never allowed."""
+    c = forced([("get_weather", SCHEMA)], 3)
+    assert allowed(c.allowed_tokens()).tolist() == ids("<|channel|>")
+    c.accept(ids("<|channel|>")[0])
+    first = allowed(c.allowed_tokens())
+    assert ids("analysis")[0] in first and ids("final")[0] not in first and ids("comment")[0] in first
+    c.accept(ids("analysis")[0])
+    body = feed(c, ids("<|message|>Need the weather"))
+    assert all(a is None or RETURN not in a for a in body)
+    assert allowed(c.allowed_tokens()).tolist() == ids("<|end|>")  # 3 tokens of text: the budget
+    c.accept(ids("<|end|>")[0])
+    assert c.forced_tokens(4) == ids("<|start|>assistant<|channel|>comment")  # no second analysis
+    feed(c, ids("<|start|>assistant<|channel|>commentary<|message|>Checking the<|end|><|start|>assistant"
+                "<|channel|>commentary"))
+    assert c.forced_tokens(3) == ids(" to=functions")  # one preamble: now the call
+    feed(c, ids(' to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris","unit":"celsius","days":2,'
+                '"alerts":false,"tags":[]}'))
     assert allowed(c.allowed_tokens()).tolist() == [CALL]
-    c = spec(start_in=CHOICE, call_choice=grammar).start(HARMONY_VOCAB_SIZE)
-    feed(c, ids(".note <|constrain|>json<|message|>"))
+
+
+def test_a_forced_call_without_reasoning_and_a_tool_without_a_schema():
+    """Budget 0: the call at once (the header forced token by token); a tool without a schema (not strict) gets
+    any JSON object as its arguments."""
+    c = forced([("get_weather", SCHEMA), ("note", None)], 0)
+    header = ids("<|channel|>commentary to=functions")
+    assert c.forced_tokens(len(header) + 1) == header  # then the choice of a function
+    feed(c, ids('<|channel|>commentary to=functions.note <|constrain|>json<|message|>{"any":[1,{"thing":null}]}'))
+    assert allowed(c.allowed_tokens()).tolist() == [CALL]
+    c = forced([("get_weather", SCHEMA), ("note", None)], 0)
+    feed(c, ids("<|channel|>commentary to=functions.note <|constrain|>json<|message|>"))
     assert ids("[")[0] not in allowed(c.allowed_tokens())  # an object, not any JSON value
-    with pytest.raises(ValueError, match="call_choice"):
-        spec(start_in=CHOICE)
+    with pytest.raises(ValueError, match="forced_call"):
+        spec(start_in="functions")
 
 
 def test_a_token_the_grammar_rejects_closes_the_message_instead_of_hanging():

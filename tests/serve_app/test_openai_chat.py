@@ -120,45 +120,49 @@ def test_tool_call_on_analysis_channel_non_stream_and_stream(client, backend):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
-FORCED = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+def test_forced_tool_call_reasons_then_calls_under_a_grammar(client, backend):
+    """tool_choice named (or 'required' with one tool): the prompt ends in `<|start|>assistant` as for any turn,
+    the engine request carries the forced-call grammar (an analysis message of at most the ingress' 2,048 tokens,
+    then a call to that tool only), and the answer is the reasoning and the call, every token counted as output."""
+    from serve_app.harmony.constrain import FORCED_CALL
 
-
-def test_forced_tool_call_writes_the_call_header_into_the_prompt(client, backend):
-    """tool_choice named (or 'required' with one tool): the prompt ends with the call's header, the model
-    writes only the arguments; the answer is that tool call, the header not counted as output."""
-    args = "{\"location\":\"Rome\"}<|call|>"
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-        backend.push(args)
+        backend.push(CALL)
         r = client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, tool_choice=choice)
-        assert prompt_text(backend).endswith("<|start|>assistant" + FORCED)
-        call = r.choices[0].message.tool_calls[0]
-        assert (call.function.name, call.function.arguments) == ("get_weather", "{\"location\":\"Rome\"}")
-        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
-        assert r.usage.completion_tokens == len(ENC.encode(args, allowed_special="all"))
+        assert prompt_text(backend).endswith("<|start|>user<|message|>Hi!<|end|><|start|>assistant")
+        spec = backend.requests[-1].sampling.constraint
+        assert spec.start_in == FORCED_CALL and "thought[max_tokens=2048]" in spec.forced_call
+        assert '".get_weather"' in spec.forced_call and "call1" not in spec.forced_call
+        msg = r.choices[0].message
+        assert (msg.tool_calls[0].function.name, msg.tool_calls[0].function.arguments) == \
+            ("get_weather", "{\"location\":\"Paris\"}")
+        assert msg.model_extra["reasoning_content"] == "Need the weather; call the tool."
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+        assert r.usage.completion_tokens == len(ENC.encode(CALL, allowed_special="all"))
         assert r.usage.prompt_tokens == len(backend.requests[-1].prompt_ids)
 
-    backend.push(args, chunk=1)
+    backend.push(CALL, chunk=1)
     chunks = list(client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, stream=True,
                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}}))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Need the weather; call the tool."
     assert calls[0].function.name == "get_weather"
-    assert "".join(tc.function.arguments or "" for tc in calls) == "{\"location\":\"Rome\"}"
+    assert "".join(tc.function.arguments or "" for tc in calls) == "{\"location\":\"Paris\"}"
 
 
 def test_required_among_several_tools_leaves_the_model_the_pick(client, backend):
-    """tool_choice 'required' with two tools: the prompt ends in the call header up to `to=functions`, the engine
-    request carries the call-choice grammar, and what the model writes (the name with its dot, the rest of the
-    header, the arguments) is that tool's call; the forced part is not counted as output."""
-    from serve_app.harmony.constrain import CHOICE
+    """tool_choice 'required' with two tools: the engine request's grammar offers both (`.NAME` with its dot, as
+    the Harmony tokens spell it), and what the model writes after `to=functions` is that tool's call."""
+    from serve_app.harmony.constrain import FORCED_CALL
 
     tools = TOOLS + [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
-    written = ".search <|constrain|>json<|message|>{\"q\":\"Rome\"}<|call|>"
+    written = "<|channel|>commentary to=functions.search <|constrain|>json<|message|>{\"q\":\"Rome\"}<|call|>"
     for stream in (False, True):
         backend.push(written, chunk=1)
         r = client.chat.completions.create(model=MODEL, messages=HI, tools=tools, tool_choice="required", stream=stream)
-        assert prompt_text(backend).endswith("<|start|>assistant<|channel|>commentary to=functions")
         spec = backend.requests[-1].sampling.constraint
-        assert spec.start_in == CHOICE and '".get_weather"' in spec.call_choice and '".search"' in spec.call_choice
+        assert spec.start_in == FORCED_CALL and '".get_weather"' in spec.forced_call and '".search"' in spec.forced_call
         if stream:
             calls = [tc for c in r if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
             assert calls[0].function.name == "search"
@@ -280,8 +284,8 @@ def test_logprobs_cover_text_recovered_from_a_broken_header(client, backend):
 
 def test_structured_output_reaches_the_engine_request_and_the_prompt(client, backend):
     """response_format: the engine request carries the constraint (the final answer's grammar) and the prompt
-    ends its developer message with the schema; strict tools add their grammars (a forced strict call starts
-    inside its own); tool_choice 'none' or a plain text format leave the request unconstrained."""
+    ends its developer message with the schema; strict tools add their grammars (a forced strict call's grammar
+    holds its arguments to the schema); tool_choice 'none' or a plain text format leave the request unconstrained."""
     from serve_app.harmony.constrain import HarmonySchemaSpec
 
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
@@ -300,9 +304,10 @@ def test_structured_output_reaches_the_engine_request_and_the_prompt(client, bac
         {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "properties": {}}}}])
     spec = backend.requests[-1].sampling.constraint
     assert spec.final is None and [name for name, _ in spec.tools] == ["get_weather"] and spec.start_in is None
-    backend.push('{"location":"Paris"}<|call|>')
+    backend.push(CALL)
     client.chat.completions.create(model=MODEL, messages=HI, tools=strict, tool_choice="required")
-    assert backend.requests[-1].sampling.constraint.start_in == "get_weather"
+    spec = backend.requests[-1].sampling.constraint
+    assert spec.start_in == "functions" and '"required": ["location"]' in spec.forced_call  # held to its schema
 
     for kwargs in (dict(tools=strict, tool_choice="none"), dict(response_format={"type": "text"})):
         backend.push(ANSWER)

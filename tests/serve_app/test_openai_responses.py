@@ -21,16 +21,21 @@ ANSWER = ("<|channel|>analysis<|message|>Tool says sunny.<|end|>"
 
 
 def test_forced_function_call(client, backend):
-    """tool_choice {'type': 'function', 'name': ...}: the call's header is prompt, the output is the call."""
-    args = "{\"location\":\"Oslo\"}<|call|>"
-    backend.push(args)
-    r = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=TOOLS,
+    """tool_choice {'type': 'function', 'name': ...}: the prompt ends as any turn's, the engine request carries the
+    forced-call grammar (that function only), the output is the reasoning, the preamble and the call; the input
+    token count (POST /v1/responses/input_tokens) is the prompt's."""
+    backend.push(CALL)
+    r = client.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS,
                                 tool_choice={"type": "function", "name": "get_weather"})
-    assert ENC.decode(backend.requests[-1].prompt_ids).endswith(
-        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
-    assert [item.type for item in r.output] == ["function_call"]
-    assert r.output[0].name == "get_weather" and json.loads(r.output[0].arguments) == {"location": "Oslo"}
-    assert r.usage.output_tokens == len(ENC.encode(args, allowed_special="all"))
+    assert ENC.decode(backend.requests[-1].prompt_ids).endswith("<|start|>assistant")
+    spec = backend.requests[-1].sampling.constraint
+    assert spec.start_in == "functions" and '".get_weather"' in spec.forced_call
+    assert [item.type for item in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[2].name == "get_weather" and json.loads(r.output[2].arguments) == {"location": "Rome"}
+    assert r.usage.output_tokens == len(ENC.encode(CALL, allowed_special="all"))
+    assert r.usage.input_tokens == len(backend.requests[-1].prompt_ids) == client.responses.input_tokens.count(
+        model=MODEL, input="Weather in Rome?", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}
+    ).input_tokens
 
 
 def test_non_stream_function_call_then_answer(client, backend):

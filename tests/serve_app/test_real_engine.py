@@ -44,7 +44,8 @@ def real(tmp_path_factory):
                           max_num_batched_tokens=256)
     reference = LLMEngine(model, config)
     engine = AsyncEngine(LLMEngine(model, config))
-    app = create_app(engine, model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date=DATE)
+    app = create_app(engine, model_name=MODEL, max_context=MAX_CONTEXT, conversation_start_date=DATE,
+                     forced_call_reasoning_tokens=4)  # a random model reasons until the budget: keep it short
     with LiveServer(app) as server:
         yield reference, engine, server
     engine.shutdown()
@@ -197,30 +198,39 @@ def test_logit_bias_forces_a_token_and_unknown_ids_are_400(real):
     assert info.value.param == "logit_bias"
 
 
-def test_forced_tool_call_continues_the_forced_header(real):
-    """The engine gets the rendered prompt plus the call's header; its tokens become the call's arguments."""
+def test_forced_tool_call_is_what_the_engine_writes_under_its_grammar(real):
+    """tool_choice naming a function: the engine gets the rendered prompt (ending in `<|start|>assistant`) and the
+    forced-call grammar with the ingress' reasoning budget (4 tokens here); at temperature 0 the answer is exactly
+    what the engine writes under that grammar: a message of at most 4 tokens, then the call (this random model
+    writes one endless JSON key: the arguments are what our parser makes of the tokens up to max_tokens), every
+    token counted as output."""
+    from serve_app.harmony.constrain import CALL, FORCED_CALL, RETURN, HarmonySchemaSpec, forced_call_grammar
+
     reference, engine, server = real
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
-    req = ChatCompletionRequest(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, tools=tools)
+    req = ChatCompletionRequest(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=tools)
     prompt = render_prompt(chat_prompt(req, IngressConfig(model_name=MODEL, max_context=MAX_CONTEXT,
                                                           conversation_start_date=DATE)))
+    spec = HarmonySchemaSpec(start_in=FORCED_CALL, forced_call=forced_call_grammar([("lookup", None)], 4))
+    (direct,) = reference.generate([GenerateRequest("f", prompt, SamplingParams(
+        temperature=0.0, max_tokens=60, stop_token_ids=(RETURN, CALL), constraint=spec))])
     enc = load_harmony_encoding()
-    forced = enc.encode("<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>", allowed_special="all")
-    (direct,) = reference.generate([GenerateRequest("f", prompt + forced, SamplingParams(temperature=0.0, max_tokens=5))])
+    before, _ = enc.decode(direct.output_ids).split("<|start|>assistant<|channel|>commentary to=functions.lookup "
+                                                    "<|constrain|>json<|message|>{")
+    assert len(before) > 0 and before.count("<|end|>") == 1  # a message before the call (a preamble, this seed)
 
     import openai
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, tools=tools,
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=tools,
                                        tool_choice={"type": "function", "function": {"name": "lookup"}})
-    assert r.choices[0].message.tool_calls[0].function.name == "lookup"
-    assert r.usage.completion_tokens == len(direct.output_ids)
-    assert r.usage.prompt_tokens == len(prompt) + len(forced)
-    # The arguments are what our parser makes of header + generated tokens (a random model's tokens
-    # include specials: the parser, not a plain decode, says what text the call keeps).
+    (call,) = r.choices[0].message.tool_calls
+    assert (r.usage.completion_tokens, r.usage.prompt_tokens) == (len(direct.output_ids), len(prompt))
     parser = HarmonyOutputParser(enc)
-    events = [e for t in forced + direct.output_ids for e in parser.feed(t)] + parser.finish()
-    calls = [e for e in events if type(e).__name__ == "ItemDone" and e.kind is ItemKind.TOOL_CALL]
-    assert r.choices[0].message.tool_calls[0].function.arguments == calls[0].text
+    events = [e for t in direct.output_ids for e in parser.feed(t)] + parser.finish()
+    (expected,) = [e for e in events if type(e).__name__ == "ItemDone" and e.kind is ItemKind.TOOL_CALL]
+    assert (call.function.name, call.function.arguments) == ("lookup", expected.text)
+    out = direct.output_ids
+    assert out.index(200007) - out.index(200008) - 1 <= 4  # the message's text: <|message|> ... <|end|>
 
 
 def test_usage_reports_prompt_tokens_from_the_prefix_cache(tmp_path):

@@ -56,6 +56,7 @@ ARGS = {
     # tests see of it: content or not, streamed in pieces or recovered at the end) is the same every day.
     "ingress.conversation_start_date": "2026-11-29",
     "ingress.api_keys": "sk-e2e-first,sk-e2e-second",  # every /v1/ call below sends the first
+    "ingress.forced_call_reasoning_tokens": "4",  # a random model reasons until the budget: keep it short
     # the store writes through to a file and reads it back when its replica restarts (on the head node: this one)
     # (a path only: the store makes the folder, and the module's fixture removes it)
     "ingress.store_path": str(pathlib.Path(tempfile.gettempdir()) / f"gptoss-e2e-{os.getpid()}" / "responses.db"),
@@ -93,7 +94,8 @@ def reference():
 def reference_port(reference):
     port = free_port()
     with ServerThread(create_app(reference, model_name=CONFIG.served_model_name, max_context=1024,
-                                 conversation_start_date=CONFIG.ingress.conversation_start_date), port):
+                                 conversation_start_date=CONFIG.ingress.conversation_start_date,
+                                 forced_call_reasoning_tokens=CONFIG.ingress.forced_call_reasoning_tokens), port):
         yield port
 
 
@@ -212,8 +214,9 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
 
 def test_structured_output_across_the_prefill_decode_hand_off(http_port, reference_port):
     """A strict forced tool call and a response_format completion: the prefill replica samples the first token
-    under the constraint, the decode replica replays it into its own and goes on; the result equals the
-    single-process app's and satisfies the schema."""
+    under the constraint, the decode replica replays it into its own and goes on (through the reasoning the
+    forced call allows, 4 tokens here, and the call); the result equals the single-process app's and satisfies
+    the schema."""
     import json
 
     from tests.serve_app.test_harmony_constrain import valid
