@@ -48,7 +48,7 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import (forced_tools, logprobs_json,
+from serve_app.openai_api.output_options import (forced_tools, logprobs_json, offers,
                                                  output_constraint_off_loop, prediction_ids)
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.streaming import interleave, sse
@@ -84,9 +84,8 @@ def chat_prompt(req: ChatCompletionRequest, config: IngressConfig) -> Prompt:
                     "earlier assistant tool call; include the assistant message with that call first.",
                     param=f"messages.{i}.tool_call_id")
             history.append(ToolResult(name, text))
-    tools = [] if req.tool_choice == "none" else [
-        FunctionTool(t.function.name, t.function.description or "", t.function.parameters) for t in req.tools or []
-    ]
+    tools = [FunctionTool(t.function.name, t.function.description or "", t.function.parameters)
+             for t in req.tools or [] if offers(req.tool_choice, t.function.name)]
     return Prompt(
         history=history,
         instructions=SEPARATOR.join(s for s in instructions if s) or None,
@@ -155,7 +154,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     forced = forced_tools(req.tool_choice, [t.function.name for t in req.tools or []])
-    offered = [] if req.tool_choice == "none" else req.tools or []
+    offered = [t for t in req.tools or [] if offers(req.tool_choice, t.function.name)]
     constraint, response_format = await output_constraint_off_loop(
         req.response_format, "response_format",
         [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")

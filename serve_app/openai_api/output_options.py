@@ -14,20 +14,32 @@ from serve_app.harmony.constrain import (FORCED_CALL, HarmonySchemaSpec, check_j
                                          is_plain_text, response_format_grammar, response_format_text)
 from engine.request import TokenLogprob
 from serve_app.openai_api.errors import BadRequest
-from serve_app.openai_api.protocol import forced_name
+from serve_app.openai_api.protocol import allowed_tools, forced_name
 
 
 def forced_tools(tool_choice: Any, tool_names: list[str]) -> tuple[str, ...]:
-    """The functions one of which the output must call: the one tool_choice names, or every tool for 'required';
-    () when nothing is forced. 400s for choices that name no tool."""
-    name = forced_name(tool_choice)
+    """The functions one of which the output must call: the one tool_choice names, every tool for 'required', the
+    allowed ones for allowed_tools in mode 'required'; () when nothing is forced. 400s for choices that name a
+    function that is not among the tools."""
+    allowed = allowed_tools(tool_choice)
+    names = (forced_name(tool_choice),) if forced_name(tool_choice) else allowed[1] if allowed else ()
+    for name in names:
+        if name not in tool_names:
+            raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     if tool_choice == "required":
         if not tool_names:
             raise BadRequest("tool_choice 'required' needs tools", param="tool_choice")
         return tuple(tool_names)
-    if name is not None and name not in tool_names:
-        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return (name,) if name is not None else ()
+    return tuple(dict.fromkeys(names)) if allowed is None or allowed[0] == "required" else ()
+
+
+def offers(tool_choice: Any, name: str) -> bool:
+    """Whether the prompt offers function `name` under this tool_choice: not under 'none'; under allowed_tools in
+    mode 'auto' only the allowed ones (the model sees no other, so it calls no other); otherwise every tool (a
+    forced choice among some of them is held by the forced-call grammar, and the prompt stays the one without
+    it, prefix cache and all)."""
+    allowed = allowed_tools(tool_choice)
+    return tool_choice != "none" and (allowed is None or allowed[0] == "required" or name in allowed[1])
 
 
 def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int, ...]:

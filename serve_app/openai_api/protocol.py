@@ -223,8 +223,11 @@ class RequestBase(SamplingBase):
     def _tool_choice(cls, value: Any) -> Any:
         if value in (None, "none", "auto", "required") or forced_name(value) is not None:
             return value
-        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}} "
-                         "(Responses: {'type': 'function', 'name': ...})")
+        if isinstance(value, dict) and value.get("type") == "allowed_tools":
+            allowed_tools(value)  # its own error names what is wrong
+            return value
+        raise ValueError("must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} "
+                         "(Responses: {'type': 'function', 'name': ...}) or {'type': 'allowed_tools', ...}")
 
 
 def forced_name(tool_choice: Any) -> str | None:
@@ -233,6 +236,26 @@ def forced_name(tool_choice: Any) -> str | None:
         return None
     name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
     return name if isinstance(name, str) and name else None
+
+
+def allowed_tools(tool_choice: Any) -> tuple[str, tuple[str, ...]] | None:
+    """(mode, function names) of an `allowed_tools` tool_choice: Chat's `{"type": "allowed_tools", "allowed_tools":
+    {"mode", "tools": [{"type": "function", "function": {"name"}}]}}` or Responses' `{"type": "allowed_tools",
+    "mode", "tools": [{"type": "function", "name"}]}`; None for any other tool_choice. ValueError for a malformed
+    one (function tools only: this server runs no hosted tools)."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "allowed_tools":
+        return None
+    spec = tool_choice.get("allowed_tools", tool_choice)
+    mode, tools = (spec.get("mode"), spec.get("tools")) if isinstance(spec, dict) else (None, None)
+    if mode not in ("auto", "required"):
+        raise ValueError(f"allowed_tools mode must be 'auto' or 'required', got {mode!r:.40}")
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("allowed_tools needs a non-empty list of tools")
+    names = tuple(forced_name(tool) for tool in tools)
+    if None in names:
+        raise ValueError("allowed_tools lists function tools only ({'type': 'function', 'name': ...}; Chat: "
+                         "{'type': 'function', 'function': {'name': ...}})")
+    return mode, names
 
 
 # -- Chat Completions ---------------------------------------------------------------------------------

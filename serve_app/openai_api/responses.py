@@ -43,7 +43,7 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.output_options import (forced_tools, logprobs_json,
+from serve_app.openai_api.output_options import (forced_tools, logprobs_json, offers,
                                                  output_constraint_off_loop)
 from serve_app.openai_api.protocol import INPUT_ITEMS, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
@@ -205,7 +205,7 @@ async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
     """(prompt ids, output constraint) of a Responses request, as its engine request gets them: the stored
     conversation it continues, its input, tools and text format, truncated when it asks for that."""
     forced = forced_tools(req.tool_choice, [t.name for t in req.tools or []])
-    offered = [] if req.tool_choice == "none" else req.tools or []
+    offered = [t for t in req.tools or [] if offers(req.tool_choice, t.name)]
     constraint, response_format = await output_constraint_off_loop(
         req.text.format if req.text else None, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)

@@ -27,6 +27,7 @@ from serve_app.harmony.render import (
 )
 from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.generation import IngressConfig, IngressContext
+from serve_app.openai_api.output_options import offers
 from serve_app.openai_api.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -113,9 +114,8 @@ def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list
                 opened_envelope(item.encrypted_content)
             if text:
                 history.append(AssistantReasoning(text))
-    tools = [] if req.tool_choice == "none" else [
-        FunctionTool(t.name, t.description or "", t.parameters) for t in req.tools or []
-    ]
+    tools = [FunctionTool(t.name, t.description or "", t.parameters) for t in req.tools or []
+             if offers(req.tool_choice, t.name)]
     return Prompt(
         history=history,
         instructions="\n\n".join(s for s in instructions if s) or None,

@@ -174,6 +174,31 @@ def test_required_among_several_tools_leaves_the_model_the_pick(client, backend)
             assert r.usage.completion_tokens == len(ENC.encode(written, allowed_special="all"))
 
 
+def test_allowed_tools_restrict_the_calls_in_both_modes(client, backend):
+    """tool_choice allowed_tools (Chat's shape; Responses' in test_openai_responses.py): 'required' keeps every tool
+    in the prompt (the same prompt as without it) and holds the output to a call of an allowed one; 'auto' offers
+    only the allowed tools and leaves the model free to answer."""
+    tools = TOOLS + [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+                     for n in ("search", "note")]
+    pick = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "note")]
+    backend.push(CALL)
+    r = client.chat.completions.create(model=MODEL, messages=HI, tools=tools, tool_choice={
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": pick}})
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    spec, prompt = backend.requests[-1].sampling.constraint, prompt_text(backend)
+    assert '".get_weather"' in spec.forced_call and '".note"' in spec.forced_call and '".search"' not in spec.forced_call
+    backend.push(ANSWER)
+    client.chat.completions.create(model=MODEL, messages=HI, tools=tools)
+    assert prompt_text(backend) == prompt
+    backend.push(ANSWER)
+    r = client.chat.completions.create(model=MODEL, messages=HI, tools=tools, tool_choice={
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": pick}})
+    assert r.choices[0].message.content == "Hello there! 🦄 How can I help?"
+    assert backend.requests[-1].sampling.constraint is None
+    prompt = prompt_text(backend)
+    assert "type get_weather" in prompt and "type note" in prompt and "type search" not in prompt
+
+
 def test_sampling_parameters_reach_the_backend(client, backend):
     backend.push(ANSWER)
     client.chat.completions.create(model=MODEL, messages=HI, temperature=0.3, top_p=0.9, seed=7,

@@ -86,6 +86,12 @@ CHAT_400 = [
     ("forced unknown tool", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "nope"}},
                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("tool_choice shape", {**CHAT, "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ("allowed_tools mode", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": [{"type": "function", "function": {
+            "name": "f"}}]}}}, "tool_choice"),
+    ("allowed_tools unknown tool", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {
+            "name": "g"}}]}}}, "tool_choice"),
     ("too many stops", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("prediction type", {**CHAT, "prediction": {"type": "diff", "content": "x"}}, "prediction.type"),
     ("prediction content", {**CHAT, "prediction": {"type": "content", "content": 42}}, "prediction.content"),
@@ -131,6 +137,11 @@ RESPONSES_400 = [
                                                                  "schema": {"type": "foo"}}}}, "text.format.schema"),
     ("strict tool schema unusable", {**RESP, "tools": [{"type": "function", "name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "foo"}}}}]}, "tools.0.parameters"),
+    ("allowed_tools hosted tool", {**RESP, "tools": [{"type": "function", "name": "f"}], "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "mcp", "server_label": "deepwiki"}]}},
+     "tool_choice"),
+    ("allowed_tools empty", {**RESP, "tools": [{"type": "function", "name": "f"}], "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": []}}, "tool_choice"),
 ]
 
 

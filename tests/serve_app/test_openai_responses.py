@@ -38,6 +38,24 @@ def test_forced_function_call(client, backend):
     ).input_tokens
 
 
+def test_allowed_tools_in_the_responses_shape(client, backend):
+    """{'type': 'allowed_tools', 'mode', 'tools': [{'type': 'function', 'name'}]}: 'required' forces a call of an
+    allowed function (the prompt offers every tool), 'auto' offers only the allowed ones."""
+    tools = TOOLS + [{"type": "function", "name": "search", "parameters": {"type": "object"}}]
+    backend.push(CALL)
+    r = client.responses.create(model=MODEL, input="Weather in Rome?", tools=tools, tool_choice={
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]})
+    spec = backend.requests[-1].sampling.constraint
+    assert '".get_weather"' in spec.forced_call and '".search"' not in spec.forced_call
+    assert "type search" in ENC.decode(backend.requests[-1].prompt_ids)
+    assert r.output[-1].name == "get_weather" and r.tool_choice.type == "allowed_tools"
+    backend.push(ANSWER)
+    client.responses.create(model=MODEL, input="Hi", tools=tools, tool_choice={
+        "type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "search"}]})
+    prompt = ENC.decode(backend.requests[-1].prompt_ids)
+    assert "type search" in prompt and "type get_weather" not in prompt
+
+
 def test_non_stream_function_call_then_answer(client, backend):
     backend.push(CALL)
     first = client.responses.create(model=MODEL, input="Weather in Rome?", instructions="Be brief.", tools=TOOLS)
