@@ -15,10 +15,10 @@ one message, not the reasoning before it, so `HarmonyConstraint` follows the out
 A forced tool call (tool_choice naming a function, or 'required') holds the whole output from its first token
 (`HarmonySchemaSpec.start_in` FORCED_CALL, forced_call_grammar): an analysis message and a preamble, each optional
 and of a bounded number of tokens (the model reasons first, as it does before any call), then a commentary message
-to one of the forced functions, its `.NAME`, the rest of its header and its arguments, ended by <|call|>. Decisions: JSON is compact (no whitespace outside strings, `,`
-and `:` as separators, as gpt-oss writes tool arguments), so a model cannot pad it forever; a matcher
-that fails (an llguidance limit, a token it rejects) is logged and lets only the end token through, so
-the message closes instead of the request hanging.
+to one of the forced functions, its `.NAME`, the rest of its header and its arguments, ended by <|call|>.
+Decisions: JSON is compact (no whitespace outside strings, `,` and `:` as separators, as gpt-oss writes tool
+arguments), so a model cannot pad it forever; a matcher that fails (an llguidance limit, a token it rejects) is
+logged and lets only the end token through, so the message closes instead of the request hanging.
 
 The engine's lookahead (it samples the next token before reading the one in flight) stays on where that
 token cannot change the next mask (a free body, between messages) or is known (the last mask allowed one

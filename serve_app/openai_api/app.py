@@ -73,8 +73,8 @@ def create_app(
     allow_priority: honour requests' `priority` (lower runs sooner in the engines); off: a non-zero one is a 400.
     isolate_prefix_cache: with api_keys, each key's requests reuse only their own cached prompt blocks (the cache
     hits, visible in time to first token, then tell a key nothing of what other keys sent).
-    forced_call_reasoning_tokens: a forced tool call (tool_choice) may follow one analysis message of at most this
-    many tokens; 0: the call at once.
+    forced_call_reasoning_tokens: a forced tool call (tool_choice) may follow an analysis message and a preamble of
+    at most this many tokens each; 0: the call at once.
     usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
     """
     backend_limit = getattr(backend, "max_context", None)
