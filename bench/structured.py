@@ -13,8 +13,12 @@
    characters: it stays active for the whole run; no token is ever forced), and the same with 60 required
    boolean keys (the keys' tokens are forced: the engine runs them as drafts, jump-forward, and the same
    without jump-forward, one forced token per step); and a request with
-   presence/frequency penalties (no constraint: the sampler needs each token's history). Milliseconds per
-   output token and the ratio to the unconstrained run, same process.
+   presence/frequency penalties (no constraint: the sampler needs each token's history); and a forced tool call
+   (tool_choice) in its reasoning (the forced-call grammar holds every token, the random model stays in the
+   analysis body). Milliseconds per output token and the ratio to the unconstrained run, same process.
+3. Engine, `--batch B` (> 1): B requests at once, unconstrained against all of them forced tool calls in their
+   reasoning (every row then sends a mask each step, so the sampling batch is rebuilt each step): milliseconds
+   per decode step and the ratio, same process.
 
 JSON and a PNG under bench/results/ (structured_<device>.{json,png}); a table printed last.
 """
@@ -35,8 +39,8 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams
-from serve_app.harmony.constrain import (FINAL, HARMONY_VOCAB_SIZE, HarmonySchemaSpec, check_json_schema,
-                                         harmony_tokenizer)
+from serve_app.harmony.constrain import (FINAL, FORCED_CALL, HARMONY_VOCAB_SIZE, HarmonySchemaSpec,
+                                         check_json_schema, forced_call_grammar, harmony_tokenizer)
 from serve_app.harmony.encoding import load_harmony_encoding
 
 SCHEMAS = {
@@ -106,6 +110,41 @@ class InAnalysis:
         return constraint
 
 
+def forced_call_spec(out_len: int) -> InAnalysis:
+    """A forced tool call (tool_choice naming `lookup`) whose model has opened its analysis: the grammar holds
+    the body, whose budget (twice the output) the run never reaches."""
+    grammar = forced_call_grammar([("lookup", {"type": "object", "properties": {"q": {"type": "string"}}})],
+                                  2 * out_len)
+    return InAnalysis(HarmonySchemaSpec(start_in=FORCED_CALL, forced_call=grammar))
+
+
+def batch_costs(engine: LLMEngine, batch: int, prompt_len: int, out_len: int) -> list[dict]:
+    """ms per decode step with `batch` requests decoding together: none constrained, then all forced tool calls in
+    their reasoning. Round 0 warms up; round 1 is reported."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, min(engine.vocab_size, 199998), (prompt_len,), generator=g).tolist()
+               for _ in range(batch)]
+    rows = []
+    for rnd in range(2):
+        for name, spec in (("no constraint", None), ("forced tool calls, reasoning", forced_call_spec(out_len))):
+            for i, p in enumerate(prompts):
+                engine.add_request(GenerateRequest(f"b{rnd}-{name}-{i}", p, SamplingParams(
+                    temperature=0.0, max_tokens=out_len, ignore_eos=True, constraint=spec)))
+            stamps = []
+            while engine.has_unfinished():
+                deltas = engine.step()
+                if deltas and all(len(d.token_ids) > 0 for d in deltas) and len(deltas) == batch:
+                    stamps.append(time.perf_counter())  # a step that gave every request its token
+            if rnd == 1:
+                step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+                rows.append({"variant": name, "batch": batch, "steps_timed": len(stamps) - 1, "step_ms": 1e3 * step})
+    for r in rows:
+        r["vs_unconstrained"] = r["step_ms"] / rows[0]["step_ms"]
+        print(f"engine batch {batch}, {r['variant']}: {r['step_ms']:.3f} ms per step ({r['vs_unconstrained']:.2f}x)",
+              flush=True)
+    return rows
+
+
 def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]:
     vocab = engine.vocab_size
     prompt = torch.randint(0, min(vocab, 199998), (prompt_len,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -117,6 +156,7 @@ def engine_costs(engine: LLMEngine, prompt_len: int, out_len: int) -> list[dict]
         "grammar active, forced keys": HarmonySchemaSpec(final=check_json_schema(MANY_KEYS, "bench"), start_in=FINAL),
         "forced keys, no jump-forward": HarmonySchemaSpec(final=check_json_schema(MANY_KEYS, "bench"), start_in=FINAL),
         "penalties, no constraint": "penalties",  # presence/frequency penalties: the sampler needs the history
+        "forced tool call, reasoning": forced_call_spec(out_len),
     }
     rows = []
     jump = engine.config.jump_forward_tokens
@@ -155,9 +195,11 @@ def build_engine(args) -> LLMEngine:
 
     model_config = shapes_by_name(args.model)
     cuda = args.device == "cuda"
-    config = EngineConfig(device=args.device, max_num_seqs=4, max_num_batched_tokens=2048,
+    config = EngineConfig(device=args.device, max_num_seqs=max(4, args.batch),
+                          max_num_batched_tokens=max(2048, args.prompt_len),
                           max_model_len=args.prompt_len + args.out_len + 8,
-                          kv_cache_bytes=(8 << 30) if cuda else (256 << 20), cuda_graphs=cuda)
+                          kv_cache_bytes=(16 << 30) if cuda else (256 << 20) * max(1, args.batch // 4),
+                          cuda_graphs=cuda)
     return LLMEngine.with_random_weights(model_config, config)
 
 
@@ -191,6 +233,7 @@ def main(argv=None) -> None:
     p.add_argument("--out-len", type=int, default=128)
     p.add_argument("--host-tokens", type=int, default=200)
     p.add_argument("--walks", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1, help="> 1: also time B requests at once (forced calls or not)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     out = Path(args.out or f"bench/results/structured_{args.device}.json")
@@ -204,6 +247,9 @@ def main(argv=None) -> None:
     result["engine_async_decode"] = engine.async_decode
     result["engine"] = engine_costs(engine, args.prompt_len, args.out_len)
     out.write_text(json.dumps(result, indent=1))
+    if args.batch > 1:
+        result["batch"] = batch_costs(engine, args.batch, args.prompt_len, args.out_len)
+        out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print(f"\n{result['model']} on {device}, {args.prompt_len}-token prompt, {args.out_len} tokens, lookahead "
           f"{'on' if engine.async_decode else 'off'} ({result['date']})")
@@ -214,6 +260,9 @@ def main(argv=None) -> None:
     print(f"{'engine, batch 1':40s} {'ms/token':>12s} {'vs none':>8s}")
     for r in result["engine"]:
         print(f"{r['variant']:40s} {r['tpot_ms']:12.3f} {r['vs_unconstrained']:8.2f}")
+    for r in result.get("batch", []):
+        print(f"{'batch ' + str(r['batch']) + ', ' + r['variant']:40s} {r['step_ms']:12.3f} {r['vs_unconstrained']:8.2f}"
+              "  (ms per step)")
 
 
 if __name__ == "__main__":

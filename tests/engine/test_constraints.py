@@ -289,18 +289,23 @@ def test_masked_sampling_on_the_gpu_equals_the_cpu():
 
 def test_structured_output_benchmark_smoke(tmp_path):
     """bench/structured on the CPU, tiny: its engine runs exist, the grammar stays active for the whole of the
-    constrained ones, jump-forward takes steps off the forced keys, and it writes its JSON and PNG."""
+    constrained ones (the forced tool call's too: its analysis body), jump-forward takes steps off the forced keys,
+    the batch run times both variants, and it writes its JSON and PNG."""
     import json
 
     from bench import structured
 
     out = tmp_path / "structured.json"
-    structured.main(["--prompt-len", "24", "--out-len", "6", "--host-tokens", "15", "--walks", "1", "--out", str(out)])
+    structured.main(["--prompt-len", "24", "--out-len", "6", "--host-tokens", "15", "--walks", "1", "--batch", "3",
+                     "--out", str(out)])
     result = json.loads(out.read_text())
     assert [r["variant"] for r in result["engine"]] == ["no constraint", "constraint, free phase", "grammar active",
                                                         "grammar active, forced keys", "forced keys, no jump-forward",
-                                                        "penalties, no constraint"]
-    assert [r["tokens_with_grammar_active"] for r in result["engine"]] == [0, 0, 5, 5, 5, 0]
+                                                        "penalties, no constraint", "forced tool call, reasoning"]
+    assert [r["tokens_with_grammar_active"] for r in result["engine"]] == [0, 0, 5, 5, 5, 0, 5]
+    assert [(r["variant"], r["batch"]) for r in result["batch"]] == [("no constraint", 3),
+                                                                     ("forced tool calls, reasoning", 3)]
+    assert all(r["steps_timed"] == 5 and r["step_ms"] > 0 for r in result["batch"])  # the 5 decode steps
     forced, one_by_one = result["engine"][3], result["engine"][4]
     assert forced["jump_forward_tokens"] > 0 and one_by_one["jump_forward_tokens"] == 0
     assert forced["decode_steps"] < one_by_one["decode_steps"] == 5
