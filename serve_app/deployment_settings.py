@@ -177,7 +177,7 @@ class IngressSettings(_Settings):
         2048, ge=0, description="A request whose tool_choice forces a call (a named function, 'required', "
                                 "allowed_tools in mode 'required') may reason first, as gpt-oss does before any "
                                 "call: an analysis message and a preamble, each optional and of at most this many "
-                                "tokens, then the call (held by a grammar: one of the forced functions, its "
+                                "tokens (and a quarter of the request's output limit), then the call (held by a grammar: one of the forced functions, its "
                                 "arguments JSON, a strict tool's to its schema). 0: the call at once.")
     cors_allow_origins: list[str] = Field(
         default_factory=list, description="Origins whose browser pages may call the API (CORS), e.g. "

@@ -159,7 +159,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         req.response_format, "response_format",
         [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
          for i, t in enumerate(offered) if t.function.strict],
-        forced, ctx.config.forced_call_reasoning_tokens)
+        forced, ctx.config.forced_reasoning_budget(req.max_completion_tokens or req.max_tokens))
     prompt_ids = render_prompt(replace(chat_prompt(req, ctx.config), response_format=response_format))
     max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
         else (req.max_tokens, "max_tokens")

@@ -65,6 +65,13 @@ class IngressConfig:
                              "send 0", param="priority")
         return priority or 0
 
+    def forced_reasoning_budget(self, max_tokens: int | None) -> int:
+        """Tokens each message before a forced tool call may take (forced_call_grammar): the configured budget, and
+        at most a quarter of the request's output limit (its own, else default_max_tokens), so that the analysis
+        and the preamble together leave half of it to the call."""
+        limit = max_tokens or self.default_max_tokens
+        return min(self.forced_call_reasoning_tokens, limit // 4) if limit else self.forced_call_reasoning_tokens
+
     def cache_salt(self, key: str | None, client_salt: str | None) -> str:
         """The engine request's prefix-cache namespace (GenerateRequest.cache_salt): the API key's when
         isolate_prefix_cache is on (and keys are configured), then the request's own `cache_salt`; "" shares."""

@@ -210,7 +210,7 @@ async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
         req.text.format if req.text else None, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
-        forced, ctx.config.forced_call_reasoning_tokens)
+        forced, ctx.config.forced_reasoning_budget(req.max_output_tokens))
     earlier = await earlier_items(req, ctx, owner)
     return fitted_prompt(req, ctx, earlier, response_format), constraint
 

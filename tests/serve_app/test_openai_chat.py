@@ -122,8 +122,9 @@ def test_tool_call_on_analysis_channel_non_stream_and_stream(client, backend):
 
 def test_forced_tool_call_reasons_then_calls_under_a_grammar(client, backend):
     """tool_choice named (or 'required' with one tool): the prompt ends in `<|start|>assistant` as for any turn,
-    the engine request carries the forced-call grammar (an analysis message of at most the ingress' 2,048 tokens,
-    then a call to that tool only), and the answer is the reasoning and the call, every token counted as output."""
+    the engine request carries the forced-call grammar (an analysis message and a preamble of at most the ingress'
+    2,048 tokens each, or a quarter of the request's max_tokens; then a call to that tool only), and the answer is
+    the reasoning and the call, every token counted as output."""
     from serve_app.harmony.constrain import FORCED_CALL
 
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
@@ -140,6 +141,14 @@ def test_forced_tool_call_reasons_then_calls_under_a_grammar(client, backend):
         assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
         assert r.usage.completion_tokens == len(ENC.encode(CALL, allowed_special="all"))
         assert r.usage.prompt_tokens == len(backend.requests[-1].prompt_ids)
+
+    # a request's own limit caps each message before the call at a quarter of it: half is left to the call
+    backend.push(CALL)
+    client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, tool_choice="required", max_tokens=203)
+    assert "thought[max_tokens=50]" in backend.requests[-1].sampling.constraint.forced_call
+    backend.push(CALL)
+    client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, tool_choice="required", max_tokens=3)
+    assert "thought" not in backend.requests[-1].sampling.constraint.forced_call  # no room: the call at once
 
     backend.push(CALL, chunk=1)
     chunks = list(client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS, stream=True,
@@ -380,3 +389,14 @@ def test_default_max_tokens_caps_requests_that_set_no_limit():
         client.responses.create(model=MODEL, input="Hi", max_output_tokens=300)
         client.completions.create(model=MODEL, prompt="Hi")
         assert [r.sampling.max_tokens for r in backend.requests] == [7, 7, 300, 300, 16]
+
+
+def test_the_reasoning_before_a_forced_call_fits_the_output_limit():
+    """Each message before a forced call gets the configured budget, at most a quarter of the request's limit,
+    else of the ingress' default_max_tokens; without either, the configured budget."""
+    from serve_app.openai_api.generation import IngressConfig
+
+    config = IngressConfig(model_name=MODEL, max_context=4096, forced_call_reasoning_tokens=300)
+    assert [config.forced_reasoning_budget(n) for n in (None, 100, 4000)] == [300, 25, 300]
+    config = IngressConfig(model_name=MODEL, max_context=4096, default_max_tokens=400, forced_call_reasoning_tokens=300)
+    assert [config.forced_reasoning_budget(n) for n in (None, 2000, 3)] == [100, 300, 0]
