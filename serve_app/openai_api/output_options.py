@@ -21,8 +21,8 @@ def forced_tools(tool_choice: Any, tool_names: list[str]) -> tuple[str, ...]:
     """The functions one of which the output must call: the one tool_choice names, every tool for 'required', the
     allowed ones for allowed_tools in mode 'required'; () when nothing is forced. 400s for choices that name a
     function that is not among the tools."""
-    allowed = allowed_tools(tool_choice)
-    names = (forced_name(tool_choice),) if forced_name(tool_choice) else allowed[1] if allowed else ()
+    name, allowed = forced_name(tool_choice), allowed_tools(tool_choice)
+    names = (name,) if name else allowed[1] if allowed else ()
     for name in names:
         if name not in tool_names:
             raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")

@@ -70,6 +70,21 @@ def spec(**kw) -> HarmonySchemaSpec:
     return HarmonySchemaSpec(**kw)
 
 
+def walk(constraint, rng, end: int) -> list[int]:
+    """A random walk through the masks: uniformly among the allowed ids, `end` as soon as it is allowed; the tokens
+    before it (the test fails without it within 400)."""
+    out: list[int] = []
+    for _ in range(400):
+        a = allowed(constraint.allowed_tokens())
+        assert a is not None  # the grammar holds every token of the output
+        t = end if end in a else int(rng.choice(a))
+        constraint.accept(t)
+        if t == end:
+            return out
+        out.append(t)
+    pytest.fail(f"no {ENC.decode([end])} within 400 tokens")
+
+
 def feed(constraint, tokens: list[int]) -> list[np.ndarray | None]:
     """Accept tokens one by one (each must be allowed); the allowed set before each."""
     seen = []
@@ -255,19 +270,7 @@ def test_a_forced_call_may_reason_then_calls_one_of_the_tools(seed):
     only <|call|>. The walks pick among the allowed tokens, so the paths with and without reasoning come up."""
     search = {"type": "object", "properties": {"q": {"enum": ["x", "y"]}}, "required": ["q"],
               "additionalProperties": False}
-    rng = np.random.default_rng(seed)
-    c = forced([("get_weather", SCHEMA), ("search", search)], 6)
-    out = []
-    for _ in range(400):
-        a = allowed(c.allowed_tokens())
-        assert a is not None  # the grammar holds every token of the output
-        t = CALL if CALL in a else int(rng.choice(a))
-        c.accept(t)
-        if t == CALL:
-            break
-        out.append(t)
-    else:
-        pytest.fail("no <|call|> within 400 tokens")
+    out = walk(forced([("get_weather", SCHEMA), ("search", search)], 6), np.random.default_rng(seed), CALL)
     *before, call = ENC.decode(out).split("<|end|><|start|>assistant")
     assert [m.split("<|message|>")[0] for m in before] in ([], ["<|channel|>analysis"], ["<|channel|>commentary"],
                                                           ["<|channel|>analysis", "<|channel|>commentary"])
@@ -328,19 +331,8 @@ def test_a_token_the_grammar_rejects_closes_the_message_instead_of_hanging():
 def test_random_walks_through_the_masks_are_valid_json(seed):
     """Pick uniformly among the allowed ids (the end token as soon as it is allowed) until the message ends:
     the text is JSON that satisfies the schema, whatever the path."""
-    rng = np.random.default_rng(seed)
     c = spec(final=check_json_schema(SCHEMA, "s"), start_in=FINAL).start(HARMONY_VOCAB_SIZE)
-    out: list[int] = []
-    for _ in range(400):
-        a = allowed(c.allowed_tokens())
-        t = RETURN if RETURN in a else int(rng.choice(a))
-        c.accept(t)
-        if t == RETURN:
-            break
-        out.append(t)
-    else:
-        pytest.fail("no end within 400 tokens")
-    doc = json.loads(ENC.decode(out))
+    doc = json.loads(ENC.decode(walk(c, np.random.default_rng(seed), RETURN)))
     assert valid(doc), doc
 
 
