@@ -13,6 +13,10 @@ pages its first query still sees (the window before the cut). Pages nobody holds
 an allocation evicts them. At least one prompt token is always computed (its logits give the first
 sample). The K/V is the same as computing the prefix again (chunked prefill reads it the same way).
 
+With a host tier (engine/host_kv_tier.py) an evicted cached page is first copied to a host slot, and a new
+sequence whose prefix goes on past what the GPU holds takes those blocks back into fresh pages
+(`extend_from_host`); the copies are recorded in `moves` for the runner to perform before the next forward.
+
 Only page ids move here; the tensors live in kernels/attention/kv_cache.py (PagedKVCache).
 """
 
@@ -23,8 +27,8 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+from engine.host_kv_tier import HostPool, KVMoves
 from engine.sequence import Sequence
-
 
 
 def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = None, salt: str = "") -> list[bytes]:
@@ -62,6 +66,7 @@ class PagePool:
         self._hash_of: dict[int, bytes] = {}  # page -> hash of the block it holds
         self._page_of: dict[bytes, int] = {}  # block hash -> page
         self._evictable: OrderedDict[int, None] = OrderedDict()  # no holder, still hashed; oldest first
+        self.on_evict = None  # called (page, block hash) when an allocation evicts a cached block (the host tier)
 
     @property
     def num_free(self) -> int:
@@ -85,7 +90,10 @@ class PagePool:
                 p = self._free.pop()
             else:  # evict the least recently freed cached block
                 p, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._hash_of.pop(p)]
+                block_hash = self._hash_of.pop(p)
+                del self._page_of[block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(p, block_hash)
             self._refs[p] = 1
             pages.append(p)
         return pages
@@ -114,6 +122,9 @@ class PagePool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._page_of.get(block_hash)
 
+    def is_held(self, page: int) -> bool:
+        return self._refs[page] > 0
+
     def take(self, page: int) -> int:
         """One more holder of a cached page (reviving it if evictable)."""
         if self._refs[page] == 0:
@@ -126,10 +137,12 @@ class BlockManager:
     """Allocates and frees the pages of sequences in both pools.
 
     A model without layers of one kind (a 1-layer test model has no full layer) gets no pool for it,
-    and that kind never limits scheduling."""
+    and that kind never limits scheduling. `host_slots` > 0 (with prefix caching) adds the host tier: that
+    many host slots per kind of layer."""
 
     def __init__(self, block_size: int, sliding_window: int, num_full_pages: int, num_sliding_pages: int,
-                 has_full: bool = True, has_sliding: bool = True, prefix_caching: bool = False):
+                 has_full: bool = True, has_sliding: bool = True, prefix_caching: bool = False,
+                 host_slots: int = 0):
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.full = PagePool("full", num_full_pages) if has_full else None
@@ -137,6 +150,28 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self.prefix_query_tokens = 0  # prompt tokens of admitted sequences, and how many came from the cache
         self.prefix_hit_tokens = 0
+        self.host_hit_tokens = 0  # of those, how many came from the host tier
+        self.host: dict[str, HostPool] = {}  # kind -> its host pool (the host tier; empty: none)
+        self.moves = KVMoves()  # page copies decided, not yet performed (the runner takes them before a step)
+        if host_slots and prefix_caching:
+            for pool in (self.full, self.sliding):
+                if pool is not None:
+                    self.host[pool.kind] = HostPool(pool.kind, host_slots)
+                    pool.on_evict = self._offloader(pool.kind)
+
+    def _offloader(self, kind: str):
+        host, moves = self.host[kind], self.moves
+
+        def offload(page: int, block_hash: bytes) -> None:
+            """An evicted cached block: copy it to a host slot, unless the host tier holds it already."""
+            slot = host.lookup(block_hash)
+            if slot is not None:
+                host.touch(slot)
+                return
+            slot = host.store(block_hash)
+            if slot is not None:
+                moves.add(kind, True, page, slot)
+        return offload
 
     # ---- capacity queries -----------------------------------------------------------------------
     def _full_needed(self, seq: Sequence, total: int) -> int:
@@ -257,6 +292,83 @@ class BlockManager:
         seq.num_computed, seq.num_registered = k * self.block_size, k
         return k * self.block_size
 
+    def extend_from_host(self, seq: Sequence, budget: int) -> int:
+        """After take_cached_prefix: take the blocks that follow from the host tier (or from the GPU, once a
+        host block bridged a gap), as far as the pages allow with room left for a first chunk of
+        min(rest of the prompt, budget) tokens, copying each host block into a fresh page (recorded in
+        `moves`). Returns the tokens gained (0 without a host tier)."""
+        if not self.host or len(seq.full_pages) * self.block_size != seq.num_computed:
+            return 0
+        bs, hashes = self.block_size, self._hashes(seq)
+        k0, top = seq.num_computed // bs, (len(seq.prompt_ids) - 1) // bs
+        host_full, host_sliding = self.host.get("full"), self.host.get("sliding")
+
+        def cached(pool: PagePool, host: HostPool | None, block_hash: bytes) -> bool:
+            return pool.lookup(block_hash) is not None or (host is not None and host.lookup(block_hash) is not None)
+
+        def costs(pool: PagePool, blocks) -> int:  # free pages that taking `blocks` uses (0 for a held page)
+            return sum(1 for b in blocks if (p := pool.lookup(hashes[b])) is None or not pool.is_held(p))
+
+        k = k0
+        if self.full is not None:
+            while k < top and cached(self.full, host_full, hashes[k]):
+                k += 1
+            new_full = np.cumsum([0] + [1 if (p := self.full.lookup(hashes[b])) is None or not self.full.is_held(p)
+                                        else 0 for b in range(k0, k)])
+        else:
+            k = top
+        while k > k0:  # the longest extension whose sliding window is cached and whose pages fit
+            chunk = cdiv(min(len(seq.prompt_ids) - k * bs, budget), bs)
+            window = range(self._first_sliding_block(k), k)
+            fits = self.full is None or new_full[k - k0] + chunk <= self.full.num_free
+            if fits and self.sliding is not None:
+                fits = all(cached(self.sliding, host_sliding, hashes[j]) for j in window) \
+                    and costs(self.sliding, window) + chunk <= self.sliding.num_free
+            if fits:
+                break
+            k -= 1
+        if k == k0:
+            return 0
+        if self.full is not None:
+            seq.full_pages.extend(self._take_blocks(self.full, host_full, hashes, range(k0, k), {}))
+        if self.sliding is not None:
+            held = {seq.sliding_first + i: p for i, p in enumerate(seq.sliding_pages)}
+            first = self._first_sliding_block(k)
+            pages = self._take_blocks(self.sliding, host_sliding, hashes, range(first, k), held)
+            self.sliding.release([p for j, p in held.items() if j < first])  # the old window's first pages
+            seq.sliding_first, seq.sliding_pages = first, deque(pages)
+        seq.num_computed, seq.num_registered = k * bs, k
+        self.host_hit_tokens += (k - k0) * bs
+        return (k - k0) * bs
+
+    def _take_blocks(self, pool: PagePool, host: HostPool | None, hashes: list[bytes], blocks, held: dict[int, int]
+                     ) -> list[int]:
+        """Pages holding `blocks` for a sequence: its own (`held`, by block), cached ones taken, the rest
+        fresh pages the host tier's copies are moved into. Every cached page is taken, and the host slots to
+        read are pinned, before the fresh pages are allocated, so the evictions that makes cannot drop them."""
+        pages: dict[int, int] = {}
+        from_host = []
+        for b in blocks:
+            if b in held:
+                pages[b] = held[b]
+            elif (p := pool.lookup(hashes[b])) is not None:
+                pages[b] = pool.take(p)
+            else:
+                from_host.append((b, host.lookup(hashes[b])))
+        host_slots = [slot for _, slot in from_host]
+        if host is not None:
+            host.pin(host_slots)
+        try:
+            for (b, slot), page in zip(from_host, pool.allocate(len(from_host))):
+                pages[b] = page
+                pool.register(page, hashes[b])
+                self.moves.add(pool.kind, False, page, slot)
+                host.touch(slot)
+        finally:
+            if host is not None:
+                host.unpin_all()
+        return [pages[b] for b in blocks]
+
     def register_blocks(self, seq: Sequence) -> None:
         """Name the whole prompt blocks `seq` has computed since the last call (after a step's forward is
         queued: whoever reads them later is queued after it)."""
@@ -286,6 +398,10 @@ class BlockManager:
         hashes = self._hashes(seq) if self.prefix_caching else []
         b = seq.num_computed // self.block_size
         return hashes[b] if b < len(hashes) else None
+
+    def take_moves(self) -> list[tuple[str, bool, list[int], list[int]]]:
+        """The page copies decided since the last call, in order (engine/host_kv_tier.py), to perform now."""
+        return self.moves.take() if self.moves else []
 
     def note_admitted(self, seq: Sequence, hit_tokens: int) -> None:
         if self.prefix_caching:
@@ -332,4 +448,9 @@ class BlockManager:
                     out[f"{pool.kind}_pages_cached"] = pool.num_cached
         if self.prefix_caching:
             out["prefix_query_tokens"], out["prefix_hit_tokens"] = self.prefix_query_tokens, self.prefix_hit_tokens
+        for kind, host in self.host.items():
+            out[f"host_{kind}_slots_used"], out[f"host_{kind}_slots_total"] = host.num_used, host.num_slots
+        if self.host:
+            out["host_hit_tokens"] = self.host_hit_tokens
+            out["host_pages_stored"], out["host_pages_loaded"] = self.moves.pages_to_host, self.moves.pages_to_device
         return out

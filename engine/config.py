@@ -92,6 +92,10 @@ class EngineConfig:
     # tokens are the same as without (tests/engine/test_prefix_cache.py); on the GPU the K/V within bf16
     # noise (tests/engine/test_e2e_gpu.py); 20b, 16 requests sharing 2k tokens: TTFT 64.9 -> 30.1 ms.
     enable_prefix_caching: bool = True
+    # The prefix cache's host tier (engine/host_kv_tier.py): bytes of host memory per rank for copies of the
+    # cached prompt blocks the GPU pools evict, copied back into pages when a later prompt shares them instead of
+    # computed again (0: off; needs enable_prefix_caching). Pinned memory on CUDA, allocated at start.
+    host_kv_cache_bytes: int = 0
     # Speculative decoding from text the request holds (engine/speculative.py): drafts of up to
     # `speculative_tokens` tokens (0: off) from a request's predicted output (SamplingParams.prediction) and,
     # with `speculative_ngram`, from its own prompt and output (prompt lookup), verified in the decode step
@@ -123,6 +127,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise EngineConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        host = self.host_kv_cache_bytes
+        if not isinstance(host, int) or isinstance(host, bool) or host < 0:
+            raise EngineConfigError(f"host_kv_cache_bytes must be a non-negative integer, got {host!r}")
+        if host and not self.enable_prefix_caching:
+            raise EngineConfigError("host_kv_cache_bytes needs enable_prefix_caching: the host tier keeps cached "
+                                    "prompt blocks")
         if (self.num_full_pages is None) != (self.num_sliding_pages is None):
             raise EngineConfigError("give both num_full_pages and num_sliding_pages, or neither (then "
                                     "kv_cache_bytes sizes the pools)")

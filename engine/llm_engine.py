@@ -37,6 +37,7 @@ from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, EngineConfigError
+from engine.host_kv_tier import host_slots_for
 from engine.kv_payload import KVDestination, KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
 from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
@@ -93,13 +94,20 @@ class LLMEngine:
         else:
             num_full, num_sliding = plan_pool_sizes(config, self.runner.kv_budget_bytes(config),
                                                     *self.runner.page_bytes(), mc.sliding_window)
+        try:  # the prefix cache's host tier (engine/host_kv_tier.py)
+            host_slots = host_slots_for(config.host_kv_cache_bytes, self.runner.page_bytes())
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
         self.block_manager = BlockManager(config.block_size, mc.sliding_window, num_full, num_sliding,
-                                          self.runner.has_full, self.runner.has_sliding, config.enable_prefix_caching)
+                                          self.runner.has_full, self.runner.has_sliding, config.enable_prefix_caching,
+                                          host_slots)
         too_small = self.block_manager.too_small_for(self.max_model_len)
         if too_small:
             raise EngineConfigError(too_small)
         with device_current(self.runner.device):  # seconds per bucket: decode graphs by batch, prefill ones by tokens
             self.runner.allocate_kv_cache(num_full, num_sliding)
+            if host_slots:
+                self.runner.allocate_host_kv(host_slots)
             self.graph_capture_seconds, self.prefill_graph_capture_seconds = self.runner.capture_graphs(config)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID
@@ -298,6 +306,9 @@ class LLMEngine:
         defer_sampling: queue the forward only; `_sample_pending` queues the sampler once `feed` is read."""
         t1 = time.perf_counter()
         try:
+            moves = self.block_manager.take_moves()  # the host tier's page copies, ahead of the forward
+            if moves:
+                self.runner.apply_kv_moves(moves)
             inputs = self.runner.prepare(out.scheduled)
             if feed is not None and feed.sampled is not None:
                 inputs = self._feed(inputs, out, feed)
@@ -473,7 +484,9 @@ class LLMEngine:
     def reset_metrics(self) -> None:
         """Counters back to zero, the state gauges re-read (engine/warm_up.py: its requests are not traffic)."""
         self.metrics.reset()
-        self.block_manager.prefix_query_tokens = self.block_manager.prefix_hit_tokens = 0
+        bm = self.block_manager
+        bm.prefix_query_tokens = bm.prefix_hit_tokens = bm.host_hit_tokens = 0
+        bm.moves.pages_to_host = bm.moves.pages_to_device = 0
         self._update_state_metrics()
 
     def _update_state_metrics(self) -> None:

@@ -237,6 +237,18 @@ class PrometheusCollector:
             yield counter("prefix_cache_query_tokens", "Prompt tokens of admitted requests", snap["prefix_query_tokens"])
             yield counter("prefix_cache_hit_tokens", "Prompt tokens whose K/V came from cached prefixes",
                           snap["prefix_hit_tokens"])
+        if "host_hit_tokens" in snap:  # the host tier (engine/host_kv_tier.py)
+            yield counter("prefix_cache_host_hit_tokens", "Prompt tokens whose K/V came from the host tier",
+                          snap["host_hit_tokens"])
+            yield counter("host_kv_pages_stored", "Evicted cached pages copied to host slots", snap["host_pages_stored"])
+            yield counter("host_kv_pages_loaded", "Host slots copied back into GPU pages", snap["host_pages_loaded"])
+            host = GaugeMetricFamily(f"{ns}_host_kv_slots", "Host tier slots per pool and state",
+                                     labels=names + ["pool", "state"])
+            for pool in ("full", "sliding"):
+                for state in ("used", "total"):
+                    if f"host_{pool}_slots_{state}" in snap:
+                        host.add_metric(values + [pool, state], snap[f"host_{pool}_slots_{state}"])
+            yield host
         yield counter("lookahead_steps", "Steps launched before the previous step's tokens were read",
                       snap["lookahead_steps_total"])
         yield counter("draft_tokens", "Speculative draft tokens verified", snap["draft_tokens_total"])

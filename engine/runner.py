@@ -24,6 +24,7 @@ from engine.sequence import Sequence
 from engine.step_arrays import StepArrayBuilder, StepInputs, to_device
 from kernels.attention import PagedKVCache
 from kernels.attention.kv_cache import resolve_kv_dtype
+from kernels.attention.kv_pages import copy_pages
 from kernels.attention.kv_rows import empty_rows, gather_rows, scatter_rows
 from model.gpt_oss import GptOssForCausalLM
 
@@ -77,6 +78,7 @@ class ModelRunner:
         self.payload_kv_heads = attn.num_kv_heads * model.parallel.tp_size
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, model.dtype)
         self.kv_cache: PagedKVCache | None = None
+        self.host_kv: PagedKVCache | None = None  # the prefix cache's host tier (allocate_host_kv), if any
         self.decode_graphs = None  # engine/cuda_graphs.DecodeGraphs when the engine captured decode steps
         self.triton_precompile_report: dict | None = None  # engine/triton_precompile.py, where a manifest applied
         self.prefill_graphs = None  # engine/prefill_graphs.PrefillGraphs: other steps, piecewise
@@ -118,6 +120,26 @@ class ModelRunner:
                                               self.block_size, self.kv_heads, self.head_dim, self.kv_dtype,
                                               self.device)
         self.model.backend.bind_cache(self.kv_cache)
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        """The host tier's storage (engine/host_kv_tier.py): `num_slots` pages of each kind, laid out as the
+        GPU cache, in pinned memory when the cache is on a GPU (the copy kernel addresses it directly)."""
+        self.host_kv = PagedKVCache.allocate(self.layer_is_sliding, num_slots, num_slots, self.block_size,
+                                             self.kv_heads, self.head_dim, self.kv_dtype, "cpu",
+                                             pin_memory=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def apply_kv_moves(self, batches: list[tuple[str, bool, list[int], list[int]]]) -> None:
+        """Perform the block manager's page copies (kind, to_host, GPU pages, host slots), in order, on the
+        current stream: one launch per batch on GPUs (kernels/attention/kv_pages.py)."""
+        for kind, to_host, pages, slots in batches:
+            layers = [i for i, s in enumerate(self.layer_is_sliding) if s == (kind == "sliding")]
+            device = [self.kv_cache.k[i] for i in layers] + [self.kv_cache.v[i] for i in layers]
+            host = [self.host_kv.k[i] for i in layers] + [self.host_kv.v[i] for i in layers]
+            if to_host:
+                copy_pages(device, pages, host, slots)
+            else:
+                copy_pages(host, slots, device, pages)
 
     def capture_graphs(self, config: EngineConfig) -> tuple[dict[int, float], dict[int, float]]:
         """The CUDA graphs `config` asks for: decode steps at batch buckets up to max_num_seqs, prefill and
@@ -254,7 +276,7 @@ class ModelRunner:
     def close(self) -> None:
         """Release the K/V cache and the decode graphs (one rank: nothing else to stop; engine/distributed
         adds its workers)."""
-        self.kv_cache = None
+        self.kv_cache = self.host_kv = None
         for graphs in (self.decode_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.release()

@@ -284,6 +284,7 @@ class Scheduler:
                         bm.free(seq)
                         seq.num_computed = 0
                     continue
+                hit += bm.extend_from_host(seq, budget)  # the host tier: blocks copied back, room for a chunk left
                 want = min(seq.num_remaining, budget)
                 n = bm.max_new_tokens(seq, want)
                 # Wait for a whole chunk while others hold pages (they free them as they finish);

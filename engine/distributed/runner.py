@@ -3,7 +3,10 @@
 Rank 0 owns scheduling, paging and sampling; the other ranks mirror its runner calls in the same order:
 
     kv_budget_bytes  KV_BUDGET, then the MIN over ranks (GPUs of one replica may differ in free memory)
-    allocate         ALLOCATE (same page counts everywhere: rank 0's page ids index every rank's cache)
+    allocate         ALLOCATE (same page counts everywhere: rank 0's page ids index every rank's cache), and
+                     ALLOCATE_HOST for the prefix cache's host tier (same slot counts: rank 0's slots)
+    host tier        KV_MOVES with the page copies rank 0's block manager decided, before the step that needs
+                     them; each rank copies its own heads' pages
     capture          CAPTURE with the buckets: every rank captures the same decode graphs in the same order
                      (the warm-up forwards' collectives pair up, and so do the captured ones on replay);
                      each step then replays the same bucket everywhere, since every rank sees the same step
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 from engine.distributed.wire import (Op, fed_on_device, flatten_kv, pack_slots, pack_step, pack_step_delta,
                                      unflatten_kv)
+from engine.host_kv_tier import pack_moves
 from engine.kv_payload import KVDestination, PrefilledKV
 from engine.runner import ModelRunner
 from engine.step_arrays import StepArrays, StepInputs
@@ -57,6 +61,16 @@ class DistributedRunner(ModelRunner):
         with self.executor.guard("K/V cache allocation", self) as channel:
             channel.send(Op.ALLOCATE, np.array([num_full_pages, num_sliding_pages], dtype=np.int64))
             super().allocate_kv_cache(num_full_pages, num_sliding_pages)
+
+    def allocate_host_kv(self, num_slots: int) -> None:
+        with self.executor.guard("host K/V tier allocation", self) as channel:
+            channel.send(Op.ALLOCATE_HOST, np.array([num_slots], dtype=np.int64))
+            super().allocate_host_kv(num_slots)
+
+    def apply_kv_moves(self, batches) -> None:
+        with self.executor.guard("host K/V tier copies", self) as channel:
+            channel.send(Op.KV_MOVES, pack_moves(batches))
+            super().apply_kv_moves(batches)
 
     def capture_decode_graphs(self, buckets: list[int], logits: bool = True) -> dict[int, float]:
         with self.executor.guard("decode graph capture", self) as channel:

@@ -34,6 +34,8 @@ class Op(enum.IntEnum):
     STEP_DELTA = 9  # bytes: pack_step_delta; the previous step one token further, with its changed table rows
     CAPTURE = 10  # int64 buckets; capture the decode step's CUDA graphs at them (their collectives pair up)
     CAPTURE_PREFILL = 11  # int64 token buckets; capture the piecewise prefill graphs (engine/prefill_graphs.py)
+    ALLOCATE_HOST = 12  # int64 [host slots per kind]; the prefix cache's host tier (engine/host_kv_tier.py)
+    KV_MOVES = 13  # int64: host_kv_tier.pack_moves; copy pages between the K/V cache and the host tier
 
 
 _NONE, _INT64, _BYTES, _PICKLE = 0, 1, 2, 3

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, fed_on_device, flatten_kv, kv_wire_bytes,
                                      unflatten_kv, unpack_slots, unpack_step)
+from engine.host_kv_tier import unpack_moves
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,10 @@ class RankWorker:
                 dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=channel.group)
             elif op is Op.ALLOCATE:
                 self.runner.allocate_kv_cache(int(payload[0]), int(payload[1]))
+            elif op is Op.ALLOCATE_HOST:
+                self.runner.allocate_host_kv(int(payload[0]))
+            elif op is Op.KV_MOVES:
+                self.runner.apply_kv_moves(unpack_moves(payload))
             elif op is Op.CAPTURE:  # rank 0 samples; with the vocabulary not split nobody else needs logits
                 self.runner.capture_decode_graphs([int(b) for b in payload],
                                                   logits=self.runner.model.parallel.tp_size > 1)

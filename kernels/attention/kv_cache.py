@@ -30,13 +30,16 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        pin_memory: bool = False,
     ) -> "PagedKVCache":
+        """pin_memory: uninitialized page-locked host memory (a host tier's copy of a GPU cache), else zeros."""
         k, v = [], []
         for sliding in layer_is_sliding:
             blocks = num_sliding_blocks if sliding else num_full_blocks
             shape = (blocks, block_size, kv_heads, head_dim)
-            k.append(torch.zeros(shape, dtype=dtype, device=device))
-            v.append(torch.zeros(shape, dtype=dtype, device=device))
+            for out in (k, v):
+                out.append(torch.empty(shape, dtype=dtype, pin_memory=True) if pin_memory
+                           else torch.zeros(shape, dtype=dtype, device=device))
         return PagedKVCache(k, v, block_size, num_full_blocks, num_sliding_blocks)
 
     @staticmethod
