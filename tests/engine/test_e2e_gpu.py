@@ -329,6 +329,31 @@ def test_prefix_cache_hits_export_the_kv_an_uncached_engine_computes(gpu_model, 
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_host_tier_returns_evicted_blocks_byte_for_byte(gpu_model, kv_cache_dtype):
+    """The prefix cache's host tier on the GPU (pinned host memory, the page-copy kernel both ways): a prompt's
+    12 cached blocks, evicted by three others through a 20-page pool, come back from the host when it is sent
+    again; its exported K/V at those positions is the first run's, byte for byte."""
+    gen = torch.Generator().manual_seed(78)
+    first, *others = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (195, 200, 201, 202)]
+    config = EngineConfig(device="cuda", max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                          num_full_pages=20, num_sliding_pages=20, kv_cache_dtype=kv_cache_dtype,
+                          enable_prefix_caching=True, host_kv_cache_bytes=64 << 20)
+    engine = LLMEngine(gpu_model, config)
+    out = {}
+    for i, p in enumerate([first, *others, first]):
+        engine.add_request(GenerateRequest(f"h{i}", p, SamplingParams(temperature=0.0, max_tokens=2)), prefill_only=True)
+        run_to_end(engine, engine.step_prefill)
+        out[i] = engine.export_kv(f"h{i}")
+    usage = engine.block_manager.usage()
+    assert usage["host_hit_tokens"] == 192 and usage["host_pages_loaded"] >= 12, usage
+    a, b = out[0], out[4]
+    assert a.sliding_start == b.sliding_start and a.num_cached == b.num_cached
+    for x, y, sliding in zip([*a.k, *a.v], [*b.k, *b.v], a.layer_is_sliding * 2):
+        cut = 192 - (a.sliding_start if sliding else 0)  # rows of positions < 192
+        assert torch.equal(x[:cut].view(torch.uint8), y[:cut].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_prefill_graphs_replay_what_their_pieces_do_eagerly(gpu_model, kv_cache_dtype):
     """Piecewise prefill graphs (engine/prefill_graphs.py) on prompt chunks and a mixed step: the replay
     equals the same padded pieces launched eagerly, bit for bit (hidden states and the K/V written), and

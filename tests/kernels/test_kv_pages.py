@@ -1,0 +1,72 @@
+"""Whole-page K/V copies (kernels/attention/kv_pages.py, the prefix cache's host tier): the twin on CPU, the
+kernel under Triton's interpreter (subprocess), and on the GPU between device memory and pinned host memory
+in both directions, against the twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import kv_pages
+from tests.kernels.interpreter import run_cases
+from tests.kernels.kv_pages_common import make_pages
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_twin_copies_each_page_to_its_place(n):
+    srcs, dsts, src_pages, dst_pages = make_pages(n, torch.bfloat16, layers=2, src_blocks=11, dst_blocks=13)
+    before = [d.clone() for d in dsts]
+    kv_pages.copy_pages(srcs, src_pages, dsts, dst_pages)
+    for src, dst, old in zip(srcs, dsts, before):  # (bytes: random bytes hold NaNs)
+        src, dst, old = src.view(torch.uint8), dst.view(torch.uint8), old.view(torch.uint8)
+        for s, d in zip(src_pages, dst_pages):
+            assert torch.equal(dst[d], src[s])
+        untouched = [p for p in range(dst.shape[0]) if p not in dst_pages]
+        assert torch.equal(dst[untouched], old[untouched])
+
+
+def test_mismatched_arguments_are_errors():
+    srcs, dsts, src_pages, dst_pages = make_pages(2, torch.bfloat16, layers=1, src_blocks=4, dst_blocks=4)
+    with pytest.raises(ValueError, match="sources"):
+        kv_pages.copy_pages(srcs, src_pages, dsts[:1], dst_pages)
+    with pytest.raises(ValueError, match="pages of"):
+        kv_pages.copy_pages(srcs, src_pages, [d[:, :8] for d in dsts], dst_pages)
+
+
+def test_kernel_under_the_interpreter():
+    """tests/kernels/kv_pages_interpreter_cases.py: the Triton kernel against the twin."""
+    run_cases("kv_pages_interpreter_cases.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n", [1, 37, 1029])
+def test_kernel_moves_pages_to_pinned_host_memory_and_back(n, dtype):
+    """The host tier's two directions: GPU pages into pinned host slots (the kernel stores through the host
+    pointers), then those slots into other GPU pages (it loads through them); bytes equal to the twin's."""
+    srcs, host, src_pages, slots = make_pages(n, dtype, layers=3, src_blocks=1100, dst_blocks=1051,
+                                              src_device="cuda", dst_pinned=True)
+    want = [h.clone() for h in host]
+    kv_pages.copy_pages(srcs, src_pages, host, slots)
+    kv_pages.copy_pages_reference([s.cpu() for s in srcs], src_pages, want, slots)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(host, want))
+    back = [torch.zeros_like(s) for s in srcs]
+    pages = torch.randperm(1100)[:n].tolist()
+    kv_pages.copy_pages(host, slots, back, pages)
+    torch.cuda.synchronize()
+    for b, s in zip(back, srcs):
+        assert torch.equal(b[pages].view(torch.uint8), s[src_pages].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_pageable_host_memory_takes_the_twin():
+    """The kernel cannot address pageable host memory: such a destination is copied by the twin (correct, slow)."""
+    srcs, host, src_pages, slots = make_pages(5, torch.bfloat16, layers=1, src_blocks=8, dst_blocks=8,
+                                              src_device="cuda")
+    assert not kv_pages._fits_kernel(srcs, host, None)
+    kv_pages.copy_pages(srcs, src_pages, host, slots)
+    for h, s in zip(host, srcs):
+        assert torch.equal(h[slots].view(torch.uint8), s[src_pages].cpu().view(torch.uint8))
