@@ -318,7 +318,7 @@ class BlockManager:
         else:
             k = top
         while k > k0:  # the longest extension whose sliding window is cached and whose pages fit
-            chunk = cdiv(min(len(seq.prompt_ids) - k * bs, budget), bs)
+            chunk = cdiv(min(seq.num_tokens - k * bs, budget), bs)  # (a preempted sequence recomputes its output too)
             window = range(self._first_sliding_block(k), k)
             fits = self.full is None or new_full[k - k0] + chunk <= self.full.num_free
             if fits and self.sliding is not None:

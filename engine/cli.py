@@ -172,6 +172,7 @@ def cmd_generate(args) -> int:
                           lm_head_dtype=args.lm_head_dtype, dense_dtype=args.dense_dtype, all_reduce=args.all_reduce,
                           mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens, decode_front=args.decode_front,
                           enable_prefix_caching=args.prefix_caching,
+                          host_kv_cache_bytes=args.host_kv_cache_mb * 2**20,
                           seed=args.seed or 0, tp_size=args.tp,
                           ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
                           prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
@@ -242,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--max-model-len", type=int, help="default: longest prompt + max tokens")
     gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
+    gen.add_argument("--host-kv-cache-mb", type=int, default=0,
+                     help="the prefix cache's host tier per rank: evicted cached blocks kept in host memory (0: off)")
     gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
                      help="K/V storage; fp8_e4m3 halves KV memory")
     gen.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),

@@ -119,6 +119,12 @@ class ServeAppConfig(_Settings):
         True, description="Reuse the K/V of prompt prefixes already computed (whole pages: shared system "
                           "prompts, earlier turns of a chat). 20b on an H200, 16 requests sharing 2k tokens: "
                           "TTFT 64.9 -> 30.1 ms mean. Tokens as without, up to bf16 rounding on GPUs.")
+    host_kv_cache_gib: float = Field(
+        0, ge=0, description="The prefix cache's host tier, per GPU (rank) of a replica: host memory holding the "
+                             "cached prompt blocks the GPU evicts, copied back over PCIe when a later prompt shares "
+                             "them instead of computed again (engine/host_kv_tier.py; pinned on GPUs; reserved from "
+                             "Ray's `memory` resource with the replica's bundles). 0: off. Needs "
+                             "enable_prefix_caching.")
     speculative_tokens: int = Field(
         4, ge=0, le=16, description="Speculative decoding from text the request holds (engine/speculative.py): "
                                     "draft tokens per step at most; 0 turns it off. Drafts come from a chat request's "
@@ -212,6 +218,8 @@ class ServeAppConfig(_Settings):
         if self.world_size > 1 and self.device == "cpu":
             raise ValueError(f"tp_size={self.tp_size}, ep_size={self.ep_size} needs device=cuda: the CPU path "
                              "runs one rank in the replica's process")
+        if self.host_kv_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_gib needs enable_prefix_caching: the host tier keeps cached prompt blocks")
         self._check_against_model()
         return self
 
@@ -313,6 +321,7 @@ class ServeAppConfig(_Settings):
             triton_precompile=self.triton_precompile,
             async_decode=self.async_decode and device != "cpu",
             enable_prefix_caching=self.enable_prefix_caching,
+            host_kv_cache_bytes=int(self.host_kv_cache_gib * GIB),
             speculative_tokens=self.speculative_tokens,
             speculative_ngram=self.speculative_ngram,
             speculative_max_seqs=self.speculative_max_seqs,

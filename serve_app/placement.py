@@ -43,6 +43,7 @@ class ReplicaResources:
     gpus_per_rank: int  # 1 on cuda, 0 on cpu
     cpus_per_rank: float
     extra_per_rank: dict[str, float] = field(default_factory=dict)
+    memory_per_rank: int = 0  # bytes of host memory reserved (Ray's `memory` resource): the host K/V tier
 
     @staticmethod
     def of(config: ServeAppConfig, settings: DeploymentSettings, device: str) -> "ReplicaResources":
@@ -53,18 +54,22 @@ class ReplicaResources:
             # start's three deployments fit on a 2-core laptop (torch's threads are not capped by this).
             cpus = 1.0 if gpu else 0.5
         return ReplicaResources(config.gpus_per_replica if gpu else 1, 1 if gpu else 0, cpus,
-                                dict(settings.resources_per_worker))
+                                dict(settings.resources_per_worker), int(config.host_kv_cache_gib * 2**30))
 
     def bundles(self) -> list[dict[str, float]]:
         bundle: dict[str, float] = {"CPU": self.cpus_per_rank, **self.extra_per_rank}
         if self.gpus_per_rank:
             bundle["GPU"] = float(self.gpus_per_rank)
+        if self.memory_per_rank:
+            bundle["memory"] = float(self.memory_per_rank)
         return [dict(bundle) for _ in range(self.num_ranks)]
 
     def deployment_options(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
         """Serve deployment options: the per-replica placement group and the replica actor's share of
         bundle 0 (all of it: the replica is rank 0)."""
         actor: dict[str, Any] = {"num_cpus": self.cpus_per_rank, "num_gpus": self.gpus_per_rank}
+        if self.memory_per_rank:
+            actor["memory"] = self.memory_per_rank
         if self.extra_per_rank:
             actor["resources"] = dict(self.extra_per_rank)
         if env_vars:
@@ -98,6 +103,8 @@ def start_rank_workers(actor_class, resources: ReplicaResources, *args, **kwargs
                                                     placement_group_capture_child_tasks=True)
         options: dict[str, Any] = {"num_cpus": resources.cpus_per_rank, "num_gpus": resources.gpus_per_rank,
                                    "scheduling_strategy": strategy}
+        if resources.memory_per_rank:
+            options["memory"] = resources.memory_per_rank
         if resources.extra_per_rank:
             options["resources"] = dict(resources.extra_per_rank)
         workers.append(actor_class.options(**options).remote(rank, *args, **kwargs))

@@ -11,7 +11,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, EngineConfigError
 from engine.host_kv_tier import HostPool, KVMoves, host_slots_for, pack_moves, unpack_moves
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.request import SamplingParams
 from tests.engine.engine_testlib import BLOCK, assert_pool_full, engine_config, greedy, random_prompt, request, \
     run_to_end
@@ -182,6 +182,7 @@ def test_concurrent_requests_under_eviction_and_preemption_keep_the_tokens(make_
     small = dict(SMALL, num_full_pages=16, num_sliding_pages=16, async_decode=async_decode)
     want = one_by_one(make_engine(**small), reqs)
     engine = host_engine(host_pages=8, **small)
+    gave_back = watch_give_backs(engine)
     for r in reqs + [request(f"again{i}", r.prompt_ids, greedy(9)) for i, r in enumerate(reqs)]:
         engine.add_request(r)
     got = run_to_end(engine)
@@ -189,7 +190,30 @@ def test_concurrent_requests_under_eviction_and_preemption_keep_the_tokens(make_
     assert all(got[f"again{i}"]["ids"] == want[r.request_id]["ids"] for i, r in enumerate(reqs))
     usage = engine.block_manager.usage()
     assert usage["host_full_slots_used"] <= 8 and usage["host_pages_stored"] > 8  # slots were reused
+    assert usage["host_hit_tokens"] > 0 and gave_back == []
     assert_pool_full(engine)
+
+
+def watch_give_backs(engine) -> list[str]:
+    """Requests whose host blocks were copied back and then given back unadmitted (copies for nothing: the
+    extension leaves room for the first chunk, so the scheduler must admit what it extended)."""
+    bm, pending, out = engine.block_manager, set(), []
+    extend, free = bm.extend_from_host, bm.free
+
+    def extend_from_host(seq, budget):
+        gained = extend(seq, budget)
+        if gained:
+            pending.add(seq.request_id)
+        return gained
+
+    def release(seq):
+        if seq.request_id in pending and seq.status is SequenceStatus.WAITING:
+            out.append(seq.request_id)
+        pending.discard(seq.request_id)
+        free(seq)
+
+    bm.extend_from_host, bm.free = extend_from_host, release
+    return out
 
 
 def test_host_tier_over_two_ranks(tiny_dir, make_engine):

@@ -154,6 +154,21 @@ def test_gpu_replica_reserves_one_bundle_per_gpu_strict_pack():
     serve.deployment(_Dummy, **options)  # Serve's own option validation accepts them
 
 
+def test_host_kv_tier_setting_reaches_the_engine_and_reserves_host_memory():
+    config = ServeAppConfig.from_args(serve_run_args("device=cuda", "tp_size=2", "host_kv_cache_gib=1.5"))
+    assert config.engine_config("cuda").host_kv_cache_bytes == 3 * 2**29  # per rank
+    options = deployment_options(config, config.decode, "cuda", "cuda_ipc")
+    assert [b["memory"] for b in options["placement_group_bundles"]] == [1.5 * 2**30] * 2
+    assert options["ray_actor_options"]["memory"] == 3 * 2**29
+    serve.deployment(_Dummy, **options)
+    assert "memory" not in deployment_options(ServeAppConfig.from_args(serve_run_args()), config.decode, "cpu",
+                                              "object_store")["ray_actor_options"]
+    with pytest.raises(ServeConfigError, match="host_kv_cache_gib needs enable_prefix_caching"):
+        ServeAppConfig.from_args(serve_run_args("host_kv_cache_gib=1", "enable_prefix_caching=false"))
+    with pytest.raises(ServeConfigError, match="host_kv_cache_gib"):
+        ServeAppConfig.from_args(serve_run_args("host_kv_cache_gib=-1"))
+
+
 def test_cpu_replica_and_autoscaling_options():
     config = ServeAppConfig.from_args(serve_run_args("prefill.autoscaling.max_replicas=3"))
     options = deployment_options(config, config.prefill, "cpu", "object_store")
