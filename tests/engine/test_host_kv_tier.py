@@ -264,3 +264,21 @@ def test_bad_host_tier_settings_are_config_errors(make_engine):
         EngineConfig(host_kv_cache_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(EngineConfigError, match="holds no page"):
         make_engine(enable_prefix_caching=True, host_kv_cache_bytes=1)
+
+
+def test_host_tier_benchmark_smoke_run(tmp_path):
+    """bench/host_kv_tier.py on the tiny model: the GPU cache alone never hits (the round robin evicts every
+    conversation before its next turn), the host tier serves the later turns, the copies round-trip, and the
+    three runs generate the same tokens."""
+    import json
+
+    from bench import host_kv_tier
+
+    out = tmp_path / "host.json"
+    assert host_kv_tier.main(["--tiny", "--device", "cpu", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    off, gpu, host = record["runs"]
+    assert record["same_tokens"] and host["copy"]["round_trip_exact"]
+    assert gpu["hit_tokens"] == 0 and off["prefill_tokens"] == gpu["prefill_tokens"]
+    assert host["host_hit_tokens"] == host["hit_tokens"] > 0
+    assert host["prefill_tokens"] == off["prefill_tokens"] - host["hit_tokens"]
