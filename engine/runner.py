@@ -276,6 +276,8 @@ class ModelRunner:
     def close(self) -> None:
         """Release the K/V cache and the decode graphs (one rank: nothing else to stop; engine/distributed
         adds its workers)."""
+        if self.host_kv is not None:
+            self.host_kv.unpin()
         self.kv_cache = self.host_kv = None
         for graphs in (self.decode_graphs, self.prefill_graphs):
             if graphs is not None:

@@ -19,6 +19,7 @@ class PagedKVCache:
     block_size: int
     num_full_blocks: int
     num_sliding_blocks: int
+    pinned: torch.Tensor | None = None  # the registered host buffer behind a pin_memory cache
 
     @staticmethod
     def allocate(
@@ -32,20 +33,44 @@ class PagedKVCache:
         device: torch.device | str,
         pin_memory: bool = False,
     ) -> "PagedKVCache":
-        """pin_memory: uninitialized page-locked host memory (a host tier's copy of a GPU cache), else zeros."""
-        k, v = [], []
-        for sliding in layer_is_sliding:
-            blocks = num_sliding_blocks if sliding else num_full_blocks
-            shape = (blocks, block_size, kv_heads, head_dim)
-            for out in (k, v):
-                out.append(torch.empty(shape, dtype=dtype, pin_memory=True) if pin_memory
-                           else torch.zeros(shape, dtype=dtype, device=device))
-        return PagedKVCache(k, v, block_size, num_full_blocks, num_sliding_blocks)
+        """pin_memory: one uninitialized host buffer, page-locked (registered with CUDA, so GPU kernels address it
+        directly), its views the pages (a host tier's copy of a GPU cache); `unpin` releases it. Else zeros."""
+        shapes = [(num_sliding_blocks if sliding else num_full_blocks, block_size, kv_heads, head_dim)
+                  for sliding in layer_is_sliding for _ in "kv"]
+        if not pin_memory:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+            return PagedKVCache(tensors[0::2], tensors[1::2], block_size, num_full_blocks, num_sliding_blocks)
+        # Registered rather than torch's pinned allocator, which may round a request up to a power of two.
+        sizes = [int(torch.Size(shape).numel()) for shape in shapes]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        register_host_memory(flat)
+        tensors = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+        cache = PagedKVCache(tensors[0::2], tensors[1::2], block_size, num_full_blocks, num_sliding_blocks)
+        cache.pinned = flat
+        return cache
+
+    def unpin(self) -> None:
+        if self.pinned is not None:
+            unregister_host_memory(self.pinned)
+            self.pinned = None
 
     @staticmethod
     def bytes_per_block(num_layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one page id costs across `num_layers` layers (K and V)."""
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def register_host_memory(t: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory and map it for the GPUs (cudaHostRegister, portable + mapped)."""
+    if t.numel():
+        error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3))
+        if error:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: cudaError {error}")
+
+
+def unregister_host_memory(t: torch.Tensor) -> None:
+    if t.numel():
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 # KV cache element types: "auto" stores K/V in the model's dtype (bf16 on the GPU: what the reference

@@ -62,6 +62,37 @@ def test_kernel_moves_pages_to_pinned_host_memory_and_back(n, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_registered_host_cache_takes_pages_and_gives_them_back(dtype):
+    """The host tier's storage (PagedKVCache.allocate(pin_memory=True): one registered buffer, not torch's pinned
+    allocator): the kernel runs on it (pinned as torch sees it) both ways, and it unregisters."""
+    from kernels.attention import PagedKVCache
+
+    sliding = [True, False, True]
+    device = PagedKVCache.allocate(sliding, 300, 40, 16, 8, 64, dtype, "cuda")
+    host = PagedKVCache.allocate(sliding, 257, 257, 16, 8, 64, dtype, "cpu", pin_memory=True)
+    try:
+        assert host.pinned is not None and all(t.is_pinned() for t in host.k + host.v)
+        for t in device.k + device.v:
+            t.view(torch.uint8).random_(0, 256)
+        full = [i for i, s in enumerate(sliding) if not s]
+        src = [device.k[i] for i in full] + [device.v[i] for i in full]
+        dst = [host.k[i] for i in full] + [host.v[i] for i in full]
+        assert kv_pages._fits_kernel(src, dst, None)
+        pages, slots = torch.randperm(300)[:129].tolist(), torch.randperm(257)[:129].tolist()
+        kv_pages.copy_pages(src, pages, dst, slots)
+        back = [torch.zeros_like(t) for t in src]
+        kv_pages.copy_pages(dst, slots, back, pages)
+        torch.cuda.synchronize()
+        for b, s in zip(back, src):
+            assert torch.equal(b[pages].view(torch.uint8), s[pages].view(torch.uint8))
+    finally:
+        host.unpin()
+    assert host.pinned is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_pageable_host_memory_takes_the_twin():
     """The kernel cannot address pageable host memory: such a destination is copied by the twin (correct, slow)."""
     srcs, host, src_pages, slots = make_pages(5, torch.bfloat16, layers=1, src_blocks=8, dst_blocks=8,
