@@ -70,18 +70,24 @@ class ServerMetrics:
             "ran the prompt itself", tag_keys=keys + ("reason",))
         self.prefix_tokens = metrics.Counter(
             "gptoss_prefix_cache_tokens", "Prompt tokens of admitted requests (kind=query) and those whose K/V "
-            "came from cached prefixes (kind=hit); hit / query is the prefix cache's hit rate", tag_keys=keys + ("kind",))
+            "came from cached prefixes (kind=hit; kind=host_hit: of those, the hits the host tier made, its blocks "
+            "copied back from host memory); hit / query is the prefix cache's hit rate", tag_keys=keys + ("kind",))
+        self.host_pages = metrics.Counter(
+            "gptoss_host_kv_pages", "The prefix cache's host tier: evicted cached pages copied to host memory "
+            "(direction=stored) and host pages copied back into the GPU's pool (direction=loaded)",
+            tag_keys=keys + ("direction",))
         self.drafts = metrics.Counter(
             "gptoss_draft_tokens", "Draft tokens the engine ran as extra decode rows, by kind: verified (speculative "
             "drafts from a prediction or prompt lookup), accepted (of those), forced (structured output's forced "
             "tokens: jump-forward, all accepted)", tag_keys=keys + ("kind",))
         for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
                   self.transfer_seconds, self.transfer_bytes, self.steps, self.forwards, self.fallbacks,
-                  self.prefix_tokens, self.drafts):
+                  self.prefix_tokens, self.host_pages, self.drafts):
             m.set_default_tags(self.tags)
         self._last_tokens = {"prefill": 0, "decode": 0}
         self._last_steps = {"lookahead": 0, "sync": 0}
-        self._last_prefix = {"query": 0, "hit": 0}
+        self._last_prefix = {"query": 0, "hit": 0, "host_hit": 0}
+        self._last_host_pages = {"stored": 0, "loaded": 0}
         self._last_paths = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
         self._last_drafts = {"verified": 0, "accepted": 0, "forced": 0}
 
@@ -94,8 +100,11 @@ class ServerMetrics:
                 self.kv_usage.set(snapshot[f"{pool}_pages_used"] / total, tags={"pool": pool})
         for phase in ("prefill", "decode"):
             self._advance(self.tokens, self._last_tokens, "phase", phase, snapshot.get(f"{phase}_tokens_total", 0))
-        for kind in ("query", "hit"):  # present with prefix caching on
-            self._advance(self.prefix_tokens, self._last_prefix, "kind", kind, snapshot.get(f"prefix_{kind}_tokens", 0))
+        for kind, key in (("query", "prefix_query_tokens"), ("hit", "prefix_hit_tokens"), ("host_hit", "host_hit_tokens")):
+            self._advance(self.prefix_tokens, self._last_prefix, "kind", kind, snapshot.get(key, 0))  # (cache on)
+        for direction in ("stored", "loaded"):  # (with the host tier)
+            self._advance(self.host_pages, self._last_host_pages, "direction", direction,
+                          snapshot.get(f"host_pages_{direction}", 0))
         ahead = snapshot.get("lookahead_steps_total", 0)
         for launch, now in (("lookahead", ahead), ("sync", snapshot.get("steps_total", 0) - ahead)):
             self._advance(self.steps, self._last_steps, "launch", launch, now)
