@@ -121,7 +121,8 @@ class ServeAppConfig(_Settings):
                           "TTFT 64.9 -> 30.1 ms mean. Tokens as without, up to bf16 rounding on GPUs.")
     host_kv_cache_gib: float = Field(
         0, ge=0, description="The prefix cache's host tier, per GPU (rank) of a replica: host memory holding the "
-                             "cached prompt blocks the GPU evicts, copied back over PCIe when a later prompt shares "
+                             "cached prompt blocks the GPU evicts (in the replicas that run prompts: prefill, or decode "
+                             "when not disaggregated), copied back over PCIe when a later prompt shares "
                              "them instead of computed again (engine/host_kv_tier.py; pinned on GPUs; reserved from "
                              "Ray's `memory` resource with the replica's bundles). 0: off. Needs "
                              "enable_prefix_caching.")
@@ -288,6 +289,13 @@ class ServeAppConfig(_Settings):
 
         return HealthPolicy(max_failed_steps=self.max_failed_steps, step_timeout_s=self.step_timeout_s)
 
+    def host_kv_bytes(self, role: str) -> int:
+        """The host tier of a `role` replica's ranks: only where prompts run (prefill; decode when not
+        disaggregated). A disaggregated decode replica imports its K/V and never looks its prompts up in the
+        prefix cache, so a host tier there would copy out evicted blocks nobody asks for."""
+        runs_prompts = role == "prefill" or not self.disaggregated
+        return int(self.host_kv_cache_gib * GIB) if runs_prompts else 0
+
     def engine_config(self, device: str, role: str = "decode"):
         """The engine's EngineConfig for one replica of `role` ("prefill" or "decode") on `device` ("cpu" or
         "cuda[:N]")."""
@@ -321,7 +329,7 @@ class ServeAppConfig(_Settings):
             triton_precompile=self.triton_precompile,
             async_decode=self.async_decode and device != "cpu",
             enable_prefix_caching=self.enable_prefix_caching,
-            host_kv_cache_bytes=int(self.host_kv_cache_gib * GIB),
+            host_kv_cache_bytes=self.host_kv_bytes(role),
             speculative_tokens=self.speculative_tokens,
             speculative_ngram=self.speculative_ngram,
             speculative_max_seqs=self.speculative_max_seqs,

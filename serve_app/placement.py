@@ -54,7 +54,8 @@ class ReplicaResources:
             # start's three deployments fit on a 2-core laptop (torch's threads are not capped by this).
             cpus = 1.0 if gpu else 0.5
         return ReplicaResources(config.gpus_per_replica if gpu else 1, 1 if gpu else 0, cpus,
-                                dict(settings.resources_per_worker), int(config.host_kv_cache_gib * 2**30))
+                                dict(settings.resources_per_worker),
+                                config.host_kv_bytes("prefill" if settings is config.prefill else "decode"))
 
     def bundles(self) -> list[dict[str, float]]:
         bundle: dict[str, float] = {"CPU": self.cpus_per_rank, **self.extra_per_rank}

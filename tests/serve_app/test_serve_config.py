@@ -156,13 +156,17 @@ def test_gpu_replica_reserves_one_bundle_per_gpu_strict_pack():
 
 def test_host_kv_tier_setting_reaches_the_engine_and_reserves_host_memory():
     config = ServeAppConfig.from_args(serve_run_args("device=cuda", "tp_size=2", "host_kv_cache_gib=1.5"))
-    assert config.engine_config("cuda").host_kv_cache_bytes == 3 * 2**29  # per rank
-    options = deployment_options(config, config.decode, "cuda", "cuda_ipc")
+    # only where prompts run: the prefill replicas (a disaggregated decode replica imports its K/V)
+    assert config.engine_config("cuda", "prefill").host_kv_cache_bytes == 3 * 2**29  # per rank
+    assert config.engine_config("cuda", "decode").host_kv_cache_bytes == 0
+    options = deployment_options(config, config.prefill, "cuda", "cuda_ipc")
     assert [b["memory"] for b in options["placement_group_bundles"]] == [1.5 * 2**30] * 2
     assert options["ray_actor_options"]["memory"] == 3 * 2**29
     serve.deployment(_Dummy, **options)
-    assert "memory" not in deployment_options(ServeAppConfig.from_args(serve_run_args()), config.decode, "cpu",
-                                              "object_store")["ray_actor_options"]
+    assert "memory" not in deployment_options(config, config.decode, "cuda", "cuda_ipc")["ray_actor_options"]
+    together = ServeAppConfig.from_args(serve_run_args("device=cuda", "host_kv_cache_gib=2", "disaggregated=false"))
+    assert together.engine_config("cuda", "decode").host_kv_cache_bytes == 2**31
+    assert deployment_options(together, together.decode, "cuda", "cuda_ipc")["ray_actor_options"]["memory"] == 2**31
     with pytest.raises(ServeConfigError, match="host_kv_cache_gib needs enable_prefix_caching"):
         ServeAppConfig.from_args(serve_run_args("host_kv_cache_gib=1", "enable_prefix_caching=false"))
     with pytest.raises(ServeConfigError, match="host_kv_cache_gib"):
