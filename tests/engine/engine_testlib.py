@@ -40,6 +40,15 @@ def with_requests(engine: LLMEngine, reqs) -> LLMEngine:
     return engine
 
 
+def assert_same(got: dict, want: dict) -> None:
+    """run_to_end results: the same requests, tokens, and logprobs within 1e-4."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid]["ids"] == want[rid]["ids"], rid
+        for a, b in zip(got[rid]["logprobs"], want[rid]["logprobs"]):
+            assert abs(a.logprob - b.logprob) < 1e-4, rid
+
+
 def run_to_end(engine: LLMEngine, step=None, limit: int = 10_000) -> dict[str, dict]:
     """Step until idle; per request: tokens, logprobs, finish reason, number of deltas."""
     step = step or engine.step

@@ -13,8 +13,8 @@ from engine.config import EngineConfig, EngineConfigError
 from engine.host_kv_tier import HostPool, KVMoves, host_slots_for, pack_moves, unpack_moves
 from engine.sequence import Sequence, SequenceStatus
 from engine.request import SamplingParams
-from tests.engine.engine_testlib import BLOCK, assert_pool_full, engine_config, greedy, random_prompt, request, \
-    run_to_end
+from tests.engine.engine_testlib import (BLOCK, assert_pool_full, assert_same, engine_config, greedy, random_prompt,
+                                        request, run_to_end)
 
 SMALL = dict(num_full_pages=24, num_sliding_pages=24, max_num_batched_tokens=16, max_model_len=64)
 
@@ -61,15 +61,21 @@ def seq_of(rid: str, prompt: list[int]) -> Sequence:
     return Sequence(rid, list(prompt), SamplingParams(max_tokens=4), seed=0, arrival=0)
 
 
+def cached_prompt(bm: BlockManager, length: int) -> Sequence:
+    """A sequence of `length` prompt tokens computed, its whole blocks registered, then freed (cached, evictable)."""
+    seq = seq_of("a", random_prompt(length, 1))
+    bm.allocate(seq, length)
+    seq.num_computed = length
+    bm.register_blocks(seq)
+    bm.free(seq)
+    return seq
+
+
 def test_evicted_blocks_are_copied_out_and_taken_back_into_fresh_pages():
     """Block manager alone: a prompt's blocks evicted by another's allocation are recorded as copies to host
     slots; the prompt again takes them back (recorded as copies into fresh pages) with its sliding window."""
     bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=8)
-    first = seq_of("a", random_prompt(17, 1))  # 4 whole blocks, then a token
-    bm.allocate(first, 17)
-    first.num_computed = 17
-    bm.register_blocks(first)
-    bm.free(first)
+    first = cached_prompt(bm, 17)  # 4 whole blocks, then a token
     other = seq_of("b", random_prompt(24, 2))
     bm.allocate(other, 24)  # 6 pages of each kind: 4 of them were first's cached blocks
     out = bm.take_moves()
@@ -94,11 +100,7 @@ def test_evicted_blocks_are_copied_out_and_taken_back_into_fresh_pages():
 def test_extension_leaves_room_for_the_first_chunk():
     """Host blocks are taken back only as far as the pool keeps pages for a chunk after them."""
     bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=8)
-    first = seq_of("a", random_prompt(21, 1))  # 5 whole blocks, then a token
-    bm.allocate(first, 21)
-    first.num_computed = 21
-    bm.register_blocks(first)
-    bm.free(first)
+    first = cached_prompt(bm, 21)  # 5 whole blocks, then a token
     bm.allocate(seq_of("b", random_prompt(24, 2)), 24)  # evicts every cached block; holds all 6 pages
     bm.take_moves()
     again = seq_of("c", first.prompt_ids)
@@ -127,14 +129,6 @@ def one_by_one(engine, reqs) -> dict:
         engine.add_request(r)
         out.update(run_to_end(engine))
     return out
-
-
-def assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid in want:
-        assert got[rid]["ids"] == want[rid]["ids"], rid
-        for a, b in zip(got[rid]["logprobs"], want[rid]["logprobs"]):
-            assert abs(a.logprob - b.logprob) < 1e-4, rid
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])

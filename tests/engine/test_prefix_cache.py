@@ -10,7 +10,7 @@ import pytest
 
 from engine.block_manager import KVCacheError, PagePool
 from engine.request import InvalidRequestError
-from tests.engine.engine_testlib import (BLOCK, assert_pool_full, greedy, random_prompt, request, run_to_end)
+from tests.engine.engine_testlib import BLOCK, assert_pool_full, assert_same, greedy, random_prompt, request, run_to_end
 
 SYSTEM = random_prompt(27, 900)  # a shared prefix: 6 whole blocks and 3 tokens
 
@@ -51,14 +51,6 @@ def generate(engine, reqs, one_by_one: bool) -> dict:
             engine.add_request(r)
         out = run_to_end(engine)
     return out
-
-
-def assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid in want:
-        assert got[rid]["ids"] == want[rid]["ids"], rid
-        for a, b in zip(got[rid]["logprobs"], want[rid]["logprobs"]):
-            assert abs(a.logprob - b.logprob) < 1e-4, rid
 
 
 @pytest.mark.parametrize("one_by_one,kv", [(True, "auto"), (False, "auto"), (True, "fp8_e4m3")])
