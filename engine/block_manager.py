@@ -297,8 +297,8 @@ class BlockManager:
         host block bridged a gap), as far as the pages allow with room left for a first chunk of
         min(rest of the prompt, budget) tokens, copying each host block into a fresh page (recorded in
         `moves`). Returns the tokens gained (0 without a host tier)."""
-        if not self.host or len(seq.full_pages) * self.block_size != seq.num_computed:
-            return 0
+        if not self.host or seq.num_computed != seq.num_registered * self.block_size:
+            return 0  # (not a sequence just admitted with its cached prefix)
         bs, hashes = self.block_size, self._hashes(seq)
         k0, top = seq.num_computed // bs, (len(seq.prompt_ids) - 1) // bs
         host_full, host_sliding = self.host.get("full"), self.host.get("sliding")

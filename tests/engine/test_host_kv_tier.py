@@ -97,6 +97,20 @@ def test_evicted_blocks_are_copied_out_and_taken_back_into_fresh_pages():
     assert bm.take_cached_prefix(twin) == 16 and bm.take_moves() == []
 
 
+def test_a_model_without_full_layers_extends_by_its_sliding_window_alone():
+    bm = BlockManager(BLOCK, 8, num_full_pages=0, num_sliding_pages=6, has_full=False, prefix_caching=True,
+                      host_slots=8)
+    first = cached_prompt(bm, 17)
+    other = seq_of("b", random_prompt(24, 2))
+    bm.allocate(other, 24)  # evicts all 4 cached blocks (copied out)
+    assert [(k, to_host, len(p)) for k, to_host, p, _ in bm.take_moves()] == [("sliding", True, 4)]
+    bm.free(other)
+    again = seq_of("c", first.prompt_ids)
+    assert bm.take_cached_prefix(again) == 0 and bm.extend_from_host(again, budget=16) == 16
+    assert [(k, to_host, len(p)) for k, to_host, p, _ in bm.take_moves()] == [("sliding", False, 2)]
+    assert again.sliding_first == 2 and len(again.sliding_pages) == 2 and not again.full_pages
+
+
 def test_extension_leaves_room_for_the_first_chunk():
     """Host blocks are taken back only as far as the pool keeps pages for a chunk after them."""
     bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=8)
