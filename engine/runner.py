@@ -277,6 +277,8 @@ class ModelRunner:
         """Release the K/V cache and the decode graphs (one rank: nothing else to stop; engine/distributed
         adds its workers)."""
         if self.host_kv is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy kernel may still address the buffer
             self.host_kv.unpin()
         self.kv_cache = self.host_kv = None
         for graphs in (self.decode_graphs, self.prefill_graphs):
