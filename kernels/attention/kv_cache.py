@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ class PagedKVCache:
     block_size: int
     num_full_blocks: int
     num_sliding_blocks: int
-    pinned: torch.Tensor | None = None  # the registered host buffer behind a pin_memory cache
+    pinned: "RegisteredHostBuffer | None" = None  # the registered host buffer behind a pin_memory cache
 
     @staticmethod
     def allocate(
@@ -42,16 +43,15 @@ class PagedKVCache:
             return PagedKVCache(tensors[0::2], tensors[1::2], block_size, num_full_blocks, num_sliding_blocks)
         # Registered rather than torch's pinned allocator, which may round a request up to a power of two.
         sizes = [int(torch.Size(shape).numel()) for shape in shapes]
-        flat = torch.empty(sum(sizes), dtype=dtype)
-        register_host_memory(flat)
-        tensors = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+        buffer = RegisteredHostBuffer(sum(sizes), dtype)
+        tensors = [part.view(shape) for part, shape in zip(buffer.tensor.split(sizes), shapes)]
         cache = PagedKVCache(tensors[0::2], tensors[1::2], block_size, num_full_blocks, num_sliding_blocks)
-        cache.pinned = flat
+        cache.pinned = buffer
         return cache
 
     def unpin(self) -> None:
         if self.pinned is not None:
-            unregister_host_memory(self.pinned)
+            self.pinned.release()
             self.pinned = None
 
     @staticmethod
@@ -60,15 +60,28 @@ class PagedKVCache:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def register_host_memory(t: torch.Tensor) -> None:
-    """Page-lock a host tensor's memory and map it for the GPUs (cudaHostRegister, portable + mapped)."""
-    if t.numel():
-        error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3))
-        if error:
-            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: cudaError {error}")
+class RegisteredHostBuffer:
+    """A host tensor page-locked and mapped for the GPUs (cudaHostRegister, portable + mapped), unregistered before
+    its memory can be freed: by `release()`, or when the buffer is collected (the finalizer holds the tensor until
+    then). A range freed while registered stays registered with CUDA, and the next buffer given those addresses
+    cannot register (cudaErrorHostMemoryAlreadyRegistered: two engines one after another in one process, on the
+    H200, 2026-12-05)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        self.tensor = torch.empty(numel, dtype=dtype)
+        nbytes = numel * self.tensor.element_size()
+        if nbytes:
+            error = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 3))
+            if error:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaError {error}")
+        self._finalizer = weakref.finalize(self, _unregister, self.tensor)
+        self._finalizer.atexit = False  # (a process that exits frees its registrations)
+
+    def release(self) -> None:
+        self._finalizer()
 
 
-def unregister_host_memory(t: torch.Tensor) -> None:
+def _unregister(t: torch.Tensor) -> None:
     if t.numel():
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 

@@ -340,11 +340,15 @@ def test_host_tier_returns_evicted_blocks_byte_for_byte(gpu_model, kv_cache_dtyp
                           enable_prefix_caching=True, host_kv_cache_bytes=64 << 20)
     engine = LLMEngine(gpu_model, config)
     out = {}
-    for i, p in enumerate([first, *others, first]):
-        engine.add_request(GenerateRequest(f"h{i}", p, SamplingParams(temperature=0.0, max_tokens=2)), prefill_only=True)
-        run_to_end(engine, engine.step_prefill)
-        out[i] = engine.export_kv(f"h{i}")
-    usage = engine.block_manager.usage()
+    try:
+        for i, p in enumerate([first, *others, first]):
+            engine.add_request(GenerateRequest(f"h{i}", p, SamplingParams(temperature=0.0, max_tokens=2)),
+                               prefill_only=True)
+            run_to_end(engine, engine.step_prefill)
+            out[i] = engine.export_kv(f"h{i}")
+        usage = engine.block_manager.usage()
+    finally:
+        engine.close()
     assert usage["host_hit_tokens"] == 192 and usage["host_pages_loaded"] >= 12, usage
     a, b = out[0], out[4]
     assert a.sliding_start == b.sliding_start and a.num_cached == b.num_cached

@@ -4,6 +4,8 @@ in both directions, against the twin."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -89,6 +91,13 @@ def test_a_registered_host_cache_takes_pages_and_gives_them_back(dtype):
     finally:
         host.unpin()
     assert host.pinned is None
+    # an engine's host tier dropped without close(): collected, it unregisters, so the next registration of the
+    # same addresses works (before, the second failed: cudaErrorHostMemoryAlreadyRegistered)
+    for _ in range(3):
+        dropped = PagedKVCache.allocate(sliding, 257, 257, 16, 8, 64, dtype, "cpu", pin_memory=True)
+        assert dropped.k[0].is_pinned()
+        del dropped
+        gc.collect()
 
 
 @pytest.mark.gpu
