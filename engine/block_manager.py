@@ -306,15 +306,14 @@ class BlockManager:
         def cached(pool: PagePool, host: HostPool | None, block_hash: bytes) -> bool:
             return pool.lookup(block_hash) is not None or (host is not None and host.lookup(block_hash) is not None)
 
-        def costs(pool: PagePool, blocks) -> int:  # free pages that taking `blocks` uses (0 for a held page)
-            return sum(1 for b in blocks if (p := pool.lookup(hashes[b])) is None or not pool.is_held(p))
+        def uses_free_page(pool: PagePool, b: int) -> bool:  # taking block b: a fresh or revived page, not a held one
+            return (p := pool.lookup(hashes[b])) is None or not pool.is_held(p)
 
         k = k0
         if self.full is not None:
             while k < top and cached(self.full, host_full, hashes[k]):
                 k += 1
-            new_full = np.cumsum([0] + [1 if (p := self.full.lookup(hashes[b])) is None or not self.full.is_held(p)
-                                        else 0 for b in range(k0, k)])
+            new_full = np.cumsum([0] + [uses_free_page(self.full, b) for b in range(k0, k)])
         else:
             k = top
         while k > k0:  # the longest extension whose sliding window is cached and whose pages fit
@@ -323,7 +322,7 @@ class BlockManager:
             fits = self.full is None or new_full[k - k0] + chunk <= self.full.num_free
             if fits and self.sliding is not None:
                 fits = all(cached(self.sliding, host_sliding, hashes[j]) for j in window) \
-                    and costs(self.sliding, window) + chunk <= self.sliding.num_free
+                    and sum(uses_free_page(self.sliding, j) for j in window) + chunk <= self.sliding.num_free
             if fits:
                 break
             k -= 1
@@ -402,6 +401,11 @@ class BlockManager:
     def take_moves(self) -> list[tuple[str, bool, list[int], list[int]]]:
         """The page copies decided since the last call, in order (engine/host_kv_tier.py), to perform now."""
         return self.moves.take() if self.moves else []
+
+    def reset_counters(self) -> None:
+        """The prefix cache's and the host tier's counters back to zero (LLMEngine.reset_metrics)."""
+        self.prefix_query_tokens = self.prefix_hit_tokens = self.host_hit_tokens = 0
+        self.moves.pages_to_host = self.moves.pages_to_device = 0
 
     def note_admitted(self, seq: Sequence, hit_tokens: int) -> None:
         if self.prefix_caching:

@@ -19,6 +19,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from engine.config import EngineConfigError
+
 KINDS = ("full", "sliding")
 
 
@@ -27,7 +29,7 @@ def host_slots_for(host_bytes: int, page_bytes: tuple[int, int]) -> int:
     costs 0 bytes)."""
     pair = sum(page_bytes)
     if host_bytes and host_bytes < pair:
-        raise ValueError(f"host_kv_cache_bytes={host_bytes} holds no page: one of each kind takes {pair} bytes")
+        raise EngineConfigError(f"host_kv_cache_bytes={host_bytes} holds no page: one of each kind takes {pair} bytes")
     return host_bytes // pair if host_bytes else 0
 
 

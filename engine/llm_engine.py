@@ -94,10 +94,7 @@ class LLMEngine:
         else:
             num_full, num_sliding = plan_pool_sizes(config, self.runner.kv_budget_bytes(config),
                                                     *self.runner.page_bytes(), mc.sliding_window)
-        try:  # the prefix cache's host tier (engine/host_kv_tier.py)
-            host_slots = host_slots_for(config.host_kv_cache_bytes, self.runner.page_bytes())
-        except ValueError as exc:
-            raise EngineConfigError(str(exc)) from None
+        host_slots = host_slots_for(config.host_kv_cache_bytes, self.runner.page_bytes())  # the host tier
         self.block_manager = BlockManager(config.block_size, mc.sliding_window, num_full, num_sliding,
                                           self.runner.has_full, self.runner.has_sliding, config.enable_prefix_caching,
                                           host_slots)
@@ -484,9 +481,7 @@ class LLMEngine:
     def reset_metrics(self) -> None:
         """Counters back to zero, the state gauges re-read (engine/warm_up.py: its requests are not traffic)."""
         self.metrics.reset()
-        bm = self.block_manager
-        bm.prefix_query_tokens = bm.prefix_hit_tokens = bm.host_hit_tokens = 0
-        bm.moves.pages_to_host = bm.moves.pages_to_device = 0
+        self.block_manager.reset_counters()
         self._update_state_metrics()
 
     def _update_state_metrics(self) -> None:

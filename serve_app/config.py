@@ -289,6 +289,10 @@ class ServeAppConfig(_Settings):
 
         return HealthPolicy(max_failed_steps=self.max_failed_steps, step_timeout_s=self.step_timeout_s)
 
+    def role_of(self, settings) -> str:
+        """"prefill" or "decode": the deployment whose settings these are."""
+        return "prefill" if settings is self.prefill else "decode"
+
     def host_kv_bytes(self, role: str) -> int:
         """The host tier of a `role` replica's ranks: only where prompts run (prefill; decode when not
         disaggregated). A disaggregated decode replica imports its K/V and never looks its prompts up in the

@@ -44,7 +44,7 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
         raise MultiRankReplicaError(
             f"dp_size={config.dp_size} asks for {config.dp_size} model instances per replica, which is not "
             "built: use dp_size=1 and more replicas (autoscaling) instead")
-    engine_config = config.engine_config(device, "prefill" if settings is config.prefill else "decode")
+    engine_config = config.engine_config(device, config.role_of(settings))
     # random:<shape>: weights drawn from config.seed, alike on every replica (prefill and decode agree)
     random_shapes = random_model_config(config.model) if config.random_model is not None else None
     folder = None if random_shapes is not None else config.model or str(tiny_model_path())

@@ -55,7 +55,7 @@ class ReplicaResources:
             cpus = 1.0 if gpu else 0.5
         return ReplicaResources(config.gpus_per_replica if gpu else 1, 1 if gpu else 0, cpus,
                                 dict(settings.resources_per_worker),
-                                config.host_kv_bytes("prefill" if settings is config.prefill else "decode"))
+                                config.host_kv_bytes(config.role_of(settings)))
 
     def bundles(self) -> list[dict[str, float]]:
         bundle: dict[str, float] = {"CPU": self.cpus_per_rank, **self.extra_per_rank}

@@ -64,6 +64,8 @@ def copy_pages(srcs: list[torch.Tensor], src_pages, dsts: list[torch.Tensor], ds
     if not _fits_kernel(srcs, dsts, use_kernel):
         copy_pages_reference(srcs, src_pages, dsts, dst_pages)
         return
+    import triton
+
     from kernels.attention import kv_pages_triton as tk
 
     words = _page_words(srcs[0])
@@ -75,19 +77,11 @@ def copy_pages(srcs: list[torch.Tensor], src_pages, dsts: list[torch.Tensor], ds
     meta = np.concatenate([(src_base[:, None] + src_pages[None, :] * page_bytes).ravel(),
                            (dst_base[:, None] + dst_pages[None, :] * page_bytes).ravel()])
     cuda = next((t.device for t in (*srcs, *dsts) if t.is_cuda), None)
-    device = cuda if cuda is not None else torch.device("cpu")
     meta_t = torch.from_numpy(meta)
     if cuda is not None:
         meta_t = meta_t.pin_memory().to(cuda, non_blocking=True)
     n = len(srcs) * len(src_pages)
     grid = (n, -(-words // BLOCK_WORDS))
-    with torch.cuda.device(device) if cuda is not None else contextlib.nullcontext():
-        tk.copy_pages[grid](meta_t, n, PAGE_WORDS=words, BLOCK=min(BLOCK_WORDS, _pow2_at_least(words)),
+    with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
+        tk.copy_pages[grid](meta_t, n, PAGE_WORDS=words, BLOCK=min(BLOCK_WORDS, triton.next_power_of_2(words)),
                             num_warps=4)
-
-
-def _pow2_at_least(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
