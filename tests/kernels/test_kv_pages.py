@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.attention import kv_pages
-from tests.kernels.interpreter import run_cases
+from tests.kernels.interpreter import fresh_seed, run_cases  # noqa: F401  (fresh_seed: autouse, fresh random inputs)
 from tests.kernels.kv_pages_common import make_pages
 
 
