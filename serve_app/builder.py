@@ -30,7 +30,8 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,
                        transport: str, runs_prompts: bool = False) -> dict[str, Any]:
     """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks;
-    for the deployment that runs prompts (`runs_prompts`), the prefix-affinity router when configured."""
+    for the deployment that runs prompts (`runs_prompts`), the prefix-affinity router when configured, and for
+    the prefill deployment the same router preferring the caller's node (`prefill_same_node`)."""
     # CUDA IPC opens a peer replica's GPU memory, so every GPU of the node must stay visible to torch;
     # each replica then picks its own GPU from Ray's assignment (placement.local_cuda_device).
     env = {NOSET_CUDA_VISIBLE_DEVICES: "1"} if transport == "cuda_ipc" else None
@@ -46,15 +47,20 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
     )
-    if runs_prompts and config.enable_prefix_caching and config.prefix_routing:
+    affinity = runs_prompts and config.enable_prefix_caching and config.prefix_routing
+    # a decode replica's calls to the prefill deployment: the K/V comes back to the caller's node
+    same_node = config.role_of(settings) == "prefill" and config.disaggregated and config.prefill_same_node
+    if affinity or same_node:
         try:  # Ray Serve's RequestRouter API (alpha; tested with ray 2.60)
             from ray.serve.config import RequestRouterConfig
 
             from serve_app.prefix_router import PrefixAffinityRouter
         except ImportError as err:
-            raise ValueError(f"prefix_routing needs Ray Serve's request router API, which this ray lacks ({err}); "
-                             "upgrade ray or set prefix_routing=false") from None
-        options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
+            raise ValueError(f"prefix_routing and prefill_same_node need Ray Serve's request router API, which this "
+                             f"ray lacks ({err}); upgrade ray or set both false") from None
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={"prefix_affinity": affinity, "same_node": same_node})
     return options
 
 

@@ -146,6 +146,12 @@ class ServeAppConfig(_Settings):
         True, description="With prefix caching: route a prompt to the replica that ran its longest known "
                           "prefix while that replica's queue is within 4 of the shortest (serve_app/prefix_router.py; "
                           "the prefill deployment, or decode when not disaggregated), else power of two choices.")
+    prefill_same_node: bool = Field(
+        True, description="Disaggregated: a decode replica sends its prompts to a prefill replica on its own node "
+                          "while one there is within 4 requests of the least busy (the ones holding the prompt's "
+                          "prefix first), so the K/V comes back over CUDA IPC or the node's shared memory instead "
+                          "of the network (serve_app/prefix_router.py). Serve's default router does not prefer the "
+                          "caller's node for calls between deployments.")
     async_decode: bool = Field(
         True, description="Lookahead: schedule and launch the next engine step before reading this one's "
                           "tokens, so the host's step work overlaps the GPU. GPU replicas, TP/EP ones included "

@@ -1,6 +1,6 @@
 """DecodeServer: orchestrates one request end to end and streams its tokens.
 
-    validate -> offer a receive slot -> PrefillServer.prefill (any replica) -> receive K/V -> import into
+    validate -> offer a receive slot -> PrefillServer.prefill (a replica on this node first) -> receive K/V -> import into
     the local engine -> decode, streaming TokenDeltas back to the ingress
 
 If the remote prefill fails (replica died, error, busy past `prefill_timeout_s`) or its K/V does not
@@ -49,6 +49,7 @@ class DecodeServer:
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
         self.fallbacks: Counter[str] = Counter()  # by reason (_reason)
         self.num_transfers = 0
+        self.transfers_by_node: Counter[str] = Counter()  # "same": the prefill replica ran on this node; "other"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas; InvalidRequestError before the first one for a bad request."""
@@ -130,12 +131,15 @@ class DecodeServer:
             return None, self._fell_back(request, _reason(err), err)
         stats = self.transport.last_stats
         total_s = handle.pack_ms / 1e3 + (time.perf_counter() - t_recv)
+        node = "same" if handle.node_id == offer.node_id else "other"
         self.num_transfers += 1
-        self.metrics.observe_transfer(handle.kind, handle.nbytes, total_s)
-        log.info("kv transfer %s: %d bytes via %s, pack %.2f ms + receive %.2f ms (waiting for the copy: %s ms; "
-                 "%.1f MB/s)", request.request_id, handle.nbytes, handle.kind, handle.pack_ms, stats.receive_ms,
+        self.transfers_by_node[node] += 1
+        self.metrics.observe_transfer(handle.kind, handle.nbytes, total_s, node)
+        log.info("kv transfer %s: %d bytes via %s from %s node, pack %.2f ms + receive %.2f ms (waiting for the "
+                 "copy: %s ms; %.1f MB/s)", request.request_id, handle.nbytes, handle.kind,
+                 "this" if node == "same" else "another", handle.pack_ms, stats.receive_ms,
                  "-" if stats.wait_ms is None else f"{stats.wait_ms:.2f}", handle.nbytes / max(total_s, 1e-9) / 1e6)
-        return payload, f"remote, K/V via {handle.kind}"
+        return payload, f"remote on {'this' if node == 'same' else 'another'} node, K/V via {handle.kind}"
 
     async def _call_prefill(self, request: GenerateRequest, offer: ReceiveOffer):
         return await self.prefill.prefill.remote(request, offer)
@@ -161,7 +165,7 @@ class DecodeServer:
     def stats(self) -> dict:
         """Debug: pool usage and counters of this replica's engine, transfers and fallbacks."""
         out = {"device": self.device, "transport": self.transport.name, "transfers": self.num_transfers,
-               "fallbacks": sum(self.fallbacks.values()), "fallback_reasons": dict(self.fallbacks),
+               "transfers_by_node": dict(self.transfers_by_node), "fallbacks": sum(self.fallbacks.values()), "fallback_reasons": dict(self.fallbacks),
                **engine_stats(self.engine)}
         if isinstance(self.transport, CudaIpcTransport):
             out["cuda_ipc_arena_free_bytes"] = self.transport.arena_free_bytes

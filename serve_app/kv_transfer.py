@@ -139,6 +139,7 @@ class KVHandle:
     nbytes: int
     pack_ms: float
     ref: Any = None  # object_store: the ObjectRef of the flat buffer (owned by the prefill replica)
+    node_id: str = ""  # the prefill replica's node (set by PrefillServer)
 
 
 @dataclass
@@ -161,7 +162,7 @@ def _ray():
     return ray
 
 
-def _node_id() -> str:
+def current_node_id() -> str:
     ray = _ray()
     if ray is not None and ray.is_initialized():
         return ray.get_runtime_context().get_node_id()
@@ -179,7 +180,7 @@ class ObjectStoreTransport:
         self.last_stats: TransferStats | None = None
 
     def offer(self, max_bytes: int) -> ReceiveOffer:
-        return ReceiveOffer("object_store", _node_id())
+        return ReceiveOffer("object_store", current_node_id())
 
     def export_target(self, offer: ReceiveOffer) -> KVDestination | None:
         """Where the engine may export K/V for this offer: anywhere (the payload is packed by `send`)."""
@@ -303,7 +304,7 @@ class CudaIpcTransport(ObjectStoreTransport):
         offset = self._arena.allocate(max_bytes)
         if offset is None:  # arena full (many transfers in flight) or one huge prompt
             return super().offer(max_bytes)
-        return ReceiveOffer("cuda_ipc", _node_id(), _gpu_uuid(self.device), self._arena_key, self._arena_ipc,
+        return ReceiveOffer("cuda_ipc", current_node_id(), _gpu_uuid(self.device), self._arena_key, self._arena_ipc,
                             offset, max_bytes)
 
     async def receive(self, handle: KVHandle, offer: ReceiveOffer, timeout_s: float) -> PrefilledKV:
@@ -388,7 +389,7 @@ class CudaIpcTransport(ObjectStoreTransport):
 
     def _map_peer(self, offer: ReceiveOffer) -> torch.Tensor | None:
         """The decode replica's arena mapped into this process, or None when it is out of reach."""
-        if offer.node_id != _node_id():
+        if offer.node_id != current_node_id():
             return None
         with self._peers_lock:
             return self._map_peer_locked(offer)

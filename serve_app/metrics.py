@@ -55,10 +55,10 @@ class ServerMetrics:
             boundaries=list(TPOT_BUCKETS), tag_keys=keys)
         self.transfer_seconds = metrics.Histogram(
             "gptoss_kv_transfer_seconds", "K/V transfer time, prefill pack + decode receive",
-            boundaries=list(TRANSFER_SECONDS_BUCKETS), tag_keys=keys + ("transport",))
+            boundaries=list(TRANSFER_SECONDS_BUCKETS), tag_keys=keys + ("transport", "node"))
         self.transfer_bytes = metrics.Histogram(
             "gptoss_kv_transfer_bytes", "K/V bytes per transfer", boundaries=list(TRANSFER_BYTES_BUCKETS),
-            tag_keys=keys + ("transport",))
+            tag_keys=keys + ("transport", "node"))
         self.steps = metrics.Counter(
             "gptoss_steps", "Engine steps by launch: lookahead (launched before the previous step's tokens were "
             "read, host work hidden behind the GPU) or sync", tag_keys=keys + ("launch",))
@@ -128,9 +128,11 @@ class ServerMetrics:
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
 
-    def observe_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
-        self.transfer_seconds.observe(seconds, tags={"transport": transport})
-        self.transfer_bytes.observe(float(nbytes), tags={"transport": transport})
+    def observe_transfer(self, transport: str, nbytes: int, seconds: float, node: str) -> None:
+        """node: "same" when the prefill replica ran on the decode replica's node, else "other"."""
+        tags = {"transport": transport, "node": node}
+        self.transfer_seconds.observe(seconds, tags=tags)
+        self.transfer_bytes.observe(float(nbytes), tags=tags)
 
     def observe_fallback(self, reason: str) -> None:
         self.fallbacks.inc(1, tags={"reason": reason})

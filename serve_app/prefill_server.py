@@ -15,7 +15,7 @@ from engine.request import GenerateRequest
 from serve_app.config import GIB, ServeAppConfig
 from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
                                    stop_hosting)
-from serve_app.kv_transfer import KVHandle, ReceiveOffer, make_transport
+from serve_app.kv_transfer import KVHandle, ReceiveOffer, current_node_id, make_transport
 from serve_app.metrics import ServerMetrics
 
 
@@ -25,6 +25,7 @@ class PrefillServer:
         self.device = replica_device(self.config)
         self.transport = make_transport(self.config.resolved_transport(self.config.resolved_device()), self.device,
                                         int(self.config.cuda_ipc_buffer_gib * GIB))
+        self.node_id = current_node_id()
         self.engine = await asyncio.to_thread(start_engine, self.config, self.config.prefill, self.device)
         self.metrics = ServerMetrics("prefill", self.config.served_model_name)
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
@@ -42,6 +43,7 @@ class PrefillServer:
             handle = self.transport.send(payload, offer)
         else:
             handle = await asyncio.to_thread(self.transport.send, payload, offer)
+        handle.node_id = self.node_id
         log.info("prefill %s: %d prompt tokens in %.1f ms; K/V %d bytes packed for %s in %.2f ms",
                  request.request_id, len(request.prompt_ids), (t1 - t0) * 1e3, handle.nbytes, handle.kind,
                  handle.pack_ms)

@@ -18,6 +18,14 @@ What a miss costs: the prefix is computed again on another replica, which then a
 remembered). A shared system prompt therefore ends up cached on every replica while long conversations
 stay where their history is. State is per caller process and approximate (an engine may have evicted
 pages since); routing never waits on it.
+
+With `same_node` (a decode replica's calls to the prefill deployment, disaggregated): the prompt's K/V comes
+back to the caller, over CUDA IPC or the node's shared-memory object store when the prefill replica is on the
+caller's node, over the network otherwise, for every token of the prompt and whether or not its prefix was
+cached. So replicas on the caller's node come first while one of them is within `imbalance` of the shortest
+known queue: the ones among them holding the prefix, else two of them at random; then the other nodes'
+holders, then two random replicas. Without a replica near enough on the node, routing is as above.
+(Serve's own router prefers the caller's node only for its HTTP proxies, not for calls between deployments.)
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from engine.block_manager import prefix_block_hashes
 from engine.request import GenerateRequest
 
 OUTCOMES = {"affinity": "sent first to replicas holding part of the prompt",
+            "same_node": "sent first to replicas on the caller's node (same_node), none of them holding the prompt",
             "busy": "the holders' queues were too long: two random replicas",
             "no_match": "no remembered prefix: two random replicas",
             "no_prompt": "a call without a prompt (stats, abort)"}
@@ -92,6 +101,29 @@ def near_holders(holders: list[Any], queues: dict[Any, int | None], imbalance: i
     return [r for r in holders if (queues.get(r) or 0) <= shortest + imbalance]
 
 
+def first_choices(candidates: list[Any], holders: list[Any], local: set, queues: dict[Any, int | None],
+                  imbalance: int, rng: random.Random | Any = random) -> tuple[str, list[list[Any]]]:
+    """The routing decision, by outcome (OUTCOMES) and ranked groups of candidates (Serve tries a group's replicas
+    by their queues, then the next group). `holders`: candidates holding the prompt's deepest remembered prefix,
+    most recent first; `local`: the candidates on the caller's node when same_node routing applies, else empty;
+    `queues`: candidate -> known queue length (None: unknown)."""
+    others = rng.sample(candidates, min(2, len(candidates)))
+    near = near_holders(holders, queues, imbalance)
+    near_local = near_holders([r for r in candidates if r in local], queues, imbalance)
+    if near_local:
+        here = [r for r in near if r in local]
+        first = here[:2] if here else rng.sample(near_local, min(2, len(near_local)))
+        there = [r for r in near if r not in local][:2]
+        groups = [first] + ([there] if there else []) + [[r for r in others if r not in first + there]]
+        return ("affinity" if here else "same_node"), [g for g in groups if g]
+    if not holders:
+        return "no_match", [others]
+    if not near:
+        return "busy", [others]
+    rest = [r for r in others if r not in near[:2]]
+    return "affinity", [near[:2], rest] if rest else [near[:2]]
+
+
 def request_of(pending: PendingRequest | None) -> GenerateRequest | None:
     """The GenerateRequest of a routed call (DecodeServer.generate(request), PrefillServer.prefill(request,
     offer)), or None for calls without one (stats, abort)."""
@@ -104,12 +136,20 @@ def request_of(pending: PendingRequest | None) -> GenerateRequest | None:
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Serve request router: prefix affinity under a load guard, else power of two choices (module doc)."""
+    """Serve request router: prefix affinity under a load guard, the caller's node first with `same_node`, else
+    power of two choices (module doc)."""
 
     def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_entries: int = MAX_ENTRIES,
-                         imbalance: int = IMBALANCE, **kwargs):
+                         imbalance: int = IMBALANCE, prefix_affinity: bool = True, same_node: bool = False, **kwargs):
+        """prefix_affinity: route by remembered prefixes; same_node: the caller's node first (module doc)."""
         self.block_tokens = block_tokens
         self.imbalance = imbalance
+        self.prefix_affinity = prefix_affinity
+        self.node_id = None  # the caller's node (the router lives in the caller's process)
+        if same_node:
+            import ray
+
+            self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self.table = PrefixTable(max_entries)
         # pending call (by identity: a parent request's calls may share their request ids) -> its block
         # hashes, until routed (bounded: a call cancelled while queued never is)
@@ -137,28 +177,26 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        others = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         request = request_of(pending_request)
         if request is None:
             self._decided("no_prompt")
-            return [others]
-        # (salted as the engines' prefix caches are: a salt's prompts go where that salt's prefix is)
-        hashes = prefix_block_hashes(request.prompt_ids, self.block_tokens, MAX_BLOCKS, request.cache_salt)
-        self._hashes[id(pending_request)] = hashes
-        while len(self._hashes) > 4096:
-            self._hashes.popitem(last=False)
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id: r for r in candidate_replicas}
-        _, holders = self.table.lookup(hashes, set(by_id))
-        if not holders:
-            self._decided("no_match")
-            return [others]
-        near = [by_id[r] for r in near_holders(holders, {r: self._queue(r) for r in by_id}, self.imbalance)]
-        if not near:
-            self._decided("busy")
-            return [others]
-        self._decided("affinity")
-        rest = [r for r in others if r not in near]
-        return [near[:2], rest] if rest else [near[:2]]
+        holders: list[Any] = []
+        if self.prefix_affinity:
+            # (salted as the engines' prefix caches are: a salt's prompts go where that salt's prefix is)
+            hashes = prefix_block_hashes(request.prompt_ids, self.block_tokens, MAX_BLOCKS, request.cache_salt)
+            self._hashes[id(pending_request)] = hashes
+            while len(self._hashes) > 4096:
+                self._hashes.popitem(last=False)
+            _, holders = self.table.lookup(hashes, set(by_id))
+        local = {r.replica_id for r in candidate_replicas if self.node_id and r.node_id == self.node_id}
+        if local == set(by_id):  # one node: nothing to prefer
+            local = set()
+        outcome, groups = first_choices(list(by_id), holders, local, {r: self._queue(r) for r in by_id},
+                                        self.imbalance)
+        self._decided(outcome)
+        return [[by_id[r] for r in group] for group in groups]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any):
         hashes = self._hashes.pop(id(pending_request), None)

@@ -12,7 +12,7 @@ from ray import serve
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
 from engine.block_manager import prefix_block_hashes as prefix_hashes
-from serve_app.prefix_router import PrefixTable, near_holders, request_of
+from serve_app.prefix_router import PrefixTable, first_choices, near_holders, request_of
 from tests.serve_app.serve_helpers import collect, run_async, start_ray, stop_ray
 
 APP = "prefix_routing"
@@ -60,6 +60,34 @@ def test_holders_busier_than_the_guard_are_passed_over():
     assert near_holders(["a", "d", "c"], queues, imbalance=4) == ["d", "c"]  # shortest known 3: a (9) is out
     assert near_holders(["a"], queues, imbalance=6) == ["a"]
     assert near_holders(["a", "b"], {"a": None, "b": None}, imbalance=0) == ["a", "b"]  # nothing known yet
+
+
+def test_first_choices_put_the_callers_node_first_while_it_is_not_much_busier():
+    rng = random.Random(random.randrange(2**32))
+    cands = ["a1", "a2", "b1", "b2", "b3"]  # a*: on the caller's node
+    idle = dict.fromkeys(cands, 0)
+    # no holder: two of the node's replicas, then the rest of two random ones
+    outcome, groups = first_choices(cands, [], {"a1", "a2"}, idle, 4, rng)
+    assert outcome == "same_node" and sorted(groups[0]) == ["a1", "a2"]
+    assert all(r not in groups[0] for g in groups[1:] for r in g)
+    # a holder on the node comes first; other nodes' holders next
+    assert first_choices(cands, ["b1", "a2"], {"a1", "a2"}, idle, 4, rng)[1][:2] == [["a2"], ["b1"]]
+    assert first_choices(cands, ["b1", "a2"], {"a1", "a2"}, idle, 4, rng)[0] == "affinity"
+    # only another node holds the prefix: the node's replicas still come first (the K/V must travel back)
+    outcome, groups = first_choices(cands, ["b1"], {"a1", "a2"}, idle, 4, rng)
+    assert outcome == "same_node" and sorted(groups[0]) == ["a1", "a2"] and groups[1] == ["b1"]
+    # the node's replicas more than `imbalance` busier than the least busy: routed as without locality
+    busy = {"a1": 9, "a2": 7, "b1": 0, "b2": 1, "b3": None}
+    outcome, groups = first_choices(cands, ["b2"], {"a1", "a2"}, busy, 4, rng)
+    assert outcome == "affinity" and groups[0] == ["b2"]
+    outcome, groups = first_choices(cands, [], {"a1", "a2"}, busy, 4, rng)
+    assert outcome == "no_match" and len(groups) == 1 and len(groups[0]) == 2
+    # one busy, one free on the node: the free one only
+    assert first_choices(cands, [], {"a1", "a2"}, {**busy, "a2": 2}, 4, rng)[1][0] == ["a2"]
+    # without locality (empty `local`) as before: holders near the shortest queue first
+    outcome, groups = first_choices(cands, ["b3", "a1"], set(), busy, 4, rng)
+    assert outcome == "affinity" and groups[0] == ["b3"]  # a1 (9) is past the guard
+    assert first_choices(cands, ["a1"], set(), busy, 4, rng)[0] == "busy"
 
 
 def test_request_of_finds_the_generate_request():

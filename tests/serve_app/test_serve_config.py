@@ -305,17 +305,28 @@ def test_prefix_router_goes_on_the_deployment_that_runs_prompts():
     from serve_app.builder import deployment_options
     from serve_app.prefix_router import PrefixAffinityRouter
 
-    def router(args, runs_prompts=True):
+    def router(args, role="prefill"):
+        """(router class, its kwargs) of the `role` deployment's options, or None for Serve's default router."""
         config = ServeAppConfig.from_args(args)
-        options = deployment_options(config, config.prefill, "cpu", "object_store", runs_prompts=runs_prompts)
+        settings = config.prefill if role == "prefill" else config.decode
+        runs_prompts = role == "prefill" or not config.disaggregated
+        options = deployment_options(config, settings, "cpu", "object_store", runs_prompts=runs_prompts)
         rc = options.get("request_router_config")
-        return None if rc is None else rc.request_router_class
+        if rc is None:
+            return None
+        assert rc.request_router_class in (PrefixAffinityRouter, "serve_app.prefix_router.PrefixAffinityRouter",
+                                           "serve_app.prefix_router:PrefixAffinityRouter")
+        return rc.request_router_kwargs
 
-    assert router({}) in (PrefixAffinityRouter, "serve_app.prefix_router.PrefixAffinityRouter",
-                          "serve_app.prefix_router:PrefixAffinityRouter")
-    assert router({}, runs_prompts=False) is None  # decode behind a prefill deployment: Serve's default
-    assert router({"prefix_routing": "false"}) is None
-    assert router({"enable_prefix_caching": "false"}) is None  # nothing to be near without the cache
+    assert router({}) == {"prefix_affinity": True, "same_node": True}
+    assert router({}, role="decode") is None  # decode behind a prefill deployment: Serve's default
+    assert router({"disaggregated": "false"}, role="decode") == {"prefix_affinity": True, "same_node": False}
+    # the prefill deployment keeps the caller's node first without the prefix cache or its routing
+    assert router({"prefix_routing": "false"}) == {"prefix_affinity": False, "same_node": True}
+    assert router({"enable_prefix_caching": "false"}) == {"prefix_affinity": False, "same_node": True}
+    assert router({"prefill_same_node": "false"}) == {"prefix_affinity": True, "same_node": False}
+    assert router({"prefix_routing": "false", "prefill_same_node": "false"}) is None
+    assert router({"disaggregated": "false", "prefix_routing": "false"}, role="decode") is None
 
 
 def test_cuda_graphs_apply_to_gpu_replicas_of_any_split():

@@ -408,7 +408,7 @@ def test_x_request_id_is_serves_one_value(http_port):
                 for line in path.read_text().splitlines() if "trace-e2e-1" in line and r.json()["id"] in line]
 
     lines = wait_until(summary, 10, "the decode replica's line for the request")
-    assert re.search(r": length after [\d.]+ s; prompt \d+ tokens \(\d+ cached, prefill remote, K/V via [\w-]+\), "
+    assert re.search(r": length after [\d.]+ s; prompt \d+ tokens \(\d+ cached, prefill remote on this node, K/V via [\w-]+\), "
                      r"output 2 tokens, first token [\d.]+ s, [\d.]+ tok/s after it", lines[-1]), lines
 
 
