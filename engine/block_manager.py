@@ -44,6 +44,9 @@ def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = Non
         out.append(parent)
     return out
 
+MAX_CUTS = 65_536  # cut points remembered (BlockManager._cuts)
+
+
 class KVCacheError(RuntimeError):
     """The page accounting was asked for something impossible (more pages than free, a double free)."""
 
@@ -56,7 +59,9 @@ class PagePool:
     """Page ids of one kind with reference counts. Freed pages are reused first (likely still in the GPU's
     cache). With prefix caching a page can carry the hash of the block it holds (register); when its last
     holder lets go it stays readable as an evictable page (counted free, reused last, least recently
-    freed first) until an allocation needs it, and `take` revives it for a sequence with that prefix."""
+    freed first) until an allocation needs it, and `take` revives it for a sequence with that prefix.
+    Pages released with `keep` are evicted only after every other evictable page (least recently freed first
+    among them too): the sliding pools' windows before likely cuts (BlockManager._kept_sliding)."""
 
     def __init__(self, kind: str, num_pages: int):
         self.kind = kind
@@ -66,11 +71,12 @@ class PagePool:
         self._hash_of: dict[int, bytes] = {}  # page -> hash of the block it holds
         self._page_of: dict[bytes, int] = {}  # block hash -> page
         self._evictable: OrderedDict[int, None] = OrderedDict()  # no holder, still hashed; oldest first
+        self._kept: OrderedDict[int, None] = OrderedDict()  # the same, released with `keep`: evicted after those
         self.on_evict = None  # called (page, block hash) when an allocation evicts a cached block (the host tier)
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._kept)
 
     @property
     def num_used(self) -> int:
@@ -88,8 +94,8 @@ class PagePool:
         for _ in range(n):
             if self._free:
                 p = self._free.pop()
-            else:  # evict the least recently freed cached block
-                p, _ = self._evictable.popitem(last=False)
+            else:  # evict the least recently freed cached block (kept ones last)
+                p, _ = (self._evictable or self._kept).popitem(last=False)
                 block_hash = self._hash_of.pop(p)
                 del self._page_of[block_hash]
                 if self.on_evict is not None:
@@ -98,7 +104,8 @@ class PagePool:
             pages.append(p)
         return pages
 
-    def release(self, pages) -> None:
+    def release(self, pages, keep=frozenset()) -> None:
+        """Drop one holder of each page; a cached page left without holders becomes evictable (`keep`: last)."""
         pages = list(pages)
         if not pages:
             return
@@ -108,7 +115,7 @@ class PagePool:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 if p in self._hash_of:
-                    self._evictable[p] = None
+                    (self._kept if p in keep else self._evictable)[p] = None
                 else:
                     self._free.append(p)
 
@@ -122,13 +129,19 @@ class PagePool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._page_of.get(block_hash)
 
+    def touch(self, page: int) -> None:
+        """An evictable page becomes the most recently freed (a prompt that recomputes its block wanted it)."""
+        for tier in (self._evictable, self._kept):
+            if page in tier:
+                tier.move_to_end(page)
+
     def is_held(self, page: int) -> bool:
         return self._refs[page] > 0
 
     def take(self, page: int) -> int:
         """One more holder of a cached page (reviving it if evictable)."""
         if self._refs[page] == 0:
-            del self._evictable[page]
+            del (self._evictable if page in self._evictable else self._kept)[page]
         self._refs[page] += 1
         return page
 
@@ -153,6 +166,9 @@ class BlockManager:
         self.host_hit_tokens = 0  # of those, how many came from the host tier
         self.host: dict[str, HostPool] = {}  # kind -> its host pool (the host tier; empty: none)
         self.moves = KVMoves()  # page copies decided, not yet performed (the runner takes them before a step)
+        # hashes of blocks that end a prefix some prompt was cut at (a hit, or a full-layer hit the sliding
+        # window missed): their windows are kept longer (_kept_sliding); least recently noted out
+        self._cuts: OrderedDict[bytes, None] = OrderedDict()
         if host_slots and prefix_caching:
             for pool in (self.full, self.sliding):
                 if pool is not None:
@@ -251,13 +267,13 @@ class BlockManager:
         first_needed_page = self.first_visible_position(seq.num_computed) // self.block_size
         if seq.sliding_first >= first_needed_page:  # most steps: nothing left the window
             return 0
-        freed = []
+        freed, first_freed = [], seq.sliding_first
         while seq.sliding_pages and seq.sliding_first < first_needed_page:
             freed.append(seq.sliding_pages.popleft())
             seq.sliding_first += 1
         if not seq.sliding_pages:
             seq.sliding_first = max(seq.sliding_first, first_needed_page)
-        self.sliding.release(freed)
+        self.sliding.release(freed, self._kept_sliding(seq, first_freed, freed))
         return len(freed)
 
     # ---- prefix caching ------------------------------------------------------------------------------
@@ -278,9 +294,18 @@ class BlockManager:
         k = (len(seq.prompt_ids) - 1) // self.block_size
         if self.full is not None:
             k = next((i for i in range(k) if self.full.lookup(hashes[i]) is None), k)
+        full_k = k
         if self.sliding is not None:
             while k and any(self.sliding.lookup(hashes[j]) is None for j in range(self._first_sliding_block(k), k)):
                 k -= 1
+            for cut in {full_k, k} - {0}:  # where this prompt leaves the cached ones: keep windows there
+                self._cuts[hashes[cut - 1]] = None
+                self._cuts.move_to_end(hashes[cut - 1])
+            while len(self._cuts) > MAX_CUTS:
+                self._cuts.popitem(last=False)
+            if self.full is not None:  # the full-layer pages past the window's cut are computed again, not
+                for b in range(k, full_k):  # taken: keep the cached ones as fresh as if they had been
+                    self.full.touch(self.full.lookup(hashes[b]))
         if k == 0:
             return 0
         if self.full is not None:
@@ -291,6 +316,27 @@ class BlockManager:
                                      for j in range(seq.sliding_first, k))
         seq.num_computed, seq.num_registered = k * self.block_size, k
         return k * self.block_size
+
+    def _kept_sliding(self, seq: Sequence, first_block: int, pages) -> set[int]:
+        """Of the sliding pages holding blocks first_block, first_block + 1, ... of `seq`, those a later prompt is
+        likely to need: in the window before the end of this prompt (its next turn continues it whole) or before
+        a cut some prompt was seen to be cut at (a shared system prompt's end). A prompt's other windows are
+        needed only by a prompt that leaves it exactly there, and cost as many pages as its full layers do
+        (each 2k-token prompt ~128 pages), so they go first: four prompts of other tenants evicted a shared
+        2k-token prefix's window from 20b's sliding pool, while its full-layer pages stayed (2026-12-05)."""
+        if not self.prefix_caching or not pages:
+            return set()
+        hashes = self._hashes(seq)
+        ends = [len(seq.prompt_ids) // self.block_size]
+        span = cdiv(self.sliding_window, self.block_size) + 1  # blocks of the window before a cut, at most
+        last = min(first_block + len(pages) + span, len(hashes))
+        ends += [c for c in range(first_block + 1, last + 1) if hashes[c - 1] in self._cuts]
+        keep = set()
+        for i, page in enumerate(pages):
+            b = first_block + i
+            if b < len(hashes) and any(self._first_sliding_block(c) <= b < c for c in ends):
+                keep.add(page)
+        return keep
 
     def extend_from_host(self, seq: Sequence, budget: int) -> int:
         """After take_cached_prefix: take the blocks that follow from the host tier (or from the GPU, once a
@@ -419,7 +465,7 @@ class BlockManager:
         if self.full is not None:
             self.full.release(full)
         if self.sliding is not None:
-            self.sliding.release(seq.sliding_pages)
+            self.sliding.release(seq.sliding_pages, self._kept_sliding(seq, seq.sliding_first, seq.sliding_pages))
         seq.sliding_pages = deque()
         seq.sliding_first = 0
 

@@ -36,6 +36,24 @@ def test_pool_counts_holders_and_evicts_the_least_recently_freed_cached_page():
     assert pool.take(b) == b and pool.num_free == 0
 
 
+def test_pool_evicts_kept_pages_after_the_others_and_touch_refreshes_a_page():
+    pool = PagePool("sliding", 5)
+    pages = pool.allocate(5)
+    for p, name in zip(pages, b"ABCDE"):
+        pool.register(p, bytes([name]))
+    a, b, c, d, e = pages
+    pool.release([a, b], keep={a})  # a kept, b not
+    pool.release([c, d, e])
+    pool.touch(c)  # c: now the most recently freed of the others
+    assert pool.num_free == 5 and pool.num_cached == 5
+    assert pool.allocate(3) == [b, d, e]  # the others, least recently freed first
+    assert pool.allocate(1) == [c] and pool.allocate(1) == [a]  # kept last
+    assert pool.num_free == 0
+    pool.release([a], keep={a})
+    assert pool.lookup(b"A") is None  # (a lost its name when evicted: released unnamed, it is just free)
+    assert pool.take(pool.allocate(1)[0]) == a
+
+
 def prompts(n: int) -> list[list[int]]:
     return [SYSTEM + random_prompt(3 + 5 * i, 910 + i) for i in range(n)]
 
@@ -287,3 +305,36 @@ def test_same_prompts_arriving_together_compute_the_prefix_once(make_engine):
     want = generate(make_engine(max_num_batched_tokens=128), reqs, one_by_one=False)
     assert {k: v["ids"] for k, v in out.items()} == {k: v["ids"] for k, v in want.items()}
     assert engine.block_manager.usage()["prefix_hit_tokens"] == 2 * 7 * BLOCK
+
+
+def test_windows_before_likely_cuts_outlive_other_prompts_interior_windows(make_engine):
+    """The sliding pool is small (a batch's windows), and every prompt's prefill frees its interior windows into
+    it: with plain LRU four other prompts evicted a shared prefix's window and a conversation's last window while
+    their full-layer pages stayed. Kept longer now: the window before a prompt's end (its next turn continues it)
+    and before a cut some prompt was seen to be cut at (the first request that diverges after a shared system
+    prompt misses, and teaches the cut; the next one hits). Tokens stay those of the uncached engine."""
+    from dataclasses import replace
+
+    small = dict(num_full_pages=1024, num_sliding_pages=48, max_num_batched_tokens=32, max_model_len=192)
+    system = random_prompt(160, 930)  # 40 whole blocks
+    others = [random_prompt(150, 940 + i) for i in range(9)]  # other tenants' prompts: ~38 sliding pages each
+    turn1 = random_prompt(110, 960)
+    reqs = []
+    for i in range(3):  # a tenant's request after a shared system prompt, then three other tenants' prompts
+        reqs.append(replace(request(f"sys{i}", system + random_prompt(9, 950 + i), greedy(2)), cache_salt="a"))
+        if i == 0:
+            reqs.append(request("turn1", turn1, greedy(3)))
+        reqs += [replace(request(f"o{i}{j}", others[3 * i + j], greedy(2)), cache_salt=f"t{j}") for j in range(3)]
+    reqs.append(request("turn2", turn1 + [5, 6, 7] + random_prompt(20, 970), greedy(3)))
+    want = generate(make_engine(**small), reqs, one_by_one=True)
+    engine = make_engine(enable_prefix_caching=True, **small)
+    cached = {}
+    for r in reqs:
+        engine.add_request(r)
+        for rid, out in run_to_end(engine).items():
+            assert out["ids"] == want[rid]["ids"], rid
+        cached[r.request_id] = engine.block_manager.prefix_hit_tokens - sum(cached.values())
+    # sys1 diverges after the system prompt for the first time: a miss that notes the cut; sys2 hits it
+    assert (cached["sys0"], cached["sys1"], cached["sys2"]) == (0, 0, 160), cached
+    assert cached["turn2"] == 108, cached  # the whole blocks of turn 1's prompt (110 tokens)
+    assert_pool_full(engine)
