@@ -11,11 +11,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
     > "$LOGS/pip_struct.log" 2>&1 || { echo "serve wheels failed"; tail -5 "$LOGS/pip_struct.log"; }
 free -g | head -2
 step host_tier_120b 260 python3 -m bench.host_kv_tier --model gpt-oss-120b --modes gpu,gpu+host \
-    --register-gib 4,16,48 --out "$OUT/host_kv_tier_120b_h200.json"
+    --register-gib 16,48 --out "$OUT/host_kv_tier_120b_h200.json"
 tail -9 "$OUT/host_tier_120b.log"
+[ "${HOST_TIER_ONLY:-0}" = 1 ] && { pack_logs; exit 0; }
 step prefix_tenants_20b 120 python3 -m bench.prefix_cache --model gpt-oss-20b --tenants 4 \
     --out "$OUT/prefix_cache_tenants_20b_h200.json"
 tail -8 "$OUT/prefix_tenants_20b.log"
-step gpu_tests 400 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/engine tests/kernels
+# (ray is not on the device: the two engine test files that import it cannot be collected)
+step gpu_tests 400 python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/engine tests/kernels \
+    --ignore=tests/engine/test_parallel_ray.py --ignore=tests/engine/test_decode_front_choice.py
 tail -8 "$OUT/gpu_tests.log"
 pack_logs
