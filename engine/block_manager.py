@@ -44,6 +44,7 @@ def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = Non
         out.append(parent)
     return out
 
+
 MAX_CUTS = 65_536  # cut points remembered (BlockManager._cuts)
 
 
