@@ -28,10 +28,9 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 
 
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,
-                       transport: str, runs_prompts: bool = False) -> dict[str, Any]:
-    """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks;
-    for the deployment that runs prompts (`runs_prompts`), the prefix-affinity router when configured, and for
-    the prefill deployment the same router preferring the caller's node (`prefill_same_node`)."""
+                       transport: str) -> dict[str, Any]:
+    """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks, and
+    the prefix-affinity router where `router_kwargs` wants it."""
     # CUDA IPC opens a peer replica's GPU memory, so every GPU of the node must stay visible to torch;
     # each replica then picks its own GPU from Ray's assignment (placement.local_cuda_device).
     env = {NOSET_CUDA_VISIBLE_DEVICES: "1"} if transport == "cuda_ipc" else None
@@ -47,10 +46,8 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
     )
-    affinity = runs_prompts and config.enable_prefix_caching and config.prefix_routing
-    # a decode replica's calls to the prefill deployment: the K/V comes back to the caller's node
-    same_node = config.role_of(settings) == "prefill" and config.disaggregated and config.prefill_same_node
-    if affinity or same_node:
+    kwargs = router_kwargs(config, config.role_of(settings))
+    if kwargs is not None:
         try:  # Ray Serve's RequestRouter API (alpha; tested with ray 2.60)
             from ray.serve.config import RequestRouterConfig
 
@@ -58,10 +55,31 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
         except ImportError as err:
             raise ValueError(f"prefix_routing and prefill_same_node need Ray Serve's request router API, which this "
                              f"ray lacks ({err}); upgrade ray or set both false") from None
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
-            request_router_kwargs={"prefix_affinity": affinity, "same_node": same_node})
+        options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                                                               request_router_kwargs=kwargs)
     return options
+
+
+DECODE_IMBALANCE = 16  # a decode replica's queue is its batch (target 96 in serve_h200.yaml): 16 more is little
+
+
+def router_kwargs(config: ServeAppConfig, role: str) -> dict[str, Any] | None:
+    """The settings of the prefix-affinity router (serve_app/prefix_router.py) in front of the `role` deployment,
+    or None for Serve's default router:
+    - the deployment that runs prompts (prefill; decode when not disaggregated): prefix affinity (`prefix_routing`);
+    - prefill behind decode (disaggregated): the caller's node first (`prefill_same_node`);
+    - decode in front of prefill with `prefill_same_node`: prefix affinity with a looser load guard, so a
+      conversation's next turn goes back to the node whose prefill replicas hold its history (the prefill call
+      stays on the decode replica's node)."""
+    affinity = config.enable_prefix_caching and config.prefix_routing
+    if role == "prefill":
+        kwargs = {"prefix_affinity": affinity, "same_node": config.disaggregated and config.prefill_same_node}
+    elif not config.disaggregated:
+        kwargs = {"prefix_affinity": affinity, "same_node": False}
+    else:
+        kwargs = {"prefix_affinity": affinity and config.prefill_same_node, "same_node": False,
+                  "imbalance": DECODE_IMBALANCE}
+    return kwargs if kwargs["prefix_affinity"] or kwargs["same_node"] else None
 
 
 def build_app(args: dict[str, Any] | ServeAppConfig | None = None) -> Application:
@@ -122,9 +140,9 @@ def _model_deployments(config: ServeAppConfig, suffix: str = ""):
     prefill = None
     if config.disaggregated:
         prefill = serve.deployment(PrefillServer, name=PREFILL_NAME + suffix, **deployment_options(
-            config, config.prefill, device, transport, runs_prompts=True)).bind(resolved)
+            config, config.prefill, device, transport)).bind(resolved)
     return serve.deployment(DecodeServer, name=DECODE_NAME + suffix, **deployment_options(
-        config, config.decode, device, transport, runs_prompts=not config.disaggregated)).bind(prefill, resolved)
+        config, config.decode, device, transport)).bind(prefill, resolved)
 
 
 def _ingress_app(models: list[tuple[ServeAppConfig, Any]], settings: IngressSettings) -> Application:

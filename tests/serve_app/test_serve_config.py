@@ -301,16 +301,15 @@ def test_prefix_caching_reaches_the_engine():
     assert ServeAppConfig.from_args({"enable_prefix_caching": "false"}).engine_config("cpu").enable_prefix_caching is False
 
 
-def test_prefix_router_goes_on_the_deployment_that_runs_prompts():
+def test_prefix_router_goes_where_prompts_run_and_in_front_of_them():
     from serve_app.builder import deployment_options
     from serve_app.prefix_router import PrefixAffinityRouter
 
     def router(args, role="prefill"):
-        """(router class, its kwargs) of the `role` deployment's options, or None for Serve's default router."""
+        """The router kwargs of the `role` deployment's options, or None for Serve's default router."""
         config = ServeAppConfig.from_args(args)
-        settings = config.prefill if role == "prefill" else config.decode
-        runs_prompts = role == "prefill" or not config.disaggregated
-        options = deployment_options(config, settings, "cpu", "object_store", runs_prompts=runs_prompts)
+        options = deployment_options(config, config.prefill if role == "prefill" else config.decode, "cpu",
+                                     "object_store")
         rc = options.get("request_router_config")
         if rc is None:
             return None
@@ -319,12 +318,15 @@ def test_prefix_router_goes_on_the_deployment_that_runs_prompts():
         return rc.request_router_kwargs
 
     assert router({}) == {"prefix_affinity": True, "same_node": True}
-    assert router({}, role="decode") is None  # decode behind a prefill deployment: Serve's default
+    # decode in front of prefill: affinity with a looser guard, so a conversation returns to its node
+    assert router({}, role="decode") == {"prefix_affinity": True, "same_node": False, "imbalance": 16}
     assert router({"disaggregated": "false"}, role="decode") == {"prefix_affinity": True, "same_node": False}
     # the prefill deployment keeps the caller's node first without the prefix cache or its routing
     assert router({"prefix_routing": "false"}) == {"prefix_affinity": False, "same_node": True}
     assert router({"enable_prefix_caching": "false"}) == {"prefix_affinity": False, "same_node": True}
+    assert router({"prefix_routing": "false"}, role="decode") is None
     assert router({"prefill_same_node": "false"}) == {"prefix_affinity": True, "same_node": False}
+    assert router({"prefill_same_node": "false"}, role="decode") is None  # any node's prefill replica: Serve's
     assert router({"prefix_routing": "false", "prefill_same_node": "false"}) is None
     assert router({"disaggregated": "false", "prefix_routing": "false"}, role="decode") is None
 
