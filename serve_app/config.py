@@ -145,7 +145,9 @@ class ServeAppConfig(_Settings):
     prefix_routing: bool = Field(
         True, description="With prefix caching: route a prompt to the replica that ran its longest known "
                           "prefix while that replica's queue is within 4 of the shortest (serve_app/prefix_router.py; "
-                          "the prefill deployment, or decode when not disaggregated), else power of two choices.")
+                          "the prefill deployment, or decode when not disaggregated), else power of two choices; "
+                          "disaggregated with prefill_same_node, the decode deployment too (within 16), so a "
+                          "conversation's next turn returns to the node holding its history.")
     prefill_same_node: bool = Field(
         True, description="Disaggregated: a decode replica sends its prompts to a prefill replica on its own node "
                           "while one there is within 4 requests of the least busy (the ones holding the prompt's "
