@@ -68,9 +68,9 @@ def router_kwargs(config: ServeAppConfig, role: str) -> dict[str, Any] | None:
     or None for Serve's default router:
     - the deployment that runs prompts (prefill; decode when not disaggregated): prefix affinity (`prefix_routing`);
     - prefill behind decode (disaggregated): the caller's node first (`prefill_same_node`);
-    - decode in front of prefill with `prefill_same_node`: prefix affinity with a looser load guard, so a
-      conversation's next turn goes back to the node whose prefill replicas hold its history (the prefill call
-      stays on the decode replica's node)."""
+    - decode in front of prefill with `prefill_same_node`: prefix affinity with a looser load guard while the decode
+      replicas span several nodes, so a conversation's next turn goes back to the node whose prefill replicas hold
+      its history (the prefill call stays on the decode replica's node); on one node, Serve's power of two choices."""
     affinity = config.enable_prefix_caching and config.prefix_routing
     if role == "prefill":
         kwargs = {"prefix_affinity": affinity, "same_node": config.disaggregated and config.prefill_same_node}
@@ -78,7 +78,7 @@ def router_kwargs(config: ServeAppConfig, role: str) -> dict[str, Any] | None:
         kwargs = {"prefix_affinity": affinity, "same_node": False}
     else:
         kwargs = {"prefix_affinity": affinity and config.prefill_same_node, "same_node": False,
-                  "imbalance": DECODE_IMBALANCE}
+                  "imbalance": DECODE_IMBALANCE, "across_nodes_only": True}
     return kwargs if kwargs["prefix_affinity"] or kwargs["same_node"] else None
 
 

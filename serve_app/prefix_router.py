@@ -140,11 +140,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     power of two choices (module doc)."""
 
     def initialize_state(self, block_tokens: int = BLOCK_TOKENS, max_entries: int = MAX_ENTRIES,
-                         imbalance: int = IMBALANCE, prefix_affinity: bool = True, same_node: bool = False, **kwargs):
-        """prefix_affinity: route by remembered prefixes; same_node: the caller's node first (module doc)."""
+                         imbalance: int = IMBALANCE, prefix_affinity: bool = True, same_node: bool = False,
+                         across_nodes_only: bool = False, **kwargs):
+        """prefix_affinity: route by remembered prefixes (across_nodes_only: only while the replicas are on more
+        than one node); same_node: the caller's node first (module doc)."""
         self.block_tokens = block_tokens
         self.imbalance = imbalance
         self.prefix_affinity = prefix_affinity
+        self.across_nodes_only = across_nodes_only
         self.node_id = None  # the caller's node (the router lives in the caller's process)
         if same_node:
             import ray
@@ -183,7 +186,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id: r for r in candidate_replicas}
         holders: list[Any] = []
-        if self.prefix_affinity:
+        if self.prefix_affinity and not (self.across_nodes_only and len({r.node_id for r in candidate_replicas}) < 2):
             # (salted as the engines' prefix caches are: a salt's prompts go where that salt's prefix is)
             hashes = prefix_block_hashes(request.prompt_ids, self.block_tokens, MAX_BLOCKS, request.cache_salt)
             self._hashes[id(pending_request)] = hashes

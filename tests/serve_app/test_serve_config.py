@@ -319,7 +319,8 @@ def test_prefix_router_goes_where_prompts_run_and_in_front_of_them():
 
     assert router({}) == {"prefix_affinity": True, "same_node": True}
     # decode in front of prefill: affinity with a looser guard, so a conversation returns to its node
-    assert router({}, role="decode") == {"prefix_affinity": True, "same_node": False, "imbalance": 16}
+    assert router({}, role="decode") == {"prefix_affinity": True, "same_node": False, "imbalance": 16,
+                                         "across_nodes_only": True}
     assert router({"disaggregated": "false"}, role="decode") == {"prefix_affinity": True, "same_node": False}
     # the prefill deployment keeps the caller's node first without the prefix cache or its routing
     assert router({"prefix_routing": "false"}) == {"prefix_affinity": False, "same_node": True}
