@@ -90,7 +90,7 @@ def copy_rate(engine: LLMEngine, pages: int) -> dict:
     """Pages 0..n-1 of both kinds to host slots 0..n-1, then back into pages n..2n-1: microseconds, GB/s and
     whether the bytes came back (run on an idle engine: it overwrites pages the block manager may still name)."""
     runner, cuda = engine.runner, engine.runner.device.type == "cuda"
-    n = min(pages, runner.host_kv.k[0].shape[0], min(t.shape[0] for t in runner.kv_cache.k) // 2)
+    n = min(pages, min(t.shape[0] for t in runner.host_kv.k), min(t.shape[0] for t in runner.kv_cache.k) // 2)
     kinds = [k for k, present in (("full", runner.has_full), ("sliding", runner.has_sliding)) if present]
     for t in [*runner.kv_cache.k, *runner.kv_cache.v]:
         t[:n].view(torch.uint8).random_(0, 256)

@@ -73,7 +73,7 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}  # block hash -> page
         self._evictable: OrderedDict[int, None] = OrderedDict()  # no holder, still hashed; oldest first
         self._kept: OrderedDict[int, None] = OrderedDict()  # the same, released with `keep`: evicted after those
-        self.on_evict = None  # called (page, block hash) when an allocation evicts a cached block (the host tier)
+        self.on_evict = None  # called (page, block hash, kept) when an allocation evicts a cached block (host tier)
 
     @property
     def num_free(self) -> int:
@@ -96,11 +96,12 @@ class PagePool:
             if self._free:
                 p = self._free.pop()
             else:  # evict the least recently freed cached block (kept ones last)
-                p, _ = (self._evictable or self._kept).popitem(last=False)
+                kept = not self._evictable
+                p, _ = (self._kept if kept else self._evictable).popitem(last=False)
                 block_hash = self._hash_of.pop(p)
                 del self._page_of[block_hash]
                 if self.on_evict is not None:
-                    self.on_evict(p, block_hash)
+                    self.on_evict(p, block_hash, kept)
             self._refs[p] = 1
             pages.append(p)
         return pages
@@ -151,12 +152,12 @@ class BlockManager:
     """Allocates and frees the pages of sequences in both pools.
 
     A model without layers of one kind (a 1-layer test model has no full layer) gets no pool for it,
-    and that kind never limits scheduling. `host_slots` > 0 (with prefix caching) adds the host tier: that
-    many host slots per kind of layer."""
+    and that kind never limits scheduling. `host_slots` (full, sliding) > 0 (with prefix caching) adds the host
+    tier: that many host slots of each kind (engine/host_kv_tier.host_slots_for)."""
 
     def __init__(self, block_size: int, sliding_window: int, num_full_pages: int, num_sliding_pages: int,
                  has_full: bool = True, has_sliding: bool = True, prefix_caching: bool = False,
-                 host_slots: int = 0):
+                 host_slots: tuple[int, int] = (0, 0)):
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.full = PagePool("full", num_full_pages) if has_full else None
@@ -170,17 +171,21 @@ class BlockManager:
         # hashes of blocks that end a prefix some prompt was cut at (a hit, or a full-layer hit the sliding
         # window missed): their windows are kept longer (_kept_sliding); least recently noted out
         self._cuts: OrderedDict[bytes, None] = OrderedDict()
-        if host_slots and prefix_caching:
-            for pool in (self.full, self.sliding):
-                if pool is not None:
-                    self.host[pool.kind] = HostPool(pool.kind, host_slots)
+        if any(host_slots) and prefix_caching:
+            for pool, slots in zip((self.full, self.sliding), host_slots):
+                if pool is not None and slots:
+                    self.host[pool.kind] = HostPool(pool.kind, slots)
                     pool.on_evict = self._offloader(pool.kind)
 
     def _offloader(self, kind: str):
         host, moves = self.host[kind], self.moves
 
-        def offload(page: int, block_hash: bytes) -> None:
-            """An evicted cached block: copy it to a host slot, unless the host tier holds it already."""
+        def offload(page: int, block_hash: bytes, kept: bool) -> None:
+            """An evicted cached block: copy it to a host slot, unless the host tier holds it already; of the
+            sliding pool only the windows it kept (the others a later prompt needs only if it leaves this one
+            exactly there: the first prompt to do so computes it, and its window is kept from then on)."""
+            if kind == "sliding" and not kept:
+                return
             slot = host.lookup(block_hash)
             if slot is not None:
                 host.touch(slot)
@@ -320,15 +325,16 @@ class BlockManager:
 
     def _kept_sliding(self, seq: Sequence, first_block: int, pages) -> set[int]:
         """Of the sliding pages holding blocks first_block, first_block + 1, ... of `seq`, those a later prompt is
-        likely to need: in the window before the end of this prompt (its next turn continues it whole) or before
-        a cut some prompt was seen to be cut at (a shared system prompt's end). A prompt's other windows are
+        likely to need: in the window before the end of this prompt (its next turn continues it whole, the same
+        prompt again stops a token short) or before a cut some prompt was seen to be cut at (a shared system prompt's end). A prompt's other windows are
         needed only by a prompt that leaves it exactly there, and cost as many pages as its full layers do
         (each 2k-token prompt ~128 pages), so they go first: four prompts of other tenants evicted a shared
         2k-token prefix's window from 20b's sliding pool, while its full-layer pages stayed (2026-12-05)."""
         if not self.prefix_caching or not pages:
             return set()
         hashes = self._hashes(seq)
-        ends = [len(seq.prompt_ids) // self.block_size]
+        # the prompt's whole blocks: where a next turn cuts it; one block less: where the same prompt again does
+        ends = [len(seq.prompt_ids) // self.block_size, (len(seq.prompt_ids) - 1) // self.block_size]
         span = cdiv(self.sliding_window, self.block_size) + 1  # blocks of the window before a cut, at most
         last = min(first_block + len(pages) + span, len(hashes))
         ends += [c for c in range(first_block + 1, last + 1) if hashes[c - 1] in self._cuts]

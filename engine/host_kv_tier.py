@@ -24,13 +24,28 @@ from engine.config import EngineConfigError
 KINDS = ("full", "sliding")
 
 
-def host_slots_for(host_bytes: int, page_bytes: tuple[int, int]) -> int:
-    """Slots per kind of layer that `host_bytes` hold: a slot of each kind per page pair (a kind the model lacks
-    costs 0 bytes)."""
-    pair = sum(page_bytes)
-    if host_bytes and host_bytes < pair:
-        raise EngineConfigError(f"host_kv_cache_bytes={host_bytes} holds no page: one of each kind takes {pair} bytes")
-    return host_bytes // pair if host_bytes else 0
+SLIDING_SLOTS_PER_FULL_SLOT = 0.25
+
+
+def host_slots_for(host_bytes: int, page_bytes: tuple[int, int]) -> tuple[int, int]:
+    """(full, sliding) host slots that `host_bytes` hold (a kind the model lacks: 0 slots, 0 bytes). The full pool
+    sends the host every page of a cached prefix, the sliding pool only the windows it keeps (before a prompt's end
+    or a cut: ~9 pages of 16 tokens; BlockManager._kept_sliding), so a sliding slot per 4 full ones: room for the
+    windows of prefixes of 36 blocks (576 tokens) or more, and 1.6x the prefixes of an even split."""
+    full_b, sliding_b = page_bytes
+    if not host_bytes:
+        return 0, 0
+    if not full_b or not sliding_b:
+        n = host_bytes // (full_b or sliding_b)
+        full, sliding = (n, 0) if full_b else (0, n)
+    else:
+        full = int(host_bytes // (full_b + SLIDING_SLOTS_PER_FULL_SLOT * sliding_b))
+        sliding = int(full * SLIDING_SLOTS_PER_FULL_SLOT)
+    if not (full or sliding) or (full_b and sliding_b and not sliding):
+        raise EngineConfigError(f"host_kv_cache_bytes={host_bytes} is too small for the host tier: it takes "
+                                f"{full_b + sliding_b} bytes per page of each kind, and a sliding page per "
+                                f"{1 / SLIDING_SLOTS_PER_FULL_SLOT:g} full ones")
+    return full, sliding
 
 
 class HostPool:

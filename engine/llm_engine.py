@@ -103,8 +103,8 @@ class LLMEngine:
             raise EngineConfigError(too_small)
         with device_current(self.runner.device):  # seconds per bucket: decode graphs by batch, prefill ones by tokens
             self.runner.allocate_kv_cache(num_full, num_sliding)
-            if host_slots:
-                self.runner.allocate_host_kv(host_slots)
+            if any(host_slots):
+                self.runner.allocate_host_kv(*host_slots)
             self.graph_capture_seconds, self.prefill_graph_capture_seconds = self.runner.capture_graphs(config)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(mc.vocab_size, model.device, penalty_exempt_from=HARMONY_FIRST_SPECIAL_ID

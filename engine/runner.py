@@ -121,11 +121,11 @@ class ModelRunner:
                                               self.device)
         self.model.backend.bind_cache(self.kv_cache)
 
-    def allocate_host_kv(self, num_slots: int) -> None:
-        """The host tier's storage (engine/host_kv_tier.py): `num_slots` pages of each kind, laid out as the
-        GPU cache, in pinned memory when the cache is on a GPU (the copy kernel addresses it directly)."""
-        self.host_kv = PagedKVCache.allocate(self.layer_is_sliding, num_slots, num_slots, self.block_size,
-                                             self.kv_heads, self.head_dim, self.kv_dtype, "cpu",
+    def allocate_host_kv(self, num_full_slots: int, num_sliding_slots: int) -> None:
+        """The host tier's storage (engine/host_kv_tier.py): that many pages of each kind, laid out as the GPU
+        cache, in pinned memory when the cache is on a GPU (the copy kernel addresses it directly)."""
+        self.host_kv = PagedKVCache.allocate(self.layer_is_sliding, num_full_slots, num_sliding_slots,
+                                             self.block_size, self.kv_heads, self.head_dim, self.kv_dtype, "cpu",
                                              pin_memory=self.device.type == "cuda")
 
     @torch.inference_mode()

@@ -62,10 +62,10 @@ class DistributedRunner(ModelRunner):
             channel.send(Op.ALLOCATE, np.array([num_full_pages, num_sliding_pages], dtype=np.int64))
             super().allocate_kv_cache(num_full_pages, num_sliding_pages)
 
-    def allocate_host_kv(self, num_slots: int) -> None:
+    def allocate_host_kv(self, num_full_slots: int, num_sliding_slots: int) -> None:
         with self.executor.guard("host K/V tier allocation", self) as channel:
-            channel.send(Op.ALLOCATE_HOST, np.array([num_slots], dtype=np.int64))
-            super().allocate_host_kv(num_slots)
+            channel.send(Op.ALLOCATE_HOST, np.array([num_full_slots, num_sliding_slots], dtype=np.int64))
+            super().allocate_host_kv(num_full_slots, num_sliding_slots)
 
     def apply_kv_moves(self, batches) -> None:
         with self.executor.guard("host K/V tier copies", self) as channel:

@@ -202,7 +202,7 @@ class RankWorker:
             elif op is Op.ALLOCATE:
                 self.runner.allocate_kv_cache(int(payload[0]), int(payload[1]))
             elif op is Op.ALLOCATE_HOST:
-                self.runner.allocate_host_kv(int(payload[0]))
+                self.runner.allocate_host_kv(int(payload[0]), int(payload[1]))
             elif op is Op.KV_MOVES:
                 self.runner.apply_kv_moves(unpack_moves(payload))
             elif op is Op.CAPTURE:  # rank 0 samples; with the vocabulary not split nobody else needs logits

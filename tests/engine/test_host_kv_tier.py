@@ -50,11 +50,14 @@ def test_moves_keep_decision_order_and_batch_only_independent_copies():
 
 
 def test_slots_per_kind_come_from_the_byte_budget():
-    assert host_slots_for(0, (100, 50)) == 0
-    assert host_slots_for(1000, (100, 50)) == 6
-    assert host_slots_for(1000, (0, 50)) == 20  # a model without full layers
-    with pytest.raises(ValueError, match="holds no page"):
-        host_slots_for(149, (100, 50))
+    """A sliding slot per 4 full ones: the sliding pool sends the host only the windows it keeps."""
+    assert host_slots_for(0, (100, 50)) == (0, 0)
+    assert host_slots_for(1000, (100, 50)) == (8, 2)  # 8 x 100 + 2 x 50 bytes
+    assert host_slots_for(10_000, (100, 100)) == (80, 20)
+    assert host_slots_for(1000, (0, 50)) == (0, 20)  # a model without full layers
+    assert host_slots_for(1000, (100, 0)) == (10, 0)  # without sliding layers
+    with pytest.raises(ValueError, match="too small for the host tier"):
+        host_slots_for(449, (100, 50))  # 4 full pages, no sliding one
 
 
 def seq_of(rid: str, prompt: list[int]) -> Sequence:
@@ -74,12 +77,13 @@ def cached_prompt(bm: BlockManager, length: int) -> Sequence:
 def test_evicted_blocks_are_copied_out_and_taken_back_into_fresh_pages():
     """Block manager alone: a prompt's blocks evicted by another's allocation are recorded as copies to host
     slots; the prompt again takes them back (recorded as copies into fresh pages) with its sliding window."""
-    bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=8)
+    bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=(8, 8))
     first = cached_prompt(bm, 17)  # 4 whole blocks, then a token
     other = seq_of("b", random_prompt(24, 2))
     bm.allocate(other, 24)  # 6 pages of each kind: 4 of them were first's cached blocks
     out = bm.take_moves()
-    assert [(k, to_host, len(p)) for k, to_host, p, _ in out] == [("full", True, 4), ("sliding", True, 4)]
+    # full: every evicted block; sliding: only the window it kept (before the prompt's end: blocks 2 and 3)
+    assert [(k, to_host, len(p)) for k, to_host, p, _ in out] == [("full", True, 4), ("sliding", True, 2)]
     bm.free(other)  # (not registered: plain free pages again)
     again = seq_of("c", first.prompt_ids)
     assert bm.take_cached_prefix(again) == 0  # nothing left on the GPU
@@ -88,7 +92,7 @@ def test_evicted_blocks_are_copied_out_and_taken_back_into_fresh_pages():
     # full: every block; sliding: the window before the cut (positions 9 .. 15: blocks 2 and 3)
     assert [(k, to_host, len(p)) for k, to_host, p, _ in back] == [("full", False, 4), ("sliding", False, 2)]
     slots = {k: s for k, _, _, s in out}
-    assert back[0][3] == slots["full"] and back[1][3] == slots["sliding"][2:]
+    assert back[0][3] == slots["full"] and back[1][3] == slots["sliding"]
     assert list(again.full_pages) == back[0][2] and list(again.sliding_pages) == back[1][2]
     assert again.sliding_first == 2 and bm.usage()["host_hit_tokens"] == 16
     # the pages are cached again under their names: a second sequence finds them on the GPU
@@ -99,11 +103,11 @@ def test_evicted_blocks_are_copied_out_and_taken_back_into_fresh_pages():
 
 def test_a_model_without_full_layers_extends_by_its_sliding_window_alone():
     bm = BlockManager(BLOCK, 8, num_full_pages=0, num_sliding_pages=6, has_full=False, prefix_caching=True,
-                      host_slots=8)
+                      host_slots=(0, 8))
     first = cached_prompt(bm, 17)
     other = seq_of("b", random_prompt(24, 2))
-    bm.allocate(other, 24)  # evicts all 4 cached blocks (copied out)
-    assert [(k, to_host, len(p)) for k, to_host, p, _ in bm.take_moves()] == [("sliding", True, 4)]
+    bm.allocate(other, 24)  # evicts all 4 cached blocks (the kept window, blocks 2 and 3, copied out)
+    assert [(k, to_host, len(p)) for k, to_host, p, _ in bm.take_moves()] == [("sliding", True, 2)]
     bm.free(other)
     again = seq_of("c", first.prompt_ids)
     assert bm.take_cached_prefix(again) == 0 and bm.extend_from_host(again, budget=16) == 16
@@ -113,7 +117,7 @@ def test_a_model_without_full_layers_extends_by_its_sliding_window_alone():
 
 def test_extension_leaves_room_for_the_first_chunk():
     """Host blocks are taken back only as far as the pool keeps pages for a chunk after them."""
-    bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=8)
+    bm = BlockManager(BLOCK, 8, num_full_pages=6, num_sliding_pages=6, prefix_caching=True, host_slots=(8, 8))
     first = cached_prompt(bm, 21)  # 5 whole blocks, then a token
     bm.allocate(seq_of("b", random_prompt(24, 2)), 24)  # evicts every cached block; holds all 6 pages
     bm.take_moves()
@@ -197,7 +201,8 @@ def test_concurrent_requests_under_eviction_and_preemption_keep_the_tokens(make_
     assert {k: got[k]["ids"] for k in want} == {k: v["ids"] for k, v in want.items()}
     assert all(got[f"again{i}"]["ids"] == want[r.request_id]["ids"] for i, r in enumerate(reqs))
     usage = engine.block_manager.usage()
-    assert usage["host_full_slots_used"] <= 8 and usage["host_pages_stored"] > 8  # slots were reused
+    total = usage["host_full_slots_total"] + usage["host_sliding_slots_total"]
+    assert usage["host_full_slots_used"] <= usage["host_full_slots_total"] and usage["host_pages_stored"] > total
     assert usage["host_hit_tokens"] > 0 and gave_back == []
     assert_pool_full(engine)
 
@@ -242,7 +247,9 @@ def test_host_tier_over_two_ranks(tiny_dir, make_engine):
     finally:
         ex.shutdown()
     assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
-    assert usage["host_hit_tokens"] > 0 and usage["host_full_slots_total"] == 64  # per-rank pages are half the size
+    # per-rank pages are half the size: twice the slots of one process's 32 pairs' bytes, a quarter of them sliding
+    assert usage["host_hit_tokens"] > 0 and (usage["host_full_slots_total"], usage["host_sliding_slots_total"]) \
+        == host_slots_for(32 * pair, tuple(b // 2 for b in make_engine(tp_size=1).runner.page_bytes())) == (102, 25)
 
 
 def test_host_tier_reaches_the_prometheus_scrape(host_engine):
@@ -262,7 +269,8 @@ def test_host_tier_reaches_the_prometheus_scrape(host_engine):
     assert sample[("gptoss_engine_prefix_cache_host_hit_tokens_total", (("replica", "r"),))] \
         == usage["host_hit_tokens"] > 0
     assert sample[("gptoss_engine_host_kv_pages_stored_total", (("replica", "r"),))] == usage["host_pages_stored"] > 0
-    assert sample[("gptoss_engine_host_kv_slots", (("pool", "full"), ("replica", "r"), ("state", "total")))] == 64
+    assert sample[("gptoss_engine_host_kv_slots", (("pool", "full"), ("replica", "r"), ("state", "total")))] \
+        == usage["host_full_slots_total"] == 102  # 64 pairs' bytes: a sliding page per 4 full ones
 
 
 def test_bad_host_tier_settings_are_config_errors(make_engine):
@@ -270,7 +278,7 @@ def test_bad_host_tier_settings_are_config_errors(make_engine):
         EngineConfig(host_kv_cache_bytes=-1)
     with pytest.raises(EngineConfigError, match="needs enable_prefix_caching"):
         EngineConfig(host_kv_cache_bytes=1 << 20, enable_prefix_caching=False)
-    with pytest.raises(EngineConfigError, match="holds no page"):
+    with pytest.raises(EngineConfigError, match="too small for the host tier"):
         make_engine(enable_prefix_caching=True, host_kv_cache_bytes=1)
 
 
