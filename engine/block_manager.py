@@ -326,10 +326,11 @@ class BlockManager:
     def _kept_sliding(self, seq: Sequence, first_block: int, pages) -> set[int]:
         """Of the sliding pages holding blocks first_block, first_block + 1, ... of `seq`, those a later prompt is
         likely to need: in the window before the end of this prompt (its next turn continues it whole, the same
-        prompt again stops a token short) or before a cut some prompt was seen to be cut at (a shared system prompt's end). A prompt's other windows are
-        needed only by a prompt that leaves it exactly there, and cost as many pages as its full layers do
-        (each 2k-token prompt ~128 pages), so they go first: four prompts of other tenants evicted a shared
-        2k-token prefix's window from 20b's sliding pool, while its full-layer pages stayed (2026-12-05)."""
+        prompt again stops a token short) or before a cut some prompt was seen to be cut at (a shared system
+        prompt's end). A prompt's other windows are needed only by a prompt that leaves it exactly there, and
+        cost as many pages as its full layers do (each 2k-token prompt ~128 pages), so they go first: four
+        prompts of other tenants evicted a shared 2k-token prefix's window from 20b's sliding pool, while its
+        full-layer pages stayed (2026-12-05)."""
         if not self.prefix_caching or not pages:
             return set()
         hashes = self._hashes(seq)
