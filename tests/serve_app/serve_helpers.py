@@ -67,6 +67,14 @@ def stop_ray() -> None:
             ray.shutdown()
 
 
+def growing_conversation(rng, first: int, turns: int) -> list[list[int]]:
+    """Prompts of a conversation: `first` random token ids, then `turns` more, each the previous plus 20-59 new."""
+    prompts = [[rng.randrange(200000) for _ in range(first)]]
+    for _ in range(turns):
+        prompts.append(prompts[-1] + [rng.randrange(200000) for _ in range(rng.randrange(20, 60))])
+    return prompts
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

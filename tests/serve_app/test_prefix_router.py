@@ -13,7 +13,7 @@ from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
 from engine.block_manager import prefix_block_hashes as prefix_hashes
 from serve_app.prefix_router import PrefixTable, first_choices, near_holders, request_of
-from tests.serve_app.serve_helpers import collect, run_async, start_ray, stop_ray
+from tests.serve_app.serve_helpers import collect, growing_conversation, run_async, start_ray, stop_ray
 
 APP = "prefix_routing"
 BLOCK = 16  # the engine's page size in the served config
@@ -118,9 +118,7 @@ def test_a_growing_conversation_stays_on_the_replica_with_its_pages(two_decode_r
     seed = random.randrange(2**32)
     print(f"seed {seed}")
     rng = random.Random(seed)
-    prompts = [[rng.randrange(200000) for _ in range(150)]]
-    for _ in range(6):  # each turn: the previous prompt plus 20-59 new tokens
-        prompts.append(prompts[-1] + [rng.randrange(200000) for _ in range(rng.randrange(20, 60))])
+    prompts = growing_conversation(rng, 150, 6)
     cached = []
     for turn, prompt in enumerate(prompts):
         request = GenerateRequest(f"turn{turn}-{seed}", prompt, SamplingParams(temperature=0.0, max_tokens=2,

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
-from tests.serve_app.serve_helpers import ROOT, collect, free_port, run_async, wait_until
+from tests.serve_app.serve_helpers import ROOT, collect, free_port, growing_conversation, run_async, wait_until
 
 APP = "locality"
 BLOCK = 16  # the engine's page size in the served config
@@ -91,9 +91,7 @@ def test_a_growing_conversation_returns_to_the_node_holding_its_history(two_node
     seed = random.randrange(2**32)
     print(f"seed {seed}")
     rng = random.Random(seed)
-    prompts = [[rng.randrange(200000) for _ in range(100)]]
-    for _ in range(5):  # each turn: the previous prompt plus 20-59 new tokens
-        prompts.append(prompts[-1] + [rng.randrange(200000) for _ in range(rng.randrange(20, 60))])
+    prompts = growing_conversation(rng, 100, 5)
     rids = [f"turn{t}-{seed}" for t in range(len(prompts))]
     cached = [run(two_nodes, rid, prompt) for rid, prompt in zip(rids, prompts)]
     # every whole page of the previous turn's prompt: only the prefill replica that ran it holds them, and a
