@@ -48,7 +48,6 @@ class DecodeServer:
         self.metrics = ServerMetrics("decode", self.config.served_model_name)
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
         self.fallbacks: Counter[str] = Counter()  # by reason (_reason)
-        self.num_transfers = 0
         self.transfers_by_node: Counter[str] = Counter()  # "same": the prefill replica ran on this node; "other"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -132,7 +131,6 @@ class DecodeServer:
         stats = self.transport.last_stats
         total_s = handle.pack_ms / 1e3 + (time.perf_counter() - t_recv)
         node = "same" if handle.node_id == offer.node_id else "other"
-        self.num_transfers += 1
         self.transfers_by_node[node] += 1
         self.metrics.observe_transfer(handle.kind, handle.nbytes, total_s, node)
         log.info("kv transfer %s: %d bytes via %s from %s node, pack %.2f ms + receive %.2f ms (waiting for the "
@@ -164,8 +162,9 @@ class DecodeServer:
 
     def stats(self) -> dict:
         """Debug: pool usage and counters of this replica's engine, transfers and fallbacks."""
-        out = {"device": self.device, "transport": self.transport.name, "transfers": self.num_transfers,
-               "transfers_by_node": dict(self.transfers_by_node), "fallbacks": sum(self.fallbacks.values()), "fallback_reasons": dict(self.fallbacks),
+        out = {"device": self.device, "transport": self.transport.name,
+               "transfers": sum(self.transfers_by_node.values()), "transfers_by_node": dict(self.transfers_by_node),
+               "fallbacks": sum(self.fallbacks.values()), "fallback_reasons": dict(self.fallbacks),
                **engine_stats(self.engine)}
         if isinstance(self.transport, CudaIpcTransport):
             out["cuda_ipc_arena_free_bytes"] = self.transport.arena_free_bytes

@@ -75,7 +75,7 @@ class RegisteredHostBuffer:
     buffer therefore starts zeroed."""
 
     def __init__(self, numel: int, dtype: torch.dtype):
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if not nbytes:
             self.tensor = torch.empty(0, dtype=dtype)
         else:
