@@ -15,6 +15,8 @@ and what the tests compare against.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -34,15 +36,40 @@ def copy_pages_reference(srcs: list[torch.Tensor], src_pages, dsts: list[torch.T
         dst.view(torch.uint8).index_copy_(0, dst_idx.to(dst.device), rows.to(dst.device))
 
 
+CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # (cuda.h's CUdevice_attribute)
+
+
+@functools.cache
+def kernels_read_host_pointers(device_index: int) -> bool:
+    """Whether kernels on CUDA device `device_index` may dereference a registered host allocation at its host
+    address (the driver's CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM; true on x86 Linux hosts with unified
+    addressing, as on the H100 / H200 machines seen). Where it is false the kernel would fault, so page copies
+    that touch pinned host memory take the torch path (copy_pages_reference) there. False without a driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    device, value = ctypes.c_int(), ctypes.c_int()
+    if driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), device_index):
+        return False
+    if driver.cuDeviceGetAttribute(ctypes.byref(value), CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+                                   device):
+        return False
+    return value.value == 1
+
+
 def _fits_kernel(srcs: list[torch.Tensor], dsts: list[torch.Tensor], use_kernel: bool | None) -> bool:
     """use_kernel None: the kernel where a CUDA tensor is involved and every tensor is CUDA or pinned; True also
     on CPU tensors (Triton's interpreter, tests/kernels/kv_pages_interpreter_cases.py)."""
     tensors = [*srcs, *dsts]
     if not tensors or use_kernel is False:
         return False
-    if use_kernel is None and not (any(t.is_cuda for t in tensors)
-                                   and all(t.is_cuda or t.is_pinned() for t in tensors)):
-        return False
+    if use_kernel is None:
+        cuda = next((t.device for t in tensors if t.is_cuda), None)
+        if cuda is None or not all(t.is_cuda or t.is_pinned() for t in tensors):
+            return False
+        if not all(t.is_cuda for t in tensors) and not kernels_read_host_pointers(cuda.index):
+            return False
     words = _page_words(srcs[0])
     return words > 0 and all(t.is_contiguous() and t.data_ptr() % 8 == 0 and _page_words(t) == words
                              for t in tensors)

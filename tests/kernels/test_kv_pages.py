@@ -110,3 +110,28 @@ def test_pageable_host_memory_takes_the_twin():
     kv_pages.copy_pages(srcs, src_pages, host, slots)
     for h, s in zip(host, srcs):
         assert torch.equal(h[slots].view(torch.uint8), s[src_pages].cpu().view(torch.uint8))
+
+
+def test_without_a_driver_host_pointers_are_not_assumed_readable():
+    """No libcuda (this CPU machine) or no such device: the answer is False (the torch path), not an error."""
+    if torch.cuda.is_available():
+        pytest.skip("a driver is present: the GPU test below asks it")
+    assert kv_pages.kernels_read_host_pointers(0) is False
+    assert kv_pages.kernels_read_host_pointers(10_000) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_device_that_cannot_use_host_pointers_takes_the_twin(monkeypatch):
+    """The H100 / H200 hosts report CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM; where a device does not, pinned
+    pages go through the twin (the kernel would fault), with the same bytes."""
+    assert kv_pages.kernels_read_host_pointers(torch.cuda.current_device()) is True
+    srcs, host, src_pages, slots = make_pages(7, torch.bfloat16, layers=2, src_blocks=9, dst_blocks=11,
+                                              src_device="cuda", dst_pinned=True)
+    assert kv_pages._fits_kernel(srcs, host, None)
+    monkeypatch.setattr(kv_pages, "kernels_read_host_pointers", lambda index: False)
+    assert not kv_pages._fits_kernel(srcs, host, None)
+    kv_pages.copy_pages(srcs, src_pages, host, slots)
+    torch.cuda.synchronize()
+    for h, s in zip(host, srcs):
+        assert torch.equal(h[slots].view(torch.uint8), s[src_pages].cpu().view(torch.uint8))
