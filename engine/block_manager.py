@@ -169,7 +169,8 @@ class BlockManager:
         self.host: dict[str, HostPool] = {}  # kind -> its host pool (the host tier; empty: none)
         self.moves = KVMoves()  # page copies decided, not yet performed (the runner takes them before a step)
         # hashes of blocks that end a prefix some prompt was cut at (a hit, or a full-layer hit the sliding
-        # window missed): their windows are kept longer (_kept_sliding); least recently noted out
+        # window missed) or that a request's cache_cuts named: their windows are kept longer (_kept_sliding);
+        # least recently noted out
         self._cuts: OrderedDict[bytes, None] = OrderedDict()
         if any(host_slots) and prefix_caching:
             for pool, slots in zip((self.full, self.sliding), host_slots):
@@ -304,7 +305,10 @@ class BlockManager:
         if self.sliding is not None:
             while k and any(self.sliding.lookup(hashes[j]) is None for j in range(self._first_sliding_block(k), k)):
                 k -= 1
-            for cut in {full_k, k} - {0}:  # where this prompt leaves the cached ones: keep windows there
+            # where this prompt leaves the cached ones, and where its sender expects others to leave it: keep
+            # the windows there
+            cuts = {full_k, k} | {p // self.block_size for p in seq.cache_cuts if p // self.block_size <= len(hashes)}
+            for cut in cuts - {0}:
                 self._cuts[hashes[cut - 1]] = None
                 self._cuts.move_to_end(hashes[cut - 1])
             while len(self._cuts) > MAX_CUTS:

@@ -165,7 +165,8 @@ class LLMEngine:
         if seed is None:
             seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(64)
         seq = Sequence(request.request_id, list(request.prompt_ids), request.sampling, seed,
-                       next(self._arrivals), prefill_only, priority=request.priority, cache_salt=request.cache_salt)
+                       next(self._arrivals), prefill_only, priority=request.priority, cache_salt=request.cache_salt,
+                       cache_cuts=tuple(request.cache_cuts))
         sampling = request.sampling
         if sampling.constraint is not None:
             seq.constraint = sampling.constraint.start(self.vocab_size)

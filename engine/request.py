@@ -20,6 +20,7 @@ HARMONY_STOP_TOKEN_IDS = (200002, 200012)
 HARMONY_FIRST_SPECIAL_ID = 199998
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_CACHE_SALT = 1024  # characters of GenerateRequest.cache_salt
+MAX_CACHE_CUTS = 16  # positions in GenerateRequest.cache_cuts
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -181,6 +182,11 @@ class GenerateRequest:
     # Prefix-cache namespace: a request reuses cached prompt blocks only of requests with the same salt ("" is the
     # shared one), so tenants cannot learn from each other's cache hits (time to first token) what others sent.
     cache_salt: str = ""
+    # Prompt positions where later prompts are likely to leave this one (the end of a shared system prompt, the
+    # start of a user message that may be edited): the prefix cache keeps the sliding layers' windows before them
+    # as long as those of the prompt's end, so the first such prompt already hits (engine/block_manager.py).
+    # Each in [1, len(prompt_ids)]; a hint only, tokens do not depend on it.
+    cache_cuts: tuple[int, ...] = ()
 
     def validate(self, vocab_size: int, max_model_len: int) -> None:
         """Raise InvalidRequestError unless an engine of this vocabulary and context can run the request."""
@@ -207,6 +213,11 @@ class GenerateRequest:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this engine's context (max_model_len) is {max_model_len} "
                 "tokens including at least one generated token: shorten the prompt", "prompt_ids")
+        cuts = self.cache_cuts
+        if not isinstance(cuts, (list, tuple)) or len(cuts) > MAX_CACHE_CUTS \
+                or any(type(c) is not int or not 1 <= c <= len(ids) for c in cuts):
+            raise InvalidRequestError(f"cache_cuts must be at most {MAX_CACHE_CUTS} prompt positions in [1, "
+                                      f"{len(ids)}], got {cuts!r}", "cache_cuts")
 
 
 @dataclass

@@ -71,6 +71,7 @@ class Sequence:
     prefill_only: bool = False  # a prefill replica's request: stop after the first token, then export
     priority: int = 0  # lower runs sooner; the scheduler orders by (priority, arrival)
     cache_salt: str = ""  # its prefix-cache namespace (GenerateRequest.cache_salt)
+    cache_cuts: tuple[int, ...] = ()  # where later prompts are likely to leave this one (GenerateRequest.cache_cuts)
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -34,7 +34,7 @@ from engine.request import (
     TokenLogprob,
 )
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
-from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
+from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF, prompt_cache_cuts
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.stored_responses import ResponseStore
@@ -197,8 +197,10 @@ class BackendRequest:
         self.cached_tokens = 0  # prompt tokens the engine took from its prefix cache
         self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding (a prediction), totals so far
         self.finish_reason: str | None = None  # the API's finish reason, once finished
-        self._request = GenerateRequest(request_id, list(prompt_ids), sampling, priority,
-                                        ctx.config.cache_salt(self.caller.key, cache_salt))
+        prompt_ids = list(prompt_ids)
+        self._request = GenerateRequest(request_id, prompt_ids, sampling, priority,
+                                        ctx.config.cache_salt(self.caller.key, cache_salt),
+                                        cache_cuts=prompt_cache_cuts(prompt_ids, ctx.encoding))
         self._backend_finish: str | None = None
         self._stream: Any = None
         self._first: TokenDelta | None = None

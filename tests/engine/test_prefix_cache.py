@@ -338,3 +338,41 @@ def test_windows_before_likely_cuts_outlive_other_prompts_interior_windows(make_
     assert (cached["sys0"], cached["sys1"], cached["sys2"]) == (0, 0, 160), cached
     assert cached["turn2"] == 108, cached  # the whole blocks of turn 1's prompt (110 tokens)
     assert_pool_full(engine)
+
+
+def test_a_cut_hint_keeps_the_window_before_it_from_the_first_prompt(make_engine):
+    """GenerateRequest.cache_cuts (the ingress names the end of a prompt's system and developer messages): the
+    window before the shared system prompt's end is kept from its first prompt on, so the first prompt that
+    diverges there already hits it (without the hint it missed once, the test above). Same tokens."""
+    from dataclasses import replace
+
+    small = dict(num_full_pages=1024, num_sliding_pages=48, max_num_batched_tokens=32, max_model_len=192)
+    system = random_prompt(163, 930)  # 40 whole blocks and 3 tokens: the hint is not on a block edge
+    others = [random_prompt(150, 940 + i) for i in range(6)]
+    reqs = []
+    for i in range(2):
+        reqs.append(replace(request(f"sys{i}", system + random_prompt(9, 950 + i), greedy(2)), cache_salt="a",
+                            cache_cuts=(len(system),)))
+        reqs += [replace(request(f"o{i}{j}", others[3 * i + j], greedy(2)), cache_salt=f"t{j}") for j in range(3)]
+    want = generate(make_engine(**small), reqs, one_by_one=True)
+    for hinted in (False, True):
+        engine = make_engine(enable_prefix_caching=True, **small)
+        cached = {}
+        for r in reqs if hinted else [replace(r, cache_cuts=()) for r in reqs]:
+            engine.add_request(r)
+            for rid, out in run_to_end(engine).items():
+                assert out["ids"] == want[rid]["ids"], rid
+            cached[r.request_id] = engine.block_manager.prefix_hit_tokens - sum(cached.values())
+        assert cached["sys1"] == (160 if hinted else 0), (hinted, cached)
+        assert_pool_full(engine)
+
+
+@pytest.mark.parametrize("cuts", [(0,), (30,), [1, 2.0], tuple(range(1, 18)), "5"])
+def test_bad_cache_cuts_are_refused(make_engine, cuts):
+    from dataclasses import replace
+
+    engine = make_engine(enable_prefix_caching=True)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request(replace(request("bad", random_prompt(29, 990), greedy(2)), cache_cuts=cuts))
+    assert err.value.param == "cache_cuts"
+    assert not engine.seqs

@@ -25,6 +25,7 @@ from serve_app.harmony.render import (
     Prompt,
     ToolResult,
     UserMessage,
+    prompt_cache_cuts,
     render_prompt,
 )
 from serve_app.openai_api.errors import BadRequest
@@ -175,3 +176,43 @@ def test_arguments_are_rendered_verbatim():
     ids = render_prompt(Prompt([UserMessage("q"), AssistantReasoning("r"), AssistantText("pre"),
                                 AssistantToolCall("f", args)]))
     assert f"<|message|>{args}<|call|>" in ENC.decode(ids)
+
+
+def test_cache_cuts_are_the_instructions_ends_and_the_last_user_message():
+    """prompt_cache_cuts on a rendered chat: the starts of the developer message (the system message's end), of the
+    first user message (the developer message's end) and of the last user message (message 6); the last two
+    where openai_harmony's own rendering of the messages before them ends. (The system message alone renders
+    shorter: Harmony names the tools' channel in it only when tools follow.)"""
+    ids = render_prompt(chat_prompt(ChatCompletionRequest(model="m", messages=CHAT_MESSAGES, tools=CHAT_TOOLS),
+                                    CONFIG))
+    messages = expected_conversation(ReasoningEffort.MEDIUM).messages
+    starts = [i for i, t in enumerate(ids) if t == 200006]
+    for m in (2, 6):
+        before = ENC.render_conversation(Conversation.from_messages(messages[:m]))
+        assert ids[:len(before)] == before and starts[m] == len(before)
+    assert prompt_cache_cuts(ids, ENC) == (starts[1], starts[2], starts[6])
+    assert ENC.decode(ids[starts[1]:starts[1] + 3]) == "<|start|>developer<|message|>"
+    assert ENC.decode(ids[starts[6]:starts[6] + 3]) == "<|start|>user<|message|>"
+
+
+def test_cache_cuts_of_a_plain_chat_and_of_prompts_without_messages():
+    """No developer message: the system message's end is the one user message's start (named once). Raw text
+    and token ids that hold no Harmony message (or broken UTF-8 after a start token) give no cut, no error."""
+    ids = render_prompt(chat_prompt(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}]),
+                                    CONFIG))
+    cuts = prompt_cache_cuts(ids, ENC)
+    assert len(cuts) == 1 and ENC.decode(ids[cuts[0]:cuts[0] + 2]) == "<|start|>user"
+    assert prompt_cache_cuts(ENC.encode("just text, no messages", allowed_special=set()), ENC) == ()
+    assert prompt_cache_cuts([200006, 94, 94, 200008, 5, 200006, 94], ENC) == ()
+    assert prompt_cache_cuts([200006, 94, 94, 200008, 5, 200006, 1428], ENC) == (5,)  # (1428: "user")
+    assert prompt_cache_cuts([], ENC) == ()
+
+
+def test_cache_cuts_stay_within_the_engine_limit():
+    """A raw prompt of many system messages: at most MAX_CACHE_CUTS cuts (the engine refuses more)."""
+    from engine.request import MAX_CACHE_CUTS
+
+    one = ENC.encode("<|start|>system<|message|>x<|end|>", allowed_special="all")
+    ids = one * 40 + ENC.encode("<|start|>user<|message|>q<|end|><|start|>assistant", allowed_special="all")
+    cuts = prompt_cache_cuts(ids, ENC)
+    assert len(cuts) == MAX_CACHE_CUTS and cuts[-1] == 40 * len(one)

@@ -42,6 +42,8 @@ def test_non_stream_separates_reasoning_and_content_with_exact_usage(client, bac
     assert r.usage.completion_tokens_details.reasoning_tokens == len(ENC.encode("The user greets. Reply briefly."))
     assert sent.sampling.stop_token_ids == (200002, 200012)
     assert prompt_text(backend).endswith("<|start|>user<|message|>Hi!<|end|><|start|>assistant")
+    # the prefix cache's hint: the user message starts where later chats of this system prompt leave it
+    assert [ENC.decode(sent.prompt_ids[c:c + 3]) for c in sent.cache_cuts] == ["<|start|>user<|message|>"]
 
 
 def test_stream_deltas_rebuild_the_non_stream_answer(client, backend):
