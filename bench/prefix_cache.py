@@ -12,7 +12,9 @@ Workload: `--requests` prompts = one `--system`-token prefix + a distinct `--use
 Per mode: mean and median TTFT, prompt tokens computed, and the hit tokens the engine counted. With
 `--tenants K` a third run keeps the cache on but gives request i the cache salt of tenant i % K
 (`ingress.isolate_prefix_cache`: each API key its own namespace), so each tenant computes the shared prefix
-once: what isolating tenants costs. Nothing is asserted about speed; the tokens of both runs are compared: on the CPU (fp32) they must match, on the
+once: what isolating tenants costs; and a fourth the same with every request naming the system prompt's end as
+a likely cut (`GenerateRequest.cache_cuts`, as the ingress names the end of a Harmony prompt's instructions), so
+each tenant's second request already hits its prefix (without the hint that first divergence misses). Nothing is asserted about speed; the tokens of both runs are compared: on the CPU (fp32) they must match, on the
 GPU the agreement is reported (bf16: a suffix after a cached prefix runs other GEMM shapes than the whole
 prompt, and random weights leave near-ties; the cached K/V is checked by tests/engine/test_e2e_gpu.py).
 """
@@ -46,12 +48,17 @@ def salt(i: int, tenants: int) -> str:
     return f"tenant-{i % tenants}" if tenants else ""
 
 
-def sequential(engine: LLMEngine, ps: list[list[int]], max_tokens: int,
-               tenants: int = 0) -> tuple[list[float], list[list[int]]]:
+def cuts(p: list[int], system: int, hints: bool) -> tuple[int, ...]:
+    return (system,) if hints and system < len(p) else ()
+
+
+def sequential(engine: LLMEngine, ps: list[list[int]], max_tokens: int, tenants: int = 0,
+               system: int = 0, hints: bool = False) -> tuple[list[float], list[list[int]]]:
     ttfts, outs = [], []
     for i, p in enumerate(ps):
         engine.add_request(GenerateRequest(f"s{i}-{time.monotonic_ns()}", p, SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True), cache_salt=salt(i, tenants)))
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True), cache_salt=salt(i, tenants),
+            cache_cuts=cuts(p, system, hints)))
         t0, first, ids = time.perf_counter(), None, []
         while engine.has_unfinished():
             for d in engine.step():
@@ -63,11 +70,13 @@ def sequential(engine: LLMEngine, ps: list[list[int]], max_tokens: int,
     return ttfts, outs
 
 
-def burst(engine: LLMEngine, ps: list[list[int]], max_tokens: int, tenants: int = 0) -> tuple[float, list[list[int]]]:
+def burst(engine: LLMEngine, ps: list[list[int]], max_tokens: int, tenants: int = 0, system: int = 0,
+          hints: bool = False) -> tuple[float, list[list[int]]]:
     rids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(ps))]
     for i, (rid, p) in enumerate(zip(rids, ps)):
         engine.add_request(GenerateRequest(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                  ignore_eos=True), cache_salt=salt(i, tenants)))
+                                                                  ignore_eos=True), cache_salt=salt(i, tenants),
+                                           cache_cuts=cuts(p, system, hints)))
     t0, firsts, ids = time.perf_counter(), {}, {rid: [] for rid in rids}
     while engine.has_unfinished():
         for d in engine.step():
@@ -77,8 +86,9 @@ def burst(engine: LLMEngine, ps: list[list[int]], max_tokens: int, tenants: int 
     return 1e3 * max(firsts.values()), [ids[r] for r in rids]
 
 
-def run(shapes: GptOssConfig, args, cache: bool, tenants: int = 0) -> dict:
-    """One engine's sequential and burst runs; tenants > 0: requests salted per tenant (cache on)."""
+def run(shapes: GptOssConfig, args, cache: bool, tenants: int = 0, hints: bool = False) -> dict:
+    """One engine's sequential and burst runs; tenants > 0: requests salted per tenant (cache on); hints: each
+    request names the system prompt's end as a likely cut."""
     cuda = args.device.startswith("cuda")
     config = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", max_num_seqs=args.requests,
                           max_num_batched_tokens=args.chunk, max_model_len=args.system + args.user + args.max_tokens,
@@ -89,16 +99,17 @@ def run(shapes: GptOssConfig, args, cache: bool, tenants: int = 0) -> dict:
                                          SamplingParams(temperature=0.0, max_tokens=2))])  # JIT, first launches
         ps = prompts(args, shapes.vocab_size)
         before = engine.metrics.snapshot()["prefill_tokens_total"]
-        seq_ttft, seq_ids = sequential(engine, ps, args.max_tokens, tenants)
+        seq_ttft, seq_ids = sequential(engine, ps, args.max_tokens, tenants, args.system, hints)
         mid = engine.metrics.snapshot()["prefill_tokens_total"]
         usage = engine.block_manager.usage()
         hits_seq = usage.get("prefix_hit_tokens", 0)
         # The burst draws a new system prompt and suffixes (seed + 1): nothing of the sequential run is reused.
         args.seed += 1
-        burst_ms, burst_ids = burst(engine, prompts(args, shapes.vocab_size), args.max_tokens, tenants)
+        burst_ms, burst_ids = burst(engine, prompts(args, shapes.vocab_size), args.max_tokens, tenants, args.system,
+                                    hints)
         args.seed -= 1
         after = engine.metrics.snapshot()["prefill_tokens_total"]
-        return {"prefix_caching": cache, "tenants": tenants,
+        return {"prefix_caching": cache, "tenants": tenants, "cut_hints": hints,
                 "sequential": {"ttft_ms_mean": statistics.mean(seq_ttft), "ttft_ms_median": statistics.median(seq_ttft),
                                "ttft_ms_first": seq_ttft[0], "prefill_tokens": mid - before, "hit_tokens": hits_seq,
                                "output_ids": seq_ids},
@@ -137,7 +148,7 @@ def main(argv=None) -> int:
         shapes = GptOssConfig.preset(args.model)
     runs = [run(shapes, args, cache) for cache in (False, True)]
     if args.tenants:
-        runs.append(run(shapes, args, True, args.tenants))
+        runs += [run(shapes, args, True, args.tenants), run(shapes, args, True, args.tenants, hints=True)]
     pairs = [(a, b) for r in runs[1:] for m in ("sequential", "burst")
              for a, b in zip(runs[0][m]["output_ids"], r[m]["output_ids"])]
     same = all(a == b for a, b in pairs)
@@ -153,12 +164,13 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(f"{args.requests} requests of {args.system} shared + {args.user} own tokens, {args.max_tokens} out")
-    print(f"{'cache':>14s} {'seq TTFT mean':>13s} {'median':>8s} {'first':>8s} {'prefill tok':>11s} {'hits':>7s} "
+    print(f"{'cache':>24s} {'seq TTFT mean':>13s} {'median':>8s} {'first':>8s} {'prefill tok':>11s} {'hits':>7s} "
           f"{'burst ms':>9s} {'prefill tok':>11s} {'hits':>7s}")
     for r in runs:
         s, b = r["sequential"], r["burst"]
         mode = (f"on, {r['tenants']} tenants" if r["tenants"] else "on") if r["prefix_caching"] else "off"
-        print(f"{mode:>14s} {s['ttft_ms_mean']:13.2f} {s['ttft_ms_median']:8.2f} "
+        mode += ", cut hint" if r["cut_hints"] else ""
+        print(f"{mode:>24s} {s['ttft_ms_mean']:13.2f} {s['ttft_ms_median']:8.2f} "
               f"{s['ttft_ms_first']:8.2f} {s['prefill_tokens']:11d} {s['hit_tokens']:7d} {b['all_first_tokens_ms']:9.2f} "
               f"{b['prefill_tokens']:11d} {b['hit_tokens']:7d}")
     print(f"same tokens with and without the cache (and isolated): {same} (first token {agree['first_token']}/{agree['requests']}, "

@@ -278,7 +278,7 @@ def test_prefix_cache_benchmark_smoke_run(tmp_path):
     out = tmp_path / "pc.json"
     assert prefix_cache.main(["--tiny", "--device", "cpu", "--tenants", "2", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
-    off, on, isolated = rec["runs"]
+    off, on, isolated, hinted = rec["runs"]
     assert rec["same_tokens"] and not off["prefix_caching"] and on["prefix_caching"] and isolated["tenants"] == 2
     assert off["sequential"]["hit_tokens"] == 0 and on["sequential"]["hit_tokens"] == 3 * 64  # 4 requests, 64 shared
     assert on["sequential"]["prefill_tokens"] == off["sequential"]["prefill_tokens"] - 3 * 64
@@ -286,6 +286,8 @@ def test_prefix_cache_benchmark_smoke_run(tmp_path):
     # two isolated tenants: each computes the shared prefix once (requests 0 and 1), requests 2 and 3 hit it
     assert isolated["sequential"]["hit_tokens"] == 2 * 64
     assert isolated["sequential"]["prefill_tokens"] == off["sequential"]["prefill_tokens"] - 2 * 64
+    assert hinted["cut_hints"] and not isolated["cut_hints"] and hinted["tenants"] == 2
+    assert hinted["sequential"]["hit_tokens"] == 2 * 64  # (the tiny run's pools keep every window anyway)
 
 
 def test_same_prompts_arriving_together_compute_the_prefix_once(make_engine):
