@@ -37,6 +37,10 @@ def _module():
     try:
         import deep_gemm
     except (ImportError, OSError, RuntimeError, AssertionError) as exc:
+        # cached without its traceback: the frames of the first caller (an engine's first forward, under graph
+        # capture) would otherwise stay alive with every local they hold, the whole engine with them (seen on
+        # the GPU, 2026-12-05: a closed 120b engine kept ~40 GiB, and the next one in the process ran out of memory)
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         return exc
     return deep_gemm
 
