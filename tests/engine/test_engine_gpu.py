@@ -139,7 +139,7 @@ def test_row_argmax_on_the_gpu_is_torch_argmax(dtype):
 
 
 def test_a_closed_engine_leaves_nothing_on_the_gpu():
-    """A closed engine (FP8 experts, decode graphs captured, a request run) is collected and its memory freed, so a
+    """A closed engine (FP8 experts, decode graphs captured, a host tier, a request run) is collected and its memory freed, so a
     second engine fits in the same process. Before, DeepGEMM's failed import was cached with its traceback, whose
     frames (the first forward, under graph capture) held the whole engine: 120b's second engine in one process ran
     out of memory (2026-12-05)."""
@@ -156,7 +156,8 @@ def test_a_closed_engine_leaves_nothing_on_the_gpu():
     gc.collect()
     before = torch.cuda.memory_allocated()
     config = EngineConfig(device="cuda", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512,
-                          kv_cache_bytes=64 * 2**20, cuda_graphs=True, enable_prefix_caching=True)
+                          kv_cache_bytes=64 * 2**20, cuda_graphs=True, enable_prefix_caching=True,
+                          host_kv_cache_bytes=64 * 2**20)
     engine = LLMEngine.with_random_weights(shapes, config)
     assert torch.cuda.memory_allocated() - before > 2**30  # (2 layers of FP8 experts, embedding, unembedding)
     engine.generate([GenerateRequest("r", list(range(1, 40)), SamplingParams(temperature=0.0, max_tokens=4))])
