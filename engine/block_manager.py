@@ -307,7 +307,7 @@ class BlockManager:
                 k -= 1
             # where this prompt leaves the cached ones, and where its sender expects others to leave it: keep
             # the windows there
-            cuts = {full_k, k} | {p // self.block_size for p in seq.cache_cuts if p // self.block_size <= len(hashes)}
+            cuts = {full_k, k} | {p // self.block_size for p in seq.cache_cuts}  # (validated: p <= len(prompt))
             for cut in cuts - {0}:
                 self._cuts[hashes[cut - 1]] = None
                 self._cuts.move_to_end(hashes[cut - 1])

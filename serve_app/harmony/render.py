@@ -35,8 +35,9 @@ from openai_harmony import (
     ToolDescription,
 )
 
-from engine.request import MAX_CACHE_CUTS, InvalidRequestError
+from engine.request import HARMONY_FIRST_SPECIAL_ID, MAX_CACHE_CUTS, InvalidRequestError
 from serve_app.harmony.encoding import load_harmony_encoding
+from serve_app.harmony.parse import START
 
 FUNCTIONS_NAMESPACE = "functions"
 # What the model writes after a JSON tool call's channel; rendering history the same way keeps the
@@ -44,8 +45,7 @@ FUNCTIONS_NAMESPACE = "functions"
 TOOL_CALL_CONTENT_TYPE = "<|constrain|>json"
 DEFAULT_KNOWLEDGE_CUTOFF = "2024-06"
 
-_MESSAGE_TOKEN, _END_TOKEN, _START_TOKEN = 200008, 200007, 200006  # <|message|>, <|end|>, <|start|>
-_FIRST_SPECIAL = 199998  # o200k's special tokens (<|endoftext|>, Harmony's) are ids from here on
+_MESSAGE_TOKEN, _END_TOKEN = 200008, 200007  # <|message|>, <|end|>
 _INSTRUCTION_ROLES = ("system", "developer")
 _EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
 
@@ -210,27 +210,25 @@ def render_prompt(prompt: Prompt) -> list[int]:
     return tokens
 
 
-def prompt_cache_cuts(prompt_ids: list[int], encoding=None) -> tuple[int, ...]:
+def prompt_cache_cuts(ids: list[int], encoding) -> tuple[int, ...]:
     """Where later prompts are likely to leave this Harmony prompt (GenerateRequest.cache_cuts): the end of each
     leading system / developer message (other conversations of the same application share them; another
     application may share only the system message) and the start of the last user message (edited or asked
     again). Positions of `<|start|>` tokens, so a prompt that leaves there shares at least the tokens before:
     the prefix cache then keeps the sliding layers' windows before them from the first prompt on. () for a
     prompt without Harmony messages. Linear in the prompt, by list.index (C): a 100k-token prompt ~1 ms."""
-    ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
     starts, i = [], -1
     while True:
         try:
-            i = ids.index(_START_TOKEN, i + 1)
+            i = ids.index(START, i + 1)
         except ValueError:
             break
         starts.append(i)
-    encoding = encoding or load_harmony_encoding()
 
     def role(k: int) -> str:
         header = []
         for t in ids[starts[k] + 1: starts[k] + 9]:
-            if t >= _FIRST_SPECIAL:
+            if t >= HARMONY_FIRST_SPECIAL_ID:
                 break
             header.append(t)
         text = encoding.decode(header) if header else ""  # (decode: a broken UTF-8 sequence is no error)
