@@ -74,16 +74,19 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt-oss-20b")
     p.add_argument("--tokens", default="1024", help="comma list of prompt lengths")
     p.add_argument("--out", default="bench/results/prefill_host_profile.json")
+    p.add_argument("--dense-dtype", default="auto", help="QKV / O weights: auto (bf16) or fp8_e4m3")
     args = p.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
-    h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(tokens) + 64, 10.0)
-    res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": args.model, "runs": []}
+    h = Harness(args.model, GptOssConfig.preset(args.model), torch.device("cuda"), 1, max(tokens) + 64, 10.0,
+                dense_dtype=args.dense_dtype)
+    res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": args.model,
+           "dense_dtype": args.dense_dtype, "runs": []}
     for n in tokens:
         r = profile_tokens(h, n)
         res["runs"].append(r)
         print(f"\n{args.model} {n} tokens: wall ms {[round(w, 1) for w in r['wall_ms']]}  gpu kernels "
               f"{r['gpu_kernel_ms']:.2f} ms")
-        for k in r["gpu_kernels"][:16]:
+        for k in r["gpu_kernels"][:30]:
             print(f"  {k['us']:9.1f} us {k['calls']:5d}x  {k['name'][:90]}")
         print("  python, own time:")
         for f in r["top_python_own"][:12]:
