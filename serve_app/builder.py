@@ -18,13 +18,12 @@ from ray.serve import Application
 from serve_app.config import ServeAppConfig
 from serve_app.config_args import ServeConfigError, deep_merge, nest_args
 from serve_app.deployment_settings import DeploymentSettings, IngressSettings
-from serve_app.placement import NOSET_CUDA_VISIBLE_DEVICES, ReplicaResources
+from serve_app.placement import HEAD_NODE_RESOURCE, NOSET_CUDA_VISIBLE_DEVICES, ReplicaResources
 
 INGRESS_NAME = "HarmonyIngress"
 RESPONSE_STORE_NAME = "ResponseStore"
 DECODE_NAME = "DecodeServer"
 PREFILL_NAME = "PrefillServer"
-HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node (ray._common.constants)
 
 
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,

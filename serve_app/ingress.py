@@ -17,6 +17,7 @@ from ray.serve.exceptions import BackPressureError
 
 from engine.request import BackendOverloaded, EngineUnhealthyError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.deployment_settings import IngressSettings
+from serve_app.grafana import install_if_head_node
 from serve_app.metrics import ApiMetrics
 from serve_app.response_store import ServeResponseStore
 
@@ -92,6 +93,7 @@ class HarmonyIngress:
         self.settings = settings or IngressSettings(api_keys=[])
         self.response_store = ServeResponseStore(response_store) if response_store is not None else None
         self.api_metrics = ApiMetrics()
+        install_if_head_node()  # Grafana's dashboard of the app's metrics (serve_app/grafana.py)
 
     def __serve_build_asgi_app__(self):
         from serve_app.openai_api.app import DEFAULT_MAX_BODY_BYTES, create_app

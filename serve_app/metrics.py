@@ -21,10 +21,11 @@ TRANSFER_BYTES_BUCKETS = tuple(float(2 ** p) for p in range(10, 36, 2))  # 1 KiB
 
 def replica_tags(deployment: str) -> dict[str, str]:
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     try:
         replica = serve.get_replica_context().replica_id.unique_id
-    except RuntimeError:  # not inside a Serve replica (a unit test, a script)
+    except (RuntimeError, RayServeException):  # not inside a Serve replica (a unit test, a script)
         replica = "local"
     return {"deployment": deployment, "replica": replica}
 

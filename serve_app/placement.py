@@ -28,6 +28,7 @@ from serve_app.config import ServeAppConfig
 from serve_app.deployment_settings import DeploymentSettings
 
 STRATEGY = "STRICT_PACK"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node (ray._common.constants)
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 

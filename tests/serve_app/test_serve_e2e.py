@@ -373,6 +373,31 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
     assert usage and float(usage[0].rsplit(" ", 1)[1]) > 0, usage
     assert KEY not in text  # the key itself is never a label
 
+    # The Grafana dashboard (serve_app/grafana.py) against this scrape: its series are these names, and every label
+    # a query groups or filters by is on the series' lines. The ingress replica (on this head node) installed it.
+    from serve_app import grafana
+
+    present = {name for name in grafana.series_names() if re.search(rf"^{name}\{{", text, re.M)}
+    # all but the host tier's pages and the fallbacks, which this app's traffic need not produce
+    exercised = {f"ray_gptoss_{n}" for n in (
+        "api_requests_total", "api_tokens_total", "ttft_seconds_bucket", "tpot_seconds_bucket", "tokens_total",
+        "queue_depth", "running_requests", "kv_usage_ratio", "prefix_cache_tokens_total", "kv_transfer_seconds_bucket",
+        "kv_transfer_bytes_sum", "draft_tokens_total", "steps_total", "forwards_total", "prefix_routing_total",
+        "response_store_responses", "response_store_conversations", "response_store_bytes",
+        "response_store_background_running")}
+    assert exercised <= grafana.series_names() and exercised <= present, exercised - present
+    for expr in (e for p in grafana.PANELS for _, e in p.targets):
+        for series, selector in re.findall(r"(ray_[a-z_]+)(\{[^}]*\})?", expr):
+            if series not in present:
+                continue
+            line = re.search(rf"^{series}\{{([^}}]*)\}}", text, re.M).group(1)
+            carried = set(re.findall(r'(\w+)="', line))
+            grouped = {g.strip() for by in re.findall(rf"by \(([^)]*)\) \(\w*\(?{series}", expr) for g in by.split(",")}
+            used = set(re.findall(r"(\w+)\s*=~?", selector)) | grouped
+            assert used <= carried, (series, used - carried)
+    installed = grafana.session_dashboard_dir(ray._private.worker._global_node.get_session_dir_path())
+    assert (installed / grafana.FILE_NAME).exists(), list(installed.iterdir())
+
 
 def test_api_keys_guard_the_v1_paths(http_port):
     """ingress.api_keys reach the ingress replica: /v1/ needs one of them, /health does not."""
