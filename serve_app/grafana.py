@@ -181,7 +181,7 @@ def install(folder: str | os.PathLike) -> Path:
     """Write the dashboard into `folder` (created if missing); returns the file."""
     path = Path(folder) / FILE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: replicas may install at once
     tmp.write_text(json.dumps(dashboard(), indent=1))
     tmp.replace(path)  # Grafana's poll never reads half a file
     return path
