@@ -111,17 +111,6 @@ def swiglu_tiles_variants():
     return {"swiglu per pair": mode(False), "swiglu row tiles": mode(True)}
 
 
-def swiglu_mufu_variants():
-    """The prefill SwiGLU tiles with the fast division alone against the MUFU sigmoid (Fp8Experts.swiglu_mufu, the
-    default since 2026-12-05). Eager forwards: compare the kernel sums."""
-    def mode(mufu: bool):
-        def apply(h: Harness):
-            h.prefill_graphs = None
-            set_on_experts(h, "swiglu_mufu", mufu)
-        return apply
-    return {"swiglu fast division": mode(False), "swiglu mufu": mode(True)}
-
-
 def rotary_tiles_variants():
     """The prefill rotary (+ K/V write) kernel at one token per program against ROTARY_BLOCK_T tokens per program
     (kernels/layers/triton_ops.py; bitwise the same outputs). Eager forwards: compare the kernel sums."""
@@ -222,8 +211,7 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
 
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants, "swiglu-mufu": swiglu_mufu_variants,
-            "rotary-tiles": rotary_tiles_variants,
+            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
             "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants,
             "sliding-rows": sliding_rows_variants}
 

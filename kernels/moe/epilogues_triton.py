@@ -113,36 +113,15 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 
 
 @triton.jit
-def _ex2_ftz(x):
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _rcp_ftz(x):
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def swiglu_quant_rows(h, col_ok, alpha, limit, ROWS: tl.constexpr, FAST_DIV: tl.constexpr, MUFU: tl.constexpr = False):
+def swiglu_quant_rows(h, col_ok, alpha, limit, ROWS: tl.constexpr, FAST_DIV: tl.constexpr):
     """h [ROWS, 256]: gate_up outputs + bias of 128 output channels, (gate, up) interleaved, fp32 -> the
     clamped SwiGLU quantized per row: FP8 [ROWS, 128] and scales [ROWS] (channels where col_ok is false are
     zero). FAST_DIV: approximate division (div.full, 2 ulp) and one reciprocal per block, off the twin's
-    rounding. MUFU (with FAST_DIV, GPUs only): the sigmoid as one ex2.approx.ftz of gate x (-alpha log2 e) and one
-    rcp.approx.ftz, and gate x sigmoid x (up + 1) as one fma: ~20% fewer instructions per call (compiled for SM90:
-    1,248 against 1,544 SASS instructions), off the twin's rounding by the same few ulps."""
+    rounding."""
     gate, up = tl.split(tl.reshape(h, (ROWS, 128, 2)))
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    if FAST_DIV and MUFU:
-        # channels past col_ok hold gate = 0 (h and the bias are loaded as 0 there), so their product is 0
-        gs = gate * _rcp_ftz(1.0 + _ex2_ftz(gate * (-alpha * 1.4426950408889634)))
-        act = tl.fma(gs, up, gs)
-        amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
-        scale = tl.math.div_rn(amax, 448.0)
-        q = (act * tl.math.div_rn(448.0, amax)[:, None]).to(tl.float8e4nv)
-    elif FAST_DIV:
+    if FAST_DIV:
         act = tl.fdiv(gate, 1.0 + tl.exp(-alpha * gate), ieee_rounding=False) * (up + 1.0)
         act = tl.where(col_ok, act, 0.0)
         amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
@@ -189,8 +168,7 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
 @triton.jit
 def _swiglu_quant_tiles_kernel(h_ptr, m_indices_ptr, bias_ptr, a_ptr, sf_ptr, num_rows, inter, stride_h, stride_a,
                                stride_bias, alpha, limit, sf_k_stride,
-                               BLOCK_R: tl.constexpr, FAST_DIV: tl.constexpr, PDL: tl.constexpr,
-                               MUFU: tl.constexpr = False):
+                               BLOCK_R: tl.constexpr, FAST_DIV: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     # grid (row tiles, k-blocks) over the contiguous layout: a tile of BLOCK_R rows lies inside one expert's
     # segment (segments start at multiples of BLOCK_R), so the tile loads its 256 bias values once, where
@@ -207,7 +185,7 @@ def _swiglu_quant_tiles_kernel(h_ptr, m_indices_ptr, bias_ptr, a_ptr, sf_ptr, nu
                     mask=live[:, None] & ok_src[None, :], other=0.0).to(tl.float32)
         h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)[None, :]
         col = kb * 128 + tl.arange(0, 128)
-        q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_R, FAST_DIV, MUFU)
+        q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_R, FAST_DIV)
         tl.store(a_ptr + rows[:, None].to(tl.int64) * stride_a + col[None, :], q, mask=live[:, None])
         tl.store(sf_ptr + kb * sf_k_stride + rows, scale, mask=live)
 
@@ -289,10 +267,9 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
 
 def swiglu_quant_contiguous(h: torch.Tensor, m_indices: torch.Tensor, bias: torch.Tensor, alpha: float, limit: float,
                             out: Fp8Rows, segment_align: int, num_pairs: int, fast_div: bool | None = None,
-                            block_rows: int = 32, num_warps: int = 4, mufu: bool = True) -> Fp8Rows:
+                            block_rows: int = 32, num_warps: int = 4) -> Fp8Rows:
     """swiglu_quant over a contiguous-layout plan (routing_triton.plan_contiguous), tiled by rows: the same
-    values per row, bit for bit, written to the same rows (rows whose m_indices is -1 are left alone), unless
-    `mufu` (the fast division's approximate sigmoid, swiglu_quant_rows; GPUs only, default).
+    values per row, bit for bit, written to the same rows (rows whose m_indices is -1 are left alone).
     m_indices [rows]: the local expert of each row; segments start at multiples of `segment_align`, which
     block_rows must divide. fast_div None: on above 512 pairs, as swiglu_quant decides."""
     rows = h.shape[0]
@@ -307,8 +284,7 @@ def swiglu_quant_contiguous(h: torch.Tensor, m_indices: torch.Tensor, bias: torc
         _swiglu_quant_tiles_kernel[(triton.cdiv(rows, block_rows), out.k_blocks)](
             h, m_indices, bias, out.data, out.scale_storage, rows, h.shape[1] // 2, h.stride(0), out.data.stride(0),
             bias.stride(0), float(alpha), float(limit), out.sf_k_stride,
-            BLOCK_R=block_rows, FAST_DIV=fast_div, MUFU=fast_div and mufu and h.is_cuda, num_warps=num_warps,
-            **pdl.launch(h))
+            BLOCK_R=block_rows, FAST_DIV=fast_div, num_warps=num_warps, **pdl.launch(h))
     return out
 
 
