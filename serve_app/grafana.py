@@ -130,9 +130,14 @@ PANELS: tuple[Panel, ...] = (
 SERIES = re.compile(r"\bray_[a-z_]+\b")
 
 
+def expressions() -> list[str]:
+    """Every query of the dashboard, panel by panel."""
+    return [expr for p in PANELS for _, expr in p.targets]
+
+
 def series_names() -> set[str]:
     """Every exported series the dashboard's queries name."""
-    return {name for p in PANELS for _, expr in p.targets for name in SERIES.findall(expr)}
+    return {name for expr in expressions() for name in SERIES.findall(expr)}
 
 
 def dashboard() -> dict:

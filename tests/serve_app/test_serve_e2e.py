@@ -373,9 +373,10 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
     assert usage and float(usage[0].rsplit(" ", 1)[1]) > 0, usage
     assert KEY not in text  # the key itself is never a label
 
-    # The Grafana dashboard (serve_app/grafana.py) against this scrape: its series are these names, and every label
-    # a query groups or filters by is on the series' lines. The ingress replica (on this head node) installed it.
-    from serve_app import grafana
+    # The Grafana dashboard (serve_app/grafana.py) and the alerting rules (serve_app/alerts.py) against this scrape:
+    # their series are these names, and every label a query groups, joins or filters by is on the series' lines.
+    # The ingress replica (on this head node) installed the dashboard.
+    from serve_app import alerts, grafana
 
     present = {name for name in grafana.series_names() if re.search(rf"^{name}\{{", text, re.M)}
     # all but the host tier's pages and the fallbacks, which this app's traffic need not produce
@@ -386,14 +387,15 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
         "response_store_responses", "response_store_conversations", "response_store_bytes",
         "response_store_background_running")}
     assert exercised <= grafana.series_names() and exercised <= present, exercised - present
-    for expr in (e for p in grafana.PANELS for _, e in p.targets):
+    for expr in grafana.expressions() + [a.expr for a in alerts.ALERTS]:
+        joined = {g.strip() for on in re.findall(r"\bon \(([^)]*)\)", expr) for g in on.split(",")}
         for series, selector in re.findall(r"(ray_[a-z_]+)(\{[^}]*\})?", expr):
             if series not in present:
                 continue
             line = re.search(rf"^{series}\{{([^}}]*)\}}", text, re.M).group(1)
             carried = set(re.findall(r'(\w+)="', line))
             grouped = {g.strip() for by in re.findall(rf"by \(([^)]*)\) \(\w*\(?{series}", expr) for g in by.split(",")}
-            used = set(re.findall(r"(\w+)\s*=~?", selector)) | grouped
+            used = set(re.findall(r"(\w+)\s*=~?", selector)) | grouped | joined
             assert used <= carried, (series, used - carried)
     installed = grafana.session_dashboard_dir(ray._private.worker._global_node.get_session_dir_path())
     assert (installed / grafana.FILE_NAME).exists(), list(installed.iterdir())

@@ -1,7 +1,8 @@
-"""The Grafana dashboard of the app's metrics (serve_app/grafana.py): every query is valid PromQL, names only series
-the app exports (under the names Ray's metrics agent gives them) and groups or filters only by labels those series
-carry; every metric the app defines has a panel; the file lands where Ray's Grafana provisions dashboards from.
-A real scrape of the same series: tests/serve_app/test_serve_e2e.py::test_engine_metrics_reach_prometheus."""
+"""The Grafana dashboard (serve_app/grafana.py) and the alerting rules (serve_app/alerts.py) over the app's metrics:
+every query is valid PromQL, names only series the app exports (under the names Ray's metrics agent gives them) and
+groups, joins or filters only by labels those series carry; every metric the app defines has a panel; the dashboard
+lands where Ray's Grafana provisions dashboards from; the rule file is what Prometheus loads. A real scrape of the
+same series: tests/serve_app/test_serve_e2e.py::test_engine_metrics_reach_prometheus."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import re
 
 import promql_parser
 import pytest
+import yaml
 from ray.util import metrics as ray_metrics
 
-from serve_app import grafana
+from serve_app import alerts, grafana
 from serve_app.metrics import ApiMetrics, ServerMetrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -23,7 +25,8 @@ RAY_LABELS = {"SessionName", "NodeAddress", "WorkerId", "Component", "Version", 
 
 
 def expressions() -> list[str]:
-    return [expr for p in grafana.PANELS for _, expr in p.targets]
+    """The dashboard's queries, then the alerts'."""
+    return grafana.expressions() + [a.expr for a in alerts.ALERTS]
 
 
 def as_promql(expr: str) -> str:
@@ -59,6 +62,8 @@ def test_queries_name_only_exported_series_and_every_metric_has_a_panel():
     names = set().union(*(exported(n, k) for n, k in defined.items()))
     used = grafana.series_names()
     assert used <= names, used - names
+    in_alerts = {name for a in alerts.ALERTS for name in grafana.SERIES.findall(a.expr)}
+    assert len(in_alerts) >= 5 and in_alerts <= names, in_alerts - names
     for name, kind in defined.items():
         assert exported(name, kind) & used, f"no panel shows {name}"
 
@@ -85,7 +90,10 @@ def test_queries_use_only_labels_their_series_carry():
             by, series = group
             if series in labels:
                 assert {g.strip() for g in by.split(",")} <= labels[series], (series, by)
-    assert checked >= 20
+        for on in re.findall(r"\bon \(([^)]*)\)", expr):  # a join's labels: on every series of the expression
+            for series in re.findall(r"ray_[a-z_]+", expr):
+                assert {g.strip() for g in on.split(",")} <= labels[series], (series, on)
+    assert checked >= 24
 
 
 def test_dashboard_json_shape():
@@ -117,3 +125,16 @@ def test_command_line(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == grafana.dashboard()
     assert grafana.main(["--session-dir", str(tmp_path / "s")]) == 0
     assert (tmp_path / "s" / "metrics" / "grafana" / "dashboards" / grafana.FILE_NAME).exists()
+
+
+def test_alert_rule_file(tmp_path):
+    out = tmp_path / "alerts.yml"
+    assert alerts.main(["--out", str(out)]) == 0
+    rules = yaml.safe_load(out.read_text())
+    assert rules == alerts.rules()
+    (group,) = rules["groups"]
+    assert [r["alert"] for r in group["rules"]] == [a.name for a in alerts.ALERTS]
+    for r in group["rules"]:
+        assert set(r) == {"alert", "expr", "for", "labels", "annotations"}
+        assert r["labels"]["severity"] in ("critical", "warning") and re.fullmatch(r"\d+m", r["for"])
+        promql_parser.parse(r["expr"])
