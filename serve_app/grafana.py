@@ -9,8 +9,8 @@ configures (`grafana-server --config <session>/metrics/grafana/grafana.ini`) pro
 its "Ray" folder, next to Ray's Serve dashboards; a file added later shows up within Grafana's provisioning poll.
 An ingress replica on the head node installs it when it starts (`serve run`, `serve deploy`); the command above does
 it by hand. Every query names series with Ray's prefix (`ray_`) and Prometheus' suffixes (`_total`,
-`_bucket`, `_sum`), as Ray's metrics agent exports them; `tests/serve_app/test_serve_e2e.py` checks each one
-against a real scrape.
+`_bucket`, `_sum`), as Ray's metrics agent exports them; tests/serve_app/test_monitoring.py checks them against the
+metrics the app defines, test_serve_e2e.py against a real scrape.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def quantile(q: float, histogram: str, by: str = "") -> str:
     return f"histogram_quantile({q}, sum by ({labels}) (rate({histogram}_bucket{ENGINE}{RATE})))"
 
 
-def with_kind(selector: str, label: str, value: str) -> str:
+def with_label(selector: str, label: str, value: str) -> str:
     return selector[:-1] + f', {label}="{value}"}}'
 
 
@@ -57,19 +57,19 @@ class Panel:
 
 
 def prefix_share(kind: str) -> str:
-    hit = rate("ray_gptoss_prefix_cache_tokens_total", with_kind(ENGINE, "kind", kind), "deployment")
-    query = rate("ray_gptoss_prefix_cache_tokens_total", with_kind(ENGINE, "kind", "query"), "deployment")
+    hit = rate("ray_gptoss_prefix_cache_tokens_total", with_label(ENGINE, "kind", kind), "deployment")
+    query = rate("ray_gptoss_prefix_cache_tokens_total", with_label(ENGINE, "kind", "query"), "deployment")
     return f"{hit} / {query}"
 
 
 def draft_acceptance() -> str:
-    accepted = rate("ray_gptoss_draft_tokens_total", with_kind(ENGINE, "kind", "accepted"), "deployment")
-    verified = rate("ray_gptoss_draft_tokens_total", with_kind(ENGINE, "kind", "verified"), "deployment")
+    accepted = rate("ray_gptoss_draft_tokens_total", with_label(ENGINE, "kind", "accepted"), "deployment")
+    verified = rate("ray_gptoss_draft_tokens_total", with_label(ENGINE, "kind", "verified"), "deployment")
     return f"{accepted} / {verified}"
 
 
 def lookahead_share() -> str:
-    ahead = rate("ray_gptoss_steps_total", with_kind(ENGINE, "launch", "lookahead"), "deployment")
+    ahead = rate("ray_gptoss_steps_total", with_label(ENGINE, "launch", "lookahead"), "deployment")
     return f"{ahead} / {rate('ray_gptoss_steps_total', ENGINE, 'deployment')}"
 
 
@@ -123,7 +123,7 @@ PANELS: tuple[Panel, ...] = (
            ("background running", "sum (ray_gptoss_response_store_background_running)"))),
     Panel("Response store bytes", "bytes", (("stored JSON", "sum (ray_gptoss_response_store_bytes)"),)),
     Panel("Completion tokens / s, by API key", "short",
-          (("{{key}}", rate("ray_gptoss_api_tokens_total", with_kind(ENGINE, "kind", "completion"), "key")),),
+          (("{{key}}", rate("ray_gptoss_api_tokens_total", with_label(ENGINE, "kind", "completion"), "key")),),
           "key: a hash of the API key (none without keys)"),
 )
 
