@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from serve_app.grafana import rate
+
 WINDOW = "5m"
 THRESHOLDS = {
     "failed_share": 0.05,  # of the API's ended requests, failed (engine or transport errors; not 4xx, not 503s)
@@ -38,7 +40,7 @@ FAILED = '{outcome="failed"}'
 
 
 def _rate(series: str, selector: str, by: str) -> str:
-    return f"sum by ({by}) (rate({series}{selector}[{WINDOW}]))"
+    return rate(series, selector, by, f"[{WINDOW}]")
 
 
 ALERTS: tuple[Alert, ...] = (

@@ -33,10 +33,10 @@ ENGINE = '{model=~"$model"}'  # engine and API series carry the served model nam
 RATE = "[$__rate_interval]"
 
 
-def rate(series: str, selector: str = ENGINE, by: str = "") -> str:
-    """sum [by (labels)] (rate(series{selector}[interval]))"""
+def rate(series: str, selector: str = ENGINE, by: str = "", window: str = RATE) -> str:
+    """sum [by (labels)] (rate(series{selector}[window]))"""
     group = f" by ({by})" if by else ""
-    return f"sum{group} (rate({series}{selector}{RATE}))"
+    return f"sum{group} (rate({series}{selector}{window}))"
 
 
 def quantile(q: float, histogram: str, by: str = "") -> str:
@@ -128,6 +128,17 @@ PANELS: tuple[Panel, ...] = (
 )
 
 SERIES = re.compile(r"\bray_[a-z_]+\b")
+
+
+def query_labels(expr: str) -> dict[str, set[str]]:
+    """The labels a query uses of each series it names: in the series' selector, in a `by (...)` right before it,
+    and in any `on (...)` join of the query."""
+    joined = {g.strip() for on in re.findall(r"\bon \(([^)]*)\)", expr) for g in on.split(",")}
+    used: dict[str, set[str]] = {}
+    for series, selector in re.findall(r"(ray_[a-z_]+)(\{[^}]*\})?", expr):
+        grouped = {g.strip() for by in re.findall(rf"by \(([^)]*)\) \(\w*\(?{series}", expr) for g in by.split(",")}
+        used.setdefault(series, set()).update(set(re.findall(r"(\w+)\s*=~?", selector)) | grouped | joined)
+    return used
 
 
 def expressions() -> list[str]:

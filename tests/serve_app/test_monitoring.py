@@ -80,20 +80,14 @@ def test_queries_use_only_labels_their_series_carry():
     assert len(objects) >= 16
     checked = 0
     for expr in expressions():
-        for series, selector in re.findall(r"(ray_[a-z_]+)(\{[^}]*\})?", expr):
+        for series, used in grafana.query_labels(expr).items():
             if series not in labels:
                 continue  # the response store's and the router's: checked against a real scrape (test_serve_e2e)
-            used = set(re.findall(r"(\w+)\s*=~?", selector))
             assert used <= labels[series], (series, used - labels[series])
             checked += 1
-        for group in re.findall(r"by \(([^)]*)\) \(\w*\(?(ray_[a-z_]+)", expr):
-            by, series = group
-            if series in labels:
-                assert {g.strip() for g in by.split(",")} <= labels[series], (series, by)
-        for on in re.findall(r"\bon \(([^)]*)\)", expr):  # a join's labels: on every series of the expression
-            for series in re.findall(r"ray_[a-z_]+", expr):
-                assert {g.strip() for g in on.split(",")} <= labels[series], (series, on)
     assert checked >= 24
+    assert grafana.query_labels('max by (a, b) (ray_x{c="1"}) and on (d) sum (rate(ray_y[1m]))') == {
+        "ray_x": {"a", "b", "c", "d"}, "ray_y": {"d"}}
 
 
 def test_dashboard_json_shape():

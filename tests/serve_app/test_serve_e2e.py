@@ -388,14 +388,11 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
         "response_store_background_running")}
     assert exercised <= grafana.series_names() and exercised <= present, exercised - present
     for expr in grafana.expressions() + [a.expr for a in alerts.ALERTS]:
-        joined = {g.strip() for on in re.findall(r"\bon \(([^)]*)\)", expr) for g in on.split(",")}
-        for series, selector in re.findall(r"(ray_[a-z_]+)(\{[^}]*\})?", expr):
+        for series, used in grafana.query_labels(expr).items():
             if series not in present:
                 continue
             line = re.search(rf"^{series}\{{([^}}]*)\}}", text, re.M).group(1)
             carried = set(re.findall(r'(\w+)="', line))
-            grouped = {g.strip() for by in re.findall(rf"by \(([^)]*)\) \(\w*\(?{series}", expr) for g in by.split(",")}
-            used = set(re.findall(r"(\w+)\s*=~?", selector)) | grouped | joined
             assert used <= carried, (series, used - carried)
     installed = grafana.session_dashboard_dir(ray._private.worker._global_node.get_session_dir_path())
     assert (installed / grafana.FILE_NAME).exists(), list(installed.iterdir())
