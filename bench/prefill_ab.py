@@ -23,6 +23,8 @@ Variant sets:
 - `sliding-rows`: the sliding layers of whole prompts over the K/V pages or over the step's own k / v rows
   (FlashInferAttentionBackend.sliding_rows, the default), under prefill graphs captured for each (the rows
   setting keeps every layer's k / v rows in the graphs' buffers).
+- `swiglu-mufu`: the prefill SwiGLU row tiles as shipped / reading (gate, up) pairs as int32 words / words and
+  the SFU sigmoid (Fp8Experts.swiglu_words, swiglu_mufu; eager forwards).
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -109,6 +111,19 @@ def swiglu_tiles_variants():
             set_on_experts(h, "swiglu_tiles", tiles)
         return apply
     return {"swiglu per pair": mode(False), "swiglu row tiles": mode(True)}
+
+
+def swiglu_mufu_variants():
+    """The prefill SwiGLU row tiles as shipped, reading (gate, up) pairs as int32 words (Fp8Experts.swiglu_words,
+    bitwise the same), and words + the SFU sigmoid (swiglu_mufu). Eager forwards: compare the kernel sums."""
+    def mode(words: bool, mufu: bool):
+        def apply(h: Harness):
+            h.prefill_graphs = None
+            set_on_experts(h, "swiglu_words", words)
+            set_on_experts(h, "swiglu_mufu", mufu)
+        return apply
+    return {"swiglu tiles": mode(False, False), "swiglu words": mode(True, False),
+            "swiglu words + mufu": mode(True, True)}
 
 
 def rotary_tiles_variants():
@@ -211,7 +226,8 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
 
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants, "rotary-tiles": rotary_tiles_variants,
+            "swiglu-tiles": swiglu_tiles_variants, "swiglu-mufu": swiglu_mufu_variants,
+            "rotary-tiles": rotary_tiles_variants,
             "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants,
             "sliding-rows": sliding_rows_variants}
 

@@ -9,7 +9,9 @@ writes 94 MB of FP8 + scales, ~81 us at ~3.5 TB/s; the eager profile measured 12
 rounded divisions (the sigmoid and the quantization); if those hold it back, the fast variant shows it.
 Each variant's codes are compared with the twin (fraction off by one FP8 step; none may be off by more).
 Then the contiguous layout of a real plan: the per-pair kernel against row tiles (swiglu_quant_contiguous,
-which loads the bias once per tile instead of once per element), bitwise equal, three tile shapes.
+which loads the bias once per tile instead of once per element), bitwise equal, three tile shapes; and the
+tiles reading (gate, up) pairs as int32 words, with and without the SFU sigmoid (mufu: codes one step off
+the per-pair kernel's are counted).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def contiguous_tiles(dev, gen) -> list[dict]:
             variants[f"tiles {block_rows} rows {warps} warps"] = (
                 lambda out, b=block_rows, w=warps: epi.swiglu_quant_contiguous(
                     h, plan.m_indices, bias, 1.702, 7.0, out, 128, ids.numel(), block_rows=b, num_warps=w))
+        # Fp8Experts.swiglu_words / swiglu_mufu (32 rows, 4 warps); mufu is not bitwise: its codes one FP8 step
+        # off the per-pair kernel's are counted
+        for words, mufu in ((True, False), (False, True), (True, True)):
+            variants[("words" if words else "halves") + (" mufu" if mufu else "")] = (
+                lambda out, wd=words, mu=mufu: epi.swiglu_quant_contiguous(
+                    h, plan.m_indices, bias, 1.702, 7.0, out, 128, ids.numel(), words=wd, mufu=mu))
         for key, fn in variants.items():
             out = epi.Fp8Rows.empty(1, plan.num_rows, padded(INTER), dev)
             out.data.zero_()
@@ -61,11 +69,18 @@ def contiguous_tiles(dev, gen) -> list[dict]:
             row[f"{key} us"] = us
             row[f"{key} GB/s"] = moved / (us * 1e-6) / 1e9
             row[f"{key} bitwise equal"] = bool(torch.equal(outs[key], outs["per pair"]))
+            steps = (outs[key].int() - outs["per pair"].int()).abs()
+            row[f"{key} codes off by one"] = float((steps == 1).float().mean())
+            row[f"{key} codes off by more"] = int((steps > 1).sum())
         rows_out.append(row)
-        print(f"{row['shape']:>20}: " + "; ".join(f"{k} {row[k + ' us']:.1f} us ({row[k + ' GB/s']:.0f} GB/s"
-                                                   f"{'' if row[k + ' bitwise equal'] else ', DIFFERS'})"
-                                                   for k in variants), flush=True)
+        print(f"{row['shape']:>20}: " + "; ".join(_cell(row, k) for k in variants), flush=True)
     return rows_out
+
+
+def _cell(row: dict, key: str) -> str:
+    same = "" if row[f"{key} bitwise equal"] else (f", differs: off1 {row[f'{key} codes off by one']:.1e}, "
+                                                   f">1: {row[f'{key} codes off by more']}")
+    return f"{key} {row[f'{key} us']:.1f} us ({row[f'{key} GB/s']:.0f} GB/s{same})"
 
 
 def main(argv=None) -> int:

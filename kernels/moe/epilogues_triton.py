@@ -113,23 +113,45 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
 
 
 @triton.jit
-def swiglu_quant_rows(h, col_ok, alpha, limit, ROWS: tl.constexpr, FAST_DIV: tl.constexpr):
+def swiglu_quant_rows(h, col_ok, alpha, limit, ROWS: tl.constexpr, FAST_DIV: tl.constexpr, MUFU: tl.constexpr = False):
     """h [ROWS, 256]: gate_up outputs + bias of 128 output channels, (gate, up) interleaved, fp32 -> the
     clamped SwiGLU quantized per row: FP8 [ROWS, 128] and scales [ROWS] (channels where col_ok is false are
     zero). FAST_DIV: approximate division (div.full, 2 ulp) and one reciprocal per block, off the twin's
     rounding."""
     gate, up = tl.split(tl.reshape(h, (ROWS, 128, 2)))
+    return swiglu_quant_split(gate, up, col_ok, alpha, limit, FAST_DIV, MUFU)
+
+
+@triton.jit
+def _sigmoid_mufu(x):
+    """1 / (1 + 2^x) from one ex2.approx.ftz and one rcp.approx.ftz (the SFU; flushes subnormals)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 t; ex2.approx.ftz.f32 t, $1; add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
+        "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def swiglu_quant_split(gate, up, col_ok, alpha, limit, FAST_DIV: tl.constexpr, MUFU: tl.constexpr):
+    """swiglu_quant_rows on gate and up [ROWS, 128] (fp32, bias added) already apart. col_ok None: the caller
+    loaded channels past the end as zeros (gate 0 gives +0, as the select would). MUFU (with FAST_DIV, GPUs
+    only: inline PTX): the sigmoid from ex2 + rcp approximations and gate * sigmoid * (up + 1) as one fma."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     if FAST_DIV:
-        act = tl.fdiv(gate, 1.0 + tl.exp(-alpha * gate), ieee_rounding=False) * (up + 1.0)
-        act = tl.where(col_ok, act, 0.0)
+        if MUFU:
+            gs = gate * _sigmoid_mufu(gate * (-alpha * 1.4426950408889634))
+            act = tl.fma(gs, up, gs)
+        else:
+            act = tl.fdiv(gate, 1.0 + tl.exp(-alpha * gate), ieee_rounding=False) * (up + 1.0)
+        if col_ok is not None:
+            act = tl.where(col_ok, act, 0.0)
         amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
         scale = tl.math.div_rn(amax, 448.0)
         q = (act * tl.math.div_rn(448.0, amax)[:, None]).to(tl.float8e4nv)
     else:
         act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
-        act = tl.where(col_ok, act, 0.0)
+        if col_ok is not None:
+            act = tl.where(col_ok, act, 0.0)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4), 448.0)
         q = tl.math.div_rn(act, scale[:, None]).to(tl.float8e4nv)
     return q, scale
@@ -168,7 +190,8 @@ def _swiglu_quant_kernel(h_ptr, row_of_pair_ptr, ids_ptr, bias_ptr, a_ptr, sf_pt
 @triton.jit
 def _swiglu_quant_tiles_kernel(h_ptr, m_indices_ptr, bias_ptr, a_ptr, sf_ptr, num_rows, inter, stride_h, stride_a,
                                stride_bias, alpha, limit, sf_k_stride,
-                               BLOCK_R: tl.constexpr, FAST_DIV: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK_R: tl.constexpr, FAST_DIV: tl.constexpr, PDL: tl.constexpr,
+                               WORDS: tl.constexpr = False, MUFU: tl.constexpr = False):
     pdl_prologue(PDL)
     # grid (row tiles, k-blocks) over the contiguous layout: a tile of BLOCK_R rows lies inside one expert's
     # segment (segments start at multiples of BLOCK_R), so the tile loads its 256 bias values once, where
@@ -179,13 +202,27 @@ def _swiglu_quant_tiles_kernel(h_ptr, m_indices_ptr, bias_ptr, a_ptr, sf_ptr, nu
     live = expert >= 0
     e = tl.max(expert, axis=0)
     if e >= 0:
-        src = kb * 256 + tl.arange(0, 256)  # interleaved (gate, up) inputs of output channels kb*128 ..
-        ok_src = src < 2 * inter
-        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + src[None, :],
-                    mask=live[:, None] & ok_src[None, :], other=0.0).to(tl.float32)
-        h += tl.load(bias_ptr + e.to(tl.int64) * stride_bias + src, mask=ok_src, other=0.0)[None, :]
         col = kb * 128 + tl.arange(0, 128)
-        q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_R, FAST_DIV)
+        bias_row = bias_ptr + e.to(tl.int64) * stride_bias
+        if WORDS:
+            # h_ptr: the bf16 rows as int32 words (stride_h in words), one word per output channel: its low half
+            # the gate (even column), its high half the up input. A bf16 is the top half of its fp32, so each
+            # half goes to fp32 with one shift or mask and no split of an interleaved tile; same values.
+            ok = col < inter
+            w = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + col[None, :],
+                        mask=live[:, None] & ok[None, :], other=0)
+            gate = (w << 16).to(tl.float32, bitcast=True)
+            up = (w & -65536).to(tl.float32, bitcast=True)
+            gate += tl.load(bias_row + 2 * col, mask=ok, other=0.0)[None, :]
+            up += tl.load(bias_row + 2 * col + 1, mask=ok, other=0.0)[None, :]
+            q, scale = swiglu_quant_split(gate, up, None, alpha, limit, FAST_DIV, MUFU)
+        else:
+            src = kb * 256 + tl.arange(0, 256)  # interleaved (gate, up) inputs of output channels kb*128 ..
+            ok_src = src < 2 * inter
+            h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + src[None, :],
+                        mask=live[:, None] & ok_src[None, :], other=0.0).to(tl.float32)
+            h += tl.load(bias_row + src, mask=ok_src, other=0.0)[None, :]
+            q, scale = swiglu_quant_rows(h, (col < inter)[None, :], alpha, limit, BLOCK_R, FAST_DIV, MUFU)
         tl.store(a_ptr + rows[:, None].to(tl.int64) * stride_a + col[None, :], q, mask=live[:, None])
         tl.store(sf_ptr + kb * sf_k_stride + rows, scale, mask=live)
 
@@ -267,11 +304,16 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
 
 def swiglu_quant_contiguous(h: torch.Tensor, m_indices: torch.Tensor, bias: torch.Tensor, alpha: float, limit: float,
                             out: Fp8Rows, segment_align: int, num_pairs: int, fast_div: bool | None = None,
-                            block_rows: int = 32, num_warps: int = 4) -> Fp8Rows:
+                            block_rows: int = 32, num_warps: int = 4, words: bool = False,
+                            mufu: bool = False) -> Fp8Rows:
     """swiglu_quant over a contiguous-layout plan (routing_triton.plan_contiguous), tiled by rows: the same
     values per row, bit for bit, written to the same rows (rows whose m_indices is -1 are left alone).
     m_indices [rows]: the local expert of each row; segments start at multiples of `segment_align`, which
-    block_rows must divide. fast_div None: on above 512 pairs, as swiglu_quant decides."""
+    block_rows must divide. fast_div None: on above 512 pairs, as swiglu_quant decides.
+
+    words: load each (gate, up) pair of h as one int32 word (no split of an interleaved tile in registers or
+    shared memory); bit for bit the same output. mufu (GPUs, only where fast_div is on): the sigmoid from the
+    SFU's ex2 / rcp approximations and one fma, off the fast division's rounding by a few ulp before the cast."""
     rows = h.shape[0]
     if h.dim() != 2 or m_indices.shape != (rows,) or out.groups != 1 or out.rows_per_group != rows:
         raise ValueError(f"h {tuple(h.shape)} (bf16 rows), m_indices {tuple(m_indices.shape)} and one group of "
@@ -280,11 +322,20 @@ def swiglu_quant_contiguous(h: torch.Tensor, m_indices: torch.Tensor, bias: torc
         raise ValueError(f"block_rows {block_rows} must divide the segment alignment {segment_align}")
     if fast_div is None:
         fast_div = num_pairs > 512
+    if mufu and not h.is_cuda:
+        raise ValueError("mufu is inline PTX: CUDA tensors only")
+    if words:
+        if h.dtype != torch.bfloat16 or h.stride(1) != 1 or h.stride(0) % 2 or h.storage_offset() % 2:
+            raise ValueError(f"words needs bf16 rows of even stride and offset, got {h.dtype} strides {h.stride()}")
+        h_arg, stride_h = h.view(torch.int32), h.stride(0) // 2
+    else:
+        h_arg, stride_h = h, h.stride(0)
     if rows:
         _swiglu_quant_tiles_kernel[(triton.cdiv(rows, block_rows), out.k_blocks)](
-            h, m_indices, bias, out.data, out.scale_storage, rows, h.shape[1] // 2, h.stride(0), out.data.stride(0),
+            h_arg, m_indices, bias, out.data, out.scale_storage, rows, h.shape[1] // 2, stride_h, out.data.stride(0),
             bias.stride(0), float(alpha), float(limit), out.sf_k_stride,
-            BLOCK_R=block_rows, FAST_DIV=fast_div, num_warps=num_warps, **pdl.launch(h))
+            BLOCK_R=block_rows, FAST_DIV=fast_div, WORDS=words, MUFU=mufu and fast_div, num_warps=num_warps,
+            **pdl.launch(h))
     return out
 
 

@@ -72,6 +72,11 @@ class Fp8Experts(nn.Module):
         # 2026-11-30, python -m bench.swiglu_ab: 20b 4k 104.4 -> 92.7 us, 120b 8k 198.2 -> 174.8 us per call
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
+        # The tiles' inputs as int32 words, one (gate, up) pair each (bitwise the same output; SM90 static SASS
+        # 1,536 -> 1,120 instructions per thread) and, where fast division is on, the sigmoid from the SFU's
+        # ex2 / rcp approximations (864; a few ulp off before the FP8 cast). See kernels/moe/NOTES.md, item 5.
+        self.swiglu_words = False
+        self.swiglu_mufu = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -244,7 +249,8 @@ class Fp8Experts(nn.Module):
         a2 = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w2.shape[2], x.device)
         if self.swiglu_tiles and plan.layout == "contiguous":
             epi.swiglu_quant_contiguous(h, plan.m_indices, self.b13, self.alpha, self.limit, a2,
-                                        self._alignment(backend), ids.numel(), fast_div=self.swiglu_fast_div)
+                                        self._alignment(backend), ids.numel(), fast_div=self.swiglu_fast_div,
+                                        words=self.swiglu_words, mufu=self.swiglu_mufu and x.is_cuda)
         else:
             epi.swiglu_quant(h, plan.row_of_pair, ids, self.b13, self.first_expert, self.alpha, self.limit, a2,
                              fast_div=self.swiglu_fast_div)

@@ -142,11 +142,13 @@ def test_swiglu_quant(inter, kb_per_program, splits, fast_div, monkeypatch):
     torch.testing.assert_close(out.scales_rows(), want_scales, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("fast_div", [False, True])
 @pytest.mark.parametrize("inter,block_rows", [(136, 16), (300, 32)])
-def test_swiglu_quant_by_row_tiles_equals_the_per_pair_kernel(inter, block_rows, fast_div):
+def test_swiglu_quant_by_row_tiles_equals_the_per_pair_kernel(inter, block_rows, fast_div, words):
     """swiglu_quant_contiguous over a real contiguous plan (segments aligned to 32, padding rows, an expert
-    of another rank) writes, bit for bit, what swiglu_quant writes, and leaves padding rows alone."""
+    of another rank) writes, bit for bit, what swiglu_quant writes, and leaves padding rows alone; also when
+    it loads each (gate, up) pair as one int32 word (`words`)."""
     from kernels.moe import routing_triton
 
     t, k, e_local, first = 23, 3, 4, 2
@@ -161,7 +163,7 @@ def test_swiglu_quant_by_row_tiles_equals_the_per_pair_kernel(inter, block_rows,
         out.scale_storage.fill_(-1.0)
         if tiles:
             epi.swiglu_quant_contiguous(h, plan.m_indices, bias, 1.702, 7.0, out, 32, ids.numel(), fast_div=fast_div,
-                                        block_rows=block_rows)
+                                        block_rows=block_rows, words=words)
         else:
             epi.swiglu_quant(h, plan.row_of_pair, ids, bias, first, 1.702, 7.0, out, fast_div=fast_div)
         outs.append(out)
@@ -172,6 +174,22 @@ def test_swiglu_quant_by_row_tiles_equals_the_per_pair_kernel(inter, block_rows,
     assert (outs[1].data[~live].float() == 7.0).all()
     with pytest.raises(ValueError, match="divide"):
         epi.swiglu_quant_contiguous(h, plan.m_indices, bias, 1.702, 7.0, outs[1], 32, ids.numel(), block_rows=64)
+
+
+def test_swiglu_words_refuses_what_it_cannot_read_as_words():
+    """The int32-word load needs bf16 rows at an even stride and offset; MUFU is PTX (no CPU tensors)."""
+    from kernels.moe import routing_triton
+
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(5)]).int()
+    plan = routing_triton.plan_contiguous(ids, 0, 8, 32)
+    out = epi.Fp8Rows.empty(1, plan.num_rows, padded(136), "cpu")
+    wide = torch.randn(plan.num_rows, 2 * 136 + 1).bfloat16()
+    with pytest.raises(ValueError, match="even stride"):
+        epi.swiglu_quant_contiguous(wide[:, 1:], plan.m_indices, torch.zeros(8, 272), 1.702, 7.0, out, 32, 10,
+                                    words=True)
+    h = torch.randn(plan.num_rows, 272).bfloat16()
+    with pytest.raises(ValueError, match="CUDA"):
+        epi.swiglu_quant_contiguous(h, plan.m_indices, torch.zeros(8, 272), 1.702, 7.0, out, 32, 10, mufu=True)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
