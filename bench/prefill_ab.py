@@ -24,7 +24,8 @@ Variant sets:
   (FlashInferAttentionBackend.sliding_rows, the default), under prefill graphs captured for each (the rows
   setting keeps every layer's k / v rows in the graphs' buffers).
 - `swiglu-mufu`: the prefill SwiGLU row tiles as shipped / reading (gate, up) pairs as int32 words / words and
-  the SFU sigmoid (Fp8Experts.swiglu_words, swiglu_mufu; eager forwards).
+  the SFU sigmoid / those and the dispatch quantization by a per-block reciprocal (Fp8Experts.swiglu_words,
+  swiglu_mufu, dispatch_fast_div; eager forwards).
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -115,15 +116,17 @@ def swiglu_tiles_variants():
 
 def swiglu_mufu_variants():
     """The prefill SwiGLU row tiles as shipped, reading (gate, up) pairs as int32 words (Fp8Experts.swiglu_words,
-    bitwise the same), and words + the SFU sigmoid (swiglu_mufu). Eager forwards: compare the kernel sums."""
-    def mode(words: bool, mufu: bool):
+    bitwise the same), words + the SFU sigmoid (swiglu_mufu), and those with the dispatch quantization's per-block
+    reciprocal (dispatch_fast_div). Eager forwards: compare the kernel sums."""
+    def mode(words: bool, mufu: bool, dispatch_fast_div: bool = False):
         def apply(h: Harness):
             h.prefill_graphs = None
             set_on_experts(h, "swiglu_words", words)
             set_on_experts(h, "swiglu_mufu", mufu)
+            set_on_experts(h, "dispatch_fast_div", dispatch_fast_div)
         return apply
     return {"swiglu tiles": mode(False, False), "swiglu words": mode(True, False),
-            "swiglu words + mufu": mode(True, True)}
+            "swiglu words + mufu": mode(True, True), "words + mufu + dispatch fast div": mode(True, True, True)}
 
 
 def rotary_tiles_variants():
@@ -264,8 +267,12 @@ def kernel_profile(run) -> dict:
         largest.append((gap, prev[2][:40], name[:40]))
     largest.sort(reverse=True)
     f = PROFILED_FORWARDS
+    by_name = sorted(((e.self_device_time_total / 1e3 / f, e.key[:60]) for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0),
+                     reverse=True)
     return {"kernels_ms": total_us / 1e3 / f, "gaps_ms": {k: v / 1e3 / f for k, v in bins.items()},
-            "largest_gaps_us": [[round(g, 1), a, b] for g, a, b in largest[:6]]}
+            "largest_gaps_us": [[round(g, 1), a, b] for g, a, b in largest[:6]],
+            "top_kernels_ms": [[round(ms, 3), name] for ms, name in by_name[:12]]}
 
 
 def main(argv=None) -> int:
@@ -322,6 +329,8 @@ def main(argv=None) -> int:
             print(f"  {name}: idle between kernels per forward (ms) "
                   + ", ".join(f"{k} {v:.2f}" for k, v in g["gaps_ms"].items())
                   + f"; largest (us): {g['largest_gaps_us'][:3]}", flush=True)
+            print(f"  {name}: top kernels (ms per forward) "
+                  + ", ".join(f"{n} {ms:.2f}" for ms, n in g["top_kernels_ms"]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                           "model": args.model, "variants": list(variants), "ttft_ms": rows,

@@ -91,7 +91,7 @@ class Fp8Rows:
 def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride_x, stride_a,
                            rows_per_group, sf_group_stride, sf_k_stride,
                            TOP_K: tl.constexpr, NUM_KB: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_J: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, FAST_DIV: tl.constexpr = False):
     # grid (tokens, k-block groups): a token's 128-channel blocks are read and quantized once and stored
     # into each of its k pairs' rows (each block has its own scale, so blocks are independent).
     pdl_prologue(PDL)
@@ -99,9 +99,14 @@ def _dispatch_quant_kernel(x_ptr, row_of_pair_ptr, a_ptr, sf_ptr, hidden, stride
     kb = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
     col = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
     v = tl.load(x_ptr + token * stride_x + col, mask=col < hidden, other=0.0).to(tl.float32)
-    # Per-128 FP8 quantization; scale = max(amax, 1e-4) / 448 with IEEE division, as in the twin.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4), 448.0)
-    q = tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv)
+    # Per-128 FP8 quantization; scale = max(amax, 1e-4) / 448 with IEEE division, as in the twin. FAST_DIV:
+    # each value times 448 / amax (one IEEE division per block) instead of divided by the scale.
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+    scale = tl.math.div_rn(amax, 448.0)
+    if FAST_DIV:
+        q = (v * tl.math.div_rn(448.0, amax)[:, None]).to(tl.float8e4nv)
+    else:
+        q = tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv)
     jj = tl.arange(0, BLOCK_J)
     rows = tl.load(row_of_pair_ptr + token * TOP_K + jj, mask=jj < TOP_K, other=-1).to(tl.int64)  # -1: not here
     ok = (rows >= 0)[:, None] & (kb < NUM_KB)[None, :]
@@ -262,8 +267,11 @@ def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_
     tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: Fp8Rows) -> Fp8Rows:
-    """Quantize x [T, D] into the rows of `out` that the pairs map to."""
+def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: Fp8Rows,
+                   fast_div: bool = False) -> Fp8Rows:
+    """Quantize x [T, D] into the rows of `out` that the pairs map to. fast_div: each value times 448 / amax
+    (one IEEE division per 128-channel block) instead of an IEEE division per value; a code may land one FP8
+    step off the twin's."""
     if x.stride(1) != 1:
         x = x.contiguous()
     p = row_of_pair.numel()
@@ -273,7 +281,7 @@ def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: 
             x, row_of_pair, out.data, out.scale_storage, x.shape[1], x.stride(0), out.data.stride(0),
             out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
             TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=kbp, BLOCK_J=triton.next_power_of_2(top_k),
-            num_warps=1 if kbp == 1 else 4, **pdl.launch(x))
+            FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4, **pdl.launch(x))
     return out
 
 

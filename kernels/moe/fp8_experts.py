@@ -77,6 +77,9 @@ class Fp8Experts(nn.Module):
         # ex2 / rcp approximations (864; a few ulp off before the FP8 cast). See kernels/moe/NOTES.md, item 5.
         self.swiglu_words = False
         self.swiglu_mufu = False
+        # Prefill dispatch quantization by a per-block reciprocal instead of a division per value (as the
+        # SwiGLU's fast division; calls above 512 pairs); off until measured (bench/prefill_ab, swiglu-mufu).
+        self.dispatch_fast_div = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -235,7 +238,7 @@ class Fp8Experts(nn.Module):
             return torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         plan, splits = self.plan_step(ids, backend)
         a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
-        epi.dispatch_quant(x, plan.row_of_pair, k, a)
+        epi.dispatch_quant(x, plan.row_of_pair, k, a, fast_div=self.dispatch_fast_div and ids.numel() > 512)
         return self._experts_gpu(x, ids, weights, plan, splits, a, backend)
 
     def _experts_gpu(self, x, ids, weights, plan, splits: int, a, backend: str) -> torch.Tensor:

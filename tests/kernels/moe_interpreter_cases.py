@@ -97,9 +97,10 @@ def test_contiguous_plan(num_tokens, num_experts, first, num_local, top_k):
 
 
 # k-blocks per program: 1 (decode grids), 2 (uneven split of 3 blocks), 8 (more than there are)
+@pytest.mark.parametrize("fast_div", [False, True])
 @pytest.mark.parametrize("kb_per_program", [1, 2, 8])
 @pytest.mark.parametrize("hidden", [200, 300])
-def test_dispatch_quant(hidden, kb_per_program, monkeypatch):
+def test_dispatch_quant(hidden, kb_per_program, fast_div, monkeypatch):
     monkeypatch.setattr(epi, "_kb_per_program", lambda pairs, num_kb: kb_per_program)
     t, k, rows = 9, 2, 256
     x = torch.randn(t, hidden).bfloat16() * 4
@@ -107,7 +108,7 @@ def test_dispatch_quant(hidden, kb_per_program, monkeypatch):
     row_of_pair[3] = -1
     a = epi.Fp8Rows.empty(2, rows // 2, padded(hidden), "cpu")
     a.data.fill_(7.0)
-    epi.dispatch_quant(x, row_of_pair, k, a)
+    epi.dispatch_quant(x, row_of_pair, k, a, fast_div=fast_div)
     want, want_scales, written = ref.dispatch_quant(x, row_of_pair, k, rows)
     fp8_equal_or_adjacent(a.data[written], want[written], 0.01)
     torch.testing.assert_close(a.scales_rows()[written], want_scales[written], rtol=1e-6, atol=0)
