@@ -34,6 +34,16 @@ class Fp8LayoutError(ValueError):
     """A tensor handed to the FP8 MoE path has the wrong shape or dtype; the message says which."""
 
 
+def fp8_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float8_e4m3fn values apart a and b are, element-wise (int32): the codes in value order, so +0 and
+    -0 are the same value (0 steps) and the smallest subnormals of either sign are one step from zero."""
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        c = x.view(torch.uint8).int()
+        return torch.where(c >= 128, 128 - c, c)  # sign-magnitude -> a signed line (0x80 -> 0)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
 def align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 

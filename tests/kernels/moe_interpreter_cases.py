@@ -21,14 +21,13 @@ from kernels.moe import fp8_reference as ref  # noqa: E402
 from kernels.moe import routing_triton as rt  # noqa: E402
 from kernels.moe import triton_grouped_gemm as tgg  # noqa: E402
 from kernels.moe.fp8_experts import Fp8Experts  # noqa: E402
-from kernels.moe.fp8_quant import FP8, padded, quantize_weight_blocks  # noqa: E402
+from kernels.moe.fp8_quant import FP8, fp8_steps, padded, quantize_weight_blocks  # noqa: E402
 from kernels.moe.reference import TorchExperts  # noqa: E402
 
 
 def fp8_equal_or_adjacent(a: torch.Tensor, b: torch.Tensor, max_fraction: float) -> None:
     """FP8 codes equal, except a small fraction one step apart (exp / division ulps before the cast)."""
-    ia, ib = a.view(torch.uint8).int(), b.view(torch.uint8).int()
-    steps = (ia - ib).abs()
+    steps = fp8_steps(a, b)
     assert steps.max() <= 1, f"fp8 codes differ by {steps.max()} steps"
     assert (steps > 0).float().mean() <= max_fraction
 

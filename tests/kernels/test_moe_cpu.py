@@ -56,6 +56,19 @@ def test_mxfp4_to_fp8_is_exact():
     assert torch.equal(dequantize_weight_blocks(q, s, 2880), dequantize_mxfp4(blocks, scales, torch.float32))
 
 
+def test_fp8_steps_counts_values_between_codes():
+    """fp8_steps: every float8_e4m3fn value one step from its neighbours in value order, +0 and -0 zero apart."""
+    from kernels.moe.fp8_quant import fp8_steps
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    finite = codes[~torch.isnan(codes.float())]
+    ordered = finite[torch.argsort(finite.float(), stable=True)]  # -448 .. -0, +0 .. 448 (two zeros)
+    steps = fp8_steps(ordered[1:], ordered[:-1])
+    zeros = (ordered[1:].float() == 0) & (ordered[:-1].float() == 0)
+    assert int(zeros.sum()) == 1 and (steps[zeros] == 0).all() and (steps[~zeros] == 1).all()
+    assert int(fp8_steps(torch.tensor([-448.0]).to(FP8), torch.tensor([448.0]).to(FP8))) == 252
+
+
 @pytest.mark.parametrize("k", [1, 200, 2880])
 def test_quantize_rows(k):
     x = torch.randn(13, k) * torch.logspace(-3, 3, 13)[:, None]
