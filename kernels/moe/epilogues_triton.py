@@ -28,6 +28,13 @@ from kernels.triton_rounding import round_to_bf16
 
 # TMA needs the MN-major scale rows 16-byte aligned: 4 fp32 (DeepGEMM's get_tma_aligned_size).
 SCALE_ROW_ALIGN = 4
+# Above this many (token, expert) pairs a call is prefill-sized: the pairs alone fill the GPU (several k-blocks
+# per program) and the approximate divisions are on by default.
+PREFILL_PAIRS = 512
+
+
+def prefill_sized(pairs: int) -> bool:
+    return pairs > PREFILL_PAIRS
 
 
 @dataclass
@@ -235,7 +242,7 @@ def _swiglu_quant_tiles_kernel(h_ptr, m_indices_ptr, bias_ptr, a_ptr, sf_ptr, nu
 def _kb_per_program(pairs: int, num_kb: int) -> int:
     """k-blocks per program: one while there are few pairs (decode: spread a row over the SMs), more once
     pairs alone fill the GPU (prefill: fewer, larger programs)."""
-    return 1 if pairs <= 512 else min(8, triton.next_power_of_2(num_kb))
+    return min(8, triton.next_power_of_2(num_kb)) if prefill_sized(pairs) else 1
 
 
 @triton.jit
@@ -297,7 +304,7 @@ def swiglu_quant(h: torch.Tensor, row_of_pair: torch.Tensor, expert_ids: torch.T
     FP8 step off the twin's (~1e-6) and none further; off for decode (5.3 vs 5.7 us at T=1)."""
     p = row_of_pair.numel()
     if fast_div is None:
-        fast_div = p > 512
+        fast_div = prefill_sized(p)
     splits = h.shape[0] if h.dim() == 3 else 1
     if p:
         kbp = _kb_per_program(p, out.k_blocks)
@@ -329,7 +336,7 @@ def swiglu_quant_contiguous(h: torch.Tensor, m_indices: torch.Tensor, bias: torc
     if segment_align % block_rows:
         raise ValueError(f"block_rows {block_rows} must divide the segment alignment {segment_align}")
     if fast_div is None:
-        fast_div = num_pairs > 512
+        fast_div = prefill_sized(num_pairs)
     if mufu and not h.is_cuda:
         raise ValueError("mufu is inline PTX: CUDA tensors only")
     if words:

@@ -78,7 +78,8 @@ class Fp8Experts(nn.Module):
         self.swiglu_words = False
         self.swiglu_mufu = False
         # Prefill dispatch quantization by a per-block reciprocal instead of a division per value (as the
-        # SwiGLU's fast division; calls above 512 pairs); off until measured (bench/prefill_ab, swiglu-mufu).
+        # SwiGLU's fast division, in prefill-sized calls: epilogues_triton.prefill_sized); off until measured
+        # (bench/prefill_ab, swiglu-mufu).
         self.dispatch_fast_div = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
@@ -238,7 +239,8 @@ class Fp8Experts(nn.Module):
             return torch.empty(t, self.hidden, dtype=x.dtype, device=x.device)
         plan, splits = self.plan_step(ids, backend)
         a = epi.Fp8Rows.empty(plan.num_groups, plan.rows_per_group, self.w13.shape[2], x.device)
-        epi.dispatch_quant(x, plan.row_of_pair, k, a, fast_div=self.dispatch_fast_div and ids.numel() > 512)
+        fast_div = self.dispatch_fast_div and epi.prefill_sized(ids.numel())
+        epi.dispatch_quant(x, plan.row_of_pair, k, a, fast_div=fast_div)
         return self._experts_gpu(x, ids, weights, plan, splits, a, backend)
 
     def _experts_gpu(self, x, ids, weights, plan, splits: int, a, backend: str) -> torch.Tensor:
