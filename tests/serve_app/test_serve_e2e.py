@@ -427,11 +427,12 @@ def test_x_request_id_is_serves_one_value(http_port):
     # the decode replica's summary line of that request carries the same id
     logs = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
 
-    def summary() -> list[str]:
+    def summary() -> list[str]:  # the request's end line (its K/V transfer line, logged just before, carries the id too)
         return [line for path in logs.glob(f"replica_{APP}_{DECODE_NAME}_*.log")
-                for line in path.read_text().splitlines() if "trace-e2e-1" in line and r.json()["id"] in line]
+                for line in path.read_text().splitlines()
+                if "trace-e2e-1" in line and r.json()["id"] in line and ": length after" in line]
 
-    lines = wait_until(summary, 10, "the decode replica's line for the request")
+    lines = wait_until(summary, 10, "the decode replica's summary line for the request")
     assert re.search(r": length after [\d.]+ s; prompt \d+ tokens \(\d+ cached, prefill remote on this node, K/V via [\w-]+\), "
                      r"output 2 tokens, first token [\d.]+ s, [\d.]+ tok/s after it", lines[-1]), lines
 
