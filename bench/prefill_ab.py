@@ -115,9 +115,10 @@ def swiglu_tiles_variants():
 
 
 def swiglu_mufu_variants():
-    """The prefill SwiGLU row tiles as shipped, reading (gate, up) pairs as int32 words (Fp8Experts.swiglu_words,
-    bitwise the same), words + the SFU sigmoid (swiglu_mufu), and those with the dispatch quantization's per-block
-    reciprocal (dispatch_fast_div). Eager forwards: compare the kernel sums."""
+    """The prefill SwiGLU row tiles reading bf16 halves with the fast division's sigmoid (the default until
+    2026-12-06), reading (gate, up) pairs as int32 words (Fp8Experts.swiglu_words, bitwise the same), words + the SFU
+    sigmoid (swiglu_mufu; the default since), and those with the dispatch quantization's per-block reciprocal
+    (dispatch_fast_div). Eager forwards: compare the kernel sums."""
     def mode(words: bool, mufu: bool, dispatch_fast_div: bool = False):
         def apply(h: Harness):
             h.prefill_graphs = None

@@ -21,7 +21,7 @@ MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | he
 if [ "${MEM_MIB:-0}" -lt 120000 ]; then echo "prefill_120b: skipped (120b's FP8 experts need the H200's memory)"; else
 step prefill_120b 200 python3 -m bench.prefill_ab --model gpt-oss-120b --lens 8192 --variants swiglu-mufu \
     --dense-dtype fp8_e4m3 --rounds "${ROUNDS:-3}" --out "$OUT/prefill_ab_swiglu_mufu_120b_h200.json"; fi
-step prefill_20b 100 python3 -m bench.prefill_ab --model gpt-oss-20b --lens 4096 --variants swiglu-mufu \
+step prefill_20b 200 python3 -m bench.prefill_ab --model gpt-oss-20b --lens 4096 --variants swiglu-mufu \
     --dense-dtype fp8_e4m3 --rounds "${ROUNDS:-3}" --out "$OUT/prefill_ab_swiglu_mufu_20b.json"
 fi
 pack_jit_cache; pack_logs

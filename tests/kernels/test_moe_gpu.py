@@ -318,18 +318,18 @@ def test_routed_forward_matches_route_then_experts(experts20, t):
 def test_swiglu_by_row_tiles_changes_nothing(experts20, t):
     """Fp8Experts.swiglu_tiles (prefill SwiGLU + quantization by row tiles of the contiguous layout), and the
     tiles reading (gate, up) pairs as int32 words (swiglu_words): the layer's output bit for bit the per-pair
-    kernel's, on every backend here."""
+    kernel's, on every backend here (with the IEEE-rounded sigmoid: the SFU one, swiglu_mufu, is not bitwise)."""
     fp8, _ = experts20
     x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
     ids, weights = route(torch.randn(t, E20, device=DEV), K)
-    default = fp8.swiglu_tiles, fp8.swiglu_words
+    default = fp8.swiglu_tiles, fp8.swiglu_words, fp8.swiglu_mufu
     for backend in backends():
         fp8.backend = backend
         outs = []
         for tiles, words in ((False, False), (True, False), (True, True)):
-            fp8.swiglu_tiles, fp8.swiglu_words = tiles, words
+            fp8.swiglu_tiles, fp8.swiglu_words, fp8.swiglu_mufu = tiles, words, False
             outs.append(fp8(x, ids, weights))
-        fp8.swiglu_tiles, fp8.swiglu_words = default
+        fp8.swiglu_tiles, fp8.swiglu_words, fp8.swiglu_mufu = default
         for i in (1, 2):
             assert torch.equal(outs[0], outs[i]), f"{backend}, T={t}, variant {i}: max diff {(outs[0] - outs[i]).abs().max()}"
 
