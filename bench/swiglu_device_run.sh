@@ -4,7 +4,8 @@
 # carry .whl .jit .dg_src (120b needs the H200's memory: kind nvidia-h200, needs_h200). Builds what .jit /
 # .dg_src lack in the background (FlashInfer's sink modules, DeepGEMM) while bench.swiglu_ab runs, then:
 # the SwiGLU / layer GPU tests, bench.prefill_ab --variants swiglu-mufu at 120b 8k and 20b 4k (FP8 QKV / O),
-# ROUNDS rounds each. $OUT gets results.tgz (the JSON and logs), logs.tgz and what was built (flashinfer_jit.tgz, dg_site.tgz, JIT caches).
+# ROUNDS rounds each, and the engine's GPU tests against its torch twin (measured on an H100 on 2026-12-06, whose
+# 20b step needed > 100 s on a bare machine; with .jit / .dg_src carried nothing is built). $OUT gets results.tgz (the JSON and logs), logs.tgz and what was built (flashinfer_jit.tgz, dg_site.tgz, JIT caches).
 #   LIMIT_S=560 bash bench/swiglu_device_run.sh
 set -u
 DEVICE_START=$(date +%s)
@@ -24,6 +25,10 @@ step prefill_120b 200 python3 -m bench.prefill_ab --model gpt-oss-120b --lens 81
 step prefill_20b 200 python3 -m bench.prefill_ab --model gpt-oss-20b --lens 4096 --variants swiglu-mufu \
     --dense-dtype fp8_e4m3 --rounds "${ROUNDS:-3}" --out "$OUT/prefill_ab_swiglu_mufu_20b.json"
 fi
+# the engine on the GPU kernels with the SwiGLU defaults of 2026-12-06 (words + MUFU), against its torch twin
+step e2e_gpu 150 python3 -m pytest -q -ra -p no:cacheprovider tests/engine/test_e2e_gpu.py \
+    -k "twin or prefill_graphs or generates_what"
+tail -3 "$OUT/e2e_gpu.log"
 pack_jit_cache; pack_logs
 echo "---- summary"
 grep -E "contiguous|T=1|4k|8k" "$OUT/swiglu_ab.log" | tail -6
