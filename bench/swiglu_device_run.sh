@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # One device call that measures the prefill SwiGLU tiles reading (gate, up) pairs as int32 words and the SFU
-# sigmoid (Fp8Experts.swiglu_words / swiglu_mufu; kernels/moe/NOTES.md, item 5). Repo root on the GPU machine;
-# carry .whl .jit .dg_src (120b needs the H200's memory: kind nvidia-h200, needs_h200). Builds what .jit /
-# .dg_src lack in the background (FlashInfer's sink modules, DeepGEMM) while bench.swiglu_ab runs, then:
-# the SwiGLU / layer GPU tests, bench.prefill_ab --variants swiglu-mufu at 120b 8k and 20b 4k (FP8 QKV / O),
-# ROUNDS rounds each, and the engine's GPU tests against its torch twin (measured on an H100 on 2026-12-06, whose
-# 20b step needed > 100 s on a bare machine; with .jit / .dg_src carried nothing is built). $OUT gets results.tgz (the JSON and logs), logs.tgz and what was built (flashinfer_jit.tgz, dg_site.tgz, JIT caches).
+# sigmoid (Fp8Experts.swiglu_words / swiglu_mufu, the defaults since 2026-12-06, measured then on an H100 only;
+# kernels/moe/NOTES.md, item 5). Repo root on the GPU machine; carry .whl .jit .dg_src (120b needs the H200's
+# memory: kind nvidia-h200, needs_h200). Builds what .jit / .dg_src lack in the background (FlashInfer's sink
+# modules, DeepGEMM; the 20b step took > 100 s on a bare machine) while bench.swiglu_ab and bench.dispatch_ab (the
+# dispatch quantization by launch shape) run, then: the SwiGLU / layer GPU tests, bench.prefill_ab --variants
+# swiglu-mufu at 120b 8k and 20b 4k (FP8 QKV / O), ROUNDS rounds each, and the engine's GPU tests against its torch
+# twin. $OUT gets results.tgz (the JSON and logs), logs.tgz and what was built (flashinfer_jit.tgz, dg_site.tgz,
+# JIT caches).
 #   LIMIT_S=560 bash bench/swiglu_device_run.sh
 set -u
 DEVICE_START=$(date +%s)
 export FI_BUILD=${FI_BUILD:-1} DG_USE=${DG_USE:-1} DG_BUILD=${DG_BUILD:-1}
 source scripts/device_env.sh
 step swiglu_ab 90 python3 -m bench.swiglu_ab --out "$OUT/swiglu_ab_mufu.json"
+step dispatch_ab 60 python3 -m bench.dispatch_ab --out "$OUT/dispatch_ab.json"
 [ -n "$DG_PID" ] && { wait "$DG_PID"; tail -1 "$LOGS/dg_build_stdout.log"; }
 [ -n "$FI_PID" ] && { wait "$FI_PID"; tail -2 "$LOGS/flashinfer_build.log"; }
 step gpu_tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_moe_gpu.py \
@@ -32,6 +35,7 @@ tail -3 "$OUT/e2e_gpu.log"
 pack_jit_cache; pack_logs
 echo "---- summary"
 grep -E "contiguous|T=1|4k|8k" "$OUT/swiglu_ab.log" | tail -6
+grep -E "MB;|kb8 w4|DIFFERS" "$OUT/dispatch_ab.log"
 tail -n 12 "$OUT/prefill_20b.log" "$OUT/prefill_120b.log" 2>/dev/null
 # at most 8 files come back: the step logs and JSON in one archive beside the builds and the JIT caches
 (cd "$OUT" && tar czf results.tgz -- *.log *.json && rm -f -- *.log *.json)

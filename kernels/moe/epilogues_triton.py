@@ -275,20 +275,24 @@ def _combine_kernel(y_ptr, row_of_pair_ptr, ids_ptr, weights_ptr, bias_ptr, out_
 
 
 def dispatch_quant(x: torch.Tensor, row_of_pair: torch.Tensor, top_k: int, out: Fp8Rows,
-                   fast_div: bool = False) -> Fp8Rows:
+                   fast_div: bool = False, kb_per_program: int | None = None,
+                   num_warps: int | None = None) -> Fp8Rows:
     """Quantize x [T, D] into the rows of `out` that the pairs map to. fast_div: each value times 448 / amax
     (one IEEE division per 128-channel block) instead of an IEEE division per value; a code may land one FP8
-    step off the twin's."""
+    step off the twin's. kb_per_program (a power of two) / num_warps: the launch's shape (None: by the number of
+    pairs, _kb_per_program; bench.dispatch_ab sweeps them); the output does not depend on them."""
     if x.stride(1) != 1:
         x = x.contiguous()
     p = row_of_pair.numel()
     if p:
-        kbp = _kb_per_program(p, out.k_blocks)
+        kbp = kb_per_program or _kb_per_program(p, out.k_blocks)
+        if kbp & (kbp - 1):
+            raise ValueError(f"kb_per_program must be a power of two, got {kbp}")
         _dispatch_quant_kernel[(p // top_k, triton.cdiv(out.k_blocks, kbp))](
             x, row_of_pair, out.data, out.scale_storage, x.shape[1], x.stride(0), out.data.stride(0),
             out.rows_per_group, out.sf_group_stride, out.sf_k_stride,
             TOP_K=top_k, NUM_KB=out.k_blocks, BLOCK_KB=kbp, BLOCK_J=triton.next_power_of_2(top_k),
-            FAST_DIV=fast_div, num_warps=1 if kbp == 1 else 4, **pdl.launch(x))
+            FAST_DIV=fast_div, num_warps=num_warps or (1 if kbp == 1 else 4), **pdl.launch(x))
     return out
 
 

@@ -114,6 +114,25 @@ def test_dispatch_quant(hidden, kb_per_program, fast_div, monkeypatch):
     assert (a.data[~written].float() == 7.0).all()  # rows without a pair stay untouched
 
 
+def test_dispatch_quant_launch_shape_changes_nothing():
+    """dispatch_quant's launch shape (k-blocks per program, warps; what bench.dispatch_ab sweeps) leaves its output
+    bit for bit alone; a shape the kernel cannot tile is refused."""
+    t, k, rows, hidden = 7, 4, 64, 300
+    x = torch.randn(t, hidden).bfloat16() * 4
+    row_of_pair = torch.randperm(rows)[: t * k].int()
+    outs = []
+    for kbp, warps in ((None, None), (1, 2), (2, 1), (4, 8)):
+        a = epi.Fp8Rows.empty(1, rows, padded(hidden), "cpu")
+        epi.dispatch_quant(x, row_of_pair, k, a, kb_per_program=kbp, num_warps=warps)
+        outs.append(a)
+    written = row_of_pair.long()  # the other rows are left as allocated
+    for a in outs[1:]:
+        assert torch.equal(a.data[written].view(torch.uint8), outs[0].data[written].view(torch.uint8))
+        assert torch.equal(a.scales_rows()[written], outs[0].scales_rows()[written])
+    with pytest.raises(ValueError, match="power of two"):
+        epi.dispatch_quant(x, row_of_pair, k, outs[0], kb_per_program=3)
+
+
 def split_into(total: torch.Tensor, splits: int) -> torch.Tensor:
     """[splits, *total.shape] fp32 random partial sums adding up to total (as split-K GEMM outputs)."""
     parts = torch.randn(splits, *total.shape)
