@@ -427,7 +427,8 @@ def test_x_request_id_is_serves_one_value(http_port):
     # the decode replica's summary line of that request carries the same id
     logs = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
 
-    def summary() -> list[str]:  # the request's end line (its K/V transfer line, logged just before, carries the id too)
+    # the request's end line (its K/V transfer line, logged just before it, carries the same ids)
+    def summary() -> list[str]:
         return [line for path in logs.glob(f"replica_{APP}_{DECODE_NAME}_*.log")
                 for line in path.read_text().splitlines()
                 if "trace-e2e-1" in line and r.json()["id"] in line and ": length after" in line]
