@@ -73,8 +73,8 @@ class Fp8Experts(nn.Module):
         # (bench/results/swiglu_ab_tiles_h200.log). False: the per-pair kernel, to compare.
         self.swiglu_tiles = True
         # The tiles' inputs as int32 words, one (gate, up) pair each (bitwise the same output; SM90 static SASS
-        # 1,536 -> 1,120 instructions per thread without PDL) and, where fast division is on, the sigmoid from the SFU's
-        # ex2 / rcp approximations (864; a few ulp off before the FP8 cast: 5.4e-7 of the codes one step off).
+        # 1,536 -> 1,120 instructions per thread without PDL) and, where fast division is on, the sigmoid from the
+        # SFU's ex2 / rcp approximations (864; a few ulp off before the FP8 cast: 5.4e-7 of the codes one step off).
         # H100, 2026-12-06, python -m bench.swiglu_ab: 120b 8k 191.3 -> 184.4 -> 179.0 us per call, 20b 4k
         # 101.3 -> 98.1 -> 94.7 (kernels/moe/NOTES.md, item 5). False: the bf16 halves / the IEEE-rounded sigmoid.
         self.swiglu_words = True
