@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from bench.moe_common import distinct_experts
 from kernels.moe import epilogues_triton as epi
 from kernels.moe.fp8_quant import fp8_steps, padded
 
@@ -33,16 +34,11 @@ SHAPES = (("20b 4k", 4096, 32), ("120b 8k", 8192, 128))
 LAUNCHES = ((8, 4), (8, 2), (8, 8), (4, 4), (4, 2), (2, 2), (2, 1), (1, 1), (16, 4), (16, 8), (32, 8))
 
 
-def plan_for(tokens: int, experts: int, dev):
+def sweep(name: str, tokens: int, experts: int, dev) -> dict:
     from kernels.moe import routing_triton
 
-    gen = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:4] for _ in range(tokens)]).int().to(dev)
-    return ids, routing_triton.plan_contiguous(ids, 0, experts, 128)
-
-
-def sweep(name: str, tokens: int, experts: int, dev) -> dict:
-    ids, plan = plan_for(tokens, experts, dev)
+    ids = distinct_experts(tokens, experts, seed=tokens).to(dev)
+    plan = routing_triton.plan_contiguous(ids, 0, experts, 128)
     x = torch.randn(tokens, HIDDEN, device=dev).bfloat16() * 3
     pairs = ids.numel()
     moved = tokens * HIDDEN * 2 + pairs * padded(HIDDEN) * (1 + 4 / 128)

@@ -1,4 +1,4 @@
-"""Shared constants and timing helpers of the MoE benchmarks (bench/moe.py, bench/moe_gemm.py)."""
+"""Shared constants and timing helpers of the MoE benchmarks (bench/moe.py, bench/moe_gemm.py, the epilogue A/Bs)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,10 @@ def graph_us(fn, reps: int = 50) -> float:
     """Median us per call of fn() captured `reps` times in one CUDA graph (launch gaps included, as
     inside a decode step's graph)."""
     return graph_time_us(fn, [()] * reps)[0]
+
+
+def distinct_experts(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
+    """[tokens, TOP_K] int32 on the CPU: each token's TOP_K distinct experts, uniformly at random (as routing of
+    random weights spreads tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :TOP_K].int()

@@ -29,15 +29,10 @@ PTX_OPS = ("ex2.approx.ftz.f32", "rcp.approx.ftz.f32", "div.full.f32", "div.rn.f
 SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+\S")
 
 
-def constants(spec: dict) -> dict:
-    names = tp.resolve_kernel(spec["name"]).arg_names
-    return {names[k[0]]: v for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
-
-
 def shipped_entry(name: str, **want) -> dict:
     """The shipped manifest's entry of kernel `name` whose constexprs include `want`."""
     for spec in tp.Manifest.load(tp.MANIFEST_DIR / MANIFEST).specializations:
-        if spec["name"] == name and all(constants(spec).get(k) == v for k, v in want.items()):
+        if spec["name"] == name and all(tp.constexpr_values(spec).get(k) == v for k, v in want.items()):
             return spec
     raise LookupError(f"no entry of {name} with {want} in {MANIFEST}")
 
@@ -55,11 +50,7 @@ def with_constexprs(spec: dict, **values) -> dict:
 
 
 def compile_sm90(spec: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    src, options = tp.source_and_options(spec)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return tp.compile_spec(spec, 90)[1]
 
 
 def sass_instructions(kernel) -> int:

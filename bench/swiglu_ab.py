@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from bench.moe_common import distinct_experts
 from kernels.moe import epilogues_triton as epi
 from kernels.moe import fp8_reference as ref
 from kernels.moe.fp8_quant import fp8_steps, padded
@@ -41,8 +42,7 @@ def contiguous_tiles(dev, gen) -> list[dict]:
     rows_out = []
     for name, tokens in (("20b 4k", 4096), ("120b 8k", 8192)):
         experts = 32
-        ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(i))[:4]
-                           for i in range(tokens)]).int().to(dev)
+        ids = distinct_experts(tokens, experts).to(dev)
         plan = routing_triton.plan_contiguous(ids, 0, experts, 128)
         h = (torch.randn(plan.num_rows, 2 * INTER, generator=gen, device=dev) * 3).bfloat16()
         bias = torch.randn(experts, 2 * INTER, generator=gen, device=dev) * 0.1

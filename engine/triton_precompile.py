@@ -195,16 +195,27 @@ def source_and_options(spec: dict):
     return ASTSource(fn, signature, constexprs, attrs), options
 
 
-def compile_one(spec: dict, arch: int) -> tuple[str, float, str | None, str | None]:
-    """Compile one entry into Triton's cache, and its launcher: (kernel name, seconds, error or None, the
-    launcher's error or None)."""
+def constexpr_values(spec: dict) -> dict:
+    """A manifest entry's constexprs by argument name, as the file stores them."""
+    names = resolve_kernel(spec["name"]).arg_names
+    return {names[k[0]]: v for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+
+
+def compile_spec(spec: dict, arch: int):
+    """Compile one entry for sm_<arch> (into Triton's cache; no GPU needed): (ASTSource, the compiled kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
+    src, options = source_and_options(spec)
+    return src, triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_one(spec: dict, arch: int) -> tuple[str, float, str | None, str | None]:
+    """Compile one entry into Triton's cache, and its launcher: (kernel name, seconds, error or None, the
+    launcher's error or None)."""
     start = time.perf_counter()
     try:
-        src, options = source_and_options(spec)
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        src, kernel = compile_spec(spec, arch)
     except Exception as err:  # noqa: BLE001 - a failed entry is reported, the others go on
         return spec["name"], time.perf_counter() - start, f"{type(err).__name__}: {err}"[:500], None
     return spec["name"], time.perf_counter() - start, None, build_launcher(src, kernel)

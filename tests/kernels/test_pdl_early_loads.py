@@ -17,28 +17,19 @@ EARLY_LOADS = {"_add_rms_norm_kernel": 1, "_decode_front_kernel": 2, "_rotary_qk
 NEEDS = {"_fp8_grouped_gemm_decode_kernel": {"EARLY_ROUTING": True}}
 
 
-def constants(spec: dict) -> dict:
-    names = tp.resolve_kernel(spec["name"]).arg_names
-    return {names[k[0]]: v for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
-
-
 def pdl_entry(short: str) -> dict:
     manifest = tp.Manifest.load(tp.MANIFEST_DIR / "gpt-oss-20b.tp1.ep1.sm90.json")
     for spec in manifest.specializations:
         if not (spec["name"].endswith("." + short) and spec["options"].get("launch_pdl")):
             continue
-        if all(constants(spec).get(a) == v for a, v in NEEDS.get(short, {}).items()):
+        if all(tp.constexpr_values(spec).get(a) == v for a, v in NEEDS.get(short, {}).items()):
             return spec
     raise AssertionError(f"no PDL launch of {short} with {NEEDS.get(short, {})} in the shipped manifest")
 
 
 def ptx_around_the_wait(spec: dict) -> tuple[int, int]:
     """(global loads before griddepcontrol.wait, after it) in the entry's sm_90 PTX."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    src, options = tp.source_and_options(spec)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"].splitlines()
+    ptx = tp.compile_spec(spec, 90)[1].asm["ptx"].splitlines()
     waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
     assert len(waits) == 1, f"{spec['name']}: {len(waits)} griddepcontrol.wait in the PTX"
     return sum("ld.global" in line for line in ptx[:waits[0]]), sum("ld.global" in line for line in ptx[waits[0]:])
