@@ -5,12 +5,12 @@ process, beside a device copy of the same bytes.
     python -m bench.dispatch_ab [--out bench/results/dispatch_ab.json]
 
 Two numbers first (120b, 8k prompt): reads 8,192 x 2,880 bf16 (47 MB), writes 32,768 rows x 2,944 FP8 (96.5 MB)
-and their fp32 scales (3 MB): 147 MB, ~37 us at 4 TB/s; no FLOPs to speak of. The H200 profile of the 120b 8k forward
-measured ~89 us per call (1.6 TB/s; bench/RESULTS.md), an H100 run of the 20b 4k forward ~50 us for 72 MB (1.4 TB/s
-of 3.35), and dividing once per 128-channel block instead of once per value (fast_div) changed nothing there
-(kernels/moe/NOTES.md, item 5): neither the divisions nor the bytes bound it. The sweep asks whether the launch shape
-does: k-blocks per program (the shipped prefill shape is 8, one program per token and 1,024 channels) and warps. Every
-IEEE variant's output must equal the shipped shape's bit for bit; fast_div's codes one FP8 step off are counted.
+and their fp32 scales (3 MB): 147 MB, ~37 us at 4 TB/s; no FLOPs to speak of. The sweep asks whether the launch
+shape bounds it: k-blocks per program (the shipped prefill shape is 8, one program per token and 1,024 channels) and
+warps. Every IEEE variant's output must equal the shipped shape's bit for bit; fast_div's codes one FP8 step off are
+counted. (It was written when the forward's profile seemed to give ~89 us per call; that was 72 calls counted as 36,
+the kernel also quantizing the FP8 O projection's input. H200, 2026-12-06: the shipped shape is the fastest, 52.8 us
+at 120b 8k against a 39.5 us copy; kernels/moe/NOTES.md, item 5.)
 """
 
 from __future__ import annotations
