@@ -6,8 +6,8 @@
 # modules, DeepGEMM; the 20b step took > 100 s on a bare machine) while bench.swiglu_ab and bench.dispatch_ab (the
 # dispatch quantization by launch shape) run, then: the SwiGLU / layer GPU tests, bench.prefill_ab --variants
 # swiglu-mufu at 120b 8k (FP8 QKV / O, ROUNDS rounds; H200 only), the engine's GPU tests against its torch twin, and
-# last the same A/B at 20b 4k. $OUT gets results.tgz (the JSON and logs), logs.tgz and what was built (flashinfer_jit.tgz, dg_site.tgz,
-# JIT caches).
+# last the same A/B at 20b 4k. $OUT gets results.tgz (the JSON and logs), logs.tgz and what was built
+# (flashinfer_jit.tgz, dg_site.tgz, JIT caches).
 #   LIMIT_S=560 bash bench/swiglu_device_run.sh
 set -u
 DEVICE_START=$(date +%s)
