@@ -75,13 +75,15 @@ class Fp8Experts(nn.Module):
         # The tiles' inputs as int32 words, one (gate, up) pair each (bitwise the same output; SM90 static SASS
         # 1,536 -> 1,120 instructions per thread without PDL) and, where fast division is on, the sigmoid from the
         # SFU's ex2 / rcp approximations (864; a few ulp off before the FP8 cast: 5.4e-7 of the codes one step off).
-        # H100, 2026-12-06, python -m bench.swiglu_ab: 120b 8k 191.3 -> 184.4 -> 179.0 us per call, 20b 4k
-        # 101.3 -> 98.1 -> 94.7 (kernels/moe/NOTES.md, item 5). False: the bf16 halves / the IEEE-rounded sigmoid.
+        # H200, 2026-12-06, python -m bench.swiglu_ab: 120b 8k 175.0 -> 153.3 -> 135.7 us per call, 20b 4k
+        # 93.2 -> 83.0 -> 73.2 (the H100 gave 1.07x; kernels/moe/NOTES.md, item 5). False: the bf16 halves / the
+        # IEEE-rounded sigmoid.
         self.swiglu_words = True
         self.swiglu_mufu = True
         # Prefill dispatch quantization by a per-block reciprocal instead of a division per value (as the
         # SwiGLU's fast division, in prefill-sized calls: epilogues_triton.prefill_sized). Off: no gain measured
-        # (H100, 20b 4k forward: 1.21 vs 1.19 ms of the kernel per forward, bench/prefill_ab swiglu-mufu).
+        # (H200, 120b 8k forward: 3.27 vs 3.24 ms of the kernel per forward, bench/prefill_ab swiglu-mufu; the
+        # kernel alone within 2% at every launch shape, bench/dispatch_ab).
         self.dispatch_fast_div = False
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
