@@ -50,8 +50,7 @@ LARGE_N_CONFIG = dict(BLOCK_N=128, waves=4, num_warps=4, num_stages=3)
 def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k, k_w,
                      stride_x, stride_w, stride_sw, stride_y, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
-                     SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
-                     EVICT_FIRST: tl.constexpr = False):
+                     SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,11 +63,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_pt
     for kb in range(kb0, tl.minimum(kb0 + KB_PER_SPLIT, NUM_KB)):
         offs_k = kb * 128 + tl.arange(0, 128)
         # columns from k_w on (the zero K padding, unless fp8_quant.READ_K_PADDING) are not read
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
-        if EVICT_FIRST:  # fp8_quant.WEIGHTS_EVICT_FIRST
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < k_w)[None, :], other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < k_w)[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                    mask=n_ok[:, None] & (offs_k < k_w)[None, :], other=0.0)
         xv = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_k[:, None], mask=t_ok[None, :] & (offs_k < k)[:, None],
                      other=0.0).to(tl.float32)  # x^T block [128, BLOCK_T]; K padding reads as zeros
         xh = tl.minimum(tl.maximum(xv, -65504.0), 65504.0).to(tl.float16)
@@ -105,8 +101,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         kp if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NUM_KB=kp // QBLOCK, KB_PER_SPLIT=per // QBLOCK, SPLIT_K=splits,
-        DOT_F16=x.is_cuda, EVICT_FIRST=fp8_quant.WEIGHTS_EVICT_FIRST, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl.launch(x))
+        DOT_F16=x.is_cuda, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(x))
     return y
 
 

@@ -42,7 +42,7 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, K_SPLIT=256, num_warps=4, weights_first=True)
 def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_ptr, num_tokens, n, k_in, k_w,
                       stride_x, stride_w, stride_sw, stride_y, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, NKB: tl.constexpr, SPLIT_K: tl.constexpr,
-                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+                      WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr):
     nb, split = tl.program_id(0), tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = split * NKB + tl.arange(0, NKB)  # 128-wide K blocks of this split
@@ -58,14 +58,12 @@ def _slab_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, partial_ptr, tickets_p
         s = tl.load(s_ptrs, mask=offs_kb * 128 < k_w, other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    if not WEIGHTS_FIRST:
-        pdl_prologue(PDL)
-    if EVICT_FIRST:  # fp8_quant.WEIGHTS_EVICT_FIRST
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
     if WEIGHTS_FIRST:
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
         pdl_prologue(PDL)
+    else:
+        pdl_prologue(PDL)
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0)
     w = w.to(tl.float32)
     offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
@@ -113,6 +111,5 @@ def slab_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor 
         kw if fp8_quant.READ_K_PADDING else k, x.stride(0), weight.stride(0), weight_scale.stride(0) if fp8 else 0,
         y.stride(0), HAS_SCALE=fp8,
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=cfg["BLOCK_N"], NKB=nkb, SPLIT_K=splits,
-        WEIGHTS_FIRST=cfg["weights_first"], EVICT_FIRST=fp8_quant.WEIGHTS_EVICT_FIRST, num_warps=cfg["num_warps"],
-        **pdl.launch(x))
+        WEIGHTS_FIRST=cfg["weights_first"], num_warps=cfg["num_warps"], **pdl.launch(x))
     return y

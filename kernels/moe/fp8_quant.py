@@ -28,11 +28,6 @@ AMAX_FLOOR = 1e-4
 # skip the zero columns past the real K (2880 of 2944: 2.2% of their bytes; the products are the same). True
 # reads them as before 2026-12-03: for bench/decode_ab's same-process comparison only.
 READ_K_PADDING = False
-# The same decode kernels' weight loads marked L2 evict-first (PTX createpolicy L2::evict_first + L2::cache_hint), so
-# the weights a batch-1 step streams once (120b: 5.2 GB through a 50 MB L2) are the first lines replaced and the step's
-# small tensors (activations, split-K partials, the routing plan, the residual) stay resident between the kernel that
-# writes them and the one that reads them. An experiment: off until bench/decode_ab's same-process A/B says otherwise.
-WEIGHTS_EVICT_FIRST = False
 
 
 class Fp8LayoutError(ValueError):

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.moe.epilogues_triton import Fp8Rows
-from kernels.moe import fp8_quant
 from kernels.moe.fp8_quant import BLOCK
 from kernels.pdl import pdl_prologue
 
@@ -113,8 +112,7 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
                                     stride_split, sfa_group_stride, sfa_k_stride, sfb_group_stride, sfb_n_stride,
                                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     NUM_KB: tl.constexpr, SPLIT_K: tl.constexpr, A_ROW_MAP: tl.constexpr,
-                                    PDL: tl.constexpr, EARLY_ROUTING: tl.constexpr = False,
-                                    EVICT_FIRST: tl.constexpr = False):
+                                    PDL: tl.constexpr, EARLY_ROUTING: tl.constexpr = False):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,10 +149,7 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         for kb in range(kb0, tl.minimum(kb0 + kb_per_split, NUM_KB)):
             k_ok = tl.arange(0, BLOCK_K) < k_valid - kb * BLOCK_K  # K padding (zeros) at or past k_valid: not read
-            if EVICT_FIRST:  # fp8_quant.WEIGHTS_EVICT_FIRST
-                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            else:
-                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
             sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
             sb = tl.load(sfb_ptrs + kb)
@@ -229,6 +224,5 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         a.sf_group_stride, a.sf_k_stride, w_scales.stride(0), w_scales.stride(1),
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
         A_ROW_MAP=a_row_map is not None, EARLY_ROUTING=plan_written_before_predecessor,
-        EVICT_FIRST=fp8_quant.WEIGHTS_EVICT_FIRST,
         **cfg, **pdl.launch(out))
     return out

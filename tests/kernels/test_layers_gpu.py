@@ -261,27 +261,6 @@ def test_slab_gemv_matches_twins(t, n, k, cfg):
 
 
 @pytest.mark.parametrize("weights_first", [False, True])
-@pytest.mark.parametrize("gemv", ["slab", "fp8"])
-@pytest.mark.parametrize("t", [1, 3])
-def test_evict_first_weight_loads_change_nothing(gemv, t, monkeypatch):
-    """fp8_quant.WEIGHTS_EVICT_FIRST (an L2 hint on the weight loads) leaves every output bit as it was: the slab GEMV
-    at QKV's shape, the FP8 GEMV at a wide N on the unembedding's config."""
-    from kernels.layers import fp8_gemv_triton, fp8_linear, slab_gemv_triton
-    from kernels.moe import fp8_quant
-
-    n, k = (5120, 2880) if gemv == "slab" else (fp8_gemv_triton.LARGE_N + 1000, 2880)
-    x = torch.randn(t, k, device=DEV).bfloat16()
-    w, sw = fp8_linear.quantize_weight(torch.randn(n, k, device=DEV) * k ** -0.5)
-    b = torch.randn(n, device=DEV).bfloat16()
-    tickets = fp8_linear.gemv_tickets(n, DEV)
-    run = slab_gemv_triton.slab_gemv if gemv == "slab" else fp8_gemv_triton.fp8_gemv
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(fp8_quant, "WEIGHTS_EVICT_FIRST", on)
-        outs.append(run(x, w, sw, b, tickets))
-    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
-
-
 def test_slab_gemv_in_cuda_graph_replays_bitwise(weights_first):
     """Captured with PDL after a producer kernel that writes x (the weights loaded before the PDL wait with
     weights_first): every replay equals the eager call on the same fresh inputs."""

@@ -205,30 +205,6 @@ def test_grouped_gemm_decode_matches_twin(t, splits, n, block_n):
     assert calc_diff(out[valid], want[valid]) < 1e-5
 
 
-@pytest.mark.parametrize("t,splits", [(1, 4), (3, 2), (64, 1)])
-def test_grouped_gemm_decode_evict_first_changes_nothing(t, splits, monkeypatch):
-    """fp8_quant.WEIGHTS_EVICT_FIRST (an L2 hint on the weights' cp.async loads) leaves every output bit as it was."""
-    from kernels.moe import fp8_quant
-    from kernels.moe.epilogues_triton import Fp8Rows
-    from kernels.moe.routing_triton import plan_masked
-    from kernels.moe.triton_grouped_gemm import grouped_gemm_decode
-
-    e, kp, n = E20, padded(D), 2 * I
-    w, ws = quantize_weight_blocks(torch.randn(e, n, D, device=DEV) * D ** -0.5)
-    plan = plan_masked(route(torch.randn(t, e, device=DEV), K)[0], 0, e, t)
-    a = Fp8Rows.empty(e, t, kp, DEV)
-    a.data.copy_((torch.randn(a.data.shape, device=DEV) * 60).to(FP8))
-    a.scale_storage.copy_(torch.rand(a.scale_storage.shape, device=DEV) * 0.02 + 0.001)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(fp8_quant, "WEIGHTS_EVICT_FIRST", on)
-        out = torch.full((splits, a.data.shape[0], n) if splits > 1 else (a.data.shape[0], n), float("nan"),
-                         device=DEV, dtype=torch.float32 if splits > 1 else torch.bfloat16)
-        outs.append(grouped_gemm_decode(a, w, ws, out, plan.counts, plan.active, plan.num_active, t, k_valid=D))
-    assert torch.equal(outs[0].isnan(), outs[1].isnan()) and (~outs[0].isnan()).any()
-    assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
-
-
 # ---- the whole layer ----------------------------------------------------------------------------
 @pytest.mark.parametrize("t", [1, 7, 129, 4096])
 @pytest.mark.parametrize("backend", ["triton", "deep_gemm"])
