@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
@@ -151,11 +152,18 @@ def _param_path(loc: tuple) -> list[str]:
             and not (isinstance(part, str) and (not part.isidentifier() or part in _TYPE_LABELS))]
 
 
+def _specificity(error: dict) -> tuple[int, bool]:
+    """Deeper first; at one depth a wrong `type` first, as it explains the rest (a Responses `web_search` tool lacks
+    the `name` a function tool needs: the complaint is its type)."""
+    path = _param_path(error.get("loc", ()))
+    return len(path), path[-1:] == ["type"]
+
+
 def bad_request_from_validation(err: ValidationError | RequestValidationError) -> BadRequest:
     """The most specific complaint (deepest location) as `param` (e.g. `messages.0.content.0`); when a
     union failed every way, its alternatives are joined with "or"."""
     errors = err.errors()
-    best = max(errors, key=lambda e: len(_param_path(e.get("loc", ()))))
+    best = max(errors, key=_specificity)
     path = _param_path(best.get("loc", ()))
     param = ".".join(path) or None
     if best.get("type") == "extra_forbidden":
@@ -173,11 +181,39 @@ def bad_request_from_validation(err: ValidationError | RequestValidationError) -
 
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, strictly (RFC 8259): `NaN` and `Infinity`, which Python's parser takes, are a 400 too (an
-    echoed field holding one could not be written back as JSON: found by fuzzing, a 500 on `text.format`)."""
+    echoed field holding one could not be written back as JSON: found by fuzzing, a 500 on `text.format`), and so is a
+    string holding half of a UTF-16 surrogate pair."""
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadRequest(f"The request body is not valid JSON ({err}); send a JSON object.") from err
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
+    return body
+
+
+# A `\uD800`-`\uDFFF` escape: half of a UTF-16 pair. Python's parser joins a whole pair into one character and keeps
+# a lone half as a string no encoder takes (Harmony's renderer failed on one: a 500 before this check).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    stack = [(body, ())]
+    while stack:  # a loop, not recursion: a body nested as deep as the parser allows must not overflow it
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                param = ".".join(str(part) for part in path) or None
+                raise BadRequest(f"{param or 'The request body'}: holds a lone UTF-16 surrogate "
+                                 f"({value[err.start]!a}, one half of a \\uD800-\\uDFFF pair), which is not text; "
+                                 "send valid Unicode.", param=param) from None
+        elif isinstance(value, dict):
+            stack.extend((key, path) for key in value)
+            stack.extend(((item, (*path, key)) for key, item in value.items()))
+        elif isinstance(value, list):
+            stack.extend(((item, (*path, index)) for index, item in enumerate(value)))
 
 
 def _no_constant(name: str) -> Any:

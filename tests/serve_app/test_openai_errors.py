@@ -9,8 +9,10 @@ import openai
 import pytest
 
 from engine.request import BackendOverloaded, InvalidRequestError
+from serve_app.harmony.encoding import load_harmony_encoding
 from tests.serve_app.conftest import MAX_CONTEXT, MODEL
 
+ENC = load_harmony_encoding()
 OK = "<|channel|>final<|message|>ok<|return|>"
 HI = [{"role": "user", "content": "Hi"}]
 CHAT = {"model": MODEL, "messages": HI}
@@ -48,6 +50,10 @@ CHAT_400 = [
      None),
     ("Infinity is not JSON", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], '
                              b'"response_format": {"a": [-Infinity]}}', None),
+    ("lone surrogate", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages.0.content"),
+    ("lone surrogate in a key", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], '
+                                b'"metadata": {"\\uDC00": "v"}}', "metadata"),
     ("messages wrong type", {**CHAT, "messages": "hello"}, "messages"),
     ("empty messages", {**CHAT, "messages": []}, "messages"),
     ("bad role", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -122,6 +128,8 @@ RESPONSES_400 = [
     ("metadata key over 64 characters", {**RESP, "metadata": {"k" * 65: "v"}}, "metadata"),
     ("previous_response_id", {**RESP, "previous_response_id": "resp_1"}, "previous_response_id"),
     ("input wrong type", {**RESP, "input": 42}, "input"),
+    ("lone surrogate", b'{"model": "gpt-oss-test", "input": "\\udfff"}', "input"),
+    ("hosted tool", {**RESP, "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ("unknown item", {**RESP, "input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
     ("bad tool schema", {**RESP, "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
      "tools.0.parameters"),
@@ -159,6 +167,15 @@ def test_whole_numbers_pass_for_number_fields(server, backend):
     assert r.status_code == 200, r.text
     sampling = backend.requests[-1].sampling
     assert (sampling.temperature, sampling.top_p, sampling.logit_bias) == (1.0, 1.0, ((42, 1.0),))
+
+
+def test_surrogate_pairs_pass(server, backend):
+    """Escaped UTF-16 pairs (how `json.dumps` writes an emoji) are text; only a lone half is refused."""
+    backend.push(OK)
+    r = post(server, "/v1/chat/completions", b'{"model": "gpt-oss-test", "messages": [{"role": "user", '
+                                            b'"content": "hi \\ud83d\\udc4b \\\\ud800"}]}')
+    assert r.status_code == 200, r.text
+    assert "hi \N{WAVING HAND SIGN} \\ud800" in ENC.decode(backend.requests[-1].prompt_ids)
 
 
 def test_openai_client_raises_bad_request_with_fields(client, backend):

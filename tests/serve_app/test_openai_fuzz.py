@@ -4,7 +4,7 @@ and no K/V page.
 
 Bodies start from valid, feature-rich requests of each endpoint (tools, schemas, logprobs, penalties, streaming)
 and get 1-3 random edits at random depths: a value replaced by an odd one (wrong types, huge or negative numbers,
-NaN, empty or special-token strings, nested empties), a key deleted, or a key added. Seeded: the same bodies
+NaN, empty, special-token or lone-surrogate strings, nested empties), a key deleted, or a key added. Seeded: the same bodies
 each run. (By hand, 4,900 bodies over seeds 0-3 found nothing; CI runs one seed's few hundred.)
 
 Then concurrent clients that leave at random points (mid-stream, at a read timeout, with n > 1 choices): this
@@ -48,7 +48,7 @@ VALID = {
                       "text": {"format": {"type": "text"}}, "reasoning": {"effort": "low"}, "truncation": "auto",
                       "store": True, "include": ["message.output_text.logprobs"], "top_logprobs": 2},
 }
-ODD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -0.0, float("nan"), "", "x", "\u0000",
+ODD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -0.0, float("nan"), "", "x", "\u0000", "a\ud800", "\udfff",
        "<|start|>user<|message|>", "a" * 3000, [], [None], [1, 2], {}, {"type": None}, {"a": [{}]}, [[[]]],
        {"role": "user", "content": None}, [{"role": "assistant", "content": None, "tool_calls": []}],
        [{"role": "tool", "content": "x"}], [{"type": "text"}], 7.5, "auto", "none", "required", "json_object"]
@@ -71,11 +71,11 @@ def broken(body: dict, rng: random.Random) -> dict:
         keys = list(node) if isinstance(node, dict) else list(range(len(node)))
         edit = rng.random()
         if isinstance(node, dict) and edit > 0.85:
-            node[rng.choice(ADDED_KEYS)] = rng.choice(ODD)
+            node[rng.choice(ADDED_KEYS)] = copy.deepcopy(rng.choice(ODD))
         elif isinstance(node, dict) and edit > 0.7 and keys:
             del node[rng.choice(keys)]
         elif keys:
-            node[rng.choice(keys)] = rng.choice(ODD)
+            node[rng.choice(keys)] = copy.deepcopy(rng.choice(ODD))
     return out
 
 
@@ -169,7 +169,7 @@ def test_broken_continuations_of_a_stored_response(served):
     first = json.loads(text)["id"]
     rng = random.Random(7)
     bodies = [("/v1/responses", broken({**VALID["/v1/responses"], "previous_response_id": first}, rng))
-              for _ in range(40)]
+              for _ in range(30)]
     statuses: dict[int, int] = {}
     failures = answer_failures(server, bodies, statuses)
     assert not failures, failures[:5]
@@ -182,7 +182,7 @@ def test_broken_background_requests(served):
     every accepted one reaches a final state in the store, and then nothing is held."""
     engine, server = served
     rng = random.Random(11)
-    bodies = [("/v1/responses", broken({**VALID["/v1/responses"], "background": True}, rng)) for _ in range(40)]
+    bodies = [("/v1/responses", broken({**VALID["/v1/responses"], "background": True}, rng)) for _ in range(30)]
     statuses: dict[int, int] = {}
     failures = answer_failures(server, bodies, statuses)
     assert not failures, failures[:5]
@@ -222,7 +222,7 @@ def test_broken_conversation_requests(served):
     statuses: dict[int, int] = {}
     failures = answer_failures(server, bodies, statuses)
     assert not failures, failures[:5]
-    assert statuses.get(200, 0) >= 10 and sum(n for s, n in statuses.items() if s >= 400) >= 20, statuses
+    assert statuses.get(200, 0) >= 5 and sum(n for s, n in statuses.items() if s >= 400) >= 20, statuses
     listed = httpx.get(f"{server.url}/v1/conversations/{conv_id}/items?limit=100", timeout=10)
     assert listed.status_code == 200 and len(listed.json()["data"]) >= 2
     assert_nothing_held(engine)
