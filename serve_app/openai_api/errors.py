@@ -179,16 +179,26 @@ def bad_request_from_validation(err: ValidationError | RequestValidationError) -
     return BadRequest(f"{param}: {message}" if param else message, param=param)
 
 
+# Containers inside containers a body may hold (a JSON schema takes two levels per nested object: `properties`, then
+# the property). Deeper, the parser and the schema walkers recursed past Python's limit: a 500 (RecursionError) before
+# this check.
+MAX_JSON_DEPTH = 64
+
+
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, strictly (RFC 8259): `NaN` and `Infinity`, which Python's parser takes, are a 400 too (an
-    echoed field holding one could not be written back as JSON: found by fuzzing, a 500 on `text.format`), and so is a
-    string holding half of a UTF-16 surrogate pair."""
+    echoed field holding one could not be written back as JSON: found by fuzzing, a 500 on `text.format`), and so are
+    a string holding half of a UTF-16 surrogate pair, containers nested deeper than MAX_JSON_DEPTH and integers of more
+    digits than Python converts (4,300)."""
     try:
         body = json.loads(raw, parse_constant=_no_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except RecursionError:
+        raise BadRequest(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer over Python's digit limit
+        if "integer string conversion" in str(err):
+            raise BadRequest("The request body holds an integer of more than 4,300 digits.") from None
         raise BadRequest(f"The request body is not valid JSON ({err}); send a JSON object.") from err
-    if _SURROGATE_ESCAPE.search(raw):
-        _refuse_lone_surrogates(body)
+    _check_tree(body, text=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
 
 
@@ -197,9 +207,10 @@ def parse_json(raw: bytes) -> Any:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _refuse_lone_surrogates(body: Any) -> None:
+def _check_tree(body: Any, text: bool) -> None:
+    """MAX_JSON_DEPTH, and with `text` every string (keys too) encodable, else a 400 naming the place."""
     stack = [(body, ())]
-    while stack:  # a loop, not recursion: a body nested as deep as the parser allows must not overflow it
+    while stack:  # a loop, not recursion: the parser's own limit is deeper than Python's for our walkers
         value, path = stack.pop()
         if isinstance(value, str):
             try:
@@ -209,11 +220,21 @@ def _refuse_lone_surrogates(body: Any) -> None:
                 raise BadRequest(f"{param or 'The request body'}: holds a lone UTF-16 surrogate "
                                  f"({value[err.start]!a}, one half of a \\uD800-\\uDFFF pair), which is not text; "
                                  "send valid Unicode.", param=param) from None
-        elif isinstance(value, dict):
-            stack.extend((key, path) for key in value)
-            stack.extend(((item, (*path, key)) for key, item in value.items()))
+            continue
+        if isinstance(value, dict):
+            children = value.items()
         elif isinstance(value, list):
-            stack.extend(((item, (*path, index)) for index, item in enumerate(value)))
+            children = enumerate(value)
+        else:
+            continue
+        if len(path) >= MAX_JSON_DEPTH:
+            param = str(path[0])
+            raise BadRequest(f"{param}: nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.", param=param)
+        for key, item in children:
+            if text and isinstance(key, str):
+                stack.append((key, path))
+            if isinstance(item, (dict, list)) or (text and isinstance(item, str)):
+                stack.append((item, (*path, key)))
 
 
 def _no_constant(name: str) -> Any:

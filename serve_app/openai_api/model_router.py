@@ -86,7 +86,7 @@ def _model_of(body: bytes) -> str | None:
     answers the body as it is, a 400 when it is malformed)."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None

@@ -42,6 +42,13 @@ def assert_still_serving(client, backend) -> None:
     assert client.chat.completions.create(model=MODEL, messages=HI).choices[0].message.content == "ok"
 
 
+def nested_arrays_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 CHAT_400 = [
     ("malformed JSON", b'{"model": "gpt-oss-test", "messages": [', None),
     ("not an object", b'[1, 2]', None),
@@ -54,6 +61,11 @@ CHAT_400 = [
      "messages.0.content"),
     ("lone surrogate in a key", b'{"model": "gpt-oss-test", "messages": [{"role": "user", "content": "x"}], '
                                 b'"metadata": {"\\uDC00": "v"}}', "metadata"),
+    ("nested deeper than the parser goes", b'{"model": "gpt-oss-test", "metadata": ' + b'[' * 100_000 + b']' * 100_000
+     + b'}', None),
+    ("nested deeper than the limit", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": nested_arrays_schema(70)}}}, "response_format"),
+    ("an integer of 5,000 digits", b'{"model": "gpt-oss-test", "messages": [], "seed": ' + b'9' * 5000 + b'}', None),
     ("messages wrong type", {**CHAT, "messages": "hello"}, "messages"),
     ("empty messages", {**CHAT, "messages": []}, "messages"),
     ("bad role", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -167,6 +179,19 @@ def test_whole_numbers_pass_for_number_fields(server, backend):
     assert r.status_code == 200, r.text
     sampling = backend.requests[-1].sampling
     assert (sampling.temperature, sampling.top_p, sampling.logit_bias) == (1.0, 1.0, ((42, 1.0),))
+
+
+def test_schemas_nested_up_to_the_depth_limit_are_served(server, backend):
+    """The body's depth limit (errors.MAX_JSON_DEPTH) leaves room for schemas ~30 objects deep, and the schema
+    checks, the grammar compiler and the prompt renderer take them without overflowing Python's stack."""
+    schema = {"type": "string"}
+    for _ in range(28):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    for body in ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                 {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}]}):
+        backend.push(OK)
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
 
 
 def test_surrogate_pairs_pass(server, backend):

@@ -88,6 +88,8 @@ def test_bodies_the_router_cannot_route(live, backends):
     url, headers = live[1].url, {"authorization": f"Bearer {KEY}"}
     malformed = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers=headers)
     assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
+    deep = httpx.post(f"{url}/v1/chat/completions", content=b"[" * 5000 + b"]" * 5000, headers=headers)
+    assert deep.status_code == 400 and "deeper" in deep.json()["error"]["message"]
     huge = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={
         "model": SMALL, "messages": [{"role": "user", "content": "x" * 70_000}]})
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
