@@ -180,8 +180,8 @@ def bad_request_from_validation(err: ValidationError | RequestValidationError) -
 
 
 # Containers inside containers a body may hold (a JSON schema takes two levels per nested object: `properties`, then
-# the property). Deeper, the parser and the schema walkers recursed past Python's limit: a 500 (RecursionError) before
-# this check.
+# the property). Before this check, deeper bodies were 500s: Harmony's renderer refused a tool schema of 64 nested
+# objects (serde_json's recursion limit, 128 levels), Python's parser a body ~1,000 levels deep (RecursionError).
 MAX_JSON_DEPTH = 64
 
 
