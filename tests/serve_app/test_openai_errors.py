@@ -49,6 +49,13 @@ def nested_arrays_schema(depth: int) -> dict:
     return schema
 
 
+def nested_objects_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 CHAT_400 = [
     ("malformed JSON", b'{"model": "gpt-oss-test", "messages": [', None),
     ("not an object", b'[1, 2]', None),
@@ -65,6 +72,8 @@ CHAT_400 = [
      + b'}', None),
     ("nested deeper than the limit", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": nested_arrays_schema(70)}}}, "response_format"),
+    ("tool schema deeper than Harmony renders", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": nested_objects_schema(64)}}]}, "tools"),
     ("an integer of 5,000 digits", b'{"model": "gpt-oss-test", "messages": [], "seed": ' + b'9' * 5000 + b'}', None),
     ("messages wrong type", {**CHAT, "messages": "hello"}, "messages"),
     ("empty messages", {**CHAT, "messages": []}, "messages"),
@@ -184,9 +193,7 @@ def test_whole_numbers_pass_for_number_fields(server, backend):
 def test_schemas_nested_up_to_the_depth_limit_are_served(server, backend):
     """The body's depth limit (errors.MAX_JSON_DEPTH) leaves room for schemas ~30 objects deep, and the schema
     checks, the grammar compiler and the prompt renderer take them without overflowing Python's stack."""
-    schema = {"type": "string"}
-    for _ in range(28):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    schema = nested_objects_schema(28)
     for body in ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
                  {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}]}):
         backend.push(OK)
