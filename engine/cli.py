@@ -163,6 +163,11 @@ def cmd_generate(args) -> int:
     prompts = collect_prompts(args.prompts or [])
     folder = Path(args.model_dir) if args.model_dir else ensure_tiny_model(default_model_dir())
     model_config = read_config(folder)
+    encoding = load_harmony_encoding()
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                              logprobs=args.logprobs, prediction=prediction_ids(args, encoding))
+    sampling.validate()  # before --max-tokens sizes the context below
     max_model_len = args.max_model_len or min(model_config.max_position_embeddings,
                                               max(map(len, prompts)) + args.max_tokens)
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -178,10 +183,6 @@ def cmd_generate(args) -> int:
                           prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
                           triton_precompile=args.triton_precompile == "on",
                           speculative_tokens=args.speculative_tokens, speculative_ngram=args.prompt_lookup)
-    encoding = load_harmony_encoding()
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                              logprobs=args.logprobs, prediction=prediction_ids(args, encoding))
     engine = LLMEngine.from_checkpoint(folder, config)  # with --tp/--ep > 1: spawns ranks 1..N-1
     requests = [GenerateRequest(str(i), ids, sampling) for i, ids in enumerate(prompts)]
     try:

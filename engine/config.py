@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -157,6 +158,8 @@ class EngineConfig:
             raise EngineConfigError(f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
         if self.decode_front not in DECODE_FRONTS:
             raise EngineConfigError(f"decode_front must be one of {DECODE_FRONTS}, got {self.decode_front!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.decode_front == "cuda" and (not self.device.startswith("cuda") or self.moe_backend == "torch"):
             raise EngineConfigError("decode_front='cuda' runs a CUDA kernel of the FP8 MoE: it needs device 'cuda' or "
                                     f"'cuda:N' and moe_backend 'auto' or 'fp8'; got device {self.device!r}, moe_backend "
@@ -165,8 +168,6 @@ class EngineConfig:
             raise EngineConfigError("mxfp4_decode_max_tokens > 0 needs device 'cuda' or 'cuda:N' and the FP8 MoE "
                                     f"(moe_backend 'auto' or 'fp8'); got device {self.device!r}, moe_backend "
                                     f"{self.moe_backend!r}")
-        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name, allowed in (("attention_backend", ("auto", "torch", "flashinfer")),
                               ("moe_backend", ("auto", "torch", "fp8"))):
             if getattr(self, name) not in allowed:

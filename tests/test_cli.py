@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +103,11 @@ def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--prediction", "a", "--prediction-ids", "1"), "not both"),
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--prediction-ids", "1,5000"), "prediction"),
         (("generate", str(tiny / "a"), "--prompt-ids", "1", "--speculative-tokens", "99"), "speculative_tokens"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--max-tokens", "-1"), "max_tokens must be a positive"),
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--device", "cudafoo"), "device must be 'cpu', 'cuda'"),
+        # one past the visible GPUs (none on CPU hosts): a message, not a traceback from deep in the model build
+        (("generate", str(tiny / "a"), "--prompt-ids", "1", "--device", f"cuda:{torch.cuda.device_count()}"),
+         "CUDA device"),
     ]:
         assert main(list(args)) == 2, args
         err = capsys.readouterr().err

@@ -403,7 +403,8 @@ def test_config_errors_name_the_numbers(checkpoint):
         check_parallel(config(tp_size=3), mc)
     n = torch.cuda.device_count()
     with pytest.raises(EngineConfigError, match=rf"{n + 1} ranks from cuda need cuda:0..cuda:{n}, one GPU per rank, "
-                                                rf"but {n} CUDA device\(s\) are visible"):
+                                                rf"but {n} CUDA device\(s\) are visible" if n else
+                       "device 'cuda': no CUDA device is visible to this torch"):
         check_devices(n + 1, "cuda")
     model = load_model(checkpoint, dtype="float32", progress=False)
     with pytest.raises(EngineConfigError, match="the model is split tp=1, ep=1 but the config asks tp_size=2"):
