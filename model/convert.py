@@ -57,7 +57,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, device: str | torch.dev
     """Write the FP8-expert checkpoint of `src` to `dst`; returns timing and size statistics."""
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC: the converter writes a new checkpoint folder")
+        raise CheckpointError("DST must differ from SRC: the converter writes a new checkpoint folder")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = read_config(src)
     ck = Checkpoint(src)

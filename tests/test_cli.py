@@ -112,6 +112,8 @@ def test_cli_errors_are_messages_not_tracebacks(tiny, tmp_path, capsys):
         assert main(list(args)) == 2, args
         err = capsys.readouterr().err
         assert message in err and err.startswith("gptoss generate: error:"), err
+    assert main(["convert", str(tiny / "a"), str(tiny / "a")]) == 2
+    assert capsys.readouterr().err.startswith("gptoss convert: error: DST must differ from SRC")
 
 
 def test_generate_on_a_transformers_written_checkpoint_gives_transformers_tokens(tmp_path):
