@@ -130,10 +130,8 @@ class LLMEngine:
             from engine.distributed import launch_engine
 
             return launch_engine(folder, config, progress=progress)
-        from engine.distributed.executor import check_devices
         from engine.model_factory import load_for_engine
 
-        check_devices(1, config.device)
         return cls(load_for_engine(folder, config, progress=progress), config)
 
     @classmethod
@@ -144,10 +142,8 @@ class LLMEngine:
             from engine.distributed import launch_engine
 
             return launch_engine(None, config, model=model_config, seed=seed)
-        from engine.distributed.executor import check_devices
         from engine.model_factory import random_for_engine
 
-        check_devices(1, config.device)
         return cls(random_for_engine(model_config, config, seed=seed), config)
 
     def close(self) -> None:

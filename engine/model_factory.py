@@ -142,6 +142,9 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
     (EngineConfig.decode_front), its CUDA extension building while the weights load."""
     if (checkpoint is None) == (not random_weights):
         raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
+    from engine.distributed.executor import check_devices
+
+    check_devices(1, str(device))  # a named but absent GPU: one message, not a failure deep in the build
     if lm_head_dtype not in LM_HEAD_DTYPES:
         raise ModelFactoryError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
     if dense_dtype not in DENSE_DTYPES:

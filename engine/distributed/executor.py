@@ -71,8 +71,6 @@ def check_devices(world_size: int, device: str) -> None:
         raise EngineConfigError(f"device {device!r}: no CUDA device is visible to this torch ({torch.__version__}, "
                                 f"CUDA {torch.version.cuda or 'none: a CPU build'}); run with device 'cpu'")
     base = torch.device(device).index or 0
-    if world_size == 1 and base >= count:
-        raise EngineConfigError(f"device {device!r}: {count} CUDA device(s) are visible, cuda:0..cuda:{count - 1}")
     if base + world_size > count:
         raise EngineConfigError(
             f"{world_size} ranks from {device} need cuda:{base}..cuda:{base + world_size - 1}, one GPU per rank, "
