@@ -26,6 +26,8 @@ Variant sets:
 - `swiglu-mufu`: the prefill SwiGLU row tiles as shipped / reading (gate, up) pairs as int32 words / words and
   the SFU sigmoid / those and the dispatch quantization by a per-block reciprocal (Fp8Experts.swiglu_words,
   swiglu_mufu, dispatch_fast_div; eager forwards).
+- `segments`: the MoE's contiguous GEMMs on DeepGEMM / on the weight-streaming segments GEMM up to 64 / 128 rows
+  per expert (Fp8Experts.segments_max_rows; eager forwards).
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -101,6 +103,17 @@ def masked_variants():
         return apply
     # (the masked layout holds E x align(T) rows: 120b's gate_up output at 1k tokens is 1.5 GB, so no higher)
     return {"contiguous above 64": mode(64), "masked to 1024": mode(1024)}
+
+
+def segments_variants():
+    """The prefill MoE's contiguous GEMMs on DeepGEMM against the weight-streaming GEMM over segments
+    (Fp8Experts.segments_max_rows: on while experts average at most that many rows). Eager forwards."""
+    def mode(rows: int):
+        def apply(h: Harness):
+            h.prefill_graphs = None
+            set_on_experts(h, "segments_max_rows", rows)
+        return apply
+    return {"deep_gemm": mode(0), "segments to 64 rows": mode(64), "segments to 128 rows": mode(128)}
 
 
 def swiglu_tiles_variants():
@@ -230,7 +243,7 @@ def capture_dense_graphs(h: Harness, buckets: list[int]) -> dict:
 
 
 VARIANTS = {"pdl": pdl_variants, "sliding": sliding_variants, "graphs": graphs_variants, "masked": masked_variants,
-            "swiglu-tiles": swiglu_tiles_variants, "swiglu-mufu": swiglu_mufu_variants,
+            "swiglu-tiles": swiglu_tiles_variants, "segments": segments_variants, "swiglu-mufu": swiglu_mufu_variants,
             "rotary-tiles": rotary_tiles_variants,
             "ragged": ragged_variants, "fp8-dense": dense_variants, "defer-plan": defer_plan_variants,
             "sliding-rows": sliding_rows_variants}

@@ -85,6 +85,10 @@ class Fp8Experts(nn.Module):
         # (H200, 120b 8k forward: 3.27 vs 3.24 ms of the kernel per forward, bench/prefill_ab swiglu-mufu; the
         # kernel alone within 2% at every launch shape, bench/dispatch_ab).
         self.dispatch_fast_div = False
+        # Contiguous-layout GEMMs whose experts average at most this many rows (pairs / local experts) run
+        # triton_grouped_gemm.grouped_gemm_segments (weights streamed once per segment, no padding rows computed)
+        # instead of DeepGEMM's / the general Triton grouped GEMM. 0: never.
+        self.segments_max_rows = 0
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
@@ -310,7 +314,13 @@ class Fp8Experts(nn.Module):
 
         masked = plan.layout == "masked"
         num_pairs = plan.row_of_pair.numel()
-        if self._decode_kernel_runs(backend, masked, num_tokens):
+        rows_per_expert = num_pairs / self.num_local
+        if not masked and 0 < rows_per_expert <= self.segments_max_rows:
+            triton_grouped_gemm.grouped_gemm_segments(a, w, s, out, plan.counts, plan.psum,
+                                                      triton_grouped_gemm.segments_block_t(rows_per_expert),
+                                                      plan_written_before_predecessor=plan_written_before_predecessor,
+                                                      k_valid=None if fp8_quant.READ_K_PADDING else k)
+        elif self._decode_kernel_runs(backend, masked, num_tokens):
             triton_grouped_gemm.grouped_gemm_decode(a, w, s, out, plan.counts, plan.active, plan.num_active, num_tokens,
                                                     a_row_map=a_row_map,
                                                     plan_written_before_predecessor=plan_written_before_predecessor,

@@ -14,6 +14,10 @@ is the whole cost, so programs tile only N, one program row per *active* expert 
 and the dot is swapped (W tile [BLOCK_N, 128] times A^T [128, BLOCK_T]) so the weights fill the
 tensor-core M side and the few tokens the narrow N side. At T=1 the general kernel ran 45 column
 tiles x 4 experts of 64x128 (~1.1 TB/s, kernels/moe/NOTES.md); here it is N/BLOCK_N x 4 programs.
+
+Segments (`grouped_gemm_segments`, contiguous layout, a few to ~100 rows per expert): the decode kernel's
+swapped dot over each expert's segment of the contiguous layout, one program per (column tile, expert), so
+each weight tile is read once per BLOCK_T rows of its expert instead of once per 128-row tile of padding.
 """
 
 from __future__ import annotations
@@ -160,6 +164,50 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
 
 
+@triton.jit
+def _fp8_grouped_gemm_segments_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, counts_ptr, psum_ptr, n, k_valid,
+                                      stride_a, stride_bg, stride_bn, stride_d, sfa_k_stride, sfb_group_stride,
+                                      sfb_n_stride, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                                      BLOCK_K: tl.constexpr, NUM_KB: tl.constexpr, PDL: tl.constexpr,
+                                      EARLY_ROUTING: tl.constexpr):
+    # One program per (column tile, local expert): the expert's weight tile streams through the K loop once per
+    # BLOCK_T rows of its segment (once in all, when the segment fits), with the decode kernel's swapped dot.
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    if EARLY_ROUTING:  # the down GEMM: the plan was written launches back (see the decode kernel)
+        count = tl.load(counts_ptr + expert)
+        end = tl.load(psum_ptr + expert)
+    pdl_prologue(PDL)
+    if not EARLY_ROUTING:
+        count = tl.load(counts_ptr + expert)
+        end = tl.load(psum_ptr + expert)
+    start = end - count
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < n
+    b_base = b_ptr + expert.to(tl.int64) * stride_bg + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
+    for t0 in range(0, count, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < count
+        rows = (start + offs_t).to(tl.int64)
+        a_ptrs = a_ptr + rows[None, :] * stride_a + offs_k[:, None]  # A^T tile [BLOCK_K, BLOCK_T]
+        sfa_ptrs = sfa_ptr + rows
+        b_ptrs = b_base
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for kb in range(NUM_KB):
+            k_ok = offs_k < k_valid - kb * BLOCK_K  # K padding (zeros) at or past k_valid: not read
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
+            sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
+            sb = tl.load(sfb_ptrs + kb)
+            acc += tl.dot(b, a) * (sb * sa[None, :])
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        d_ptrs = d_ptr + rows[None, :] * stride_d + offs_n[:, None]
+        tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
+
+
 # H200, bench/moe.py decode section (2026-11-30): see kernels/moe/NOTES.md.
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 DECODE_MAX_TOKENS = 64  # one BLOCK_T tile holds every row of an expert
@@ -225,4 +273,44 @@ def grouped_gemm_decode(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out
         BLOCK_T=max(16, triton.next_power_of_2(max_tokens)), BLOCK_K=BLOCK, NUM_KB=kp // BLOCK, SPLIT_K=splits,
         A_ROW_MAP=a_row_map is not None, EARLY_ROUTING=plan_written_before_predecessor,
         **cfg, **pdl.launch(out))
+    return out
+
+
+# H200 sweep (bench/moe_segments.py): see kernels/moe/NOTES.md, "Weight-streaming GEMMs over contiguous segments".
+SEGMENTS_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def segments_block_t(rows_per_expert: float) -> int:
+    """BLOCK_T for segments of about `rows_per_expert` rows: the power of two (16..128) holding 1.5x that, so most
+    segments take one pass over their weights (a longer one takes more passes, its weight tile again from L2)."""
+    return min(128, max(16, triton.next_power_of_2(int(1.5 * rows_per_expert) + 1)))
+
+
+def grouped_gemm_segments(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,
+                          counts: torch.Tensor, psum: torch.Tensor, block_t: int, config: dict | None = None,
+                          plan_written_before_predecessor: bool = False, k_valid: int | None = None) -> torch.Tensor:
+    """Contiguous-layout grouped GEMM that streams each expert's weights once per `block_t` rows of its segment:
+    out rows [psum[e] - counts[e], psum[e]) = A rows @ W[e]^T (`routing_triton.plan_contiguous`; A one group).
+    Rows outside every segment (the alignment padding) are neither read nor written. For the sizes between decode
+    and prefill (a few to ~100 rows per expert), where the GEMM is bound by weight bytes, not by FLOPs.
+    k_valid and plan_written_before_predecessor as in grouped_gemm_decode."""
+    e, n, kp = w.shape
+    if a.data.shape[1] != kp or w_scales.shape != (e, -(-n // BLOCK), kp // BLOCK):
+        raise ValueError(f"A is [*, {a.data.shape[1]}], W {tuple(w.shape)} with scales {tuple(w_scales.shape)}: "
+                         f"K must match and W's scales must be [E, ceil(N/128), K/128]")
+    if a.groups != 1 or counts.shape != (e,) or psum.shape != (e,) or out.shape != (a.data.shape[0], n):
+        raise ValueError(f"segments need A as one group, counts and psum [{e}] and out [{a.data.shape[0]}, {n}]; got "
+                         f"{a.groups} groups, {tuple(counts.shape)}, {tuple(psum.shape)}, {tuple(out.shape)}")
+    if k_valid is not None and not kp - BLOCK < k_valid <= kp:
+        raise ValueError(f"k_valid {k_valid} must lie in the last 128-column block of Kp {kp}")
+    if block_t not in (16, 32, 64, 128):
+        raise ValueError(f"block_t must be 16, 32, 64 or 128, got {block_t}")
+    cfg = dict(SEGMENTS_CONFIG, **(config or {}))
+    if BLOCK % cfg["BLOCK_N"]:
+        raise ValueError("BLOCK_N must divide 128 (one weight scale per tile)")
+    _fp8_grouped_gemm_segments_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), e)](
+        a.data, a.scale_storage, w, w_scales, out, counts, psum, n, kp if k_valid is None else k_valid,
+        a.data.stride(0), w.stride(0), w.stride(1), out.stride(0), a.sf_k_stride, w_scales.stride(0),
+        w_scales.stride(1), BLOCK_T=block_t, BLOCK_K=BLOCK, NUM_KB=kp // BLOCK,
+        EARLY_ROUTING=plan_written_before_predecessor, **cfg, **pdl.launch(out))
     return out

@@ -196,3 +196,8 @@ def test_convert_round_trip(tmp_path, mxfp4):
 def test_triton_kernels_under_interpreter():
     """tests/kernels/moe_interpreter_cases.py: every MoE Triton kernel against its twin (interpreter)."""
     run_cases("moe_interpreter_cases.py")
+
+
+def test_segments_gemm_under_interpreter():
+    """tests/kernels/moe_segments_interpreter_cases.py: the contiguous-segments grouped GEMM and the layer on it."""
+    run_cases("moe_segments_interpreter_cases.py")

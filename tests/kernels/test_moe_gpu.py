@@ -31,6 +31,10 @@ def backends() -> list[str]:
 
 @pytest.fixture(scope="module")
 def experts20():
+    return make_experts20()
+
+
+def make_experts20():
     """A 20b-shaped MoE layer (32 experts) as Fp8Experts, and TorchExperts (bf16) on its dequantized weights."""
     from kernels.moe.fp8_experts import Fp8Experts
 
