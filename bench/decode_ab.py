@@ -20,7 +20,9 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fp8-dense-read-k-padding": fp8-dense with the FP8 weights' zero K padding read by the decode kernels (before
   2026-12-03; kernels.moe.fp8_quant.READ_K_PADDING); "fp8-dense-splits-4" / "-3": the MoE decode GEMM's K split in
   4 (before 2026-12-03) / 3 at 2-4 tokens (default 2); "fp8-dense-t1-splits-2" / "-3": 2 / 3 at 1 token (default 4);
-  "...-cuda-front": single-token steps' MoE front as one CUDA cluster (kernels/moe/decode_front_cuda.py).
+  "...-cuda-front": single-token steps' MoE front as one CUDA cluster (kernels/moe/decode_front_cuda.py);
+  "fp8-dense-cuda-front-segments": with the MoE's contiguous GEMMs (steps above 64 tokens) on the segments GEMM up
+  to 16 rows per expert (Fp8Experts.segments_max_rows).
   (The MoE decode GEMM on 32-row weight tiles, down only or both
   projections, was a variant of 2026-12-03 too: 3-7% slower, bench/results/decode_ab_k_padding_h200.)
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
@@ -79,7 +81,8 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-t1-splits-3": (True, True, True, True, "all", 0),
             "fp8-dense-cuda-front": (True, True, True, True, "all", 0),
             "fp8-dense+mxfp4-8-cuda-front": (True, True, True, True, "all", 8),
-            "fused+pdl-cuda-front": (True, True, True, True, "", 0)}
+            "fused+pdl-cuda-front": (True, True, True, True, "", 0),
+            "fp8-dense-cuda-front-segments": (True, True, True, True, "all", 0)}
 # Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING, the MoE decode GEMM's K splits
 # by step size (triton_grouped_gemm.SPLITS_BY_TOKENS), each MoE layer's cuda_front (the model's decode_front otherwise: off)
 TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
@@ -87,7 +90,8 @@ TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
           "fp8-dense-splits-3": dict(splits={2: 3, 3: 3, 4: 3}),
           "fp8-dense-t1-splits-2": dict(splits={1: 2}), "fp8-dense-t1-splits-3": dict(splits={1: 3}),
           "fp8-dense-cuda-front": dict(cuda_front=True), "fp8-dense+mxfp4-8-cuda-front": dict(cuda_front=True),
-          "fused+pdl-cuda-front": dict(cuda_front=True)}
+          "fused+pdl-cuda-front": dict(cuda_front=True),
+          "fp8-dense-cuda-front-segments": dict(cuda_front=True, segments_max_rows=16)}
 
 
 class DenseWeights:
@@ -116,13 +120,14 @@ class DenseWeights:
 
 def set_variant(h: Harness, front: bool, kv: bool, gemv: bool, use_pdl: bool, fp8: str, mxfp4: int,
                 lm_head_large_config: bool = True, read_k_padding: bool = False, splits: dict | None = None,
-                cuda_front: bool = False) -> None:
+                cuda_front: bool = False, segments_max_rows: int = 0) -> None:
     fp8_gemv_triton.LARGE_N = LARGE_N if lm_head_large_config else 1 << 62
     fp8_quant.READ_K_PADDING = read_k_padding
     triton_grouped_gemm.SPLITS_BY_TOKENS = dict(splits or {})
     for layer in h.model.model.layers:
         layer.mlp.experts.fused_front = front
         layer.mlp.experts.cuda_front = cuda_front
+        layer.mlp.experts.segments_max_rows = segments_max_rows
         layer.self_attn.decode_gemv = gemv
         if mxfp4 or getattr(layer.mlp.experts, "mxfp4_max_tokens", 0):
             layer.mlp.experts.mxfp4_max_tokens = mxfp4

@@ -281,9 +281,11 @@ SEGMENTS_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def segments_block_t(rows_per_expert: float) -> int:
-    """BLOCK_T for segments of about `rows_per_expert` rows: the power of two (16..128) holding 1.5x that, so most
-    segments take one pass over their weights (a longer one takes more passes, its weight tile again from L2)."""
-    return min(128, max(16, triton.next_power_of_2(int(1.5 * rows_per_expert) + 1)))
+    """BLOCK_T for segments of about `rows_per_expert` rows: 32 up to 31 rows, else the power of two above (at most
+    128). A longer segment takes more passes over its weight tile (again from L2). On an H100 (2026-12-06,
+    bench/results/moe_segments_h100.json) 32 was as fast as 16 at 3-4 rows per expert and 1.2x faster than 64 at 12-16;
+    the layer beat DeepGEMM up to ~16 rows per expert and lost from ~32."""
+    return min(128, max(32, triton.next_power_of_2(int(rows_per_expert) + 1)))
 
 
 def grouped_gemm_segments(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch.Tensor,

@@ -86,7 +86,7 @@ def test_segments_gemm_refuses_what_it_cannot_run():
 
 
 def test_block_t_rule():
-    assert [tgg.segments_block_t(r) for r in (0.5, 4, 10, 16, 40, 64, 100)] == [16, 16, 16, 32, 64, 128, 128]
+    assert [tgg.segments_block_t(r) for r in (0.5, 4, 16, 31, 40, 64, 100)] == [32, 32, 32, 32, 64, 128, 128]
 
 
 @pytest.mark.parametrize("num_tokens", [20, 43])
