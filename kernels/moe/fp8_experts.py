@@ -85,10 +85,13 @@ class Fp8Experts(nn.Module):
         # (H200, 120b 8k forward: 3.27 vs 3.24 ms of the kernel per forward, bench/prefill_ab swiglu-mufu; the
         # kernel alone within 2% at every launch shape, bench/dispatch_ab).
         self.dispatch_fast_div = False
-        # Contiguous-layout GEMMs whose experts average at most this many rows (pairs / local experts) run
-        # triton_grouped_gemm.grouped_gemm_segments (weights streamed once per segment, no padding rows computed)
-        # instead of DeepGEMM's / the general Triton grouped GEMM. 0: never.
-        self.segments_max_rows = 0
+        # Contiguous-layout GEMMs whose experts average at most this many rows (pairs / local experts; under expert
+        # parallelism an overestimate) run triton_grouped_gemm.grouped_gemm_segments (weights streamed once per
+        # segment, no padding rows computed) instead of DeepGEMM's / the general Triton grouped GEMM: 120b steps of
+        # 65-512 tokens, 20b's of 65-128. H100, 2026-12-06: the layer 1.17-1.31x up to 16 rows, 1.03x at 32, 0.8x at
+        # 64 (bench/results/moe_segments_h100.json); 20b decode steps of 96 / 128 sequences 1.10x / 1.09x
+        # (decode_ab_segments_20b_h100.json). Not yet timed on an H200 (kernels/moe/NOTES.md). 0: never.
+        self.segments_max_rows = 16
         hp, ip = padded(hidden), padded(intermediate)
         kw = dict(device=device)
         self.register_buffer("w13", torch.zeros(num_local, 2 * intermediate, hp, dtype=FP8, **kw))
