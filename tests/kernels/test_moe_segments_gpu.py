@@ -51,13 +51,14 @@ def test_layer_on_segments_matches_the_reference(experts20, backend, t):
     fp8.backend, fp8.masked_max_tokens = backend, 64
     x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
     ids, weights = route(torch.randn(t, E20, device=DEV, dtype=torch.bfloat16), K)
+    default = fp8.segments_max_rows
     try:
         fp8.segments_max_rows = 0
         other = fp8(x, ids, weights)
         fp8.segments_max_rows = 10 ** 6
         out = fp8(x, ids, weights)
     finally:
-        fp8.segments_max_rows = 0
+        fp8.segments_max_rows = default
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert calc_diff(out, bf16_ref(x, ids, weights)) <= 1e-3
     # The other GEMM sums in another order (DeepGEMM: its own promotion of the FP8 products), so a few FP8
@@ -71,6 +72,7 @@ def test_segments_in_a_cuda_graph_with_pdl(experts20):
     """A decode step of 128 sequences as the engine's graphs run it (contiguous plan, segments, PDL on): replays on
     fresh routings equal eager forwards."""
     fp8, _ = experts20
+    default = fp8.segments_max_rows
     fp8.backend, fp8.masked_max_tokens, fp8.segments_max_rows = backends()[-1], 64, 10 ** 6
     t = 128
     try:
@@ -92,4 +94,4 @@ def test_segments_in_a_cuda_graph_with_pdl(experts20):
             graph.replay()
             assert calc_diff(out, fp8(x, ids, weights)) < 1e-7
     finally:
-        fp8.segments_max_rows = 0
+        fp8.segments_max_rows = default
