@@ -249,7 +249,12 @@ def test_layer_expert_parallel_and_both_layouts(experts20):
 def test_decode_path_in_cuda_graph(experts20):
     fp8, _ = experts20
     fp8.backend = backends()[-1]
-    t = 8
+    assert_graph_replays_match_eager(fp8, 8)
+
+
+def assert_graph_replays_match_eager(fp8, t: int) -> None:
+    """The layer at t tokens captured in a CUDA graph (PDL on, as launches under capture take it: kernels/pdl.py),
+    replayed on fresh inputs and routings copied into the captured buffers: each replay equals an eager forward."""
     x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
     ids, weights = route(torch.randn(t, E20, device=DEV), K)
     fp8(x, ids, weights)  # compile outside the capture

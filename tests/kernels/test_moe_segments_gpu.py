@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from kernels.moe import fp8_reference as ref  # noqa: E402
 from kernels.moe.fp8_quant import padded, quantize_weight_blocks  # noqa: E402
 from kernels.moe.reference import route  # noqa: E402
-from tests.kernels.test_moe_gpu import D, DEV, E20, I, K, backends, calc_diff, make_experts20  # noqa: E402
+from tests.kernels.test_moe_gpu import (D, DEV, E20, I, K, assert_graph_replays_match_eager, backends,  # noqa: E402
+                                        calc_diff, make_experts20)
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +75,7 @@ def test_segments_in_a_cuda_graph_with_pdl(experts20):
     fp8, _ = experts20
     default = fp8.segments_max_rows
     fp8.backend, fp8.masked_max_tokens, fp8.segments_max_rows = backends()[-1], 64, 10 ** 6
-    t = 128
     try:
-        x = torch.randn(t, D, device=DEV, dtype=torch.bfloat16)
-        ids, weights = route(torch.randn(t, E20, device=DEV), K)
-        fp8(x, ids, weights)  # compile outside the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fp8(x, ids, weights)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # PDL on: launches under capture take it (kernels/pdl.py)
-            out = fp8(x, ids, weights)
-        for _ in range(3):
-            x.copy_(torch.randn_like(x))
-            new_ids, new_weights = route(torch.randn(t, E20, device=DEV), K)
-            ids.copy_(new_ids), weights.copy_(new_weights)
-            graph.replay()
-            assert calc_diff(out, fp8(x, ids, weights)) < 1e-7
+        assert_graph_replays_match_eager(fp8, 128)
     finally:
         fp8.segments_max_rows = default
