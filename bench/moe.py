@@ -10,7 +10,9 @@ Variants, each checked against TorchExperts (bf16, same dequantized weights) bef
   fp8_routed (T <= 16) router + layer as the engine's decode step runs them: Fp8Experts.routed_forward, the
              fused decode front (router GEMV, top-k, plan, quantization in one launch; at T = 1 the front
              EngineConfig.decode_front="auto" picks: the CUDA cluster front for 120b's 128 experts) then fp8_tr's path
-The engine runs fp8_tr's path at T <= 64 and fp8_dg's above (Fp8Experts.decode_kernel = "triton").
+The engine runs fp8_tr's path at T <= 64 and fp8_dg's above (Fp8Experts.decode_kernel = "triton"), except that
+contiguous GEMMs of at most 16 rows per expert take the segments GEMM (Fp8Experts.segments_max_rows; set to 0 here,
+so fp8_dg / fp8_tr time DeepGEMM / the general Triton GEMM; bench/moe_segments.py compares the two).
   bf16       torch bf16: argsort dispatch + torch._grouped_mm (CUTLASS) x2 + index_add combine
 Times: median of triton.testing.do_bench (L2 flushed before each call) over a CUDA graph of R
 forwards on R different random routings (R = 4 for T <= 512), divided by R.
@@ -138,6 +140,7 @@ def bench_layers(quick: bool, shard: tuple[int, int] | None, tokens: list[int] |
             else:
                 layer.fp8.backend, layer.fp8.masked_max_tokens, layer.fp8.use_psum = backend, masked_max, use_psum
                 layer.fp8.decode_kernel = "deep_gemm" if backend == "deep_gemm" else "triton"
+                layer.fp8.segments_max_rows = 0
                 fn = layer.fp8
             try:
                 out = fn(*sets[0])

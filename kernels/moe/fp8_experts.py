@@ -8,8 +8,9 @@ experts [first_expert, first_expert + E_local); other ids are ignored (expert pa
 Backends: "deep_gemm" (SM90 + DeepGEMM built by scripts/build_deep_gemm.sh), "triton" (any CUDA GPU
 Triton supports FP8 dots on), "torch" (the twin in fp8_reference.py: the CPU path). Decode-sized batches
 (T <= masked_max_tokens) use the masked layout (up to 64 tokens: the Triton decode GEMM over active
-experts only, see decode_kernel), larger ones the contiguous layout. Neither reads anything back to the
-host, so a forward can be captured in a CUDA graph for a fixed T.
+experts only, see decode_kernel), larger ones the contiguous layout (up to segments_max_rows rows per expert on
+the Triton segments GEMM, above on DeepGEMM's). Neither reads anything back to the host, so a forward can be
+captured in a CUDA graph for a fixed T.
 """
 
 from __future__ import annotations
