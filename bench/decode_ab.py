@@ -86,6 +86,7 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense-segments": (True, True, True, True, "all", 0)}
 # Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING, the MoE decode GEMM's K splits
 # by step size (triton_grouped_gemm.SPLITS_BY_TOKENS), each MoE layer's cuda_front (the model's decode_front otherwise: off)
+# and segments_max_rows (otherwise 0, DeepGEMM above 64 tokens, although Fp8Experts' default is 16 since 2026-12-06)
 TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
           "fp8-dense-splits-4": dict(splits={2: 4, 3: 4, 4: 4}),
           "fp8-dense-splits-3": dict(splits={2: 3, 3: 3, 4: 3}),

@@ -26,8 +26,8 @@ Variant sets:
 - `swiglu-mufu`: the prefill SwiGLU row tiles as shipped / reading (gate, up) pairs as int32 words / words and
   the SFU sigmoid / those and the dispatch quantization by a per-block reciprocal (Fp8Experts.swiglu_words,
   swiglu_mufu, dispatch_fast_div; eager forwards).
-- `segments`: the MoE's contiguous GEMMs on DeepGEMM / on the weight-streaming segments GEMM up to 64 / 128 rows
-  per expert (Fp8Experts.segments_max_rows; eager forwards).
+- `segments`: the MoE's contiguous GEMMs on DeepGEMM / on the weight-streaming segments GEMM up to 16 (the default) /
+  64 rows per expert (Fp8Experts.segments_max_rows; eager forwards).
 - `masked`: the prefill MoE in the contiguous layout above 64 tokens (the default) or the masked layout
   up to 1k tokens (eager forwards).
 Without DG_USE=1 in scripts/device_env.sh the prefill GEMMs are the Triton grouped GEMM.
@@ -113,7 +113,8 @@ def segments_variants():
             h.prefill_graphs = None
             set_on_experts(h, "segments_max_rows", rows)
         return apply
-    return {"deep_gemm": mode(0), "segments to 64 rows": mode(64), "segments to 128 rows": mode(128)}
+    # 16: the default since 2026-12-06; the H100 run of that day (prefill_ab_segments_20b_h100) had 0 / 64 / 128
+    return {"deep_gemm": mode(0), "segments to 16 rows": mode(16), "segments to 64 rows": mode(64)}
 
 
 def swiglu_tiles_variants():
