@@ -40,7 +40,7 @@ from bench import e2e_costs as costs
 from bench.e2e_engine_runs import engine_runs
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.memory_budget import activation_bytes
-from engine.model_factory import build_model
+from engine.model_factory import build_model, segments_max_rows_of
 from kernels.attention import AttentionBatch, KVGroupMeta, PagedKVCache
 from kernels.attention.kv_cache import KV_CACHE_DTYPES, is_fp8, resolve_kv_dtype
 from model.config import GptOssConfig
@@ -124,7 +124,8 @@ class Harness:
 
     def __init__(self, name: str, config: GptOssConfig, device, max_batch: int, max_ctx: int, headroom: float,
                  checkpoint: str | None = None, kv_cache_dtype: str = "auto", lm_head_dtype: str = "auto",
-                 mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto", decode_front: str = "auto"):
+                 mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto", decode_front: str = "auto",
+                 moe_segments_max_rows: int | None = None):
         t0 = time.perf_counter()
         self.name, self.config, self.device = name, config, device
         # weights: the checkpoint folder when given (HF layout; MXFP4 / bf16 / FP8-converted experts),
@@ -133,7 +134,8 @@ class Harness:
                                  checkpoint=checkpoint, random_weights=checkpoint is None, max_batch=max_batch,
                                  max_kv_len=max_ctx + 2 * BLOCK, cuda_graph=device.type == "cuda",
                                  lm_head_dtype=lm_head_dtype, mxfp4_decode_max_tokens=mxfp4_decode_max_tokens,
-                                 dense_dtype=dense_dtype, decode_front=decode_front)
+                                 dense_dtype=dense_dtype, decode_front=decode_front,
+                                 moe_segments_max_rows=moe_segments_max_rows)
         _sync(device)
         self.build_s = time.perf_counter() - t0
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.model.dtype)
@@ -310,12 +312,14 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     # fixed 4 GB at capture on 2026-12-04)
     headroom = max(args.headroom_gb, activation_bytes(config, args.prefill_chunk, args.max_batch) / 2**30)
     h = Harness(name, config, device, args.max_batch, max_ctx, headroom, args.checkpoint, args.kv_cache_dtype,
-                args.lm_head_dtype, args.mxfp4_decode_max_tokens, args.dense_dtype, args.decode_front)
+                args.lm_head_dtype, args.mxfp4_decode_max_tokens, args.dense_dtype, args.decode_front,
+                args.moe_segments_max_rows)
     r = results["models"].setdefault(name, {"prefill": [], "decode": [], "throughput": []})
     r.update(build_s=h.build_s, capture_s=h.capture, capture_s_total=sum(h.capture.values()),
              weight_bytes={"experts": h.shape.expert_bytes * config.num_local_experts * config.num_hidden_layers,
                            "dense_per_layer": h.shape.dense_bytes_per_layer, "embed": h.shape.embed_bytes},
-             kv_pool={"full_pages": h.num_full, "sliding_pages": h.num_sliding, "block": BLOCK})
+             kv_pool={"full_pages": h.num_full, "sliding_pages": h.num_sliding, "block": BLOCK},
+             moe_segments_max_rows=segments_max_rows_of(h.model))
     if args.prefill_graphs and device.type == "cuda":  # the prefill points through engine/prefill_graphs.py: a bucket per chunk length
         chunk = args.prefill_chunk
         r["prefill_graph_capture_s"] = h.capture_prefill_graphs(
@@ -438,6 +442,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"),
                    help="MoE front of single-token decode steps (EngineConfig.decode_front; auto: the CUDA cluster "
                         "front for routers of >= 128 experts)")
+    p.add_argument("--moe-segments-max-rows", type=int, default=None, metavar="R",
+                   help="steps of > 64 tokens with at most R rows per expert on the segments GEMM "
+                        "(EngineConfig.moe_segments_max_rows; default: the kernel's, 16; 0: DeepGEMM)")
     p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
                    help="random weights drawn as MXFP4 (FP8 converted from them) and decode steps of <= T tokens on the "
                         "CUDA MXFP4 GEMM (EngineConfig.mxfp4_decode_max_tokens); 0: FP8 experts only")

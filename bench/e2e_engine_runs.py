@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_factory import segments_max_rows_of
 from engine.request import GenerateRequest, SamplingParams
 from engine.warm_up import warm_up
 
@@ -116,6 +117,7 @@ def engine_runs(h, r: dict, args, clock, save, scenarios: dict) -> None:
                  "lm_head_dtype": args.lm_head_dtype, "dense_dtype": args.dense_dtype,
                  "decode_front": "cuda" if uses_cuda_front(engine) else "triton",
                  "mxfp4_decode_max_tokens": args.mxfp4_decode_max_tokens,
+                 "moe_segments_max_rows": segments_max_rows_of(engine.model),
                  "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps,
                  "method": "measured: LLMEngine.generate over the batch, all requests at once", **setup}
         runs.append(point)
@@ -156,6 +158,7 @@ def single_request(engine: LLMEngine, h, device, setup: dict, name: str = "b1") 
              "lm_head_dtype": engine.config.lm_head_dtype, "dense_dtype": engine.config.dense_dtype,
              "decode_front": "cuda" if uses_cuda_front(engine) else "triton",
              "mxfp4_decode_max_tokens": engine.config.mxfp4_decode_max_tokens,
+             "moe_segments_max_rows": segments_max_rows_of(engine.model),
              "async_decode": engine.async_decode, "lookahead_steps": engine.lookahead_steps - ahead,
              "method": "measured: one request through LLMEngine.step (host work included)", **setup}
     print(f"[{h.name}] engine run {name} (lookahead {engine.async_decode}): TTFT {point['ttft_ms']:.1f} ms, {point['tok_s_user']:.0f} tok/s "

@@ -176,6 +176,7 @@ def cmd_generate(args) -> int:
                           device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           lm_head_dtype=args.lm_head_dtype, dense_dtype=args.dense_dtype, all_reduce=args.all_reduce,
                           mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens, decode_front=args.decode_front,
+                          moe_segments_max_rows=args.moe_segments_max_rows,
                           enable_prefix_caching=args.prefix_caching,
                           host_kv_cache_bytes=args.host_kv_cache_mb * 2**20,
                           seed=args.seed or 0, tp_size=args.tp,
@@ -259,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"),
                      help="MoE front of single-token decode steps: cuda (one cluster kernel, built with nvcc), triton; "
                           "auto: cuda for routers of >= 128 experts on SM90+")
+    gen.add_argument("--moe-segments-max-rows", type=int, default=None, metavar="R",
+                     help="steps of > 64 tokens whose experts average <= R rows on the segments GEMM (default: the "
+                          "kernel's, 16; 0: DeepGEMM's grouped GEMM)")
     gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                      help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
     gen.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),

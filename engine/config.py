@@ -60,6 +60,11 @@ class EngineConfig:
     # prebuild_cuda_kernels.py), "auto": cuda for routers of >= 128 experts on SM90+ with the FP8 MoE (120b batch-1
     # steps 1.02x on the H200; 20b's 32 experts 0.99x), Triton when the build fails (logged).
     decode_front: str = "auto"
+    # Steps of more than 64 tokens whose experts average at most this many rows (pairs / local experts) run the
+    # weight-streaming segments GEMM instead of DeepGEMM's contiguous grouped GEMM (kernels/moe/NOTES.md, "Weight-
+    # streaming GEMMs over contiguous segments"): 120b steps of 65-512 tokens, 20b's of 65-128 at 16. None: the
+    # kernel's default (Fp8Experts.segments_max_rows, 16); 0: never. Measured slower from ~32-64 rows on.
+    moe_segments_max_rows: int | None = None
     seed: int = 0  # draws the seeds of requests that bring none, so a whole run is reproducible
     # Kernels (engine/model_factory.py): auto = GPU kernels on CUDA, the pure-torch twins on CPU.
     attention_backend: str = "auto"  # "auto" | "torch" | "flashinfer"
@@ -158,6 +163,9 @@ class EngineConfig:
             raise EngineConfigError(f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
         if self.decode_front not in DECODE_FRONTS:
             raise EngineConfigError(f"decode_front must be one of {DECODE_FRONTS}, got {self.decode_front!r}")
+        rows = self.moe_segments_max_rows
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= 128):
+            raise EngineConfigError(f"moe_segments_max_rows must be None or an integer in [0, 128], got {rows!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.decode_front == "cuda" and (not self.device.startswith("cuda") or self.moe_backend == "torch"):

@@ -133,13 +133,14 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
                 max_batch: int = 256, max_kv_len: int | None = None, cuda_graph: bool = False,
                 progress: bool = False, lm_head_dtype: str = "auto",
                 mxfp4_decode_max_tokens: int = 0, dense_dtype: str = "auto",
-                decode_front: str = "auto") -> GptOssForCausalLM:
+                decode_front: str = "auto", moe_segments_max_rows: int | None = None) -> GptOssForCausalLM:
     """The model on `device` with resolved backends, from `checkpoint` or (random_weights=True) random;
     lm_head_dtype="fp8_e4m3" then rounds the unembedding to FP8 (quantize_lm_head_fp8), dense_dtype="fp8_e4m3"
     QKV and O (quantize_dense_fp8);
     mxfp4_decode_max_tokens > 0 keeps the MXFP4 experts too, for decode steps of up to that many tokens
     (EngineConfig.mxfp4_decode_max_tokens); decode_front picks the MoE front of single-token steps
-    (EngineConfig.decode_front), its CUDA extension building while the weights load."""
+    (EngineConfig.decode_front), its CUDA extension building while the weights load; moe_segments_max_rows, if
+    given, replaces the FP8 experts' segments_max_rows (EngineConfig.moe_segments_max_rows)."""
     if (checkpoint is None) == (not random_weights):
         raise ModelFactoryError("give exactly one weight source: checkpoint=FOLDER or random_weights=True")
     from engine.distributed.executor import check_devices
@@ -149,6 +150,9 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
         raise ModelFactoryError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
     if dense_dtype not in DENSE_DTYPES:
         raise ModelFactoryError(f"dense_dtype must be one of {DENSE_DTYPES}, got {dense_dtype!r}")
+    rows = moe_segments_max_rows
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= 128):
+        raise ModelFactoryError(f"moe_segments_max_rows must be None or an integer in [0, 128], got {rows!r}")
     if mxfp4_decode_max_tokens:
         _, moe = resolve_backends(attention_backend, moe_backend, torch.device(device))
         if torch.device(device).type != "cuda" or moe != "fp8":
@@ -165,7 +169,31 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
         quantize_lm_head_fp8(model)
     if dense_dtype == "fp8_e4m3":
         quantize_dense_fp8(model)
+    if moe_segments_max_rows is not None:
+        set_segments_max_rows(model, moe_segments_max_rows)
     return model
+
+
+def _fp8_experts(model: GptOssForCausalLM) -> list:
+    from kernels.moe.fp8_experts import Fp8Experts
+
+    return [m for m in model.modules() if isinstance(m, Fp8Experts)]
+
+
+def set_segments_max_rows(model: GptOssForCausalLM, rows: int) -> int:
+    """Every FP8 experts module's segments_max_rows = rows; returns how many modules took it (0 without the FP8 MoE)."""
+    experts = _fp8_experts(model)
+    for m in experts:
+        m.segments_max_rows = rows
+    return len(experts)
+
+
+def segments_max_rows_of(model: GptOssForCausalLM) -> int | None:
+    """The FP8 experts' segments_max_rows (None without the FP8 MoE), for benchmark records."""
+    values = {m.segments_max_rows for m in _fp8_experts(model)}
+    if len(values) > 1:
+        raise ModelFactoryError(f"the layers' experts disagree on segments_max_rows: {sorted(values)}")
+    return values.pop() if values else None
 
 
 def _start_decode_front(choice: str, config: GptOssConfig, device: torch.device, attention_backend: str,
@@ -318,7 +346,7 @@ def random_for_engine(model_config: GptOssConfig, config, parallel: Parallel = S
         config.moe_backend, random_weights=True, seed=seed, parallel=parallel, max_batch=config.max_num_seqs,
         max_kv_len=config.max_model_len, cuda_graph=config.cuda_graphs, lm_head_dtype=config.lm_head_dtype,
         mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype,
-        decode_front=config.decode_front))
+        decode_front=config.decode_front, moe_segments_max_rows=config.moe_segments_max_rows))
 
 
 def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, progress: bool = False) -> GptOssForCausalLM:
@@ -332,7 +360,7 @@ def load_for_engine(folder: str | Path, config, parallel: Parallel = SINGLE, pro
         checkpoint=folder, parallel=parallel, max_batch=config.max_num_seqs, max_kv_len=config.max_model_len,
         cuda_graph=config.cuda_graphs, progress=progress, lm_head_dtype=config.lm_head_dtype,
         mxfp4_decode_max_tokens=config.mxfp4_decode_max_tokens, dense_dtype=config.dense_dtype,
-        decode_front=config.decode_front))
+        decode_front=config.decode_front, moe_segments_max_rows=config.moe_segments_max_rows))
 
 
 def _with_precompile(model_config: GptOssConfig, config, parallel: Parallel, build):

@@ -80,6 +80,11 @@ class ServeAppConfig(_Settings):
                             "8-CTA cluster (built with nvcc while the weights load, 85 s unless the node prebuilt it: "
                             "cluster.yaml); triton: one Triton launch; auto: cuda for routers of >= 128 experts (120b: "
                             "batch-1 steps 1.02x on the H200) on GPU replicas, Triton when the build fails.")
+    moe_segments_max_rows: int | None = Field(
+        None, ge=0, le=128, description="Steps of more than 64 tokens whose experts average at most this many rows run "
+                                        "the weight-streaming segments GEMM instead of DeepGEMM's grouped GEMM (120b "
+                                        "steps of 65-512 tokens, 20b's of 65-128); None: the kernel's default (16); 0: "
+                                        "never. GPU replicas; ignored on CPU replicas.")
     all_reduce: Literal["auto", "nccl", "symm_mem"] = Field(
         "auto", description="The ranks' sums in a TP/EP replica; symm_mem: a one-shot all-reduce over symmetric "
                             "memory for decode-sized tensors (<= 256 KiB), NCCL above; auto: symm_mem where every "
@@ -333,6 +338,7 @@ class ServeAppConfig(_Settings):
             dense_dtype=self.dense_dtype,
             mxfp4_decode_max_tokens=mxfp4,
             decode_front=self.decode_front if device != "cpu" else "auto",
+            moe_segments_max_rows=self.moe_segments_max_rows if device != "cpu" else None,
             all_reduce=self.all_reduce if device != "cpu" else "nccl",  # auto resolves per rank (worker.py)
             seed=self.seed,
             cuda_graphs=self.cuda_graphs and device != "cpu",

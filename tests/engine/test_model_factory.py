@@ -302,3 +302,29 @@ def test_weight_estimate_follows_the_dense_dtypes(tmp_path, dtypes):
     assert abs((est_exact - est) - (exact - got)) <= 0.02 * exact
     if dtypes:
         assert got < exact and est < est_exact
+
+
+def test_moe_segments_max_rows_reaches_every_layers_fp8_experts():
+    """EngineConfig.moe_segments_max_rows / build_model(moe_segments_max_rows=...) set the switch Fp8Experts._gemm
+    reads on every layer; None keeps the kernel's default; values outside [0, 128] are refused before any build."""
+    from engine.model_factory import segments_max_rows_of
+    from serve_app.config import ServeAppConfig
+
+    default = build_model(small(), "cpu", torch.float32, moe_backend="fp8", random_weights=True)
+    assert segments_max_rows_of(default) == 16  # Fp8Experts' own default
+    off = build_model(small(), "cpu", torch.float32, moe_backend="fp8", random_weights=True, moe_segments_max_rows=0)
+    assert [layer.mlp.experts.segments_max_rows for layer in off.model.layers] == [0, 0]
+    assert segments_max_rows_of(off) == 0
+    plain = build_model(small(), "cpu", torch.float32, random_weights=True, moe_segments_max_rows=8)
+    assert segments_max_rows_of(plain) is None  # the torch MoE has no such switch
+    for bad in (-1, 129, True, 2.0, "16"):
+        with pytest.raises(EngineConfigError, match="moe_segments_max_rows"):
+            EngineConfig(moe_segments_max_rows=bad)
+        with pytest.raises(ModelFactoryError, match="moe_segments_max_rows"):
+            build_model(small(), "cpu", moe_backend="fp8", random_weights=True, moe_segments_max_rows=bad)
+    assert EngineConfig().moe_segments_max_rows is None and EngineConfig(moe_segments_max_rows=64).moe_segments_max_rows == 64
+    app = ServeAppConfig(model="/models/gpt-oss-120b", moe_segments_max_rows=0)
+    assert app.engine_config("cuda").moe_segments_max_rows == 0
+    assert app.engine_config("cpu").moe_segments_max_rows is None
+    with pytest.raises(ValueError, match="moe_segments_max_rows"):
+        ServeAppConfig(model="/models/gpt-oss-120b", moe_segments_max_rows=129)
