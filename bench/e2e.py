@@ -337,6 +337,9 @@ def run_model(name: str, config: GptOssConfig, args, clock: Clock, results: dict
     # Profiles last: CUPTI next to CUDA graphs is the riskiest part of the run.
     plan += [("profile", "decode", 1, contexts[0]), ("profile", "decode", 64, contexts[0]),
              ("profile", "prefill", 8192, args.prefill_chunk), ("profile", "prefill", 1024, args.prefill_chunk)]
+    if not args.table:  # what the engine runs need: the prefill rate and each scenario's estimate (its batch)
+        plan = [("prefill", n) for n in args.prefill_lens] + [
+            ("throughput", k) for k in THROUGHPUT if k in args.engine_runs.split(",")]
     done: set = set()
     for item in plan:
         if item in done:
@@ -454,6 +457,9 @@ def main(argv=None) -> int:
     p.add_argument("--engine-runs", default="", help="scenarios (1k/1k,8k/1k) to also run through LLMEngine "
                                                       "at the estimate's batch, b1 (one request alone) and b1sync "
                                                       "(the same, decode lookahead off; bench/e2e_engine_runs.py)")
+    p.add_argument("--table", action=argparse.BooleanOptionalAction, default=True,
+                   help="the decode / prefill table and profiles; --no-table: only the prefill lengths and the "
+                        "estimates the --engine-runs scenarios need, then those runs (A/B of an engine setting)")
     p.add_argument("--hf-baseline", action="store_true", help="then HF transformers bf16 on 20b (random weights)")
     p.add_argument("--out", default="bench/results/e2e.json")
     args = p.parse_args(argv)

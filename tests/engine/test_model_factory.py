@@ -119,6 +119,23 @@ def test_e2e_bench_smoke_on_cpu(tmp_path):
     assert (tmp_path / "e2e_decode.png").stat().st_size > 1000
 
 
+def test_e2e_bench_without_the_table_runs_only_what_the_engine_runs_need(tmp_path):
+    """--no-table (an A/B of an engine setting): the prefill lengths and the asked scenario's estimate, then its
+    engine run; no decode table, no other scenario, and the record names the segments setting the model ran."""
+    from bench import e2e
+
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--device", "cpu", "--tiny", "--prefill-lens", "32", "--contexts", "200", "--max-batch", "2",
+                     "--steps", "1", "--budget-s", "150", "--engine-runs", "1k/1k", "--no-table",
+                     "--moe-segments-max-rows", "0", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["models"]["tiny"]
+    assert [p["tokens"] for p in r["prefill"]] == [32] and r["decode"] == []
+    assert [t["scenario"] for t in r["throughput"]] == ["1k/1k"]
+    (run,) = r["engine_runs"]
+    assert run["scenario"] == "1k/1k" and run["output_tokens"] == run["requests"] * 1024
+    assert run["moe_segments_max_rows"] is None and r["moe_segments_max_rows"] is None  # the CPU's torch MoE
+
+
 def test_e2e_bench_loads_a_checkpoint_on_cpu(tmp_path):
     """bench/e2e with --checkpoint: the weights come from the folder (HF layout, MXFP4 experts), the
     model is named after it, and the run says so."""
