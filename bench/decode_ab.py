@@ -21,8 +21,9 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
   2026-12-03; kernels.moe.fp8_quant.READ_K_PADDING); "fp8-dense-splits-4" / "-3": the MoE decode GEMM's K split in
   4 (before 2026-12-03) / 3 at 2-4 tokens (default 2); "fp8-dense-t1-splits-2" / "-3": 2 / 3 at 1 token (default 4);
   "...-cuda-front": single-token steps' MoE front as one CUDA cluster (kernels/moe/decode_front_cuda.py);
-  "fp8-dense-cuda-front-segments", "fp8-dense-segments": with the MoE's contiguous GEMMs (steps above 64 tokens) on
-  the segments GEMM up to 16 rows per expert (Fp8Experts.segments_max_rows).
+  "fp8-dense-cuda-front-segments", "fp8-dense-segments", "fused+pdl-cuda-front-segments" (bf16 dense layers, the
+  engine's defaults): with the MoE's contiguous GEMMs (steps above 64 tokens) on the segments GEMM up to 16 rows
+  per expert (Fp8Experts.segments_max_rows).
   (The MoE decode GEMM on 32-row weight tiles, down only or both
   projections, was a variant of 2026-12-03 too: 3-7% slower, bench/results/decode_ab_k_padding_h200.)
 - "mxfp4-decode": fused+pdl with the experts of steps of <= 16 tokens on the CUDA MXFP4 GEMM
@@ -83,7 +84,8 @@ VARIANTS = {"unfused": (False, False, False, False, "", 0), "fused": (True, True
             "fp8-dense+mxfp4-8-cuda-front": (True, True, True, True, "all", 8),
             "fused+pdl-cuda-front": (True, True, True, True, "", 0),
             "fp8-dense-cuda-front-segments": (True, True, True, True, "all", 0),
-            "fp8-dense-segments": (True, True, True, True, "all", 0)}
+            "fp8-dense-segments": (True, True, True, True, "all", 0),
+            "fused+pdl-cuda-front-segments": (True, True, True, True, "", 0)}
 # Variants that also set (defaults otherwise): kernels.moe.fp8_quant.READ_K_PADDING, the MoE decode GEMM's K splits
 # by step size (triton_grouped_gemm.SPLITS_BY_TOKENS), each MoE layer's cuda_front (the model's decode_front otherwise: off)
 # and segments_max_rows (otherwise 0, DeepGEMM above 64 tokens, although Fp8Experts' default is 16 since 2026-12-06)
@@ -94,7 +96,8 @@ TWEAKS = {"fp8-dense-read-k-padding": dict(read_k_padding=True),
           "fp8-dense-cuda-front": dict(cuda_front=True), "fp8-dense+mxfp4-8-cuda-front": dict(cuda_front=True),
           "fused+pdl-cuda-front": dict(cuda_front=True),
           "fp8-dense-cuda-front-segments": dict(cuda_front=True, segments_max_rows=16),
-          "fp8-dense-segments": dict(segments_max_rows=16)}
+          "fp8-dense-segments": dict(segments_max_rows=16),
+          "fused+pdl-cuda-front-segments": dict(cuda_front=True, segments_max_rows=16)}
 
 
 class DenseWeights:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 device call (repo root; carry .whl .jit .dg_src): the segments GEMM against DeepGEMM on the MoE layer
 # (bench/moe_segments.py), then 120b decode steps at 64-512 sequences and short prompts with the segments GEMM off /
-# on in one process (bench/decode_ab.py, FP8 QKV / O / unembedding and the CUDA front as in the batch-1 runs).
+# on in one process (bench/decode_ab.py; bf16 QKV / O / unembedding and the CUDA front: the engine's defaults, as in
+# the max-throughput runs).
 #   DG_USE=1 LIMIT_S=580 bash bench/segments_ab_device_run.sh
 set -u
 DEVICE_START=$(date +%s)
@@ -10,7 +11,7 @@ python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tai
 step bench 150 python3 -m bench.moe_segments --models 120b,20b --out "$OUT/moe_segments.json"
 sed -n '/^model   T/,$p' "$OUT/bench.log"
 step decode_ab 400 python3 -m bench.decode_ab --models gpt-oss-120b --variants \
-    fp8-dense-cuda-front,fp8-dense-cuda-front-segments --batches 64,96,128,256,512 --max-batch 512 --ctx 1024 \
+    fused+pdl-cuda-front,fused+pdl-cuda-front-segments --batches 64,96,128,256,512 --max-batch 512 --ctx 1024 \
     --prefill-lens 256,512,768 --rounds 2 --profile-batch 128 --headroom-gb 6 --out "$OUT/decode_ab_segments_120b.json"
 grep -v "^  " "$OUT/decode_ab.log" | tail -45
 pack_logs
