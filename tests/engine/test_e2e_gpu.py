@@ -182,7 +182,7 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, kv_dtype, cuda_front, 
 
 @pytest.mark.parametrize("kv_cache_dtype,fp8,mxfp4,front", [
     ("auto", "", 0, "auto"), ("fp8_e4m3", "", 0, "auto"), ("auto", "lm_head", 0, "auto"), ("auto", "dense", 0, "auto"),
-    ("auto", "", 4, "auto"), ("auto", "dense", 0, "cuda")])
+    ("auto", "", 4, "auto"), ("auto", "dense", 0, "cuda"), ("auto", "segments", 0, "auto")])
 def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, fp8, mxfp4, front, monkeypatch):
     # The engine's own graph paths (ModelRunner.execute -> DecodeGraphs, and PrefillGraphs for the prompts)
     # against the same engine without graphs, same random weights: identical greedy tokens for a mixed
@@ -191,16 +191,22 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
     # near-tie on the H200. mxfp4: experts drawn as MXFP4, decode steps of <= 4 tokens on the CUDA MXFP4 GEMM.
     # fp8 "dense": QKV / O in FP8 (dense_dtype), the 130- and 700-token prompts on FP8 activations. front "cuda":
     # decode_front='cuda', single-sequence steps' MoE front as one CUDA cluster (auto leaves 8 experts on Triton).
-    from kernels.moe import decode_front_cuda, mxfp4_decode_layer
+    # fp8 "segments": moe_segments_max_rows=128, so the 130-token prompt's chunk (65 rows per expert of 8) and the
+    # mixed steps above 64 tokens run the segments GEMM (at 16, the default, 8 experts never would).
+    from kernels.moe import decode_front_cuda, mxfp4_decode_layer, triton_grouped_gemm
 
-    mxfp4_calls, front_calls = [], []
+    mxfp4_calls, front_calls, segments_calls = [], [], []
     run_mxfp4, run_front = mxfp4_decode_layer.decode_experts, decode_front_cuda.decode_front
+    run_segments = triton_grouped_gemm.grouped_gemm_segments
     monkeypatch.setattr(mxfp4_decode_layer, "decode_experts", lambda *a: mxfp4_calls.append(a[0].shape[0]) or run_mxfp4(*a))
     monkeypatch.setattr(decode_front_cuda, "decode_front", lambda *a: front_calls.append(a[0].shape[0]) or run_front(*a))
+    monkeypatch.setattr(triton_grouped_gemm, "grouped_gemm_segments",
+                        lambda *a, **k: segments_calls.append(a[3].shape[0]) or run_segments(*a, **k))
 
     def engine(graphs: bool, prefill_graphs: bool) -> LLMEngine:
         model = build_model(small_config(), "cuda", torch.bfloat16, random_weights=True, seed=7, max_batch=8,
-                            max_kv_len=2048, cuda_graph=True, mxfp4_decode_max_tokens=mxfp4, decode_front=front)
+                            max_kv_len=2048, cuda_graph=True, mxfp4_decode_max_tokens=mxfp4, decode_front=front,
+                            moe_segments_max_rows=128 if fp8 == "segments" else None)
         assert all(m.cuda_front == (front == "cuda") for m in model.modules() if isinstance(m, Fp8Experts))
         with torch.no_grad():
             model.lm_head.weight[:16] *= 8
@@ -236,6 +242,7 @@ def test_engine_with_cuda_graphs_generates_what_it_does_eagerly(kv_cache_dtype, 
     assert (3 in mxfp4_calls and max(mxfp4_calls) <= 4) if mxfp4 else not mxfp4_calls, mxfp4_calls
     # the first request's single-sequence steps (eager, and the bucket-1 graph's capture) took the CUDA front
     assert (front_calls and set(front_calls) == {1}) if front == "cuda" else not front_calls, front_calls
+    assert bool(segments_calls) == (fp8 == "segments"), segments_calls
     assert outputs[0] == outputs[1], "decode graphs changed the greedy tokens"
     assert outputs[1] == outputs[2], "prefill graphs changed the greedy tokens"
 
