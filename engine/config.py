@@ -18,6 +18,13 @@ class EngineConfigError(ValueError):
     """An engine setting is out of range or inconsistent with another; the message names the field."""
 
 
+def segments_rows_problem(rows) -> str | None:
+    """What is wrong with a moe_segments_max_rows value (EngineConfig, build_model), or None."""
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= 128):
+        return f"moe_segments_max_rows must be None or an integer in [0, 128], got {rows!r}"
+    return None
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16  # tokens per KV page
@@ -163,9 +170,8 @@ class EngineConfig:
             raise EngineConfigError(f"dense_dtype must be one of {DENSE_DTYPES}, got {self.dense_dtype!r}")
         if self.decode_front not in DECODE_FRONTS:
             raise EngineConfigError(f"decode_front must be one of {DECODE_FRONTS}, got {self.decode_front!r}")
-        rows = self.moe_segments_max_rows
-        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= 128):
-            raise EngineConfigError(f"moe_segments_max_rows must be None or an integer in [0, 128], got {rows!r}")
+        if problem := segments_rows_problem(self.moe_segments_max_rows):
+            raise EngineConfigError(problem)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise EngineConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.decode_front == "cuda" and (not self.device.startswith("cuda") or self.moe_backend == "torch"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DECODE_FRONTS, DENSE_DTYPES, LM_HEAD_DTYPES
+from engine.config import DECODE_FRONTS, DENSE_DTYPES, LM_HEAD_DTYPES, segments_rows_problem
 from model.config import GptOssConfig
 from model.gpt_oss import GptOssForCausalLM
 from model.parallel import SINGLE, Parallel
@@ -150,9 +150,8 @@ def build_model(config: GptOssConfig, device: str | torch.device = "cpu", dtype:
         raise ModelFactoryError(f"lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
     if dense_dtype not in DENSE_DTYPES:
         raise ModelFactoryError(f"dense_dtype must be one of {DENSE_DTYPES}, got {dense_dtype!r}")
-    rows = moe_segments_max_rows
-    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= 128):
-        raise ModelFactoryError(f"moe_segments_max_rows must be None or an integer in [0, 128], got {rows!r}")
+    if problem := segments_rows_problem(moe_segments_max_rows):
+        raise ModelFactoryError(problem)
     if mxfp4_decode_max_tokens:
         _, moe = resolve_backends(attention_backend, moe_backend, torch.device(device))
         if torch.device(device).type != "cuda" or moe != "fp8":
@@ -180,12 +179,10 @@ def _fp8_experts(model: GptOssForCausalLM) -> list:
     return [m for m in model.modules() if isinstance(m, Fp8Experts)]
 
 
-def set_segments_max_rows(model: GptOssForCausalLM, rows: int) -> int:
-    """Every FP8 experts module's segments_max_rows = rows; returns how many modules took it (0 without the FP8 MoE)."""
-    experts = _fp8_experts(model)
-    for m in experts:
+def set_segments_max_rows(model: GptOssForCausalLM, rows: int) -> None:
+    """Every FP8 experts module's segments_max_rows = rows (nothing without the FP8 MoE)."""
+    for m in _fp8_experts(model):
         m.segments_max_rows = rows
-    return len(experts)
 
 
 def segments_max_rows_of(model: GptOssForCausalLM) -> int | None:
@@ -221,8 +218,6 @@ def _start_decode_front(choice: str, config: GptOssConfig, device: torch.device,
 def _use_decode_front(model: GptOssForCausalLM, choice: str, build) -> None:
     """Wait for the CUDA front's build; on success every FP8 MoE layer takes it at one token. A failed build
     raises for decode_front='cuda' and falls back to the Triton front (logged) for 'auto'."""
-    from kernels.moe.fp8_experts import Fp8Experts
-
     try:
         build.result()
     except Exception as e:  # a compiler error, no nvcc / ninja: the Triton front serves instead
@@ -232,9 +227,8 @@ def _use_decode_front(model: GptOssForCausalLM, choice: str, build) -> None:
         log.warning("decode_front auto: the CUDA front did not build (%s: %s); single-token steps take the Triton "
                     "front", type(e).__name__, str(e)[:500])
         return
-    for module in model.modules():
-        if isinstance(module, Fp8Experts):
-            module.cuda_front = True
+    for module in _fp8_experts(model):
+        module.cuda_front = True
 
 
 def check_mxfp4_copy_fits(config: GptOssConfig, parallel: Parallel, free_bytes: int, dense_dtype: str = "auto",
