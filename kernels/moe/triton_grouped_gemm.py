@@ -111,14 +111,13 @@ def grouped_gemm(a: Fp8Rows, w: torch.Tensor, w_scales: torch.Tensor, out: torch
 
 
 @triton.jit
-def _scaled_k_loop(acc, a_ptrs, b_ptrs, sfa_ptrs, sfb_ptrs, t_ok, n_ok, k_in_block, kb_start, kb_end, k_valid,
-                   sfa_k_stride, BLOCK_K: tl.constexpr):
+def _scaled_k_loop(acc, a_ptrs, b_ptrs, sfa_ptrs, sfb_ptrs, t_ok, n_ok, kb_start, kb_end, k_valid, sfa_k_stride,
+                   BLOCK_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_T] plus the K blocks kb_start..kb_end-1 of B [BLOCK_N, K] (b_ptrs: block kb_start) times
     A^T [K, BLOCK_T] (a_ptrs), each block's product scaled by its weight block's and its rows' scales: the swapped dot
-    of the decode and segments kernels (weights on the MMA's M side). K padding (zeros) at or past k_valid is not read
-    (k_in_block: tl.arange(0, BLOCK_K))."""
+    of the decode and segments kernels (weights on the MMA's M side). K padding (zeros) at or past k_valid is not read."""
     for kb in range(kb_start, kb_end):
-        k_ok = k_in_block < k_valid - kb * BLOCK_K
+        k_ok = tl.arange(0, BLOCK_K) < k_valid - kb * BLOCK_K
         b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=t_ok[None, :] & k_ok[:, None], other=0.0)
         sa = tl.load(sfa_ptrs + kb * sfa_k_stride, mask=t_ok, other=0.0)
@@ -171,7 +170,7 @@ def _fp8_grouped_gemm_decode_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, count
         sfb_ptrs = sfb_ptr + expert.to(tl.int64) * sfb_group_stride + (pid_n * BLOCK_N // BLOCK_K) * sfb_n_stride
         kb_end = tl.minimum(kb0 + kb_per_split, NUM_KB)
         acc = _scaled_k_loop(tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), a_ptrs, b_ptrs, sfa_ptrs, sfb_ptrs, t_ok,
-                             n_ok, tl.arange(0, BLOCK_K), kb0, kb_end, k_valid, sfa_k_stride, BLOCK_K)
+                             n_ok, kb0, kb_end, k_valid, sfa_k_stride, BLOCK_K)
         d_ptrs = d_ptr + split * stride_split + rows[None, :] * stride_d + offs_n[:, None]
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
 
@@ -206,7 +205,7 @@ def _fp8_grouped_gemm_segments_kernel(a_ptr, sfa_ptr, b_ptr, sfb_ptr, d_ptr, cou
         a_ptrs = a_ptr + rows[None, :] * stride_a + offs_k[:, None]  # A^T tile [BLOCK_K, BLOCK_T]
         sfa_ptrs = sfa_ptr + rows
         acc = _scaled_k_loop(tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), a_ptrs, b_base, sfa_ptrs, sfb_ptrs, t_ok,
-                             n_ok, offs_k, 0, NUM_KB, k_valid, sfa_k_stride, BLOCK_K)
+                             n_ok, 0, NUM_KB, k_valid, sfa_k_stride, BLOCK_K)
         d_ptrs = d_ptr + rows[None, :] * stride_d + offs_n[:, None]
         tl.store(d_ptrs, acc.to(d_ptr.dtype.element_ty), mask=t_ok[None, :] & n_ok[:, None])
 
