@@ -11,7 +11,9 @@ Variants (each a switch on the built model, so both sides share weights, KV pool
 - "fused+pdl": also programmatic dependent launch for our Triton kernels (kernels/pdl.py);
 - "fp8-lm-head": fused+pdl with the unembedding as FP8 128x128-block weights (lm_head_dtype="fp8_e4m3",
   kernels/layers/fp8_linear.py, weight-only);
-- "fp8-dense": the same for QKV and O too, which run on the slab GEMV at 1-2 tokens (kernels/layers/slab_gemv_triton.py);
+- "fp8-dense": the same for QKV and O too, which run on the slab GEMV at 1-2 tokens (kernels/layers/slab_gemv_triton.py)
+  and, as the engine's dense_dtype="fp8_e4m3" builds them, on FP8 activations above 64 tokens (before 2026-12-06 this
+  bench built them weight-only: steps above 64 sequences dequantized the weights per call);
   "fp8-dense-tc": without the slab GEMV (the tensor-core FP8 GEMV at every decode size: before 2026-12-02, measured
   slower than fp8-lm-head, kernels/layers/NOTES.md); "fp8-dense+mxfp4-8", "fp8-dense-tc+mxfp4-8": with the MXFP4
   decode experts of steps of <= 8 tokens too;
@@ -116,7 +118,9 @@ class DenseWeights:
         for kind, mods in self.bf16.items():
             fp8 = which in ("all", "all-tc") or which == kind
             if fp8 and kind not in self.fp8:
-                self.fp8[kind] = [fp8_linear.Fp8Linear.from_linear(m) for m in mods]
+                # as the engine builds them: QKV / O with FP8 activations above 64 tokens (quantize_dense_fp8),
+                # the unembedding weight-only (quantize_lm_head_fp8)
+                self.fp8[kind] = [fp8_linear.Fp8Linear.from_linear(m, fp8_activations=kind != "lm_head") for m in mods]
             chosen = self.fp8[kind] if fp8 else mods
             if kind == "lm_head":
                 self.model.lm_head = chosen[0]
