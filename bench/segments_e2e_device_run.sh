@@ -2,12 +2,17 @@
 # One H200 device call (repo root; carry .whl .jit .dg_src): 120b max throughput at 1k in / 1k out through
 # LLMEngine (fp8 K/V, 512 requests at once) with the segments GEMM on (the default, 16 rows) and off (0: DeepGEMM's
 # contiguous GEMM), one after the other on the same machine (bench.e2e --no-table: only the 1k prefill point, the
-# 1k/1k estimate and the engine run). ROWS (default "16 0") sets the order.
+# 1k/1k estimate and the engine run). ROWS (default "16 0") sets the order. Run it with needs_h200 (it exits at once
+# on a GPU of less memory).
 #   DG_USE=1 LIMIT_S=590 bash bench/segments_e2e_device_run.sh
 set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
 python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
+MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+if [ "${MEM_MIB:-0}" -lt 120000 ]; then  # a call that names nvidia-h200 without needs_h200 may get an H100
+    echo "120b's FP8 experts with 512 sequences of K/V need the H200's memory: this GPU has $MEM_MIB MiB"; exit 1
+fi
 for rows in ${ROWS:-16 0}; do
     step "e2e_rows$rows" "${RUN_S:-270}" python3 -m bench.e2e --device cuda --models gpt-oss-120b --model-share 1.0 \
         --prefill-lens 1024 --contexts 8192 --max-batch 512 --headroom-gb 4 --kv-cache-dtype fp8_e4m3 \
