@@ -20,8 +20,9 @@ Mapping decisions (Harmony cookbook, "OpenAI harmony response format"):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, Union
+from typing import Iterator, Literal, Sequence, Union
 
 from openai_harmony import (
     Author,
@@ -38,6 +39,7 @@ from openai_harmony import (
 from engine.request import HARMONY_FIRST_SPECIAL_ID, MAX_CACHE_CUTS, InvalidRequestError
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.parse import START
+from serve_app.harmony.text_limits import check_tokenizable
 
 FUNCTIONS_NAMESPACE = "functions"
 # What the model writes after a JSON tool call's channel; rendering history the same way keeps the
@@ -198,13 +200,28 @@ def to_conversation(prompt: Prompt) -> Conversation:
     return Conversation.from_messages(head + history_messages(prompt.history))
 
 
-def render_prompt(prompt: Prompt) -> list[int]:
-    """Token ids of the whole prompt, ending with `<|start|>assistant` so the model writes the header."""
+def prompt_texts(prompt: Prompt, param: str) -> Iterator[tuple[str, str]]:
+    """(API field, text) for every text of the prompt that the renderer tokenizes: the tools' under "tools", the
+    rest (instructions, history, the response-format section) under `param`."""
+    yield from ((param, prompt.instructions or ""), (param, prompt.response_format or ""))
+    for tool in prompt.tools:
+        for text in (tool.name, tool.description, json.dumps(tool.parameters) if tool.parameters else ""):
+            yield "tools", text
+    for item in prompt.history:
+        for name in ("text", "name", "arguments", "output"):
+            if hasattr(item, name):
+                yield param, getattr(item, name)
+
+
+def render_prompt(prompt: Prompt, param: str = "messages") -> list[int]:
+    """Token ids of the whole prompt, ending with `<|start|>assistant` so the model writes the header. Text the
+    tokenizer would take too long on is a 400 naming `param` or "tools" (text_limits.check_tokenizable)."""
+    check_tokenizable(prompt_texts(prompt, param))
     conversation = to_conversation(prompt)
     try:
         tokens = load_harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT)
     except HarmonyError as err:  # e.g. text that contains a Harmony special token in a header field
-        raise InvalidRequestError(f"the conversation cannot be rendered in Harmony: {err}", "messages") from err
+        raise InvalidRequestError(f"the conversation cannot be rendered in Harmony: {err}", param) from err
     if prompt.response_format is not None and (prompt.instructions or prompt.tools):
         tokens = _with_response_format(tokens, prompt.response_format)
     return tokens

@@ -33,6 +33,7 @@ from starlette.responses import Response
 
 from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, SamplingParams, TokenDelta
 from serve_app.harmony.constrain import FINAL
+from serve_app.harmony.text_limits import check_tokenizable
 from serve_app.openai_api.auth import requester
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
@@ -173,6 +174,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     priority = ctx.config.request_priority(req.priority)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gens: list[TextGeneration] = []
+    check_tokenizable(("prompt", prompt) for prompt in req.prompt if isinstance(prompt, str))
     for i, prompt in enumerate(req.prompt):
         ids, text = prompt_ids_and_text(prompt, ctx, req.echo)
         room = ctx.config.max_context - len(ids)

@@ -12,6 +12,7 @@ from openai_harmony import HarmonyEncoding
 
 from serve_app.harmony.constrain import (FORCED_CALL, HarmonySchemaSpec, check_json_schema, forced_call_grammar,
                                          is_plain_text, response_format_grammar, response_format_text)
+from serve_app.harmony.text_limits import check_tokenizable
 from engine.request import TokenLogprob
 from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.protocol import allowed_tools, forced_name
@@ -48,6 +49,7 @@ def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int,
     on the header) and carry on through the end of the answer. () without a prediction."""
     if not content:
         return ()
+    check_tokenizable([("prediction", content)])
     return tuple(encoding.encode(f"<|channel|>final<|message|>{content}<|return|>", allowed_special="all"))
 
 

@@ -149,7 +149,8 @@ def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | No
     max_output_tokens fit after it, or the ingress' default_max_tokens, or else one token. A prompt that still
     does not fit is left to sampling_params' 400."""
     def render(drop: int) -> list[int]:
-        return render_prompt(replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format))
+        return render_prompt(replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format),
+                             "input")
 
     ids = render(0)
     limit = ctx.config.max_context - (req.max_output_tokens or ctx.config.default_max_tokens or 1)

@@ -229,6 +229,28 @@ def test_prompt_over_the_context_is_400(server, client, backend):
     assert_still_serving(client, backend)
 
 
+def test_text_the_tokenizer_would_stall_on_is_400(server, client, backend):
+    """A run of 1,000,000 letters made openai-harmony's tokenizer panic (HTTP 500) and 200,000 held the ingress'
+    event loop for 14 s on this CPU (serve_app/harmony/text_limits.py; this server takes bodies of 256 KiB): each
+    field that is tokenized is checked."""
+    run = "x" * 200_000
+    cases = [("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": run}]}, "messages"),
+             ("/v1/chat/completions", {**CHAT, "messages": [{"role": "system", "content": "\n" * 40_000}] + HI},
+              "messages"),
+             ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f",
+                                                                                          "description": run}}]}, "tools"),
+             ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "-" * 40_000}},
+              "prediction"),
+             ("/v1/responses", {**RESP, "input": run}, "input"),
+             ("/v1/responses", {**RESP, "instructions": "é" * 20_000}, "input"),
+             ("/v1/completions", {"model": MODEL, "prompt": ["ok", run]}, "prompt")]
+    for path, body, param in cases:
+        err = assert_error(post(server, path, body), 400, param)
+        assert "unbroken run" in err["message"]
+    assert not backend.requests
+    assert_still_serving(client, backend)
+
+
 def test_unknown_model_is_404(server, client, backend):
     for path, body in (("/v1/chat/completions", {**CHAT, "model": "gpt-5"}), ("/v1/responses", {**RESP, "model": "gpt-5"})):
         assert_error(post(server, path, body), 404, param="model", code="model_not_found")
