@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -147,22 +148,54 @@ def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | No
     """The prompt's token ids. With `truncation: "auto"` a prompt that leaves too little room drops its oldest
     conversation items (responses_prompt's `drop`, the fewest that fit; the last item always stays) so that
     max_output_tokens fit after it, or the ingress' default_max_tokens, or else one token. A prompt that still
-    does not fit is left to sampling_params' 400."""
+    does not fit is left to sampling_params' 400.
+
+    Each try is a whole render (the tokenizer holds the event loop: ~0.1 s for a full 131k-token context), so the
+    search starts where the items' sizes say the cut falls (tokens in proportion to characters) and gallops
+    from there (fewest_drops): 2-4 renders where a bisection over every item took 1 + log2(items)."""
+    renders: dict[int, list[int]] = {}
+
     def render(drop: int) -> list[int]:
-        return render_prompt(replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format),
-                             "input")
+        if drop not in renders:
+            renders[drop] = render_prompt(
+                replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format), "input")
+        return renders[drop]
 
     ids = render(0)
     limit = ctx.config.max_context - (req.max_output_tokens or ctx.config.default_max_tokens or 1)
     if req.truncation != "auto" or len(ids) <= limit:
         return ids
-    lo, hi = 1, sum(not _is_instruction(item) for item in (earlier or []) + input_items(req)) - 1
-    best = None
-    while lo <= hi:  # the prompt shrinks as more is dropped: the fewest drops that fit
-        mid = (lo + hi) // 2
-        candidate = render(mid)
-        if len(candidate) <= limit:
-            best, hi = candidate, mid - 1
+    sizes = [len(item.model_dump_json()) for item in (earlier or []) + input_items(req) if not _is_instruction(item)]
+    hi = len(sizes) - 1
+    excess = (len(ids) - limit) / len(ids) * sum(sizes)  # characters to drop
+    guess = 1 + sum(1 for total in itertools.accumulate(sizes) if total < excess)
+    drop = fewest_drops(lambda d: len(render(d)) <= limit, guess, 1, hi)
+    return render(drop if drop is not None else max(hi, 0))
+
+
+def fewest_drops(fits, guess: int, lo: int, hi: int) -> int | None:
+    """The least d in [lo, hi] with fits(d), for a predicate that stays true once true (a prompt only shrinks as
+    more is dropped; lo - 1 is known not to fit); None if hi does not fit. Gallops from `guess` (doubling steps
+    away from it) and then bisects: ~2 log2(distance from the guess) + 2 calls."""
+    if hi < lo:
+        return None
+    guess = min(max(guess, lo), hi)
+    if fits(guess):
+        good, step = guess, 1
+        while good - step >= lo and fits(good - step):
+            good, step = good - step, step * 2
+        bad = max(good - step, lo - 1)
+    else:
+        bad, step = guess, 1
+        while bad + step < hi and not fits(bad + step):
+            bad, step = bad + step, step * 2
+        good = min(bad + step, hi)
+        if good == hi and not fits(hi):
+            return None
+    while good - bad > 1:  # bad does not fit (or is lo - 1), good does
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
         else:
-            lo = mid + 1
-    return best if best is not None else render(max(hi, 0))
+            bad = mid
+    return good

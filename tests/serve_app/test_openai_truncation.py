@@ -4,10 +4,14 @@ with it; `disabled` (the default) stays a 400. A live uvicorn server with a smal
 
 from __future__ import annotations
 
+import math
+import random
+
 import openai
 import pytest
 
 from serve_app.harmony.encoding import load_harmony_encoding
+from serve_app.openai_api.responses_input import fewest_drops
 from serve_app.openai_api.stored_responses import MemoryResponseStore
 from tests.serve_app.conftest import MODEL, openai_client, scripted_app
 from tests.serve_app.stub_backend import ScriptedBackend
@@ -77,3 +81,43 @@ def test_what_cannot_fit_even_alone_is_still_a_400(api, backend):
                              truncation="auto", store=False)
     assert err.value.code == "context_length_exceeded"
     assert not backend.requests
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_fewest_drops_finds_the_first_fit_from_any_guess(seed):
+    rng = random.Random(seed)
+    lo, hi = 1, rng.randint(0, 300)
+    first = rng.randint(lo, hi + 1)  # hi + 1: nothing fits
+    calls = []
+
+    def fits(d: int) -> bool:
+        assert lo <= d <= hi
+        calls.append(d)
+        return d >= first
+
+    guess = rng.choice([first, first - 1, first + 1, rng.randint(-5, hi + 5)])
+    assert fewest_drops(fits, guess, lo, hi) == (first if first <= hi else None)
+    distance = abs(min(max(guess, lo), hi) - first) + 1
+    assert len(calls) <= 2 * math.log2(distance) + 4, (guess, first, calls)
+
+
+def test_a_long_conversation_renders_a_few_times_not_once_per_halving(api, backend, monkeypatch):
+    """60 stored turns over a 400-token context: the cut is found in a handful of renders (the bisection over all
+    items took 1 + log2(items))."""
+    from serve_app.openai_api import responses_input
+
+    calls = []
+    real = responses_input.render_prompt
+    monkeypatch.setattr(responses_input, "render_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
+    items = []
+    for i in range(60):
+        items += [{"role": "user", "content": words(f"q{i}x", 6)}, {"role": "assistant", "content": words(f"a{i}y", 6)}]
+    backend.push(ANSWER)
+    r = api.responses.create(model=MODEL, input=items + [{"role": "user", "content": "last"}], truncation="auto",
+                             max_output_tokens=20)
+    assert r.output_text == "Noted."
+    prompt = ENC.decode(backend.requests[-1].prompt_ids)
+    assert "last" in prompt and "q0x0" not in prompt
+    kept = [i for i in range(60) if f"q{i}x0 " in prompt]
+    assert kept and kept == list(range(kept[0], 60))  # a suffix of the turns: the oldest went
+    assert len(calls) <= 6, len(calls)
