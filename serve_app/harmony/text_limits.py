@@ -5,8 +5,9 @@ letters (with their marks), runs of whitespace, runs of other symbols; digits by
 piece's bytes in time that grows with the square of the piece, and holds the GIL all the while, so the ingress'
 event loop and every stream on the replica wait with it. Measured on this project's 2-core CPU machine
 (2026-12-06, `encoding.encode`): 'x' * 100,000 took 3.4 s, * 500,000 86 s, and * 1,000,000 panicked inside the
-pattern match (a regex stack overflow, an HTTP 500 then); 2 MB of text made of runs of 1 KiB / 4 KiB / 16 KiB took
-0.7-2.6 / 2.6-10 / 10-41 s, against 0.33 s for 2 MB of English. The time of the long runs fits
+pattern match (a regex stack overflow, an HTTP 500 then); 2 MB of text made of runs of 1,024 / 4,096 / 16,384
+characters took 0.7-2.6 / 2.6-10 / 10-41 s, against 0.33 s for 2 MB of English (bench/RESULTS.md, "The ingress'
+worst inputs"). The time of the long runs fits
 a * sum(bytes of each run ** 2) with a = 3-3.6e-10 s.
 
 So a request may hold unbroken runs of at most RUN_BUDGET in that sum, counted over the runs of at least
