@@ -9,8 +9,8 @@ set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
 python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
-MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-if [ "${MEM_MIB:-0}" -lt 120000 ]; then  # a call that names nvidia-h200 without needs_h200 may get an H100
+MEM_MIB=$(gpu_mem_mib)
+if [ "${MEM_MIB:-0}" -lt 120000 ]; then
     echo "120b's FP8 experts with 512 sequences of K/V need the H200's memory: this GPU has $MEM_MIB MiB"; exit 1
 fi
 for rows in ${ROWS:-16 0}; do

@@ -21,7 +21,7 @@ step gpu_tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/te
     -k "swiglu or layer_matches_bf16 or dispatch_swiglu"
 tail -4 "$OUT/gpu_tests.log"
 if [ "${PREFILL:-1}" = 1 ]; then  # PREFILL=0 FI_BUILD=0 DG_USE=0: the kernel A/B and the tests alone, no builds
-MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+MEM_MIB=$(gpu_mem_mib)
 if [ "${MEM_MIB:-0}" -lt 120000 ]; then echo "prefill_120b: skipped (120b's FP8 experts need the H200's memory)"; else
 step prefill_120b 200 python3 -m bench.prefill_ab --model gpt-oss-120b --lens 8192 --variants swiglu-mufu \
     --dense-dtype fp8_e4m3 --rounds "${ROUNDS:-3}" --out "$OUT/prefill_ab_swiglu_mufu_120b_h200.json"; fi

@@ -67,6 +67,8 @@ step() {
     echo "$name exit $? after $(( $(date +%s) - DEVICE_START )) s"
 }
 pack_logs() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+# the GPU's memory in MiB (an H100 has ~80,000, an H200 ~143,000: a call without needs_h200 may get either)
+gpu_mem_mib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1; }
 pack_jit_cache() {
     local d
     for d in triton deep_gemm; do XZ_OPT=-6 tar cJf "$OUT/jit_cache_$d.txz" -C /tmp/jit "$d" 2>/dev/null; done

@@ -186,14 +186,13 @@ def _borders(s: str) -> list[int]:
 
 
 def _advance(s: str, borders: list[int], matched: int, text: str) -> int:
-    """The automaton's state after `text`, from `matched` (< len(s); the caller has seen no whole match)."""
+    """The automaton's state after `text`, from `matched`. Only called on text that completes no match (push()
+    looks for whole matches in buf first), so the state stays below len(s)."""
     for c in text:
         while matched and c != s[matched]:
             matched = borders[matched - 1]
         if c == s[matched]:
             matched += 1
-            if matched == len(s):  # a whole match: push() found it in buf before; the state stays valid anyway
-                matched = borders[matched - 1]
     return matched
 
 
