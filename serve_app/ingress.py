@@ -17,6 +17,7 @@ from ray.serve.exceptions import BackPressureError
 
 from engine.request import BackendOverloaded, EngineUnhealthyError, GenerateRequest, InvalidRequestError, TokenDelta
 from serve_app.deployment_settings import IngressSettings
+from serve_app.harmony.render_worker import RenderWorkers
 from serve_app.grafana import install_if_head_node
 from serve_app.metrics import ApiMetrics
 from serve_app.response_store import ServeResponseStore
@@ -93,6 +94,8 @@ class HarmonyIngress:
         self.settings = settings or IngressSettings(api_keys=[])
         self.response_store = ServeResponseStore(response_store) if response_store is not None else None
         self.api_metrics = ApiMetrics()
+        self.renderer = RenderWorkers(self.settings.render_workers, self.settings.render_off_loop_chars)
+        self.renderer.warm()
         install_if_head_node()  # Grafana's dashboard of the app's metrics (serve_app/grafana.py)
 
     def __serve_build_asgi_app__(self):
@@ -107,7 +110,8 @@ class HarmonyIngress:
             api_keys=() if several else s.api_key_values(), stream_keepalive_s=s.stream_keepalive_s,
             response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
             allow_priority=s.allow_priority, isolate_prefix_cache=s.isolate_prefix_cache,
-            forced_call_reasoning_tokens=s.forced_call_reasoning_tokens, usage_sink=self.api_metrics.record)
+            forced_call_reasoning_tokens=s.forced_call_reasoning_tokens, usage_sink=self.api_metrics.record,
+            renderer=self.renderer)
             for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]
@@ -119,3 +123,4 @@ class HarmonyIngress:
         seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py)."""
         runs = [app.state.background for app in getattr(self, "_apps", {}).values() if app.state.background is not None]
         await asyncio.gather(*(background.stop(wait_s=BACKGROUND_DRAIN_S) for background in runs))
+        self.renderer.close()

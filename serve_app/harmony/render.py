@@ -213,6 +213,11 @@ def prompt_texts(prompt: Prompt, param: str) -> Iterator[tuple[str, str]]:
                 yield param, getattr(item, name)
 
 
+def prompt_chars(prompt: Prompt) -> int:
+    """Characters of text the renderer tokenizes: what a render costs (RenderWorkers' in-place limit)."""
+    return sum(len(text) for _, text in prompt_texts(prompt, ""))
+
+
 def render_prompt(prompt: Prompt, param: str = "messages") -> list[int]:
     """Token ids of the whole prompt, ending with `<|start|>assistant` so the model writes the header. Text the
     tokenizer would take too long on is a 400 naming `param` or "tools" (text_limits.check_tokenizable)."""

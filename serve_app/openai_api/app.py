@@ -17,6 +17,7 @@ from starlette.responses import Response
 from engine.request import EngineUnhealthyError, TokenBackend
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
+from serve_app.harmony.render_worker import RenderWorkers
 from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.chat import create_chat_completion
@@ -56,6 +57,7 @@ def create_app(
     isolate_prefix_cache: bool = False,
     forced_call_reasoning_tokens: int = 2048,
     usage_sink: UsageSink | None = None,
+    renderer: RenderWorkers | None = None,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
     token counts), /v1/conversations (and their items), /v1/completions, /v1/models and /health for `backend`.
@@ -76,6 +78,8 @@ def create_app(
     forced_call_reasoning_tokens: a forced tool call (tool_choice) may follow an analysis message and a preamble of
     at most this many tokens each; 0: the call at once.
     usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
+    renderer: the processes that tokenize long prompts off the event loop (shared by the apps of one ingress
+    replica); None: the app's own, one process, started on the first long prompt.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -92,7 +96,7 @@ def create_app(
                            forced_call_reasoning_tokens=forced_call_reasoning_tokens)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
                          background=BackgroundRuns(response_store) if response_store is not None else None,
-                         usage_sink=usage_sink)
+                         usage_sink=usage_sink, renderer=renderer if renderer is not None else RenderWorkers())
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)

@@ -35,6 +35,7 @@ from serve_app.harmony.render import (
     Prompt,
     ToolResult,
     UserMessage,
+    prompt_chars,
     render_prompt,
 )
 from serve_app.openai_api.auth import requester
@@ -150,6 +151,12 @@ def usage_json(gen: Generation | GenerationGroup) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
+def chat_tokens(prompt: Prompt, prediction: str | None) -> tuple[list[int], tuple[int, ...]]:
+    """(prompt ids, the prediction's draft ids): the tokenizing of a chat request, which RenderWorkers runs
+    off the event loop for long ones."""
+    return render_prompt(prompt), prediction_ids(prediction)
+
+
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -160,7 +167,10 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         [(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
          for i, t in enumerate(offered) if t.function.strict],
         forced, ctx.config.forced_reasoning_budget(req.max_completion_tokens or req.max_tokens))
-    prompt_ids = render_prompt(replace(chat_prompt(req, ctx.config), response_format=response_format))
+    prompt = replace(chat_prompt(req, ctx.config), response_format=response_format)
+    prediction = text_of(req.prediction.content) if req.prediction else None
+    prompt_ids, draft_ids = await ctx.renderer.run(prompt_chars(prompt) + len(prediction or ""),
+                                                   chat_tokens, prompt, prediction)
     max_tokens, param = (req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens \
         else (req.max_tokens, "max_tokens")
     sampling = sampling_params(SamplingRequest(
@@ -170,8 +180,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
     ), len(prompt_ids), ctx.config)
     sampling = replace(sampling, ignore_eos=req.ignore_eos, constraint=constraint,
-                       prediction=prediction_ids(text_of(req.prediction.content) if req.prediction else None,
-                                                 ctx.encoding))
+                       prediction=draft_ids)
     n = req.n or 1
     priority = ctx.config.request_priority(req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

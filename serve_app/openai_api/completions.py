@@ -26,13 +26,14 @@ import codecs
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, SamplingParams, TokenDelta
 from serve_app.harmony.constrain import FINAL
+from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.text_limits import check_tokenizable
 from serve_app.openai_api.auth import requester
 from serve_app.openai_api.errors import APIError, BadRequest
@@ -149,9 +150,20 @@ class TextGeneration(BackendRequest):
         return step
 
 
-def prompt_ids_and_text(prompt: str | list[int], ctx: IngressContext, echo: bool) -> tuple[list[int], str]:
+def encode_prompts(texts: list[str]) -> list[list[int]]:
+    """String prompts' ids in the Harmony vocabulary (special tokens written as text become those tokens), after
+    the check for text the tokenizer would stall on: the tokenizing RenderWorkers runs off the event loop for
+    long prompts."""
+    check_tokenizable(("prompt", text) for text in texts)
+    encoding = load_harmony_encoding()
+    return [encoding.encode(text, allowed_special="all") for text in texts]
+
+
+def prompt_ids_and_text(prompt: str | list[int], encoded: Iterator[list[int]], ctx: IngressContext,
+                        echo: bool) -> tuple[list[int], str]:
+    """(ids, echoed text) of one prompt; `encoded` yields the string prompts' ids in order (encode_prompts)."""
     if isinstance(prompt, str):
-        return ctx.encoding.encode(prompt, allowed_special="all"), prompt
+        return next(encoded), prompt
     return list(prompt), ctx.encoding.decode(prompt, errors="replace") if echo else ""
 
 
@@ -174,9 +186,10 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     priority = ctx.config.request_priority(req.priority)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gens: list[TextGeneration] = []
-    check_tokenizable(("prompt", prompt) for prompt in req.prompt if isinstance(prompt, str))
+    texts = [prompt for prompt in req.prompt if isinstance(prompt, str)]
+    encoded = iter(await ctx.renderer.run(sum(map(len, texts)), encode_prompts, texts) if texts else [])
     for i, prompt in enumerate(req.prompt):
-        ids, text = prompt_ids_and_text(prompt, ctx, req.echo)
+        ids, text = prompt_ids_and_text(prompt, encoded, ctx, req.echo)
         room = ctx.config.max_context - len(ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else \
             (min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room > 0 else None)

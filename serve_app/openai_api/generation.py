@@ -35,6 +35,7 @@ from engine.request import (
 )
 from serve_app.harmony.parse import HarmonyOutputParser, ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF, prompt_cache_cuts
+from serve_app.harmony.render_worker import RenderWorkers
 from serve_app.openai_api.errors import BadRequest, ContextLengthExceeded, EngineFailure, ServerOverloaded
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.stored_responses import ResponseStore
@@ -91,6 +92,7 @@ class IngressContext:
     store: ResponseStore | None = None  # stored /v1/responses; None: the endpoint is stateless
     background: BackgroundRuns | None = None  # background /v1/responses this replica runs (with a store)
     usage_sink: UsageSink | None = None  # told each engine request's usage when it ends (usage.py)
+    renderer: RenderWorkers = field(default_factory=RenderWorkers)  # tokenizes long prompts off the event loop
 
 
 @dataclass

@@ -12,6 +12,7 @@ from openai_harmony import HarmonyEncoding
 
 from serve_app.harmony.constrain import (FORCED_CALL, HarmonySchemaSpec, check_json_schema, forced_call_grammar,
                                          is_plain_text, response_format_grammar, response_format_text)
+from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.text_limits import check_tokenizable
 from engine.request import TokenLogprob
 from serve_app.openai_api.errors import BadRequest
@@ -43,14 +44,15 @@ def offers(tool_choice: Any, name: str) -> bool:
     return tool_choice != "none" and (allowed is None or allowed[0] == "required" or name in allowed[1])
 
 
-def prediction_ids(content: str | None, encoding: HarmonyEncoding) -> tuple[int, ...]:
+def prediction_ids(content: str | None) -> tuple[int, ...]:
     """A chat request's `prediction` as engine draft tokens: the final answer's header, its text and
     `<|return|>`, so drafts start where the model opens its answer (after any reasoning: the engine re-aligns
     on the header) and carry on through the end of the answer. () without a prediction."""
     if not content:
         return ()
     check_tokenizable([("prediction", content)])
-    return tuple(encoding.encode(f"<|channel|>final<|message|>{content}<|return|>", allowed_special="all"))
+    text = f"<|channel|>final<|message|>{content}<|return|>"
+    return tuple(load_harmony_encoding().encode(text, allowed_special="all"))
 
 
 def output_constraint(fmt: dict | None, fmt_param: str, strict_tools: list[tuple[str, dict | None, str]],

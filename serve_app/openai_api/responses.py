@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from engine.request import TokenLogprob
 from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
+from serve_app.harmony.render import prompt_chars
 from serve_app.openai_api.auth import requester
 from serve_app.openai_api.background import EventRecorder, follow_events
 from serve_app.openai_api.conversations import conversation_input, list_page, listed_item, record_turn
@@ -46,7 +47,8 @@ from serve_app.openai_api.generation import (
 from serve_app.openai_api.output_options import (forced_tools, logprobs_json, offers,
                                                  output_constraint_off_loop)
 from serve_app.openai_api.protocol import INPUT_ITEMS, InputTokensRequest, ResponsesRequest
-from serve_app.openai_api.responses_input import fitted_prompt, new_id, reasoning_envelope, stored_input_items
+from serve_app.openai_api.responses_input import (fitted_prompt, new_id, reasoning_envelope, responses_prompt,
+                                                  stored_input_items)
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import EventStreamResponse, sse
 from serve_app.openai_api.usage import Caller
@@ -212,7 +214,8 @@ async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced, ctx.config.forced_reasoning_budget(req.max_output_tokens))
     earlier = await earlier_items(req, ctx, owner)
-    return fitted_prompt(req, ctx, earlier, response_format), constraint
+    chars = prompt_chars(responses_prompt(req, ctx.config, earlier, 0)) + len(response_format or "")
+    return await ctx.renderer.run(chars, fitted_prompt, req, ctx.config, earlier, response_format), constraint
 
 
 async def count_input_tokens(req: InputTokensRequest, http: Request, ctx: IngressContext) -> dict[str, Any]:

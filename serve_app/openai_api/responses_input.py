@@ -27,7 +27,7 @@ from serve_app.harmony.render import (
     render_prompt,
 )
 from serve_app.openai_api.errors import BadRequest
-from serve_app.openai_api.generation import IngressConfig, IngressContext
+from serve_app.openai_api.generation import IngressConfig
 from serve_app.openai_api.output_options import offers
 from serve_app.openai_api.protocol import (
     FunctionCallItem,
@@ -143,14 +143,14 @@ def stored_input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [stored_item_json(item) for item in input_items(req)]
 
 
-def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | None,
+def fitted_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list | None,
                   response_format: str | None) -> list[int]:
     """The prompt's token ids. With `truncation: "auto"` a prompt that leaves too little room drops its oldest
     conversation items (responses_prompt's `drop`, the fewest that fit; the last item always stays) so that
     max_output_tokens fit after it, or the ingress' default_max_tokens, or else one token. A prompt that still
     does not fit is left to sampling_params' 400.
 
-    Each try is a whole render (the tokenizer holds the event loop: ~0.1 s for a full 131k-token context), so the
+    Each try is a whole render (~0.1 s for a full 131k-token context, in a render worker for long prompts), so the
     search starts where the items' sizes say the cut falls (tokens in proportion to characters) and gallops
     from there (fewest_drops): 5 renders in all where the bisection over every item took 8 (121 items,
     tests/serve_app/test_openai_truncation.py); renders are kept, so none is done twice."""
@@ -159,11 +159,11 @@ def fitted_prompt(req: ResponsesRequest, ctx: IngressContext, earlier: list | No
     def render(drop: int) -> list[int]:
         if drop not in renders:
             renders[drop] = render_prompt(
-                replace(responses_prompt(req, ctx.config, earlier, drop), response_format=response_format), "input")
+                replace(responses_prompt(req, config, earlier, drop), response_format=response_format), "input")
         return renders[drop]
 
     ids = render(0)
-    limit = ctx.config.max_context - (req.max_output_tokens or ctx.config.default_max_tokens or 1)
+    limit = config.max_context - (req.max_output_tokens or config.default_max_tokens or 1)
     if req.truncation != "auto" or len(ids) <= limit:
         return ids
     sizes = [len(item.model_dump_json()) for item in (earlier or []) + input_items(req) if not _is_instruction(item)]
