@@ -57,6 +57,9 @@ ARGS = {
     "ingress.conversation_start_date": "2026-11-29",
     "ingress.api_keys": "sk-e2e-first,sk-e2e-second",  # every /v1/ call below sends the first
     "ingress.forced_call_reasoning_tokens": "4",  # a random model reasons until the budget: keep it short
+    # every prompt of 16 characters or more is tokenized in the ingress' render worker (the default is 16,384):
+    # these tests, which compare with an app that tokenizes in place, then cover the worker under Ray
+    "ingress.render_off_loop_chars": "16",
     # the store writes through to a file and reads it back when its replica restarts (on the head node: this one)
     # (a path only: the store makes the folder, and the module's fixture removes it)
     "ingress.store_path": str(pathlib.Path(tempfile.gettempdir()) / f"gptoss-e2e-{os.getpid()}" / "responses.db"),
@@ -106,6 +109,25 @@ def client(port: int) -> openai.OpenAI:
 
 def stats(deployment: str) -> dict:
     return serve.get_deployment_handle(deployment, APP).stats.remote().result()
+
+
+def processes() -> list[tuple[int, str]]:
+    """(pid, command line) of this machine's processes (Linux /proc)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+            except OSError:
+                pass
+    return found
+
+
+def parent(pid: int) -> int:
+    try:
+        return int((pathlib.Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -204,6 +226,10 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
            [want.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+
+    # The ingress replica tokenized those prompts in its render worker process (a child of the replica's actor).
+    workers = [pid for pid, cmd in processes() if "serve_app.harmony.render_worker" in cmd and parent(pid) != os.getpid()]
+    assert workers and all("ServeReplica" in dict(processes()).get(parent(pid), "") for pid in workers)
 
     # /v1/completions through the Serve ingress: the same raw text as the single-process app.
     raw = dict(model="gpt-oss", prompt="<|start|>user<|message|>Hello<|end|><|start|>assistant", max_tokens=16,
