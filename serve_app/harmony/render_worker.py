@@ -135,7 +135,7 @@ class RenderWorkers:
     @property
     def started(self) -> int:
         """Worker processes running now."""
-        return sum(1 for proc in self._procs if proc.poll() is None)
+        return sum(1 for proc in self._procs.copy() if proc.poll() is None)
 
     def _call(self, fn: Callable[..., T], args: tuple) -> T:
         worker = getattr(self._local, "worker", None)
