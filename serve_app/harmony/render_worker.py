@@ -7,8 +7,8 @@ requests that replica serves for that long. `RenderWorkers.run` hands the tokeni
 function and its picklable arguments) to one of a few worker processes and waits for it in a thread, so the loop
 goes on; short prompts are tokenized in place, where the round trip (~1 ms) would cost more than it saves.
 
-A worker is `python -m serve_app.harmony.render_worker`: it reads length-prefixed pickled calls `(function,
-args)` on stdin and writes `(ok, result or exception)` back on stdout; it exits when its stdin closes (the
+A worker is `python -m serve_app.harmony.render_worker`: once warmed up it writes `ready`, then reads
+length-prefixed pickled calls `(function, args)` on stdin and writes `(ok, result or exception)` back on stdout; it exits when its stdin closes (the
 ingress closed it, or died). Each thread of the pool owns one worker, started on its first call (~1 s: the
 vocabulary and the tokenizer-limit table load), and started again if it died. Errors raised by the render
 function (a 400 for text the tokenizer would stall on, a Harmony render error) come back as themselves; a
@@ -36,6 +36,11 @@ _HEADER = struct.Struct("<Q")
 DEFAULT_RENDER_WORKERS = 1
 # Below this many characters of prompt text a render takes ~5 ms or less (bench.ingress_render): done in place.
 DEFAULT_OFF_LOOP_CHARS = 16_384
+# A call that takes longer is stopped (RenderWorkerDied): the largest body the ingress takes (8 MB of text) renders
+# in ~3 s here, and text_limits refuses the text that would take the tokenizer longer.
+DEFAULT_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0  # a worker's start (imports, the vocabulary, the tokenizer-limit table): ~1 s here
+READY = b"ready"  # a worker's first frame, once it has warmed up
 
 
 class RenderWorkerDied(RuntimeError):
@@ -71,6 +76,11 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "serve_app.harmony.render_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.registry.add(self.proc)
+        ready, _ = _reply_within(self.proc, START_TIMEOUT_S)  # its warm-up done (~1 s): the call's clock starts
+        if ready != READY:
+            code = self.proc.poll()
+            self.stop()
+            raise RenderWorkerDied(f"the prompt-rendering worker did not start (exit code {code})")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -78,24 +88,45 @@ class _Worker:
             _close_process(self.proc)
             self.proc = None
 
-    def call(self, fn: Callable[..., T], args: tuple) -> T:
+    def call(self, fn: Callable[..., T], args: tuple, timeout_s: float) -> T:
         if self.proc is None or self.proc.poll() is not None:  # first call, or it died between calls
             self.stop()
             self.start()
-        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        proc = self.proc
         try:
-            _write_frame(self.proc.stdin, request)
-            reply = _read_frame(self.proc.stdout)
+            _write_frame(proc.stdin, pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL))
+            reply, late = _reply_within(proc, timeout_s)
         except (BrokenPipeError, OSError, ValueError):  # ValueError: the pool closed its pipes meanwhile
-            reply = None
+            reply, late = None, False
         if reply is None:
-            code = self.proc.poll() if self.proc is not None else None
+            code = proc.poll()
             self.stop()
-            raise RenderWorkerDied(f"the prompt-rendering worker process stopped during a call (exit code {code})")
+            raise RenderWorkerDied(f"the prompt-rendering worker took longer than {timeout_s:g} s and was stopped"
+                                   if late else
+                                   f"the prompt-rendering worker process stopped during a call (exit code {code})")
         ok, value = pickle.loads(reply)
         if ok:
             return value
         raise value
+
+
+def _reply_within(proc: subprocess.Popen, timeout_s: float) -> tuple[bytes | None, bool]:
+    """(the worker's next frame or None, whether it was killed for taking longer than timeout_s)."""
+    late = threading.Event()
+
+    def stop_late() -> None:
+        late.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, stop_late)
+    timer.daemon = True
+    timer.start()
+    try:
+        return _read_frame(proc.stdout), late.is_set()
+    except (OSError, ValueError):  # ValueError: the pool closed the pipe meanwhile
+        return None, late.is_set()
+    finally:
+        timer.cancel()
 
 
 def _close_process(proc: subprocess.Popen) -> None:
@@ -122,10 +153,12 @@ class RenderWorkers:
     """Tokenizes prompts of at least `min_chars` characters in `workers` processes (0: always in place).
     One per ingress replica, shared by its models' apps."""
 
-    def __init__(self, workers: int = DEFAULT_RENDER_WORKERS, min_chars: int = DEFAULT_OFF_LOOP_CHARS):
-        if workers < 0 or min_chars < 0:
-            raise ValueError(f"workers ({workers}) and min_chars ({min_chars}) must be >= 0")
-        self.workers, self.min_chars = workers, min_chars
+    def __init__(self, workers: int = DEFAULT_RENDER_WORKERS, min_chars: int = DEFAULT_OFF_LOOP_CHARS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        if workers < 0 or min_chars < 0 or timeout_s <= 0:
+            raise ValueError(f"workers ({workers}) and min_chars ({min_chars}) must be >= 0, timeout_s ({timeout_s}) "
+                             "positive")
+        self.workers, self.min_chars, self.timeout_s = workers, min_chars, timeout_s
         self._procs: set[subprocess.Popen] = set()
         self._local = threading.local()
         self._executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="render")
@@ -141,7 +174,7 @@ class RenderWorkers:
         worker = getattr(self._local, "worker", None)
         if worker is None:
             worker = self._local.worker = _Worker(self._procs)
-        return worker.call(fn, args)
+        return worker.call(fn, args, self.timeout_s)
 
     async def run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args): in place for fewer than min_chars characters of prompt text, else in a worker process
@@ -188,6 +221,7 @@ def main() -> None:
     from serve_app.harmony.render import Prompt, UserMessage, render_prompt
 
     render_prompt(Prompt(history=[UserMessage("warm up")]))
+    _write_frame(replies, READY)
     _serve(requests, replies)
 
 

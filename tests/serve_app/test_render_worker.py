@@ -130,6 +130,18 @@ def test_a_dead_worker_is_replaced(workers):
     assert workers.started == 1
 
 
+def test_a_call_past_the_timeout_stops_its_worker():
+    pool = RenderWorkers(workers=1, min_chars=0, timeout_s=1.0)
+    try:
+        assert asyncio.run(pool.run(0, len, "first call: starts the worker")) > 0
+        with pytest.raises(RenderWorkerDied, match="longer than 1 s"):
+            asyncio.run(pool.run(0, time.sleep, 30))
+        assert pool.started == 0
+        assert asyncio.run(pool.run(0, len, "a new one")) == 9
+    finally:
+        pool.close()
+
+
 def test_a_cancelled_caller_leaves_the_pool_usable(workers):
     prompt = Prompt(history=[UserMessage(prose(40_000, seed=7))])
 
