@@ -182,8 +182,8 @@ class IngressSettings(_Settings):
     render_workers: int = Field(
         1, ge=0, description="Processes per ingress replica that tokenize long prompts (render_off_loop_chars or "
                              "more characters of text), so that the replica's event loop, which streams every "
-                             "request's tokens, does not stop meanwhile (the Harmony tokenizer holds it ~1 ms per "
-                             "1,000 tokens: ~0.13 s for a 128k-token prompt). 0: tokenize on the event loop.")
+                             "request's tokens, does not stop meanwhile (the Harmony tokenizer holds it 0.6-1 ms "
+                             "per 1,000 tokens: ~0.1 s for a 128k-token prompt). 0: tokenize on the event loop.")
     render_off_loop_chars: int = Field(
         16_384, ge=0, description="Prompts with fewer characters of text are tokenized on the event loop (a few "
                                   "ms), where a worker's round trip would cost more than it saves.")
