@@ -22,6 +22,7 @@ import concurrent.futures
 import logging
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -214,6 +215,8 @@ def _serve(requests: IO[bytes], replies: IO[bytes]) -> None:
 
 
 def main() -> None:
+    # Ctrl-C on `serve run` reaches the whole process group: the worker leaves when its stdin closes instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr, not into the replies
     requests = os.fdopen(os.dup(sys.stdin.fileno()), "rb")

@@ -113,6 +113,8 @@ def test_errors_come_back_typed(workers):
 def test_a_dead_worker_is_replaced(workers):
     assert asyncio.run(workers.run(10**6, len, "abc")) == 3
     (proc,) = [p for p in workers._procs if p.poll() is None]
+    proc.send_signal(signal.SIGINT)  # Ctrl-C on `serve run` reaches the process group: the worker stays
+    assert asyncio.run(workers.run(10**6, len, "ab")) == 2 and proc.poll() is None
     proc.kill()  # between calls: the next call starts a new one
     proc.wait()
     assert asyncio.run(workers.run(10**6, len, "abcd")) == 4
