@@ -1,8 +1,8 @@
 """Tokenizing long prompts in worker processes, off the ingress' event loop.
 
 openai-harmony's tokenizer holds the GIL while it encodes: on this project's 2-core CPU a 90k-token prompt takes
-91 ms to render and a 358k-token one 368 ms, and a thread of the same process does not run meanwhile (`python -m
-bench.ingress_render`). Rendered on the ingress' event loop, every long prompt would stop the token streams of all
+55 ms to render and a 179k-token one 103 ms, and the event loop of the same process does not run meanwhile (`python -m
+bench.ingress_render`, bench/RESULTS.md). Rendered on the ingress' event loop, every long prompt would stop the token streams of all
 requests that replica serves for that long. `RenderWorkers.run` hands the tokenizing of a long request (a render
 function and its picklable arguments) to one of a few worker processes and waits for it in a thread, so the loop
 goes on; short prompts are tokenized in place, where the round trip (~1 ms) would cost more than it saves.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import os
 import pickle
 import signal
@@ -30,7 +29,6 @@ import threading
 import weakref
 from typing import IO, Any, Callable, TypeVar
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _HEADER = struct.Struct("<Q")
@@ -97,7 +95,7 @@ class _Worker:
         try:
             _write_frame(proc.stdin, pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL))
             reply, late = _reply_within(proc, timeout_s)
-        except (BrokenPipeError, OSError, ValueError):  # ValueError: the pool closed its pipes meanwhile
+        except (OSError, ValueError):  # a broken pipe; ValueError: the pool closed its pipes meanwhile
             reply, late = None, False
         if reply is None:
             code = proc.poll()

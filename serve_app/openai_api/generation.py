@@ -89,10 +89,10 @@ class IngressContext:
     backend: TokenBackend
     config: IngressConfig
     encoding: HarmonyEncoding
+    renderer: RenderWorkers  # tokenizes long prompts off the event loop
     store: ResponseStore | None = None  # stored /v1/responses; None: the endpoint is stateless
     background: BackgroundRuns | None = None  # background /v1/responses this replica runs (with a store)
     usage_sink: UsageSink | None = None  # told each engine request's usage when it ends (usage.py)
-    renderer: RenderWorkers = field(default_factory=RenderWorkers)  # tokenizes long prompts off the event loop
 
 
 @dataclass
