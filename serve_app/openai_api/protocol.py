@@ -17,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       field_validator, model_validator)
 
 Effort = Literal["low", "medium", "high"]
+Verbosity = Literal["low", "medium", "high"]
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOP_SEQUENCES = 4
@@ -217,6 +218,9 @@ class RequestBase(SamplingBase):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # Accepted, no effect: how long a prompt prefix stays cached is the server's (least recently used blocks leave
+    # first, ServeAppConfig's K/V memory and host tier), not a request's
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -319,6 +323,7 @@ class ChatCompletionRequest(RequestBase, TextOutputFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: Effort | None = None
+    verbosity: Verbosity | None = None  # accepted, no effect: gpt-oss has no such control (Responses' text.verbosity)
     tools: list[ChatTool] | None = None
     modalities: list[str] | None = None
 
@@ -412,7 +417,7 @@ class ReasoningOptions(Lenient):
 
 class TextOptions(Lenient):
     format: dict[str, Any] | None = None
-    verbosity: str | None = None
+    verbosity: Verbosity | None = None  # accepted and echoed, no effect on the output
 
     @field_validator("format")
     @classmethod
@@ -442,6 +447,9 @@ class ResponsesRequest(RequestBase):
     conversation: Union[str, ConversationRef, None] = None  # its id after validation (conversations.py)
     background: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # with include "message.output_text.logprobs"
+    # A cap on calls to OpenAI's built-in tools (web search, code interpreter, ...): this server runs none, only
+    # the client's function tools, which it does not cap; accepted and echoed
+    max_tool_calls: int | None = Field(None, ge=0)
 
     @field_validator("conversation")
     @classmethod

@@ -271,8 +271,13 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
             "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
-            "text": {"format": text_format or {"type": "text"}}, "truncation": req.truncation or "disabled",
-            "store": store,
+            "text": {"format": text_format or {"type": "text"},
+                     "verbosity": (req.text.verbosity if req.text else None) or "medium"},
+            "truncation": req.truncation or "disabled", "store": store, "top_logprobs": req.top_logprobs,
+            "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier,
+            "service_tier": "default",  # the tier it ran in: this server has one, whatever the request asked
+            "completed_at": time.time() if status == "completed" else None,
             "previous_response_id": req.previous_response_id, "background": bool(req.background),
             "conversation": {"id": req.conversation} if req.conversation is not None else None,
         }

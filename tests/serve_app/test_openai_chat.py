@@ -228,6 +228,20 @@ def test_sampling_parameters_reach_the_backend(client, backend):
     assert (sent.sampling.temperature, sent.sampling.top_p, sent.sampling.logprobs) == (1.0, 1.0, None)
 
 
+def test_newer_request_fields_are_accepted(client, backend):
+    """`verbosity` and `prompt_cache_retention`, which the openai client sends for OpenAI's own models: accepted,
+    the prompt and the answer the same as without them (gpt-oss has no verbosity control; the prefix cache's
+    retention is the server's)."""
+    backend.push(ANSWER)
+    plain = client.chat.completions.create(model=MODEL, messages=HI)
+    plain_prompt = backend.requests[-1].prompt_ids
+    backend.push(ANSWER)
+    r = client.chat.completions.create(model=MODEL, messages=HI, verbosity="high", prompt_cache_retention="in_memory",
+                                       prompt_cache_key="k", safety_identifier="s", service_tier="auto")
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert backend.requests[-1].prompt_ids == plain_prompt
+
+
 def test_reasoning_effort_is_rendered(client, backend):
     for effort in ("low", "high"):
         backend.push(ANSWER)

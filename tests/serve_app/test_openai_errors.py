@@ -133,6 +133,8 @@ CHAT_400 = [
     ("duplicate tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
     ("unmatched tool result", {**CHAT, "messages": HI + [{"role": "tool", "tool_call_id": "x", "content": "1"}]},
      "messages.1.tool_call_id"),
+    ("verbosity", {**CHAT, "verbosity": "loud"}, "verbosity"),
+    ("prompt_cache_retention", {**CHAT, "prompt_cache_retention": "1h"}, "prompt_cache_retention"),
 ]
 
 
@@ -171,6 +173,10 @@ RESPONSES_400 = [
      "tool_choice"),
     ("allowed_tools empty", {**RESP, "tools": [{"type": "function", "name": "f"}], "tool_choice": {
         "type": "allowed_tools", "mode": "required", "tools": []}}, "tool_choice"),
+    ("max_tool_calls negative", {**RESP, "max_tool_calls": -1}, "max_tool_calls"),
+    ("max_tool_calls as a string", {**RESP, "max_tool_calls": "3"}, "max_tool_calls"),
+    ("text.verbosity", {**RESP, "text": {"verbosity": "terse"}}, "text.verbosity"),
+    ("prompt_cache_retention", {**RESP, "prompt_cache_retention": 24}, "prompt_cache_retention"),
 ]
 
 

@@ -215,6 +215,28 @@ def test_body_validates_against_openai_types(server, backend):
     assert parsed.output[0].encrypted_content and parsed.output[2].content[0].logprobs[0].top_logprobs
 
 
+def test_newer_request_fields_are_accepted_and_echoed(client, backend):
+    """Fields the openai client sends for OpenAI's own models: accepted (no effect on the output here) and echoed
+    in the response object, as OpenAI does; the tier echoed is the one it ran in."""
+    kwargs = dict(model=MODEL, input="Weather?", max_tool_calls=3, prompt_cache_key="user-42",
+                  prompt_cache_retention="24h", safety_identifier="hash-9", service_tier="flex",
+                  text={"verbosity": "low"}, top_logprobs=2)
+    backend.push(ANSWER)
+    r = client.responses.create(**kwargs)
+    assert r.status == "completed" and r.output_text == "Sunny in Rome."
+    assert (r.max_tool_calls, r.prompt_cache_key, r.prompt_cache_retention, r.safety_identifier, r.service_tier,
+            r.text.verbosity, r.top_logprobs) == (3, "user-42", "24h", "hash-9", "default", "low", 2)
+    assert r.created_at <= r.completed_at <= r.created_at + 60
+    backend.push(ANSWER)
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert events[0].response.completed_at is None and events[0].response.max_tool_calls == 3
+    assert events[-1].type == "response.completed" and events[-1].response.completed_at is not None
+    backend.push(ANSWER)
+    cut = client.responses.create(model=MODEL, input="Weather?", max_output_tokens=6)
+    assert cut.status == "incomplete" and cut.completed_at is None
+    assert (cut.text.verbosity, cut.service_tier, cut.max_tool_calls) == ("medium", "default", None)
+
+
 def test_raw_stream_frames_name_their_events(server, backend):
     backend.push(ANSWER)
     with httpx.stream("POST", f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "stream": True},
