@@ -65,7 +65,8 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
              config.ep_size, folder or config.model, engine.max_model_len, engine.block_manager.usage())
     if engine.vocab_size == HARMONY_VOCAB_SIZE:
         warm_up_in_background()  # structured output's tokenizer, off the engine loop
-    return AsyncEngine(engine, coalesce=config.stream_coalescing, health=config.health_policy())
+    return AsyncEngine(engine, coalesce=config.stream_coalescing, health=config.health_policy(),
+                       stream_items_per_s=config.stream_items_per_s)
 
 
 def _start_over_rank_actors(folder: str | None, engine_config, resources: ReplicaResources, random_shapes=None,

@@ -249,3 +249,37 @@ def _engine_with(make_engine, r):
     engine = make_engine()
     engine.add_request(r)
     return engine
+
+
+def test_stream_items_per_s_spaces_each_streams_deltas_by_the_open_streams_share(make_engine):
+    """With a budget of B deltas per second and N streams open, a stream's deltas after its first leave at least
+    N / B seconds apart and carry every token made meanwhile (the same tokens); a last delta does not wait."""
+    reqs = [request(f"b{i}", _prompt(5, 20 + i), greedy(100)) for i in range(2)]
+    expected = _sync_outputs(make_engine, reqs)
+    budget = 40.0  # deltas per second for all streams: 50 ms between one stream's deltas while both are open
+    engine = AsyncEngine(make_engine(), stream_items_per_s=budget)
+
+    async def collect(r):
+        start, out = time.monotonic(), []
+        async for delta in engine.generate(r):
+            out.append((time.monotonic() - start, delta))
+        return out
+
+    async def main():
+        return await asyncio.gather(*(collect(r) for r in reqs))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for r, timed in zip(reqs, results):
+        deltas = [d for _, d in timed]
+        assert [t for d in deltas for t in d.token_ids] == expected[r.request_id]
+        assert deltas[-1].finish_reason == FINISH_LENGTH and all(d.finish_reason is None for d in deltas[:-1])
+        gaps = [b - a for (a, _), (b, _) in zip(timed, timed[1:])]
+        assert len(gaps) >= 2, timed  # 100 engine steps take longer than one interval
+        # the first interval passes while both streams generate: 2 / budget; later ones at least 1 / budget
+        assert gaps[0] >= 2 / budget - 0.005 and all(gap >= 1 / budget - 0.005 for gap in gaps[1:-1]), gaps
+        assert len(deltas) < len(expected[r.request_id]) / 2  # deltas carried several tokens
+    with pytest.raises(ValueError, match="stream_items_per_s"):
+        AsyncEngine(make_engine(), stream_items_per_s=-1)
