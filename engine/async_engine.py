@@ -87,19 +87,19 @@ class AsyncEngine:
         are merged into one (same tokens, fewer messages); False hands out one delta per engine step.
         health: when the engine counts as unable to serve (engine/health.py; default HealthPolicy()).
         stream_items_per_s (with coalesce; 0 = no limit): the deltas per second all of this engine's streams may
-        send together. With N streams open, a stream's delta after its first leaves at least N / stream_items_per_s
-        seconds after its previous one and carries the tokens made meanwhile: under that many streams per engine
-        step, nothing waits; above, deltas carry several tokens each. A first delta and an error leave at once;
-        a last one waits out its interval. Why: each delta is one message between processes (a Ray Serve
-        streaming item), whose fixed CPU cost in a Serve replica caps the deltas per second it can send
-        (bench/serve_stream_capacity.py)."""
+        send together. With N streams sending (first delta out, last not yet), a stream's next delta leaves at least
+        N / stream_items_per_s seconds after its previous one and carries every token made meanwhile: while that
+        interval is shorter than an engine step nothing changes; past it, deltas carry several tokens. A first
+        delta, a lone finishing delta and an error leave at once; the last tokens may wait up to one interval.
+        Why: each delta is one message between processes (a Ray Serve streaming item) of fixed CPU cost in the
+        replica's process, which caps the deltas per second a replica sends (bench/serve_stream_capacity.py)."""
         if stream_items_per_s < 0:
             raise ValueError(f"stream_items_per_s must be >= 0, got {stream_items_per_s}")
         self.engine = engine
         self.health = EngineHealth(health)
         self.coalesce = coalesce
         self.stream_items_per_s = stream_items_per_s if coalesce else 0.0
-        self._draining = 0  # streams open (event-loop side): what stream_items_per_s is shared by
+        self._sending = 0  # streams that have sent a delta and not ended (event loop side): share the budget
         self.max_context = engine.max_model_len
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -203,8 +203,7 @@ class AsyncEngine:
     async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[TokenDelta]:
         finished = False
         held = None  # an exception met while merging: raised after the merged delta is out
-        sent_at = None  # when this stream's last delta left (stream_items_per_s)
-        self._draining += 1
+        sent_at = None  # when this stream's last delta left (stream_items_per_s); set, it counts in _sending
         try:
             while True:
                 item = held if held is not None else await stream.queue.get()
@@ -213,7 +212,7 @@ class AsyncEngine:
                     finished = True
                     raise item
                 if sent_at is not None and item.finish_reason is None:
-                    wait = sent_at + self._draining / self.stream_items_per_s - stream.loop.time()
+                    wait = sent_at + self._sending / self.stream_items_per_s - stream.loop.time()
                     if wait > 0:  # let this request's next tokens join this delta
                         await asyncio.sleep(wait)
                 # Deltas that queued up while the consumer was busy leave as one (under load a Serve replica
@@ -229,9 +228,12 @@ class AsyncEngine:
                 if finished:
                     return
                 if self.stream_items_per_s:
+                    if sent_at is None:
+                        self._sending += 1
                     sent_at = stream.loop.time()
         finally:
-            self._draining -= 1
+            if sent_at is not None:
+                self._sending -= 1
             if not finished and not self._stopping:  # consumer left early or was cancelled
                 self._submit(lambda: self._abort(request_id))
 
