@@ -169,13 +169,13 @@ class ServeAppConfig(_Settings):
                           "token under load, the same tokens (bench.serve_load; bench/RESULTS.md, The Serve app on GPUs).")
     stream_items_per_s: float = Field(
         2000.0, ge=0, description="Deltas per second a decode replica's streams may send together (0: no limit). "
-                                  "With N streams open, a stream's tokens leave at most every N / this many seconds "
+                                  "With N streams sending, a stream's tokens leave at most every N / this many seconds "
                                   "(the first at once), several per Ray streaming item under load: each item costs "
                                   "the replica's process a fixed ~0.1-0.4 ms of CPU, and past ~2,000 items/s (this "
                                   "project's CPU machine) they queued in Ray, the tokens reaching the ingress seconds "
-                                  "late. Tokens/s through Serve at 512 streams of a paced engine making 19-22k: "
-                                  "2.1k -> 13.1k (default data plane), 9.9k -> 19.3k (RAY_SERVE_THROUGHPUT_OPTIMIZED); "
-                                  "at 64-256 streams 0.97-1.4x (bench.serve_stream_capacity).")
+                                  "late. Tokens/s through Serve at 512 streams of a paced engine making 19.6-19.8k: "
+                                  "2.4k -> 15.1k (default data plane), 9.5k -> 19.3k (RAY_SERVE_THROUGHPUT_OPTIMIZED); "
+                                  "at 64-256 streams 1.4-3.9x and 0.98-1.4x (bench.serve_stream_capacity).")
     warm_up: bool = Field(
         True, description="Before a replica takes traffic, run four short requests through its engine (a prompt, a "
                           "prefix-cache hit in a mixed step, the sampler's paths, drafts; engine/warm_up.py), so the "
