@@ -178,8 +178,8 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 def on_loop(coroutine):
-    """Run a coroutine on one long-lived event-loop thread: handles are awaited there, as RAY_SERVE_THROUGHPUT_OPTIMIZED=1
-    requires, and their routers' loop outlives them (until serve.shutdown)."""
+    """Run a coroutine on one long-lived event-loop thread: handles are awaited there, as
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 requires, and their routers' loop outlives them (until serve.shutdown)."""
     global _LOOP
     if _LOOP is None:
         import threading

@@ -182,13 +182,15 @@ class IngressSettings(_Settings):
                                 "tokens (and a quarter of the request's output limit), then the call (held by a grammar: one of the forced functions, its "
                                 "arguments JSON, a strict tool's to its schema). 0: the call at once.")
     render_workers: int = Field(
-        DEFAULT_RENDER_WORKERS, ge=0, description="Processes per ingress replica that tokenize long prompts (render_off_loop_chars or "
-                             "more characters of text), so that the replica's event loop, which streams every "
-                             "request's tokens, does not stop meanwhile (the Harmony tokenizer holds it 0.6-1 ms "
-                             "per 1,000 tokens: ~0.1 s for a 128k-token prompt). 0: tokenize on the event loop.")
+        DEFAULT_RENDER_WORKERS, ge=0,
+        description="Processes per ingress replica that tokenize long prompts (render_off_loop_chars or more "
+                    "characters of text), so that the replica's event loop, which streams every request's tokens, "
+                    "does not stop meanwhile (the Harmony tokenizer holds it 0.6-1 ms per 1,000 tokens: ~0.1 s for a "
+                    "128k-token prompt). 0: tokenize on the event loop.")
     render_off_loop_chars: int = Field(
-        DEFAULT_OFF_LOOP_CHARS, ge=0, description="Prompts with fewer characters of text are tokenized on the event loop (a few "
-                                  "ms), where a worker's round trip would cost more than it saves.")
+        DEFAULT_OFF_LOOP_CHARS, ge=0,
+        description="Prompts with fewer characters of text are tokenized on the event loop (a few ms), where a "
+                    "worker's round trip would cost more than it saves.")
     cors_allow_origins: list[str] = Field(
         default_factory=list, description="Origins whose browser pages may call the API (CORS), e.g. "
                                           "https://app.example.com; \"*\" for any. A list or comma-separated text. "

@@ -1,9 +1,9 @@
 """Tokenizing long prompts in worker processes, off the ingress' event loop.
 
 openai-harmony's tokenizer holds the GIL while it encodes: on this project's 2-core CPU a 90k-token prompt takes
-55 ms to render and a 179k-token one 103 ms, and the event loop of the same process does not run meanwhile (`python -m
-bench.ingress_render`, bench/RESULTS.md). Rendered on the ingress' event loop, every long prompt would stop the token streams of all
-requests that replica serves for that long. `RenderWorkers.run` hands the tokenizing of a long request (a render
+55 ms to render and a 179k-token one 103 ms, and the event loop of the same process does not run meanwhile
+(`python -m bench.ingress_render`, bench/RESULTS.md). Rendered on the ingress' event loop, every long prompt would
+stop the token streams of all requests that replica serves for that long. `RenderWorkers.run` hands the tokenizing of a long request (a render
 function and its picklable arguments) to one of a few worker processes and waits for it in a thread, so the loop
 goes on; short prompts are tokenized in place, where the round trip (~1 ms) would cost more than it saves.
 
