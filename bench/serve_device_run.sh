@@ -12,7 +12,8 @@
 # SETUPS (default "split both"): split = prefill replica on GPU 0 + decode replica on GPU 1, K/V over CUDA
 # IPC; split-nocoalesce = the same with stream_coalescing=false; split-ingress4 = with 4 ingress replicas;
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress
-# replicas; split-tp2 (4 GPUs, not run yet) = TP2/EP2 prefill and decode replicas. A setup name ending in
+# replicas; one = one such replica (one GPU), one-nobudget = the same with stream_items_per_s=0 (MAX_SEQS=512 and a
+# LOAD of 256-512 streams measure the per-item budget with the real engine); split-tp2 (4 GPUs, not run yet) = TP2/EP2 prefill and decode replicas. A setup name ending in
 # -haproxy runs the same with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas
 # in place of Serve's Python proxy actor), -haproxy-to also with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (README,
 # "HTTP front end"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
@@ -32,7 +33,7 @@ python3 -c "import ray, fastapi, openai, openai_harmony; print('ray', ray.__vers
 
 MODEL=${MODEL:-random:gpt-oss-20b}
 LOAD=${LOAD:---concurrency 1,8,32 --requests 32 --prompt-tokens 2048 --max-tokens 256}
-COMMON="model=$MODEL served_model_name=${MODEL#random:} device=cuda max_context=16384 max_num_seqs=64
+COMMON="model=$MODEL served_model_name=${MODEL#random:} device=cuda max_context=16384 max_num_seqs=${MAX_SEQS:-64}
  max_num_batched_tokens=8192 cuda_ipc_buffer_gib=4 ingress.conversation_start_date=2026-11-30"
 START=$(date +%s)
 for setup in ${1:-split both}; do
@@ -45,6 +46,8 @@ for setup in ${1:-split both}; do
         split-ingress4) args="$COMMON disaggregated=true prefill.num_replicas=1 decode.num_replicas=1
  kv_transport=cuda_ipc ingress.num_replicas=4" ;;
         both) args="$COMMON disaggregated=false decode.num_replicas=2" ;;
+        one) args="$COMMON disaggregated=false decode.num_replicas=1" ;;  # one GPU: a replica that runs its prompts
+        one-nobudget) args="$COMMON disaggregated=false decode.num_replicas=1 stream_items_per_s=0" ;;
         both-ingress4) args="$COMMON disaggregated=false decode.num_replicas=2 ingress.num_replicas=4" ;;
         split-tp2) args="$COMMON tp_size=2 ep_size=2 disaggregated=true prefill.num_replicas=1 decode.num_replicas=1
  kv_transport=cuda_ipc ingress.num_replicas=4" ;;  # 4 GPUs: a TP2/EP2 prefill replica + a TP2/EP2 decode one
