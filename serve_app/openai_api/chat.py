@@ -193,7 +193,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
                           caller=Caller("chat.completions", requester(http)), cache_salt=req.cache_salt)
 
     group = GenerationGroup([nth(i) for i in range(n)])
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}
+    # service_tier: the tier it ran in (this server has one, whatever the request asked), as OpenAI reports it
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name, "service_tier": "default"}
     top = req.top_logprobs or 0
 
     async def choice(index: int, gen: Generation) -> dict:

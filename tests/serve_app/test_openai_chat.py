@@ -240,6 +240,10 @@ def test_newer_request_fields_are_accepted(client, backend):
                                        prompt_cache_key="k", safety_identifier="s", service_tier="auto")
     assert r.choices[0].message.content == plain.choices[0].message.content
     assert backend.requests[-1].prompt_ids == plain_prompt
+    assert (plain.service_tier, r.service_tier) == ("default", "default")  # the one tier it ran in, as asked or not
+    backend.push(ANSWER)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, service_tier="flex", stream=True))
+    assert len(chunks) > 2 and {c.service_tier for c in chunks} == {"default"}
 
 
 def test_reasoning_effort_is_rendered(client, backend):
