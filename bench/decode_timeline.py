@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"), help="EngineConfig.decode_front")
     p.add_argument("--lm-head-dtype", default="auto", help="EngineConfig.lm_head_dtype")
     p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, help="EngineConfig.mxfp4_decode_max_tokens")
+    p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (fp8_e4m3 holds more sequences)")
+    p.add_argument("--moe-segments-max-rows", type=int, default=None,
+                   help="EngineConfig.moe_segments_max_rows (default: the kernel's; 0: DeepGEMM's contiguous GEMM)")
     p.add_argument("--out", default="bench/results/decode_timeline.json")
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     h = Harness(args.model, GptOssConfig.preset(args.model), device, max(args.batch, 1), args.ctx + 64, args.headroom_gb,
                 lm_head_dtype=args.lm_head_dtype, mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens,
-                dense_dtype=args.dense_dtype, decode_front=args.decode_front)
+                dense_dtype=args.dense_dtype, decode_front=args.decode_front, kv_cache_dtype=args.kv_cache_dtype,
+                moe_segments_max_rows=args.moe_segments_max_rows)
     attn = h.decode_batch(args.batch, args.ctx)
     ids = torch.zeros(args.batch, dtype=torch.long, device=device)
     pos = torch.full((args.batch,), args.ctx, dtype=torch.long, device=device)
