@@ -100,6 +100,7 @@ class AsyncEngine:
         self.coalesce = coalesce
         self.stream_items_per_s = stream_items_per_s if coalesce else 0.0
         self._sending = 0  # streams that have sent a delta and not ended (event loop side): share the budget
+        self.stream_items_sent = 0  # deltas all streams have yielded (one Ray Serve item each behind a replica)
         self.max_context = engine.max_model_len
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -184,7 +185,9 @@ class AsyncEngine:
         await asyncio.wait({done}, timeout=ABORT_WAIT_S)  # bounded: a stopped engine thread never answers
 
     def metrics(self) -> dict:
-        return self.engine.metrics.snapshot()
+        """The engine's counters (engine/metrics.py) and `stream_items_total`: the deltas streamed so far (decode
+        tokens over it is how many tokens a delta carries: coalescing and stream_items_per_s at work)."""
+        return {**self.engine.metrics.snapshot(), "stream_items_total": self.stream_items_sent}
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests still in flight fail with EngineStoppedError."""
@@ -224,6 +227,7 @@ class AsyncEngine:
                         break
                     item = merge_deltas(item, more)
                 finished = item.finish_reason is not None
+                self.stream_items_sent += 1
                 yield item
                 if finished:
                     return

@@ -73,6 +73,11 @@ def lookahead_share() -> str:
     return f"{ahead} / {rate('ray_gptoss_steps_total', ENGINE, 'deployment')}"
 
 
+def tokens_per_stream_item() -> str:
+    decoded = rate("ray_gptoss_tokens_total", with_label(ENGINE, "phase", "decode"), "deployment")
+    return f"{decoded} / {rate('ray_gptoss_stream_items_total', ENGINE, 'deployment')}"
+
+
 PANELS: tuple[Panel, ...] = (
     Panel("API requests / s, by outcome", "reqps",
           (("{{outcome}}", rate("ray_gptoss_api_requests_total", by="outcome")),),
@@ -112,6 +117,9 @@ PANELS: tuple[Panel, ...] = (
           "Accepted of verified draft tokens (predicted outputs, prompt lookup)"),
     Panel("Steps launched ahead", "percentunit", (("{{deployment}}", lookahead_share()),),
           "Engine steps launched before the previous step's tokens were read"),
+    Panel("Tokens per streamed item", "short", (("{{deployment}}", tokens_per_stream_item()),),
+          "Generated tokens per delta a replica streams (one Ray Serve item each): above 1 when deltas merged "
+          "(stream_coalescing) or waited out the replica's stream_items_per_s budget under many streams"),
     Panel("Forwards / s, by path", "short",
           (("{{deployment}} {{path}}", rate("ray_gptoss_forwards_total", by="deployment, path")),),
           "decode_graph / prefill_graph: CUDA graph replays; eager on a GPU replica: steps no graph bucket holds"),

@@ -81,9 +81,13 @@ class ServerMetrics:
             "gptoss_draft_tokens", "Draft tokens the engine ran as extra decode rows, by kind: verified (speculative "
             "drafts from a prediction or prompt lookup), accepted (of those), forced (structured output's forced "
             "tokens: jump-forward, all accepted)", tag_keys=keys + ("kind",))
+        self.stream_items = metrics.Counter(
+            "gptoss_stream_items", "Token deltas the replica streamed to its callers, one Ray Serve streaming item "
+            "each; decode tokens per item is what coalescing and stream_items_per_s made of the engine's steps",
+            tag_keys=keys)
         for m in (self.queue_depth, self.running, self.kv_usage, self.tokens, self.ttft, self.tpot,
                   self.transfer_seconds, self.transfer_bytes, self.steps, self.forwards, self.fallbacks,
-                  self.prefix_tokens, self.host_pages, self.drafts):
+                  self.prefix_tokens, self.host_pages, self.drafts, self.stream_items):
             m.set_default_tags(self.tags)
         self._last_tokens = {"prefill": 0, "decode": 0}
         self._last_steps = {"lookahead": 0, "sync": 0}
@@ -91,6 +95,7 @@ class ServerMetrics:
         self._last_host_pages = {"stored": 0, "loaded": 0}
         self._last_paths = {"decode_graph": 0, "prefill_graph": 0, "eager": 0}
         self._last_drafts = {"verified": 0, "accepted": 0, "forced": 0}
+        self._last_items = 0
 
     def observe_engine(self, snapshot: dict) -> None:
         self.queue_depth.set(snapshot.get("num_waiting", 0))
@@ -115,6 +120,10 @@ class ServerMetrics:
         for kind, key in (("verified", "draft_tokens_total"), ("accepted", "draft_accepted_total"),
                           ("forced", "jump_forward_tokens_total")):
             self._advance(self.drafts, self._last_drafts, "kind", kind, snapshot.get(key, 0))
+        items = snapshot.get("stream_items_total", 0)
+        if items > self._last_items:
+            self.stream_items.inc(items - self._last_items)
+        self._last_items = items
 
     @staticmethod
     def _advance(counter, last: dict, tag: str, value: str, now: int) -> None:

@@ -270,8 +270,10 @@ def test_stream_items_per_s_spaces_each_streams_deltas_by_the_open_streams_share
 
     try:
         results = asyncio.run(main())
+        items = engine.metrics()["stream_items_total"]
     finally:
         engine.shutdown()
+    assert items == sum(len(timed) for timed in results)  # the metric counts the deltas the streams yielded
     for r, timed in zip(reqs, results):
         deltas = [d for _, d in timed]
         assert [t for d in deltas for t in d.token_ids] == expected[r.request_id]

@@ -411,7 +411,7 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
         "queue_depth", "running_requests", "kv_usage_ratio", "prefix_cache_tokens_total", "kv_transfer_seconds_bucket",
         "kv_transfer_bytes_sum", "draft_tokens_total", "steps_total", "forwards_total", "prefix_routing_total",
         "response_store_responses", "response_store_conversations", "response_store_bytes",
-        "response_store_background_running")}
+        "response_store_background_running", "stream_items_total")}
     assert exercised <= grafana.series_names() and exercised <= present, exercised - present
     for expr in grafana.expressions() + [a.expr for a in alerts.ALERTS]:
         for series, used in grafana.query_labels(expr).items():
