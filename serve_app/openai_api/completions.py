@@ -42,10 +42,10 @@ from serve_app.openai_api.generation import (
     GenerationGroup,
     IngressContext,
     SamplingRequest,
-    StopMatcher,
     respond,
     sampling_params,
 )
+from serve_app.openai_api.stop_strings import StopMatcher
 from serve_app.openai_api.output_options import output_constraint_off_loop
 from serve_app.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from serve_app.openai_api.streaming import interleave, sse

@@ -1,4 +1,4 @@
-"""StopMatcher (serve_app/openai_api/generation.py) against the plain algorithm it replaced, on random streams."""
+"""StopMatcher (serve_app/openai_api/stop_strings.py) against the plain algorithm it replaced, on random streams."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from serve_app.openai_api.generation import StopMatcher
+from serve_app.openai_api.stop_strings import StopMatcher
 
 
 class PlainStopMatcher:
