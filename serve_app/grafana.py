@@ -118,8 +118,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("Steps launched ahead", "percentunit", (("{{deployment}}", lookahead_share()),),
           "Engine steps launched before the previous step's tokens were read"),
     Panel("Tokens per streamed item", "short", (("{{deployment}}", tokens_per_stream_item()),),
-          "Generated tokens per delta a replica streams (one Ray Serve item each): above 1 when deltas merged "
-          "(stream_coalescing) or waited out the replica's stream_items_per_s budget under many streams"),
+          "Decode tokens per delta a replica streams (one Ray Serve item each): about 1 when each step's tokens "
+          "leave alone (a little under: a prompt's first token and a request's last, token-less delta count as "
+          "items), above 1 when deltas merged (stream_coalescing) or waited out stream_items_per_s"),
     Panel("Forwards / s, by path", "short",
           (("{{deployment}} {{path}}", rate("ray_gptoss_forwards_total", by="deployment, path")),),
           "decode_graph / prefill_graph: CUDA graph replays; eager on a GPU replica: steps no graph bucket holds"),
