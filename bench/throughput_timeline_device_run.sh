@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 device call (repo root; carry .whl .jit .dg_src): where 120b's decode step goes in the throughput regime,
 # and the segments GEMM's A/B there. bench.decode_timeline (a replayed graph step under the profiler, every kernel on
-# the device timeline) at BATCHES (default "128:2048 512:1024": batch:context, fp8 K/V) with the MoE's segments GEMM
+# the device timeline) at BATCHES (default "512:1024 128:2048": batch:context, fp8 K/V) with the MoE's segments GEMM
 # on (16 rows, the default) and off (0: DeepGEMM's contiguous GEMM), alternated per batch. Run it with needs_h200
 # (120b's 117 GB of FP8 experts).
 #   DG_USE=1 LIMIT_S=560 bash bench/throughput_timeline_device_run.sh
@@ -12,7 +12,7 @@ MEM_MIB=$(gpu_mem_mib)
 if [ "${MEM_MIB:-0}" -lt 120000 ]; then
     echo "120b's FP8 experts need the H200's memory: this GPU has $MEM_MIB MiB"; exit 1
 fi
-for point in ${BATCHES:-128:2048 512:1024}; do
+for point in ${BATCHES:-512:1024 128:2048}; do
     b=${point%%:*} ctx=${point##*:}
     for rows in ${ROWS:-16 0}; do
         name="tl120_b${b}_rows$rows"
