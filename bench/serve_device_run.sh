@@ -13,8 +13,8 @@
 # IPC; split-nocoalesce = the same with stream_coalescing=false; split-ingress4 = with 4 ingress replicas;
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress
 # replicas; one = one such replica (one GPU), one-nobudget = the same with stream_items_per_s=0 (MAX_SEQS=512 and a
-# LOAD of 256-512 streams measure the per-item budget with the real engine); split-tp2 (4 GPUs, not run yet) = TP2/EP2 prefill and decode replicas. A setup name ending in
-# -haproxy runs the same with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas
+# LOAD of 256-512 streams measure the per-item budget with the real engine); split-tp2 (4 GPUs, not run yet) =
+# TP2/EP2 prefill and decode replicas. A setup name ending in -haproxy runs the same with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas
 # in place of Serve's Python proxy actor), -haproxy-to also with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (README,
 # "HTTP front end"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
 set -u
