@@ -14,9 +14,9 @@
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress
 # replicas; one = one such replica (one GPU), one-nobudget = the same with stream_items_per_s=0 (MAX_SEQS=512 and a
 # LOAD of 256-512 streams measure the per-item budget with the real engine); split-tp2 (4 GPUs, not run yet) =
-# TP2/EP2 prefill and decode replicas. A setup name ending in -haproxy runs the same with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas
-# in place of Serve's Python proxy actor), -haproxy-to also with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (README,
-# "HTTP front end"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
+# TP2/EP2 prefill and decode replicas. A setup name ending in -haproxy runs the same with
+# RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas in place of Serve's Python
+# proxy actor), -haproxy-to also with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (README, "HTTP front end"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/jit/triton \
     DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
