@@ -38,6 +38,7 @@ import torch
 
 from bench import e2e_costs as costs
 from bench.e2e_engine_runs import engine_runs
+from bench.e2e_timing import Clock, sync, timed, timed_after_rest, top_kernels
 from engine.cuda_graphs import DecodeGraphs, default_buckets
 from engine.memory_budget import activation_bytes
 from engine.model_factory import build_model, segments_max_rows_of
@@ -59,66 +60,6 @@ def tiny_config() -> GptOssConfig:
                         max_position_embeddings=40960)
 
 
-class Clock:
-    def __init__(self, budget_s: float):
-        self.start, self.budget = time.perf_counter(), budget_s
-
-    def left(self) -> float:
-        return self.budget - (time.perf_counter() - self.start)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, reps: int = 3) -> float:
-    """Median seconds of fn() over `reps` (CUDA events on GPU)."""
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return sorted(out)[len(out) // 2]
-
-
-def timed_after_rest(fn, device, reps: int = 3, rest_s: float = 0.3) -> float:
-    """Median seconds of fn(), each call after `rest_s` of GPU idle: what one request reaching an idle server
-    sees. A prefill forward runs at the H200's 700 W cap (bench/power_probe.py: SM clocks ~1,550-1,600 MHz of
-    1,980 back to back), so forwards timed back to back (`timed`) are slower than one after a rest."""
-    out = []
-    for _ in range(reps):
-        _sync(device)
-        time.sleep(rest_s)
-        out.append(timed(fn, device, reps=1))
-    return sorted(out)[len(out) // 2]
-
-
-def top_kernels(fn, device, n: int = 6) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
-        fn()
-        _sync(device)
-    # on the GPU kernels and copies only: a CPU op (aten::mm) also reports the device time of what it launched
-    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0
-              and (device.type != "cuda" or e.device_type == torch.autograd.DeviceType.CUDA)]
-    events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    total = sum(getattr(e, attr) for e in events) or 1.0
-    return [{"name": e.key[:90], "us": round(getattr(e, attr), 1), "share": round(getattr(e, attr) / total, 3),
-             "calls": e.count} for e in events[:n]]
-
-
 class Harness:
     """One model on the device with a KV pool and decode graphs."""
 
@@ -136,7 +77,7 @@ class Harness:
                                  lm_head_dtype=lm_head_dtype, mxfp4_decode_max_tokens=mxfp4_decode_max_tokens,
                                  dense_dtype=dense_dtype, decode_front=decode_front,
                                  moe_segments_max_rows=moe_segments_max_rows)
-        _sync(device)
+        sync(device)
         self.build_s = time.perf_counter() - t0
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.model.dtype)
         self.shape = costs.ModelShape.of(self.model, name, torch.empty(0, dtype=self.kv_dtype).element_size())
@@ -253,7 +194,7 @@ class Harness:
     def prefill(self, tokens: int, profile: bool, chunk: int) -> dict:
         run, chunks = self.prefill_runner(tokens, chunk)
         run()
-        _sync(self.device)
+        sync(self.device)
         s = timed(run, self.device)
         rested = timed_after_rest(run, self.device)
         floor = costs.prefill_floor_s(self.shape, tokens)
@@ -287,7 +228,7 @@ class Harness:
 
         for _ in range(3):
             step()
-        _sync(self.device)
+        sync(self.device)
         s = timed(loop, self.device) / steps
         parts = self.shape.decode_bytes(batch, ctx)
         floor = sum(parts.values()) / costs.COPY_BYTES_PER_S

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager, cdiv
+from engine.block_manager import BlockManager
+from engine.page_pool import cdiv
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams

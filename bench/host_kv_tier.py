@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.e2e import tiny_config
-from engine.block_manager import cdiv
+from engine.page_pool import cdiv
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerateRequest, SamplingParams

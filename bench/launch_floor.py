@@ -88,7 +88,7 @@ def time_chain(grid: int, blocks: int, pdl: bool, kernels: int, replays: int = 5
             chain_step(bufs[i % 2], bufs[(i + 1) % 2], weights[i % slabs], pdl)
     graph.replay()
     torch.cuda.synchronize()
-    from bench.e2e import timed  # (imported here: the interpreter cases need only the kernel and its twin)
+    from bench.e2e_timing import timed  # (imported here: the interpreter cases need only the kernel and its twin)
 
     us = timed(graph.replay, torch.device("cuda"), replays) * 1e6 / kernels
     del graph, weights

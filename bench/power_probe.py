@@ -122,7 +122,7 @@ def back_to_back(fn, sampler: ClockSampler, seconds: float) -> dict:
 
 
 def isolated(fn, reps: int, rest_ms: float) -> dict:
-    from bench.e2e import timed_after_rest
+    from bench.e2e_timing import timed_after_rest
 
     device = torch.device("cuda")
     ms = [timed_after_rest(fn, device, reps=1, rest_s=rest_ms / 1e3) * 1e3 for _ in range(reps)]

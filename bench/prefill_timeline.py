@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity
 
-    from bench.e2e import Harness, timed
+    from bench.e2e import Harness
+    from bench.e2e_timing import timed
     from model.config import GptOssConfig
 
     lens = [int(t) for t in args.tokens.split(",")]

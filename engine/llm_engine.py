@@ -31,17 +31,15 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, EngineConfigError
 from engine.host_kv_tier import host_slots_for
 from engine.kv_payload import KVDestination, KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
-from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, GenerateRequest, InvalidRequestError, TokenDelta,
-                            TokenLogprob)
+from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, Completion, GenerateRequest, InvalidRequestError,
+                            RequestStateError, TokenDelta, TokenLogprob, UnknownRequestError)
 from engine.runner import ModelRunner, device_current, on_runner_device, plan_pool_sizes
 from engine.sampler import BatchBuilder, HostTokens, Sampler, may_sample_ahead
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
@@ -49,26 +47,6 @@ from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from engine.speculative import Drafter
 from engine.step_flight import LaunchedStep, StepFailedError, accepted_drafts, feed_inputs
 from model.gpt_oss import GptOssForCausalLM
-
-class UnknownRequestError(KeyError):
-    """No unfinished request has this id."""
-
-
-class RequestStateError(RuntimeError):
-    """The request exists but is not in a state that allows the call (e.g. export before prefill ends)."""
-
-
-@dataclass
-class Completion:
-    """A finished request, as `LLMEngine.generate` returns it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_draft_tokens: int = 0  # speculative decoding (engine/speculative.py): drafts verified, and accepted
-    num_accepted_draft_tokens: int = 0
 
 
 class LLMEngine:

@@ -255,3 +255,24 @@ class TokenBackend(Protocol):
 
     async def abort(self, request_id: str) -> None:
         ...
+
+
+class UnknownRequestError(KeyError):
+    """No unfinished request has this id."""
+
+
+class RequestStateError(RuntimeError):
+    """The request exists but is not in a state that allows the call (e.g. export before prefill ends)."""
+
+
+@dataclass
+class Completion:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_draft_tokens: int = 0  # speculative decoding (engine/speculative.py): drafts verified, and accepted
+    num_accepted_draft_tokens: int = 0

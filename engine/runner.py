@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import torch
 
-from engine.block_manager import cdiv
+from engine.page_pool import cdiv
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.kv_payload import KVDestination, PrefilledKV
 from engine.scheduler import ScheduledSeq

@@ -36,7 +36,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.block_manager import prefix_block_hashes
+from engine.page_pool import prefix_block_hashes
 from engine.request import GenerateRequest
 
 OUTCOMES = {"affinity": "sent first to replicas holding part of the prompt",

@@ -21,13 +21,14 @@ from serve_app.harmony.render_worker import RenderWorkers
 from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.chat import create_chat_completion
+from serve_app.openai_api.completion_request import CompletionRequest
 from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api import conversations
 from serve_app.openai_api.conversations import ConversationCreate, ConversationUpdate, ItemsCreate, include_of
 from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
                                          parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
-from serve_app.openai_api.protocol import ChatCompletionRequest, CompletionRequest, InputTokensRequest, ResponsesRequest
+from serve_app.openai_api.protocol import ChatCompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
                                             list_input_items, retrieve_response, stream_stored_response)
 from serve_app.openai_api.stored_responses import ResponseStore

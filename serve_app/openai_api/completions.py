@@ -36,6 +36,7 @@ from serve_app.harmony.constrain import FINAL
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.text_limits import check_tokenizable
 from serve_app.openai_api.auth import requester
+from serve_app.openai_api.completion_request import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
     BackendRequest,
@@ -45,9 +46,8 @@ from serve_app.openai_api.generation import (
     respond,
     sampling_params,
 )
-from serve_app.openai_api.stop_strings import StopMatcher
 from serve_app.openai_api.output_options import output_constraint_off_loop
-from serve_app.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
+from serve_app.openai_api.stop_strings import StopMatcher
 from serve_app.openai_api.streaming import interleave, sse
 from serve_app.openai_api.usage import Caller
 

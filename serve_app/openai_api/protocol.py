@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator,
+                      model_validator)
 
 Effort = Literal["low", "medium", "high"]
 Verbosity = Literal["low", "medium", "high"]
@@ -118,7 +118,7 @@ def check_tool_name(name: str) -> str:
     return name
 
 
-def _reject_unless(value: Any, allowed: tuple, why: str) -> Any:
+def reject_unless(value: Any, allowed: tuple, why: str) -> Any:
     if value not in allowed:
         raise ValueError(why)
     return value
@@ -194,7 +194,7 @@ class TextOutputFields(Strict):
     @field_validator("repetition_penalty")
     @classmethod
     def _repetition_penalty(cls, value: float | None) -> float | None:
-        return _reject_unless(value, (None, 1, 1.0), "only 1.0 (no penalty) is supported; use presence_penalty "
+        return reject_unless(value, (None, 1, 1.0), "only 1.0 (no penalty) is supported; use presence_penalty "
                               "or frequency_penalty")
 
     @field_validator("logit_bias")
@@ -330,7 +330,7 @@ class ChatCompletionRequest(RequestBase, TextOutputFields):
     @field_validator("modalities")
     @classmethod
     def _modalities(cls, value: list[str] | None) -> list[str] | None:
-        return _reject_unless(value, (None, ["text"]), "only the 'text' modality is supported")
+        return reject_unless(value, (None, ["text"]), "only the 'text' modality is supported")
 
     @field_validator("tools")
     @classmethod
@@ -465,14 +465,6 @@ class ResponsesRequest(RequestBase):
         return tools
 
 
-# -- Completions (legacy, raw text) ------------------------------------------------------------------------
-
-MAX_PROMPTS = 64  # prompts in one /v1/completions request (each times n becomes an engine request)
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
-
-Prompt = Union[str, list[str], list[int], list[list[int]]]
-
-
 class InputTokensRequest(ResponsesRequest):
     """POST /v1/responses/input_tokens: the prompt-shaping fields of a Responses request, all optional; fields that
     only matter for generating (sampling, `store`, ...) are accepted and ignored, as is anything unknown."""
@@ -480,41 +472,3 @@ class InputTokensRequest(ResponsesRequest):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     input: Union[str, list[InputItem]] = Field(default_factory=list)
-
-
-class CompletionRequest(SamplingBase, TextOutputFields):
-    """POST /v1/completions."""
-
-    prompt: Prompt
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, value: Prompt) -> Prompt:
-        if isinstance(value, str):
-            value = [value]
-        if not value:
-            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists; "
-                             "got an empty list")
-        if isinstance(value[0], int):
-            value = [value]
-        if len(value) > MAX_PROMPTS:
-            raise ValueError(f"takes up to {MAX_PROMPTS} prompts per request, got {len(value)}")
-        if any(len(p) == 0 for p in value):
-            raise ValueError("prompts must not be empty")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value: str | None) -> str | None:
-        return _reject_unless(value, (None, ""), "suffix (insertion) is not supported by gpt-oss; leave it out")
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value not in (None, 1, info.data.get("n") or 1):
-            raise ValueError("is only supported equal to n (the server returns every completion it runs)")
-        return value

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager, KVCacheError, cdiv
+from engine.block_manager import BlockManager
+from engine.page_pool import KVCacheError, cdiv
 from engine.request import SamplingParams
 from engine.sequence import Sequence
 

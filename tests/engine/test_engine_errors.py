@@ -4,8 +4,9 @@ import pytest
 
 from engine.config import EngineConfig, EngineConfigError
 from engine.kv_payload import KVPayloadError
-from engine.llm_engine import LLMEngine, RequestStateError, UnknownRequestError
-from engine.request import GenerateRequest, InvalidRequestError, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.request import (GenerateRequest, InvalidRequestError, RequestStateError, SamplingParams,
+                            UnknownRequestError)
 from tests.engine.engine_testlib import VOCAB, greedy, random_prompt, request, run_to_end
 
 BAD_REQUESTS = [

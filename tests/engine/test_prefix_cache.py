@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.block_manager import KVCacheError, PagePool
+from engine.page_pool import KVCacheError, PagePool
 from engine.request import InvalidRequestError
 from tests.engine.engine_testlib import BLOCK, assert_pool_full, assert_same, greedy, random_prompt, request, run_to_end
 

@@ -11,7 +11,7 @@ from ray import serve
 
 from engine.request import GenerateRequest, SamplingParams
 from serve_app.builder import DECODE_NAME, build_app
-from engine.block_manager import prefix_block_hashes as prefix_hashes
+from engine.page_pool import prefix_block_hashes as prefix_hashes
 from serve_app.prefix_router import PrefixTable, first_choices, near_holders, request_of
 from tests.serve_app.serve_helpers import collect, growing_conversation, run_async, start_ray, stop_ray
 
