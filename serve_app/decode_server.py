@@ -22,8 +22,8 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from engine.kv_payload import KVPayloadError, PrefilledKV
 from engine.request import EngineUnhealthyError, GenerateRequest, TokenDelta
 from serve_app.config import GIB, ServeAppConfig
-from serve_app.engine_host import (engine_stats, log, replica_device, report_metrics_forever, start_engine,
-                                   stop_hosting)
+from serve_app.engine_host import (engine_stats, log, replica_device, replica_fingerprint, report_metrics_forever,
+                                   start_engine, stop_hosting)
 from serve_app.kv_transfer import CudaIpcTransport, KVTransferError, ReceiveOffer, make_transport, payload_upper_bound
 from serve_app.metrics import ServerMetrics
 
@@ -45,6 +45,7 @@ class DecodeServer:
         runner = self.engine.engine.runner
         self._kv_shape = (runner.layer_is_sliding, runner.payload_kv_heads, runner.head_dim, runner.kv_dtype,
                           self.engine.engine.model.config.sliding_window)
+        self._fingerprint = replica_fingerprint(self.config, self.device, self.engine.engine.model.config)
         self.metrics = ServerMetrics("decode", self.config.served_model_name)
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
         self.fallbacks: Counter[str] = Counter()  # by reason (_reason)
@@ -154,6 +155,10 @@ class DecodeServer:
 
     async def max_context(self) -> int:
         return self.engine.max_context
+
+    async def system_fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint` of this deployment's configuration (engine/fingerprint.py)."""
+        return self._fingerprint
 
     def check_health(self) -> None:
         """Serve's health check: EngineUnhealthyError while the engine cannot serve (engine/health.py); Serve

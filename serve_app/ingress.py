@@ -31,9 +31,10 @@ BACKGROUND_DRAIN_S = 10.0
 class ServeTokenBackend:
     """engine/request.py's TokenBackend over a DecodeServer DeploymentHandle."""
 
-    def __init__(self, decode_handle, max_context: int):
+    def __init__(self, decode_handle, max_context: int, system_fingerprint: str | None = None):
         self._decode = decode_handle.options(stream=True)
         self.max_context = max_context
+        self.system_fingerprint = system_fingerprint  # the decode deployment's (engine/fingerprint.py)
         self._in_flight: dict[str, object] = {}  # request id -> its response generator
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -88,7 +89,8 @@ class HarmonyIngress:
         self.backends: dict[str, ServeTokenBackend] = {}
         for name, (handle, limit) in models.items():
             self.backends[name] = ServeTokenBackend(handle, limit if limit is not None else
-                                                    await handle.max_context.remote())
+                                                    await handle.max_context.remote(),
+                                                    await handle.system_fingerprint.remote())
         self.backend = self.backends[served_model_name]  # the first model's (the only one, usually)
         self.served_model_name = served_model_name
         self.settings = settings or IngressSettings(api_keys=[])
@@ -111,7 +113,7 @@ class HarmonyIngress:
             response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
             allow_priority=s.allow_priority, isolate_prefix_cache=s.isolate_prefix_cache,
             forced_call_reasoning_tokens=s.forced_call_reasoning_tokens, usage_sink=self.api_metrics.record,
-            renderer=self.renderer)
+            renderer=self.renderer, system_fingerprint=backend.system_fingerprint)
             for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]

@@ -59,6 +59,7 @@ def create_app(
     forced_call_reasoning_tokens: int = 2048,
     usage_sink: UsageSink | None = None,
     renderer: RenderWorkers | None = None,
+    system_fingerprint: str | None = None,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
     token counts), /v1/conversations (and their items), /v1/completions, /v1/models and /health for `backend`.
@@ -81,6 +82,8 @@ def create_app(
     usage_sink: told each engine request's model, endpoint, API key, outcome and tokens when it ends (usage.py).
     renderer: the processes that tokenize long prompts off the event loop (shared by the apps of one ingress
     replica); None: the app's own, one process, started on the first long prompt.
+    system_fingerprint: the backend's configuration (engine/fingerprint.py), reported in chat and text completions;
+    None: reported as null.
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -94,7 +97,8 @@ def create_app(
                            conversation_start_date=conversation_start_date, knowledge_cutoff=knowledge_cutoff,
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
                            allow_priority=allow_priority, isolate_prefix_cache=isolate_prefix_cache,
-                           forced_call_reasoning_tokens=forced_call_reasoning_tokens)
+                           forced_call_reasoning_tokens=forced_call_reasoning_tokens,
+                           system_fingerprint=system_fingerprint)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
                          background=BackgroundRuns(response_store) if response_store is not None else None,
                          usage_sink=usage_sink, renderer=renderer if renderer is not None else RenderWorkers())

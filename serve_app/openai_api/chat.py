@@ -193,8 +193,10 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
                           caller=Caller("chat.completions", requester(http)), cache_salt=req.cache_salt)
 
     group = GenerationGroup([nth(i) for i in range(n)])
-    # service_tier: the tier it ran in (this server has one, whatever the request asked), as OpenAI reports it
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name, "service_tier": "default"}
+    # service_tier: the tier it ran in (this server has one, whatever the request asked), as OpenAI reports it;
+    # system_fingerprint: the backend configuration (engine/fingerprint.py)
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name, "service_tier": "default",
+            "system_fingerprint": ctx.config.system_fingerprint}
     top = req.top_logprobs or 0
 
     async def choice(index: int, gen: Generation) -> dict:

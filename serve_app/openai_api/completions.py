@@ -208,7 +208,8 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
                                        echo_text=text if req.echo else "", priority=priority,
                                        caller=Caller("completions", requester(http)), cache_salt=req.cache_salt))
     group = GenerationGroup(gens)
-    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name}
+    head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name,
+            "system_fingerprint": ctx.config.system_fingerprint}
     with_logprobs = req.logprobs is not None
 
     async def choice(index: int, gen: TextGeneration) -> dict:

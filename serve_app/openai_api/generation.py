@@ -58,6 +58,7 @@ class IngressConfig:
     allow_priority: bool = False  # honour requests' `priority` (else a non-zero one is a 400): request_priority
     isolate_prefix_cache: bool = False  # each API key its own prefix-cache namespace: cache_salt
     forced_call_reasoning_tokens: int = 2048  # a forced tool call's reasoning before it (forced_call_grammar)
+    system_fingerprint: str | None = None  # the backend's configuration (engine/fingerprint.py); None: unknown
 
     def request_priority(self, priority: int | None) -> int:
         """A request's engine priority (lower runs sooner, engine/scheduler.py). Off by default: any client

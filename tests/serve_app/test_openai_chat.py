@@ -246,6 +246,25 @@ def test_newer_request_fields_are_accepted(client, backend):
     assert len(chunks) > 2 and {c.service_tier for c in chunks} == {"default"}
 
 
+def test_system_fingerprint_is_the_backends_on_every_completion_object(client, backend):
+    """Chat completions, their chunks and text completions carry the app's system_fingerprint (the decode
+    deployment's under Serve: test_serve_e2e); an app that was given none reports null."""
+    from tests.serve_app.conftest import openai_client, scripted_app
+    from tests.serve_app.stub_backend import ScriptedBackend
+
+    backend.push(ANSWER)
+    assert client.chat.completions.create(model=MODEL, messages=HI).system_fingerprint is None
+    stub = ScriptedBackend(max_context=4096)
+    with scripted_app(stub, system_fingerprint="fp_0123456789ab") as server:
+        api = openai_client(server.url)
+        for _ in range(3):
+            stub.push(ANSWER)
+        assert api.chat.completions.create(model=MODEL, messages=HI).system_fingerprint == "fp_0123456789ab"
+        chunks = list(api.chat.completions.create(model=MODEL, messages=HI, stream=True))
+        assert len(chunks) > 2 and {c.system_fingerprint for c in chunks} == {"fp_0123456789ab"}
+        assert api.completions.create(model=MODEL, prompt="Hi").system_fingerprint == "fp_0123456789ab"
+
+
 def test_reasoning_effort_is_rendered(client, backend):
     for effort in ("low", "high"):
         backend.push(ANSWER)

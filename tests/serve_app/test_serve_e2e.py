@@ -207,6 +207,7 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
         got = served.chat.completions.create(**CHAT, **sampling)
         want = ref.chat.completions.create(**CHAT, **sampling)
         assert got.choices[0].message.content == want.choices[0].message.content
+        assert re.fullmatch(r"fp_[0-9a-f]{12}", got.system_fingerprint)  # the decode deployment's (fingerprint.py)
         assert got.choices[0].finish_reason == want.choices[0].finish_reason
         assert got.usage.model_dump() == want.usage.model_dump()
         if sampling.get("logprobs"):
@@ -223,6 +224,7 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
     texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(texts) > 1
     assert "".join(texts) == want.choices[0].message.content
+    assert {c.system_fingerprint for c in chunks} == {got.system_fingerprint}
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
            [want.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
@@ -234,8 +236,10 @@ def test_chat_over_http_matches_the_single_process_app(http_port, reference_port
     # /v1/completions through the Serve ingress: the same raw text as the single-process app.
     raw = dict(model="gpt-oss", prompt="<|start|>user<|message|>Hello<|end|><|start|>assistant", max_tokens=16,
                temperature=0)
+    fingerprint = got.system_fingerprint
     got, want = served.completions.create(**raw), ref.completions.create(**raw)
     assert got.choices[0].text == want.choices[0].text and got.usage.model_dump() == want.usage.model_dump()
+    assert got.system_fingerprint == fingerprint
 
 
 def test_structured_output_across_the_prefill_decode_hand_off(http_port, reference_port):
@@ -710,6 +714,8 @@ def test_two_models_behind_one_api(http_port):
         chat = dict(messages=CHAT["messages"], temperature=0, max_tokens=8)
         answers = {name: api.chat.completions.create(model=name, **chat) for name in ("small", "large", "large")}
         assert answers["small"].choices[0].message == answers["large"].choices[0].message  # same weights, greedy
+        # the same weights and numerics (the context limit is capacity, not numerics): one fingerprint
+        assert answers["small"].system_fingerprint == answers["large"].system_fingerprint
         finished = {name: serve.get_deployment_handle(f"{DECODE_NAME}-{name}", app).stats.remote().result()
                     ["requests_finished_total"] for name in ("small", "large")}
         assert (sum(finished["small"].values()), sum(finished["large"].values())) == (1, 2), finished
