@@ -153,9 +153,10 @@ class IngressSettings(_Settings):
                                 "(AWS ALB: 60 s) does not cut a request waiting in a queue; a later refusal is "
                                 "an error event in the stream. None: wait silently for the first token.")
     store_max_responses: int = Field(
-        10_000, ge=0, description="Stored /v1/responses (for previous_response_id and GET / DELETE by id) and "
-                                  "/v1/conversations together, kept in one ResponseStore replica's memory, least "
-                                  "recently used out first; a request with store=false is not kept. 0: no store "
+        10_000, ge=0, description="Stored /v1/responses (for previous_response_id and GET / DELETE by id), "
+                                  "/v1/conversations and chat completions made with store=true together, kept in one "
+                                  "ResponseStore replica's memory, least recently used out first; a response with "
+                                  "store=false is not kept. 0: no store "
                                   "(the endpoint is stateless, previous_response_id and conversations are refused).")
     store_max_mib: float = Field(512, gt=0, description="Memory the stored responses and conversations may take, "
                                                         "their JSON's size.")

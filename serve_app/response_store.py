@@ -1,5 +1,5 @@
-"""The response store under Ray Serve: one replica holds the stored /v1/responses (and /v1/conversations) of every
-ingress replica.
+"""The response store under Ray Serve: one replica holds the stored /v1/responses (and /v1/conversations, and the
+chat completions made with `store: true`) of every ingress replica.
 
 `ResponseStoreServer` is the deployment (a MemoryResponseStore in its process, so one replica: a second
 would hold other responses); `ServeResponseStore` is the ResponseStore the ingress uses, over its handle.
@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredConversation, StoredResponse
+from serve_app.openai_api.stored_responses import (MemoryResponseStore, StoredChatCompletion, StoredConversation,
+                                                   StoredResponse)
 
 REPORT_INTERVAL_S = 2.0
 
 
 class ResponseStoreServer(MemoryResponseStore):
     """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`,
-    `_conversations`, `_bytes` and `_background_running` (Ray's Prometheus export prefixes `ray_`) every few seconds,
+    `_conversations`, `_chat_completions`, `_bytes` and `_background_running` (Ray's Prometheus export prefixes
+    `ray_`) every few seconds,
     after marking the orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge
     set once at start did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
@@ -38,6 +40,8 @@ class ResponseStoreServer(MemoryResponseStore):
                               tag_keys=tuple(tags))
         conversations = metrics.Gauge("gptoss_response_store_conversations", "Stored /v1/conversations conversations",
                                       tag_keys=tuple(tags))
+        chats = metrics.Gauge("gptoss_response_store_chat_completions", "Stored chat completions (store: true)",
+                              tag_keys=tuple(tags))
         size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses and conversations",
                              tag_keys=tuple(tags))
         running = metrics.Gauge("gptoss_response_store_background_running",
@@ -46,9 +50,10 @@ class ResponseStoreServer(MemoryResponseStore):
         async def report_forever() -> None:
             while True:
                 await self.sweep_orphans()  # a dead ingress replica's runs: failed now, not when someone reads them
-                stored_conversations = self.conversations()
-                count.set(len(self) - stored_conversations, tags=tags)
-                conversations.set(stored_conversations, tags=tags)
+                counts = self.counts()
+                count.set(counts["responses"], tags=tags)
+                conversations.set(counts["conversations"], tags=tags)
+                chats.set(counts["chat_completions"], tags=tags)
                 size.set(self.bytes, tags=tags)
                 running.set(self.running(), tags=tags)
                 await asyncio.sleep(REPORT_INTERVAL_S)
@@ -56,9 +61,7 @@ class ResponseStoreServer(MemoryResponseStore):
         self._reporter = asyncio.get_running_loop().create_task(report_forever())
 
     def stats(self) -> dict[str, int]:
-        stored_conversations = self.conversations()
-        return {"responses": len(self) - stored_conversations, "conversations": stored_conversations,
-                "bytes": self.bytes, "max_responses": self.max_responses, "max_bytes": self.max_bytes,
+        return {**self.counts(), "bytes": self.bytes, "max_responses": self.max_responses, "max_bytes": self.max_bytes,
                 "background_running": self.running()}
 
 
@@ -114,3 +117,19 @@ class ServeResponseStore:
 
     async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None:
         return await self._call("delete_conversation_item", conversation_id, item_id)
+
+    async def put_chat_completion(self, completion_id: str, stored: StoredChatCompletion) -> bool:
+        return await self._call("put_chat_completion", completion_id, stored)
+
+    async def get_chat_completion(self, completion_id: str) -> StoredChatCompletion | None:
+        return await self._call("get_chat_completion", completion_id)
+
+    async def update_chat_completion(self, completion_id: str, metadata: dict[str, str]) -> StoredChatCompletion | None:
+        return await self._call("update_chat_completion", completion_id, metadata)
+
+    async def delete_chat_completion(self, completion_id: str) -> bool:
+        return await self._call("delete_chat_completion", completion_id)
+
+    async def list_chat_completions(self, owner: str | None, model: str | None, metadata: dict[str, str], order: str,
+                                    limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
+        return await self._call("list_chat_completions", owner, model, metadata, order, limit, after)

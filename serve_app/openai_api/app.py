@@ -31,6 +31,8 @@ from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
                                             list_input_items, retrieve_response, stream_stored_response)
+from serve_app.openai_api import stored_chat
+from serve_app.openai_api.stored_chat import ChatCompletionUpdate
 from serve_app.openai_api.stored_responses import ResponseStore
 from serve_app.openai_api.usage import UsageSink
 
@@ -146,6 +148,32 @@ def create_app(
         req = await parse_request(request, ChatCompletionRequest, config.max_body_bytes)
         check_model(req.model)
         return await create_chat_completion(req, request, ctx)
+
+    # Chat completions made with `store: true`, scoped to API keys as stored responses are (stored_chat.py).
+    @app.get("/v1/chat/completions")
+    async def list_chat_completions(request: Request, model: str | None = None, order: str = "asc", limit: int = 20,
+                                    after: str | None = None) -> dict[str, Any]:
+        return await stored_chat.list_completions(ctx, requester(request), model=model, order=order, limit=limit,
+                                                  after=after, metadata=stored_chat.metadata_filter(request))
+
+    @app.get("/v1/chat/completions/{completion_id}")
+    async def get_chat_completion(request: Request, completion_id: str) -> dict[str, Any]:
+        return await stored_chat.retrieve(ctx, completion_id, requester(request))
+
+    @app.post("/v1/chat/completions/{completion_id}")
+    async def update_chat_completion(request: Request, completion_id: str) -> dict[str, Any]:
+        req = await parse_request(request, ChatCompletionUpdate, config.max_body_bytes)
+        return await stored_chat.update(ctx, completion_id, req, requester(request))
+
+    @app.delete("/v1/chat/completions/{completion_id}")
+    async def delete_chat_completion(request: Request, completion_id: str) -> dict[str, Any]:
+        return await stored_chat.delete(ctx, completion_id, requester(request))
+
+    @app.get("/v1/chat/completions/{completion_id}/messages")
+    async def list_chat_messages(request: Request, completion_id: str, order: str = "asc", limit: int = 20,
+                                 after: str | None = None) -> dict[str, Any]:
+        return await stored_chat.list_messages(ctx, completion_id, requester(request), order=order, limit=limit,
+                                               after=after)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -52,6 +52,7 @@ from serve_app.openai_api.generation import (
 from serve_app.openai_api.output_options import (forced_tools, logprobs_json, offers,
                                                  output_constraint_off_loop, prediction_ids)
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
+from serve_app.openai_api.stored_chat import keep, store_for
 from serve_app.openai_api.streaming import interleave, sse
 from serve_app.openai_api.usage import Caller
 
@@ -160,6 +161,7 @@ def chat_tokens(prompt: Prompt, prediction: str | None) -> tuple[list[int], tupl
 async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx: IngressContext) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    store = store_for(req, ctx)  # `store: true`: where the finished completion goes (stored_chat.py)
     forced = forced_tools(req.tool_choice, [t.function.name for t in req.tools or []])
     offered = [t for t in req.tools or [] if offers(req.tool_choice, t.function.name)]
     constraint, response_format = await output_constraint_off_loop(
@@ -199,18 +201,26 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
             "system_fingerprint": ctx.config.system_fingerprint}
     top = req.top_logprobs or 0
 
+    def finished(index: int, gen: Generation, assembler: ChatAssembler, logprobs: list) -> dict:
+        return {"index": index, "message": assembler.message(), "finish_reason": gen.finish_reason,
+                "logprobs": {"content": logprobs_json(logprobs, top, ctx.encoding)} if req.logprobs else None}
+
     async def choice(index: int, gen: Generation) -> dict:
         assembler, logprobs = ChatAssembler(), []
         async for step in gen.steps():
             for event in step.events:
                 assembler.apply(event)
             logprobs += step.content_logprobs
-        return {"index": index, "message": assembler.message(), "finish_reason": gen.finish_reason,
-                "logprobs": {"content": logprobs_json(logprobs, top, ctx.encoding)} if req.logprobs else None}
+        return finished(index, gen, assembler, logprobs)
+
+    def completion(choices: list[dict], group: GenerationGroup) -> dict:
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage_json(group)}
 
     async def body(group: GenerationGroup) -> dict:
-        choices = await asyncio.gather(*(choice(i, g) for i, g in enumerate(group.gens)))
-        return {**head, "object": "chat.completion", "choices": list(choices), "usage": usage_json(group)}
+        out = completion(list(await asyncio.gather(*(choice(i, g) for i, g in enumerate(group.gens)))), group)
+        if store is not None:
+            await keep(store, out, req, requester(http))
+        return out
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
@@ -221,21 +231,27 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
             out["logprobs"] = {"content": logprobs_json(logprobs, top, ctx.encoding)}
         return sse({**head, "object": "chat.completion.chunk", "choices": [out], **extra})
 
+    finals: dict[int, dict] = {}  # streamed choices as they end (for `store`)
+
     async def choice_chunks(index: int, gen: Generation) -> AsyncIterator[bytes]:
         yield chunk(index, {"role": "assistant", "content": ""})
-        assembler, pending_logprobs = ChatAssembler(), []
+        assembler, pending_logprobs, all_logprobs = ChatAssembler(), [], []
         async for step in gen.steps():
             pending_logprobs += step.content_logprobs
+            all_logprobs += step.content_logprobs if store is not None else []
             for delta in _merged(assembler.apply(e) for e in step.events):
                 with_logprobs = req.logprobs and "content" in delta
                 yield chunk(index, delta, logprobs=pending_logprobs if with_logprobs else None)
                 pending_logprobs = [] if with_logprobs else pending_logprobs
+        finals[index] = finished(index, gen, assembler, all_logprobs)
         yield chunk(index, {}, gen.finish_reason, pending_logprobs if req.logprobs and pending_logprobs else None)
 
     async def stream(group: GenerationGroup) -> AsyncIterator[bytes]:
         try:
             async for data in interleave([choice_chunks(i, g) for i, g in enumerate(group.gens)]):
                 yield data
+            if store is not None:  # every choice ended: the object a non-streamed request would have got
+                await keep(store, completion([finals[i] for i in range(n)], group), req, requester(http))
             if include_usage:
                 yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage_json(group)})
             yield sse("[DONE]")

@@ -193,14 +193,19 @@ async def delete_item(conversation_id: str, item_id: str, ctx: IngressContext, o
     return shrunk.conversation
 
 
-def list_page(items: list[dict[str, Any]], *, order: str, limit: int, after: str | None,
-              where: str) -> dict[str, Any]:
-    """One page of a list endpoint (items oldest first): newest first unless order=asc, `limit` of them, after the
-    item with id `after`."""
+def check_page(order: str, limit: int) -> None:
+    """A list endpoint's `order` and `limit`, or a 400 naming the one that is wrong."""
     if order not in ("asc", "desc"):
         raise BadRequest(f"order must be 'asc' or 'desc', not {order!r}", param="order")
     if not 1 <= limit <= 100:
         raise BadRequest(f"limit must be between 1 and 100, not {limit}", param="limit")
+
+
+def list_page(items: list[dict[str, Any]], *, order: str, limit: int, after: str | None,
+              where: str) -> dict[str, Any]:
+    """One page of a list endpoint (items oldest first): newest first unless order=asc, `limit` of them, after the
+    item with id `after`."""
+    check_page(order, limit)
     items = items if order == "asc" else items[::-1]
     if after is not None:
         ids = [item["id"] for item in items]

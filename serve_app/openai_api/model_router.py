@@ -6,8 +6,9 @@ to the app of the `model` its body names.
   first model's app (which answers a malformed body with its 400, and counts input tokens for itself); an unknown
   model is a 404 that lists the served ones.
 - GET /v1/models lists every model; GET /v1/models/{id} asks that model's app.
-- Everything else (/health, stored responses by id, their cancel and input items, /v1/conversations) goes to the
-  first model's app: the apps share one response store, so any of them reads any stored response or conversation.
+- Everything else (/health, stored responses by id, their cancel and input items, /v1/conversations, stored chat
+  completions) goes to the first model's app: the apps share one response store, so any of them reads any stored
+  response, conversation or chat completion (listing chat completions filters by `model` as asked).
 
 API keys and CORS wrap the router once (`serve_models`), so the merged model list is guarded like the rest and a
 request's key (auth.requester) reaches whichever app serves it.

@@ -1,5 +1,5 @@
-"""The response store's file (`ingress.store_path`): every stored response and conversation, written through to SQLite
-so that a restart of the store's replica (a redeploy, a crash, a node's reboot) finds them again.
+"""The response store's file (`ingress.store_path`): every stored response, conversation and chat completion, written
+through to SQLite so that a restart of the store's replica (a redeploy, a crash, a node's reboot) finds them again.
 
 The store's memory stays the truth; this file is its copy. Each change of an entry rewrites that entry's row (its
 JSON, its row then the newest); a dropped entry's row is deleted. On start the store reads the rows back, least
@@ -18,9 +18,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterator
 
-from serve_app.openai_api.stored_responses import StoredConversation, StoredResponse
-
-Stored = StoredResponse | StoredConversation
+from serve_app.openai_api.stored_responses import Stored, StoredChatCompletion, StoredConversation, StoredResponse
 
 
 class StoreFile:
@@ -39,6 +37,8 @@ class StoreFile:
         """`stored` under `key`; body: the JSON of its content (stored.to_json())."""
         if isinstance(stored, StoredResponse):
             row = (key, "response", body, stored.previous_id, stored.owner)
+        elif isinstance(stored, StoredChatCompletion):
+            row = (key, "chat_completion", body, None, stored.owner)
         else:
             row = (key, "conversation", body, None, stored.owner)
         self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)", row)
@@ -50,7 +50,11 @@ class StoreFile:
         """(key, entry, the size of its JSON) of every entry, least recently written first."""
         rows = self._db.execute("SELECT key, kind, body, previous_id, owner FROM entries ORDER BY rowid")
         for key, kind, body, previous_id, owner in rows:
-            first, second = json.loads(body)
-            stored = StoredResponse(first, second, previous_id, owner) if kind == "response" \
-                else StoredConversation(first, second, owner)
+            content = json.loads(body)
+            if kind == "response":
+                stored = StoredResponse(content[0], content[1], previous_id, owner)
+            elif kind == "chat_completion":
+                stored = StoredChatCompletion(content[0], content[1], owner, content[2])
+            else:
+                stored = StoredConversation(content[0], content[1], owner)
             yield key, stored, len(body)

@@ -24,6 +24,9 @@ the byte limit and go with the response.
 The store also keeps /v1/conversations conversations (conversations.py): an object (id, created_at, metadata) and its
 items, which grow as responses made in the conversation end. They share the count and byte limits and the least
 recently used order with the responses; a conversation dropped for room is gone (404).
+
+And it keeps the chat completions made with `store: true` (stored_chat.py): the completion object, the request's
+messages and a creation time (the list order); same limits, same order.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import bisect
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol
 
@@ -74,15 +77,29 @@ class StoredConversation(_Entry):
         return [self.conversation, self.items]
 
 
+@dataclass(frozen=True)
+class StoredChatCompletion(_Entry):
+    completion: dict[str, Any]  # the chat.completion object as a non-streamed request gets it, with its `metadata`
+    messages: list[dict[str, Any]]  # the request's messages, each with an `id`
+    owner: str | None = None  # as StoredResponse.owner
+    created_ns: int = 0  # when the ingress made it (time.time_ns()): the list order, ties by id
+
+    def content(self) -> list:
+        return [self.completion, self.messages, self.created_ns]
+
+
+Stored = StoredResponse | StoredConversation | StoredChatCompletion
+
+
 class StoreFileLike(Protocol):
     """store_file.StoreFile's interface (it imports this module, so it is not imported here)."""
 
-    def write(self, key: str, stored: StoredResponse | StoredConversation, body: str) -> None:
+    def write(self, key: str, stored: Stored, body: str) -> None:
         """body: stored.to_json(), which the store has made already."""
 
     def remove(self, key: str) -> None: ...
 
-    def entries(self) -> Iterator[tuple[str, StoredResponse | StoredConversation, int]]:
+    def entries(self) -> Iterator[tuple[str, Stored, int]]:
         """(key, entry, its size) of each entry, least recently written first."""
 
 
@@ -122,6 +139,17 @@ class ResponseStore(Protocol):
 
     async def delete_conversation_item(self, conversation_id: str, item_id: str) -> StoredConversation | None: ...
 
+    async def put_chat_completion(self, completion_id: str, stored: StoredChatCompletion) -> bool: ...
+
+    async def get_chat_completion(self, completion_id: str) -> StoredChatCompletion | None: ...
+
+    async def update_chat_completion(self, completion_id: str, metadata: dict[str, str]) -> StoredChatCompletion | None: ...
+
+    async def delete_chat_completion(self, completion_id: str) -> bool: ...
+
+    async def list_chat_completions(self, owner: str | None, model: str | None, metadata: dict[str, str], order: str,
+                                    limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None: ...
+
 
 class MemoryResponseStore:
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
@@ -137,7 +165,7 @@ class MemoryResponseStore:
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         # responses and conversations, oldest use first
-        self._items: OrderedDict[str, tuple[StoredResponse | StoredConversation, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[Stored, int]] = OrderedDict()
         self.bytes = 0
         # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
         # running one polls cancel_requested, and its final put clears the entry.
@@ -162,7 +190,7 @@ class MemoryResponseStore:
         if self._items:
             log.info("response store: %d entries (%d bytes) read from its file", len(self._items), self.bytes)
 
-    def _write(self, key: str, stored: StoredResponse | StoredConversation | None, body: str = "") -> None:
+    def _write(self, key: str, stored: Stored | None, body: str = "") -> None:
         """The file's copy of `key`: `stored` (its JSON: `body`), or none. A file that fails is logged; memory stays
         the truth."""
         if self._file is None:
@@ -184,7 +212,7 @@ class MemoryResponseStore:
             self._seen[response_id] = self._clock()
         return True
 
-    def _keep(self, key: str, stored: StoredResponse | StoredConversation) -> bool:
+    def _keep(self, key: str, stored: Stored) -> bool:
         """Put `stored` at `key` as the most recently used (its stream events stay), then make room; False if it is
         larger than the whole store (not kept; what `key` held stays)."""
         body = stored.to_json()
@@ -214,9 +242,11 @@ class MemoryResponseStore:
             stored = await self._fail_orphan(response_id, stored)
         return stored
 
-    def conversations(self) -> int:
-        """Conversations stored (the rest of len() are responses)."""
-        return sum(isinstance(entry[0], StoredConversation) for entry in self._items.values())
+    def counts(self) -> dict[str, int]:
+        """Entries stored by kind: responses, conversations and chat completions."""
+        kinds = Counter(type(entry[0]) for entry in self._items.values())
+        return {"responses": kinds[StoredResponse], "conversations": kinds[StoredConversation],
+                "chat_completions": kinds[StoredChatCompletion]}
 
     def running(self) -> int:
         """Background responses stored as unfinished (queued or in progress), orphans not yet marked included."""
@@ -334,19 +364,27 @@ class MemoryResponseStore:
         return self._keep(conversation_id, stored)
 
     async def get_conversation(self, conversation_id: str) -> StoredConversation | None:
-        entry = self._entry(conversation_id, StoredConversation)
+        return self._use(conversation_id, StoredConversation)
+
+    def _use(self, key: str, kind: type) -> Any:
+        """The `kind` entry at `key`, now the most recently used; None if there is none."""
+        entry = self._entry(key, kind)
         if entry is None:
             return None
-        self._items.move_to_end(conversation_id)
+        self._items.move_to_end(key)
         return entry[0]
 
     async def update_conversation(self, conversation_id: str, metadata: dict[str, str]) -> StoredConversation | None:
         """Replace its metadata; None if it is not stored."""
-        entry = self._entry(conversation_id, StoredConversation)
+        return self._new_metadata(conversation_id, StoredConversation, "conversation", metadata)
+
+    def _new_metadata(self, key: str, kind: type, field: str, metadata: dict[str, str]) -> Any:
+        """The `kind` entry at `key` stored again with `metadata` in its object (its `field`); None if not stored."""
+        entry = self._entry(key, kind)
         if entry is None:
             return None
-        updated = replace(entry[0], conversation={**entry[0].conversation, "metadata": metadata})
-        return updated if self._keep(conversation_id, updated) else None
+        updated = replace(entry[0], **{field: {**getattr(entry[0], field), "metadata": metadata}})
+        return updated if self._keep(key, updated) else None
 
     async def delete_conversation(self, conversation_id: str) -> bool:
         return self._entry(conversation_id, StoredConversation) is not None and self._drop(conversation_id)
@@ -367,6 +405,36 @@ class MemoryResponseStore:
         shrunk = replace(entry[0], items=[item for item in entry[0].items if item["id"] != item_id])
         self._keep(conversation_id, shrunk)
         return shrunk
+
+    async def put_chat_completion(self, completion_id: str, stored: StoredChatCompletion) -> bool:
+        """Store a chat completion (False: larger than the whole store, not kept)."""
+        return self._keep(completion_id, stored)
+
+    async def get_chat_completion(self, completion_id: str) -> StoredChatCompletion | None:
+        return self._use(completion_id, StoredChatCompletion)
+
+    async def update_chat_completion(self, completion_id: str, metadata: dict[str, str]) -> StoredChatCompletion | None:
+        """Replace its metadata; None if it is not stored."""
+        return self._new_metadata(completion_id, StoredChatCompletion, "completion", metadata)
+
+    async def delete_chat_completion(self, completion_id: str) -> bool:
+        return self._entry(completion_id, StoredChatCompletion) is not None and self._drop(completion_id)
+
+    async def list_chat_completions(self, owner: str | None, model: str | None, metadata: dict[str, str], order: str,
+                                    limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
+        """(a page of `owner`'s stored chat completions, whether more follow): those of `model` (None: any) whose
+        metadata holds every pair of `metadata`, oldest first ("asc") or newest first ("desc"), `limit` of them
+        after the one with id `after`; None if `after` is not among them. Listing is not a use."""
+        found = sorted((stored.created_ns, key) for key, (stored, _) in self._items.items()
+                       if isinstance(stored, StoredChatCompletion) and stored.owner == owner
+                       and (model is None or stored.completion.get("model") == model)
+                       and all((stored.completion.get("metadata") or {}).get(k) == v for k, v in metadata.items()))
+        keys = [key for _, key in (found if order == "asc" else found[::-1])]
+        if after is not None:
+            if after not in keys:
+                return None
+            keys = keys[keys.index(after) + 1:]
+        return [self._items[key][0].completion for key in keys[:limit]], len(keys) > limit
 
     def _make_room(self) -> None:
         """Drop the least recently used entries (responses with their events, conversations) until the count and byte

@@ -261,7 +261,7 @@ def test_the_store_counts_conversations_in_its_limits():
         assert await store.put_conversation("conv_1", StoredConversation(conv, [note]))
         size = store.bytes
         assert await store.add_conversation_items("conv_1", [{**note, "id": "msg_2"}]) == "added"
-        assert store.bytes > size and store.conversations() == 1
+        assert store.bytes > size and store.counts()["conversations"] == 1
         assert await store.add_conversation_items("conv_1", [{**note, "id": f"m{i}"} for i in range(40)]) == \
             "too_large"
         assert len((await store.get_conversation("conv_1")).items) == 2  # nothing of a refused add
@@ -270,11 +270,11 @@ def test_the_store_counts_conversations_in_its_limits():
         assert await store.delete_conversation_item("conv_1", "msg_1") is None
         for i in range(3):  # responses push the least recently used conversation out
             await store.put(f"resp_{i}", StoredResponse({"id": f"resp_{i}", "status": "completed", "output": []}, []))
-        assert await store.get_conversation("conv_1") is None and store.conversations() == 0
+        assert await store.get_conversation("conv_1") is None and store.counts()["conversations"] == 0
         assert await store.get("conv_1") is None and not await store.delete("conv_1")
         await store.put_conversation("conv_2", StoredConversation({**conv, "id": "conv_2"}, []))
         assert not await store.delete_conversation("resp_2") and await store.get("resp_2") is not None
-        assert await store.delete_conversation("conv_2") and store.conversations() == 0
+        assert await store.delete_conversation("conv_2") and store.counts()["conversations"] == 0
 
     asyncio.run(main())
 

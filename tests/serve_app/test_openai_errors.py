@@ -317,7 +317,7 @@ def test_engine_failure_is_503_or_a_stream_error_event(server, client, backend):
 
 def test_unknown_path_and_method_are_shaped(server, client, backend):
     assert_error(httpx.get(f"{server.url}/v1/nothing"), 404)
-    assert_error(httpx.get(f"{server.url}/v1/chat/completions"), 405)
+    assert_error(httpx.put(f"{server.url}/v1/chat/completions"), 405)  # (GET lists stored chat completions)
     assert_still_serving(client, backend)
 
 

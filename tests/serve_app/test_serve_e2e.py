@@ -374,6 +374,7 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
               "ray_gptoss_tokens", "ray_gptoss_steps", "ray_gptoss_forwards", "ray_serve_deployment_request_counter",
               "ray_gptoss_prefix_cache_tokens", "ray_gptoss_prefix_routing", "ray_gptoss_draft_tokens",
               "ray_gptoss_response_store_responses", "ray_gptoss_response_store_conversations",
+              "ray_gptoss_response_store_chat_completions",
               "ray_gptoss_response_store_bytes",
               "ray_gptoss_response_store_background_running", "ray_gptoss_api_requests",
               "ray_gptoss_api_tokens"]
@@ -414,7 +415,8 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
         "api_requests_total", "api_tokens_total", "ttft_seconds_bucket", "tpot_seconds_bucket", "tokens_total",
         "queue_depth", "running_requests", "kv_usage_ratio", "prefix_cache_tokens_total", "kv_transfer_seconds_bucket",
         "kv_transfer_bytes_sum", "draft_tokens_total", "steps_total", "forwards_total", "prefix_routing_total",
-        "response_store_responses", "response_store_conversations", "response_store_bytes",
+        "response_store_responses", "response_store_conversations", "response_store_chat_completions",
+        "response_store_bytes",
         "response_store_background_running", "stream_items_total")}
     assert exercised <= grafana.series_names() and exercised <= present, exercised - present
     for expr in grafana.expressions() + [a.expr for a in alerts.ALERTS]:
@@ -489,6 +491,17 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(http_port):
         api.responses.retrieve(second.id)
     store = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
     assert store["responses"] >= 1 and store["max_responses"] == CONFIG.ingress.store_max_responses
+
+    # A chat completion with store=true, on the same deployment (stored_chat.py): read, listed, updated, deleted.
+    chat = api.chat.completions.create(**CHAT, temperature=0, max_tokens=6, store=True, metadata={"run": "e2e"})
+    assert api.chat.completions.retrieve(chat.id).choices == chat.choices
+    assert [c.id for c in api.chat.completions.list(metadata={"run": "e2e"})] == [chat.id]
+    assert [m.role for m in api.chat.completions.messages.list(chat.id)] == [m["role"] for m in CHAT["messages"]]
+    assert api.chat.completions.update(chat.id, metadata={"run": "done"}).metadata == {"run": "done"}
+    assert serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()["chat_completions"] == 1
+    assert api.chat.completions.delete(chat.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.retrieve(chat.id)
 
 
 def test_conversations_through_the_response_store(http_port):

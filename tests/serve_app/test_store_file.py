@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from serve_app.openai_api.store_file import StoreFile
-from serve_app.openai_api.stored_responses import MemoryResponseStore, StoredConversation, StoredResponse
+from serve_app.openai_api.stored_responses import (MemoryResponseStore, StoredChatCompletion, StoredConversation,
+                                                   StoredResponse)
 from tests.serve_app.conftest import MODEL, openai_client, scripted_app
 from tests.serve_app.stub_backend import ScriptedBackend
 from tests.serve_app.test_openai_stored_responses import FIRST, SECOND
@@ -45,14 +46,20 @@ def test_a_new_store_on_the_file_has_what_the_old_one_had(tmp_path):
                                                       {"type": "message", "id": "m2", "content": []}])
         await store.delete_conversation_item("conv_1", "m1")
         await store.update_conversation("conv_1", {"k": "w"})
+        await store.put_chat_completion("chatcmpl-1", StoredChatCompletion(
+            {"id": "chatcmpl-1", "model": "m", "metadata": {}}, [{"id": "chatcmpl-1-0", "role": "user"}], "key1", 5))
+        await store.update_chat_completion("chatcmpl-1", {"k": "v"})
         await store.put("resp_1", response("resp_1", text="rewritten"))  # now the most recently written
         return store
 
     async def read(old: MemoryResponseStore) -> None:
         store = MemoryResponseStore(file=StoreFile(path), clock=lambda: now[0])
-        assert list(store._items) == ["resp_2", "resp_run", "conv_1", "resp_1"]  # the order of the last writes
+        assert list(store._items) == ["resp_2", "resp_run", "conv_1", "chatcmpl-1", "resp_1"]  # the last writes' order
         assert {k: v[0] for k, v in store._items.items()} == {k: v[0] for k, v in old._items.items()}
-        assert store.bytes == old.bytes and store.conversations() == 1
+        assert store.bytes == old.bytes
+        assert store.counts() == {"responses": 3, "conversations": 1, "chat_completions": 1}
+        chat = await store.get_chat_completion("chatcmpl-1")
+        assert (chat.completion["metadata"], chat.owner, chat.created_ns) == ({"k": "v"}, "key1", 5)
         assert await store.get("resp_gone") is None
         chain = await store.conversation("resp_2")
         assert [item.get("id") for item in chain] == ["msg_resp_1", None, None]
