@@ -3,6 +3,7 @@
     gptoss make-tiny DIR [--vocab 1000 --layers 2 ...]
     gptoss generate [MODEL_DIR] --prompt-ids 1,2,3 --prompt-ids 4,5 --prompt "Hi" --json
     gptoss generate [MODEL_DIR] --tp 2 --ep 2 ...   (one process per rank: this one is rank 0)
+    gptoss run-batch IN.jsonl OUT.jsonl [MODEL_DIR]  (an OpenAI Batch API file: serve_app/run_batch.py)
 
 All prompts of one `generate` run as one continuous batch; output comes back in input order (the
 order the --prompt-ids / --prompt / --prompts-jsonl flags appear, a JSONL file's lines in place).
@@ -153,8 +154,27 @@ def prediction_ids(args, encoding) -> tuple[int, ...]:
     return tuple(encoding.encode(args.prediction, allowed_special="all")) if args.prediction else ()
 
 
-def cmd_generate(args) -> int:
+def engine_config_of(args, max_model_len: int | None, seed: int):
+    """The EngineConfig of add_engine_arguments' options."""
     from engine.config import EngineConfig
+
+    return EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+                        kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
+                        device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                        lm_head_dtype=args.lm_head_dtype, dense_dtype=args.dense_dtype, all_reduce=args.all_reduce,
+                        mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens, decode_front=args.decode_front,
+                        moe_segments_max_rows=args.moe_segments_max_rows,
+                        enable_prefix_caching=args.prefix_caching,
+                        host_kv_cache_bytes=args.host_kv_cache_mb * 2**20,
+                        seed=seed, tp_size=args.tp,
+                        ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
+                        prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
+                        triton_precompile=args.triton_precompile == "on",
+                        speculative_tokens=args.speculative_tokens, speculative_ngram=args.prompt_lookup)
+
+
+def cmd_generate(args) -> int:
     from engine.llm_engine import LLMEngine
     from engine.request import GenerateRequest, SamplingParams
     from model.loader import read_config
@@ -170,20 +190,7 @@ def cmd_generate(args) -> int:
     sampling.validate()  # before --max-tokens sizes the context below
     max_model_len = args.max_model_len or min(model_config.max_position_embeddings,
                                               max(map(len, prompts)) + args.max_tokens)
-    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                          kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
-                          device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          lm_head_dtype=args.lm_head_dtype, dense_dtype=args.dense_dtype, all_reduce=args.all_reduce,
-                          mxfp4_decode_max_tokens=args.mxfp4_decode_max_tokens, decode_front=args.decode_front,
-                          moe_segments_max_rows=args.moe_segments_max_rows,
-                          enable_prefix_caching=args.prefix_caching,
-                          host_kv_cache_bytes=args.host_kv_cache_mb * 2**20,
-                          seed=args.seed or 0, tp_size=args.tp,
-                          ep_size=args.ep, dp_size=args.dp, cuda_graphs=cuda_graphs(args),
-                          prefill_graphs={"auto": None, "on": True, "off": False}[args.prefill_graphs],
-                          triton_precompile=args.triton_precompile == "on",
-                          speculative_tokens=args.speculative_tokens, speculative_ngram=args.prompt_lookup)
+    config = engine_config_of(args, max_model_len, seed=args.seed or 0)
     engine = LLMEngine.from_checkpoint(folder, config)  # with --tp/--ep > 1: spawns ranks 1..N-1
     requests = [GenerateRequest(str(i), ids, sampling) for i, ids in enumerate(prompts)]
     try:
@@ -205,6 +212,54 @@ def cmd_generate(args) -> int:
             print(f"[{completion.request_id}] ({completion.finish_reason}, {len(completion.output_ids)} tokens) "
                   f"{text}", flush=True)
     return 0
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's options (engine_config_of reads them), shared by `generate` and `run-batch`."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
+    p.add_argument("--host-kv-cache-mb", type=int, default=0,
+                   help="the prefix cache's host tier per rank: evicted cached blocks kept in host memory (0: off)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
+                   help="K/V storage; fp8_e4m3 halves KV memory")
+    p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
+    p.add_argument("--dense-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                   help="QKV / O weights; fp8_e4m3 rounds them to FP8 at load and runs prompts' projections as FP8 "
+                        "GEMMs (faster prefill; numerics then depend on a step's size)")
+    p.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
+                   help="decode steps of <= T tokens read the checkpoint's MXFP4 experts (CUDA kernel; keeps both "
+                        "copies); 0: off")
+    p.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"),
+                   help="MoE front of single-token decode steps: cuda (one cluster kernel, built with nvcc), triton; "
+                        "auto: cuda for routers of >= 128 experts on SM90+")
+    p.add_argument("--moe-segments-max-rows", type=int, default=None, metavar="R",
+                   help="steps of > 64 tokens whose experts average <= R rows on the segments GEMM (default: the "
+                        "kernel's, 16; 0: DeepGEMM's grouped GEMM)")
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
+    p.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="prefill / mixed steps as piecewise CUDA graphs at token buckets, attention eager "
+                        "(auto: with --cuda-graphs, every rank)")
+    p.add_argument("--triton-precompile", default="on", choices=("on", "off"),
+                   help="compile the Triton kernels of a shipped manifest for this model in worker processes while "
+                        "the weights load (engine/triton_precompile.py; CUDA only)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages); on by default")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens verified per step (0: off)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="also draft from the prompt and output (n-gram lookup), without a prediction")
+    p.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
+                   help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA); "
+                        "auto: symm_mem where each rank sees every GPU of the group with peer access, else nccl")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,59 +292,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="per-request sampling seed (every prompt uses it)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at Harmony's <|return|> / <|call|>")
     gen.add_argument("--logprobs", type=int, help="with --json: each output token's logprob and the top N (0-20)")
-    gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    gen.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
-    gen.add_argument("--max-num-seqs", type=int, default=64)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--max-model-len", type=int, help="default: longest prompt + max tokens")
-    gen.add_argument("--kv-cache-mb", type=int, help="KV cache budget (default 256 MiB on CPU)")
-    gen.add_argument("--host-kv-cache-mb", type=int, default=0,
-                     help="the prefix cache's host tier per rank: evicted cached blocks kept in host memory (0: off)")
-    gen.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8_e4m3"),
-                     help="K/V storage; fp8_e4m3 halves KV memory")
-    gen.add_argument("--lm-head-dtype", default="auto", choices=("auto", "fp8_e4m3"),
-                     help="unembedding weights; fp8_e4m3 rounds them to FP8 at load (faster decode at small batches)")
-    gen.add_argument("--dense-dtype", default="auto", choices=("auto", "fp8_e4m3"),
-                     help="QKV / O weights; fp8_e4m3 rounds them to FP8 at load and runs prompts' projections as FP8 "
-                          "GEMMs (faster prefill; numerics then depend on a step's size)")
-    gen.add_argument("--mxfp4-decode-max-tokens", type=int, default=0, metavar="T",
-                     help="decode steps of <= T tokens read the checkpoint's MXFP4 experts (CUDA kernel; keeps both "
-                          "copies); 0: off")
-    gen.add_argument("--decode-front", default="auto", choices=("auto", "triton", "cuda"),
-                     help="MoE front of single-token decode steps: cuda (one cluster kernel, built with nvcc), triton; "
-                          "auto: cuda for routers of >= 128 experts on SM90+")
-    gen.add_argument("--moe-segments-max-rows", type=int, default=None, metavar="R",
-                     help="steps of > 64 tokens whose experts average <= R rows on the segments GEMM (default: the "
-                          "kernel's, 16; 0: DeepGEMM's grouped GEMM)")
-    gen.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
-                     help="replay decode steps as CUDA graphs (auto: on a CUDA device, every rank)")
-    gen.add_argument("--prefill-graphs", default="auto", choices=("auto", "on", "off"),
-                     help="prefill / mixed steps as piecewise CUDA graphs at token buckets, attention eager "
-                          "(auto: with --cuda-graphs, every rank)")
-    gen.add_argument("--triton-precompile", default="on", choices=("on", "off"),
-                     help="compile the Triton kernels of a shipped manifest for this model in worker processes while "
-                          "the weights load (engine/triton_precompile.py; CUDA only)")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: heads and vocabulary split")
-    gen.add_argument("--ep", type=int, default=1,
-                     help="expert-parallel ranks (over the same ranks as --tp: each is 1 or the rank count)")
-    gen.add_argument("--dp", type=int, default=1, help="data-parallel attention; only 1 is supported")
-    gen.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                     help="reuse the K/V of cached prompt prefixes (prompts sharing whole pages); on by default")
     gen.add_argument("--prediction", help="expected output text (speculative decoding drafts; every prompt)")
     gen.add_argument("--prediction-ids", help="expected output as comma-separated token ids")
-    gen.add_argument("--speculative-tokens", type=int, default=4, help="draft tokens verified per step (0: off)")
-    gen.add_argument("--prompt-lookup", action="store_true",
-                     help="also draft from the prompt and output (n-gram lookup), without a prediction")
-    gen.add_argument("--all-reduce", default="auto", choices=("auto", "nccl", "symm_mem"),
-                     help="the ranks' sums; symm_mem: one-shot over symmetric memory for decode-sized tensors (CUDA); "
-                          "auto: symm_mem where each rank sees every GPU of the group with peer access, else nccl")
+    add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     from model.convert import add_convert_parser
 
     add_convert_parser(sub)  # gptoss convert SRC DST: pre-converted FP8 experts
+    from serve_app.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)  # gptoss run-batch IN OUT: an OpenAI Batch API file through the app, no Ray
     return parser
 
 
