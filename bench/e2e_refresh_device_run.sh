@@ -13,8 +13,7 @@ DEVICE_START=$(date +%s)
 source scripts/device_env.sh
 MODEL=${MODEL:-gpt-oss-20b}
 TAG=${MODEL#gpt-oss-}
-if [ -n "$FI_PID" ]; then wait "$FI_PID"; tail -2 "$LOGS/flashinfer_build.log"; fi
-if [ -n "$DG_PID" ]; then wait "$DG_PID"; tail -1 "$LOGS/dg_build_stdout.log"; fi
+wait_builds
 python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
 echo "set-up done after $(( $(date +%s) - DEVICE_START )) s"
 LOG=$OUT/e2e_h200_${TAG}_refresh.log

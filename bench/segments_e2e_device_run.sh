@@ -5,9 +5,13 @@
 # 1k/1k estimate and the engine run). ROWS (default "16 0") sets the order. Run it with needs_h200 (it exits at once
 # on a GPU of less memory).
 #   DG_USE=1 LIMIT_S=590 bash bench/segments_e2e_device_run.sh
+# On a bare machine (no .jit/flashinfer*.tgz, no .dg_src/dg_site.tgz: a fresh checkout) add FI_BUILD=1 DG_BUILD=1 and
+# carry .dg_src/deepgemm_src.tgz (scripts/pack_deep_gemm_src.sh): the call builds both first (~2 min) and returns
+# them in $OUT for the next call's carry.
 set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
+wait_builds
 python3 -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
 MEM_MIB=$(gpu_mem_mib)
 if [ "${MEM_MIB:-0}" -lt 120000 ]; then

@@ -3,8 +3,9 @@
 #
 # Two `run` calls on one warm machine, the second right after the first (the carry limit, 64 MiB a call,
 # does not fit FlashInfer's and Ray's wheels together):
-#   1. carry [".whl", ".jit", ".dg_src"]:  DG_USE=1 source scripts/device_env.sh   (FlashInfer, deep_gemm,
-#      JIT caches into /tmp; any other work may follow in the same call)
+#   1. carry [".whl", ".jit", ".dg_src"]:  DG_USE=1 source scripts/device_env.sh && wait_builds   (FlashInfer,
+#      deep_gemm, JIT caches into /tmp; any other work may follow in the same call; on a bare machine with
+#      FI_BUILD=1 DG_BUILD=1, which builds them first: bench/segments_e2e_device_run.sh says how)
 #   2. carry [".whl_serve"]:               bash bench/serve_device_run.sh [SETUPS]
 # .whl_serve/ (made by scripts/build_serve_wheels.sh) holds cp312 wheels of ray[serve] (ray 2.60.0 without its
 # Java jars, RLlib, Data, Train, Tune, LLM and dashboard UI files), fastapi, uvicorn, pydantic, openai,

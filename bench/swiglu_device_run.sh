@@ -15,8 +15,7 @@ export FI_BUILD=${FI_BUILD:-1} DG_USE=${DG_USE:-1} DG_BUILD=${DG_BUILD:-1}
 source scripts/device_env.sh
 step swiglu_ab 90 python3 -m bench.swiglu_ab --out "$OUT/swiglu_ab_mufu.json"
 step dispatch_ab 60 python3 -m bench.dispatch_ab --out "$OUT/dispatch_ab.json"
-[ -n "$DG_PID" ] && { wait "$DG_PID"; tail -1 "$LOGS/dg_build_stdout.log"; }
-[ -n "$FI_PID" ] && { wait "$FI_PID"; tail -2 "$LOGS/flashinfer_build.log"; }
+wait_builds
 step gpu_tests 150 python3 -m pytest -q -ra -p no:cacheprovider tests/kernels/test_moe_gpu.py \
     -k "swiglu or layer_matches_bf16 or dispatch_swiglu"
 tail -4 "$OUT/gpu_tests.log"

@@ -5,9 +5,11 @@
 # on (16 rows, the default) and off (0: DeepGEMM's contiguous GEMM), alternated per batch. Run it with needs_h200
 # (120b's 117 GB of FP8 experts).
 #   DG_USE=1 LIMIT_S=560 bash bench/throughput_timeline_device_run.sh
+# On a bare machine add FI_BUILD=1 DG_BUILD=1 (bench/segments_e2e_device_run.sh says how).
 set -u
 DEVICE_START=$(date +%s)
 source scripts/device_env.sh
+wait_builds
 MEM_MIB=$(gpu_mem_mib)
 if [ "${MEM_MIB:-0}" -lt 120000 ]; then
     echo "120b's FP8 experts need the H200's memory: this GPU has $MEM_MIB MiB"; exit 1

@@ -55,6 +55,14 @@ elif [ "${DG_BUILD:-0}" = 1 ] && [ -f .dg_src/deepgemm_src.tgz ]; then
         && tar czf "$OUT/dg_site.tgz" -C /tmp/dg_site . ; echo "deep_gemm build exit $?" >> "$LOGS/dg_build_stdout.log" ) &
     DG_PID=$!
 fi
+# wait_builds: wait for the builds FI_BUILD=1 / DG_BUILD=1 started in the background (none: returns at once), with
+# their logs' last lines. A measurement that needs FlashInfer or deep_gemm calls it first, so one call on a bare
+# machine (a fresh checkout carries no .jit/flashinfer*.tgz or .dg_src/dg_site.tgz) builds, then measures.
+wait_builds() {
+    if [ -n "$FI_PID" ]; then wait "$FI_PID"; echo "flashinfer: $(tail -2 "$LOGS/flashinfer_build.log" | tr '\n' ' ')"; fi
+    if [ -n "$DG_PID" ]; then wait "$DG_PID"; echo "deep_gemm: $(tail -1 "$LOGS/dg_build_stdout.log")"; fi
+    FI_PID="" DG_PID=""
+}
 # step NAME SECONDS CMD...: run CMD under min(SECONDS, what LIMIT_S leaves of this call), log to $OUT/NAME.log
 DEVICE_START=${DEVICE_START:-$(date +%s)}
 left() { echo $(( ${LIMIT_S:-560} - ($(date +%s) - DEVICE_START) - 15 )); }
