@@ -54,6 +54,11 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device))
 
 
+def engine_fingerprint(engine, weights: str) -> str:
+    """system_fingerprint of a running LLMEngine: its own EngineConfig, model shapes and device."""
+    return system_fingerprint(engine.config, engine.model.config, weights, device_name(engine.config.device))
+
+
 def system_fingerprint(engine_config, model_config, weights: str, device: str, version: str | None = None) -> str:
     """`fp_` and 12 hex digits. engine_config: EngineConfig; model_config: GptOssConfig; weights: checkpoint_identity()
     or a name of random weights; device: "cpu" or the GPU's name (device_name)."""

@@ -45,7 +45,7 @@ class DecodeServer:
         runner = self.engine.engine.runner
         self._kv_shape = (runner.layer_is_sliding, runner.payload_kv_heads, runner.head_dim, runner.kv_dtype,
                           self.engine.engine.model.config.sliding_window)
-        self._fingerprint = replica_fingerprint(self.config, self.device, self.engine.engine.model.config)
+        self._fingerprint = replica_fingerprint(self.config, self.engine.engine)
         self.metrics = ServerMetrics("decode", self.config.served_model_name)
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
         self.fallbacks: Counter[str] = Counter()  # by reason (_reason)

@@ -69,16 +69,14 @@ def start_engine(config: ServeAppConfig, settings: DeploymentSettings, device: s
                        stream_items_per_s=config.stream_items_per_s)
 
 
-def replica_fingerprint(config: ServeAppConfig, device: str, model_config) -> str:
-    """The deployment's `system_fingerprint` (engine/fingerprint.py): its weights, model shapes, GPU model and the
-    settings that change numerics; alike on every replica of the deployment on like GPUs."""
-    from engine.fingerprint import checkpoint_identity, device_name, system_fingerprint
+def replica_fingerprint(config: ServeAppConfig, engine) -> str:
+    """The deployment's `system_fingerprint` (engine/fingerprint.py) from its engine (an LLMEngine): its weights,
+    model shapes, GPU model and the settings that change numerics; alike on every replica on like GPUs."""
+    from engine.fingerprint import checkpoint_identity, engine_fingerprint
 
     if config.random_model is not None:
-        weights = f"{config.model} seed {config.seed}"
-    else:
-        weights = checkpoint_identity(config.model or tiny_model_path())
-    return system_fingerprint(config.engine_config(device, "decode"), model_config, weights, device_name(device))
+        return engine_fingerprint(engine, f"{config.model} seed {config.seed}")
+    return engine_fingerprint(engine, checkpoint_identity(config.model or tiny_model_path()))
 
 
 def _start_over_rank_actors(folder: str | None, engine_config, resources: ReplicaResources, random_shapes=None,

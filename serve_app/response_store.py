@@ -42,7 +42,7 @@ class ResponseStoreServer(MemoryResponseStore):
                                       tag_keys=tuple(tags))
         chats = metrics.Gauge("gptoss_response_store_chat_completions", "Stored chat completions (store: true)",
                               tag_keys=tuple(tags))
-        size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of the stored responses and conversations",
+        size = metrics.Gauge("gptoss_response_store_bytes", "Bytes (JSON) of everything stored",
                              tag_keys=tuple(tags))
         running = metrics.Gauge("gptoss_response_store_background_running",
                                 "Background responses stored as queued or in progress", tag_keys=tuple(tags))

@@ -197,7 +197,7 @@ async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: Batch
 def cmd_run_batch(args) -> int:
     from engine.async_engine import AsyncEngine
     from engine.cli import CliError, default_model_dir, engine_config_of, ensure_tiny_model
-    from engine.fingerprint import checkpoint_identity, device_name, system_fingerprint
+    from engine.fingerprint import checkpoint_identity, engine_fingerprint
     from engine.llm_engine import LLMEngine
     from serve_app.harmony.render_worker import RenderWorkers
     from serve_app.openai_api.app import create_app
@@ -217,8 +217,7 @@ def cmd_run_batch(args) -> int:
         app = create_app(backend, model_name=args.served_model_name, max_context=engine.max_model_len,
                          default_max_tokens=args.default_max_tokens, renderer=renderer,
                          conversation_start_date=args.conversation_start_date,
-                         system_fingerprint=system_fingerprint(config, engine.model.config,
-                                                               checkpoint_identity(folder), device_name(args.device)))
+                         system_fingerprint=engine_fingerprint(engine, checkpoint_identity(folder)))
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "w", encoding="utf-8") as out:
             summary = asyncio.run(run_batch(app, read_file(source), out, BatchSummary(total),

@@ -243,7 +243,8 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
                 with_logprobs = req.logprobs and "content" in delta
                 yield chunk(index, delta, logprobs=pending_logprobs if with_logprobs else None)
                 pending_logprobs = [] if with_logprobs else pending_logprobs
-        finals[index] = finished(index, gen, assembler, all_logprobs)
+        if store is not None:
+            finals[index] = finished(index, gen, assembler, all_logprobs)
         yield chunk(index, {}, gen.finish_reason, pending_logprobs if req.logprobs and pending_logprobs else None)
 
     async def stream(group: GenerationGroup) -> AsyncIterator[bytes]:

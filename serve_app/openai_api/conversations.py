@@ -212,9 +212,13 @@ def list_page(items: list[dict[str, Any]], *, order: str, limit: int, after: str
         if after not in ids:
             raise BadRequest(f"after: no item {after!r} in {where}", param="after")
         items = items[ids.index(after) + 1:]
-    page = items[:limit]
+    return page_json(items[:limit], has_more=len(items) > limit)
+
+
+def page_json(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A list endpoint's answer for one page of objects (each with an `id`)."""
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
 
 
 def include_of(request: Request) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from serve_app.openai_api.conversations import check_page, list_page
+from serve_app.openai_api.conversations import check_page, list_page, page_json
 from serve_app.openai_api.errors import BadRequest, NotFound, ask_store
 from serve_app.openai_api.generation import IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, ChatMessage, Metadata, Strict
@@ -104,9 +104,7 @@ async def list_completions(ctx: IngressContext, owner: str | None, *, model: str
     found = await ask_store(_store(ctx).list_chat_completions(owner, model, metadata, order, limit, after))
     if found is None:
         raise BadRequest(f"after: no stored chat completion {after!r} in this list", param="after")
-    page, has_more = found
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+    return page_json(*found)
 
 
 async def retrieve(ctx: IngressContext, completion_id: str, owner: str | None) -> dict[str, Any]:

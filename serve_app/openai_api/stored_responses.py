@@ -164,7 +164,7 @@ class MemoryResponseStore:
         self._seen: dict[str, float] = {}  # unfinished response -> when its replica last asked for cancels
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        # responses and conversations, oldest use first
+        # responses, conversations and chat completions, oldest use first
         self._items: OrderedDict[str, tuple[Stored, int]] = OrderedDict()
         self.bytes = 0
         # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
@@ -437,8 +437,8 @@ class MemoryResponseStore:
         return [self._items[key][0].completion for key in keys[:limit]], len(keys) > limit
 
     def _make_room(self) -> None:
-        """Drop the least recently used entries (responses with their events, conversations) until the count and byte
-        limits hold."""
+        """Drop the least recently used entries (responses with their events, conversations, chat completions) until
+        the count and byte limits hold."""
         while self._items and (len(self._items) > self.max_responses or self.bytes > self.max_bytes):
             self._drop(next(iter(self._items)))
 
