@@ -29,6 +29,7 @@ from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerO
                                          parse_json)
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, InputTokensRequest, ResponsesRequest
+from serve_app.openai_api.request_ids import RequestIdHeader
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
                                             list_input_items, retrieve_response, stream_stored_response)
 from serve_app.openai_api import stored_chat
@@ -110,8 +111,9 @@ def create_app(
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)
-    if cors_allow_origins:  # added last, so outermost: a preflight (which carries no key) is answered before the gate
+    if cors_allow_origins:  # added after the gate, so outside it: a preflight (which carries no key) is answered first
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_allow_origins), **CORS_OPTIONS)
+    app.add_middleware(RequestIdHeader)  # outermost: a 401 or a preflight's answer carries one too
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "gptoss-serve",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -344,4 +345,15 @@ def test_answers_carry_their_id_as_x_request_id(server, client, backend):
     # a request that brings its own (a proxy's, Serve's) is not given a second one
     backend.push(OK)
     r = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, headers={"x-request-id": "trace-7"}, timeout=30)
+    assert r.status_code == 200 and "x-request-id" not in r.headers
+    # answers the app does not generate (refusals, lists, /health) get a fresh one each, unless the request had one
+    answers = [post(server, "/v1/chat/completions", {**CHAT, "temperature": 9}), httpx.get(f"{server.url}/v1/nothing"),
+               httpx.get(f"{server.url}/v1/models"), httpx.get(f"{server.url}/health")]
+    assert [r.status_code for r in answers] == [400, 404, 200, 200]
+    ids = [r.headers["x-request-id"] for r in answers]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=HI, temperature=9)
+    assert refused.value.request_id.startswith("req_")
+    r = httpx.get(f"{server.url}/v1/models", headers={"x-request-id": "trace-8"})
     assert r.status_code == 200 and "x-request-id" not in r.headers

@@ -70,6 +70,8 @@ def test_results_are_the_http_servers_answers(checkpoint, tmp_path, capsys):
     assert {cid: r["response"]["status_code"] for cid, r in results.items()} == {
         "chat": 200, "chat-n2": 200, "text": 200, "resp": 200, "wrong-model": 404, "bad-value": 400, "continues": 400}
     assert all(r["error"] is None for r in results.values())
+    ids = [r["response"]["request_id"] for r in results.values()]  # refusals carry one too, all distinct
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids)
     assert results["bad-value"]["response"]["body"]["error"]["param"] == "temperature"
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     assert "7/7 requests (4 x 200, 2 x 400, 1 x 404)" in summary and str(target) in summary
