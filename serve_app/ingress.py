@@ -113,7 +113,9 @@ class HarmonyIngress:
             response_store=self.response_store, cors_allow_origins=() if several else s.cors_allow_origins,
             allow_priority=s.allow_priority, isolate_prefix_cache=s.isolate_prefix_cache,
             forced_call_reasoning_tokens=s.forced_call_reasoning_tokens, usage_sink=self.api_metrics.record,
-            renderer=self.renderer, system_fingerprint=backend.system_fingerprint)
+            renderer=self.renderer, system_fingerprint=backend.system_fingerprint,
+            batch_concurrency=s.batch_concurrency, batch_priority=s.batch_priority,
+            max_upload_bytes=int(s.file_max_mib * 2**20))
             for name, backend in self.backends.items()}
         if not several:
             return self._apps[self.served_model_name]
@@ -122,7 +124,11 @@ class HarmonyIngress:
 
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
-        seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py)."""
-        runs = [app.state.background for app in getattr(self, "_apps", {}).values() if app.state.background is not None]
-        await asyncio.gather(*(background.stop(wait_s=BACKGROUND_DRAIN_S) for background in runs))
+        seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py); running batches end
+        failed with the answers they have (batch_runs.py)."""
+        apps = getattr(self, "_apps", {}).values()
+        runs = [app.state.background for app in apps if app.state.background is not None]
+        batches = [app.state.batches for app in apps if app.state.batches is not None]
+        await asyncio.gather(*(background.stop(wait_s=BACKGROUND_DRAIN_S) for background in runs),
+                             *(batch_runs.stop() for batch_runs in batches))
         self.renderer.close()

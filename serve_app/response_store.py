@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from serve_app.openai_api.batch_store import StoredBatch, StoredFile
 from serve_app.openai_api.stored_responses import (MemoryResponseStore, StoredChatCompletion, StoredConversation,
                                                    StoredResponse)
 
@@ -26,15 +27,17 @@ class ResponseStoreServer(MemoryResponseStore):
     after marking the orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge
     set once at start did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
-    async def __init__(self, max_responses: int, max_bytes: int, path: str | None = None):
+    async def __init__(self, max_responses: int, max_bytes: int, path: str | None = None,
+                       max_file_bytes: int = 1 << 30):
         """path: the SQLite file every entry is written through to and read back from at start (store_file.py);
-        None: memory only, a restart forgets everything."""
+        None: memory only, a restart forgets everything. max_file_bytes: the room of /v1/files' files."""
         from ray.util import metrics
 
         from serve_app.metrics import replica_tags
         from serve_app.openai_api.store_file import StoreFile
 
-        MemoryResponseStore.__init__(self, max_responses, max_bytes, file=StoreFile(path) if path else None)
+        MemoryResponseStore.__init__(self, max_responses, max_bytes, file=StoreFile(path) if path else None,
+                                     max_file_bytes=max_file_bytes)
         tags = replica_tags("response_store")
         count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
                               tag_keys=tuple(tags))
@@ -46,6 +49,10 @@ class ResponseStoreServer(MemoryResponseStore):
                              tag_keys=tuple(tags))
         running = metrics.Gauge("gptoss_response_store_background_running",
                                 "Background responses stored as queued or in progress", tag_keys=tuple(tags))
+        files = metrics.Gauge("gptoss_response_store_file_bytes", "Bytes of the /v1/files files",
+                              tag_keys=tuple(tags))
+        batches = metrics.Gauge("gptoss_response_store_batches_running", "/v1/batches batches not yet ended",
+                                tag_keys=tuple(tags))
 
         async def report_forever() -> None:
             while True:
@@ -56,13 +63,16 @@ class ResponseStoreServer(MemoryResponseStore):
                 chats.set(counts["chat_completions"], tags=tags)
                 size.set(self.bytes, tags=tags)
                 running.set(self.running(), tags=tags)
+                files.set(self.file_bytes, tags=tags)
+                batches.set(self.batch_counts()["batches_running"], tags=tags)
                 await asyncio.sleep(REPORT_INTERVAL_S)
 
         self._reporter = asyncio.get_running_loop().create_task(report_forever())
 
     def stats(self) -> dict[str, int]:
         return {**self.counts(), "bytes": self.bytes, "max_responses": self.max_responses, "max_bytes": self.max_bytes,
-                "background_running": self.running()}
+                "background_running": self.running(), **self.batch_counts(), "file_bytes": self.file_bytes,
+                "max_file_bytes": self.max_file_bytes}
 
 
 class ServeResponseStore:
@@ -133,3 +143,37 @@ class ServeResponseStore:
     async def list_chat_completions(self, owner: str | None, model: str | None, metadata: dict[str, str], order: str,
                                     limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
         return await self._call("list_chat_completions", owner, model, metadata, order, limit, after)
+
+    # /v1/files and /v1/batches (batch_store.MemoryBatchStore)
+
+    async def put_file(self, file_id: str, stored: StoredFile) -> bool:
+        return await self._call("put_file", file_id, stored)
+
+    async def get_file(self, file_id: str, with_text: bool = False) -> StoredFile | None:
+        return await self._call("get_file", file_id, with_text)
+
+    async def delete_file(self, file_id: str) -> bool:
+        return await self._call("delete_file", file_id)
+
+    async def list_files(self, owner: str | None, purpose: str | None, order: str, limit: int,
+                         after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
+        return await self._call("list_files", owner, purpose, order, limit, after)
+
+    async def put_batch(self, batch_id: str, stored: StoredBatch) -> None:
+        return await self._call("put_batch", batch_id, stored)
+
+    async def get_batch(self, batch_id: str) -> StoredBatch | None:
+        return await self._call("get_batch", batch_id)
+
+    async def update_batch(self, batch_id: str, changes: dict[str, Any]) -> dict[str, Any] | None:
+        return await self._call("update_batch", batch_id, changes)
+
+    async def request_batch_cancel(self, batch_id: str) -> dict[str, Any] | None:
+        return await self._call("request_batch_cancel", batch_id)
+
+    async def batch_cancel_requested(self, batch_ids: list[str]) -> list[str]:
+        return await self._call("batch_cancel_requested", batch_ids)
+
+    async def list_batches(self, owner: str | None, limit: int, after: str | None
+                           ) -> tuple[list[dict[str, Any]], bool] | None:
+        return await self._call("list_batches", owner, limit, after)

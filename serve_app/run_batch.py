@@ -145,9 +145,10 @@ class BatchSummary:
 
 
 async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: BatchSummary, concurrency: int,
-                    progress: TextIO | None = sys.stderr) -> BatchSummary:
+                    progress: TextIO | None = sys.stderr, errors: TextIO | None = None) -> BatchSummary:
     """Send every line's body to `app` (an ASGI app: create_app's), `concurrency` at a time, writing each result to
-    `out` as it ends."""
+    `out` as it ends (to `errors` instead, when given, if it is not a 2xx). Cancelled, it cancels the requests in
+    flight (their lines are not written)."""
     import httpx
 
     if concurrency < 1:
@@ -171,9 +172,11 @@ async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: Batch
             summary.add(0, None)
         finally:
             slots.release()
-        out.write(json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, **record},
-                             ensure_ascii=False) + "\n")
-        out.flush()
+        ok = record["response"] is not None and 200 <= record["response"]["status_code"] < 300
+        into = out if ok or errors is None else errors
+        into.write(json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, **record},
+                              ensure_ascii=False) + "\n")
+        into.flush()
 
     async def report() -> None:
         while True:
@@ -181,16 +184,21 @@ async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: Batch
             print(f"run-batch: {summary.line()}", file=progress, flush=True)
 
     reporter = asyncio.create_task(report()) if progress is not None else None
-    async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
-        running: set[asyncio.Task] = set()
-        for line in lines:
-            await slots.acquire()
-            task = asyncio.create_task(one(client, line))
-            running.add(task)
-            task.add_done_callback(running.discard)
-        await asyncio.gather(*running)
-    if reporter is not None:
-        reporter.cancel()
+    running: set[asyncio.Task] = set()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+            for line in lines:
+                await slots.acquire()
+                task = asyncio.create_task(one(client, line))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await asyncio.gather(*running)
+    finally:
+        for task in running:  # cancelled (or failed) before they ended
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        if reporter is not None:
+            reporter.cancel()
     return summary
 
 

@@ -7,11 +7,10 @@ Serve-handle backend, and tests can serve it with uvicorn around a scripted back
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence, TypeVar
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from pydantic import BaseModel
 from starlette.responses import Response
 
 from engine.request import EngineUnhealthyError, TokenBackend
@@ -20,13 +19,14 @@ from serve_app.harmony.render import DEFAULT_KNOWLEDGE_CUTOFF
 from serve_app.harmony.render_worker import RenderWorkers
 from serve_app.openai_api.auth import ApiKeyGate, requester
 from serve_app.openai_api.background import BackgroundRuns
+from serve_app.openai_api.batch_runs import DEFAULT_CONCURRENCY, BatchRuns
+from serve_app.openai_api.batches import install_batch_routes
 from serve_app.openai_api.chat import create_chat_completion
 from serve_app.openai_api.completion_request import CompletionRequest
 from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api import conversations
 from serve_app.openai_api.conversations import ConversationCreate, ConversationUpdate, ItemsCreate, include_of
-from serve_app.openai_api.errors import (ModelNotFound, PayloadTooLarge, ServerOverloaded, install_error_handlers,
-                                         parse_json)
+from serve_app.openai_api.errors import ModelNotFound, ServerOverloaded, install_error_handlers, parse_request
 from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.request_ids import RequestIdHeader
@@ -37,7 +37,6 @@ from serve_app.openai_api.stored_chat import ChatCompletionUpdate
 from serve_app.openai_api.stored_responses import ResponseStore
 from serve_app.openai_api.usage import UsageSink
 
-RequestT = TypeVar("RequestT", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~2M tokens of text: far above any context we serve
 # CORS for the allowed origins (`cors_allow_origins`): any method and header; clients may read these two headers.
 CORS_OPTIONS = dict(allow_methods=["*"], allow_headers=["*"], expose_headers=["x-request-id", "retry-after"],
@@ -63,6 +62,9 @@ def create_app(
     usage_sink: UsageSink | None = None,
     renderer: RenderWorkers | None = None,
     system_fingerprint: str | None = None,
+    batch_concurrency: int = DEFAULT_CONCURRENCY,
+    batch_priority: int = 1,
+    max_upload_bytes: int = 200 << 20,
 ) -> FastAPI:
     """Serve /v1/chat/completions, /v1/responses (GET / DELETE of stored ones, cancel of background ones, input
     token counts), /v1/conversations (and their items), /v1/completions, /v1/models and /health for `backend`.
@@ -87,6 +89,8 @@ def create_app(
     replica); None: the app's own, one process, started on the first long prompt.
     system_fingerprint: the backend's configuration (engine/fingerprint.py), reported in chat and text completions;
     None: reported as null.
+    batch_concurrency, batch_priority: a /v1/batches batch's requests in flight at once, and the engine priority
+    they get on top of their own (batch_runs.py); max_upload_bytes: the largest /v1/files upload (batches.py).
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context
@@ -101,13 +105,17 @@ def create_app(
                            max_body_bytes=max_body_bytes, stream_keepalive_s=stream_keepalive_s,
                            allow_priority=allow_priority, isolate_prefix_cache=isolate_prefix_cache,
                            forced_call_reasoning_tokens=forced_call_reasoning_tokens,
-                           system_fingerprint=system_fingerprint)
+                           system_fingerprint=system_fingerprint, batch_priority=batch_priority)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
                          background=BackgroundRuns(response_store) if response_store is not None else None,
                          usage_sink=usage_sink, renderer=renderer if renderer is not None else RenderWorkers())
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)
+    # batches' requests go to this app, or to the app around it (model_router.serve_models sets that)
+    app.state.batches = BatchRuns(response_store, batch_concurrency) if response_store is not None else None
+    if app.state.batches is not None:
+        app.state.batches.target = app
     install_error_handlers(app)
     if api_keys:
         app.add_middleware(ApiKeyGate, keys=api_keys)
@@ -256,24 +264,5 @@ def create_app(
     async def delete_conversation_item(request: Request, conversation_id: str, item_id: str) -> dict[str, Any]:
         return await conversations.delete_item(conversation_id, item_id, ctx, requester(request))
 
+    install_batch_routes(app, ctx, app.state.batches, max_upload_bytes)
     return app
-
-
-async def parse_request(request: Request, model: type[RequestT], limit: int) -> RequestT:
-    """The body as `model`, its JSON types checked as OpenAI checks them: strictly, so `"5"`, `true` or `5.0`
-    for an integer (or `"true"` for a boolean) is a 400 naming the field, never silently converted."""
-    return model.model_validate(parse_json(await read_body(request, limit)), strict=True)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)

@@ -38,6 +38,14 @@ def requester(request) -> str | None:
     return getattr(request.state, "api_key_id", None)
 
 
+BATCH_STATE = "batch_of"  # scope["state"] key: the request is a line of a batch (batch_runs.as_batch_line)
+
+
+def in_batch(request) -> bool:
+    """Whether the request is a line of a /v1/batches batch, run by the server itself (batch_runs.py)."""
+    return getattr(request.state, BATCH_STATE, None) is not None
+
+
 def bearer_token(scope: Scope) -> bytes | None:
     """The token of the request's `Authorization: Bearer TOKEN` header (None: no such header)."""
     for name, value in scope.get("headers", ()):
@@ -61,7 +69,8 @@ class ApiKeyGate:
         return sum(hmac.compare_digest(token, key) for key in self.keys) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and app_path(scope) not in OPEN_PATHS:
+        # A batch's line comes from the server itself (its scope's state, which no client sets), with its key's id.
+        if scope["type"] == "http" and app_path(scope) not in OPEN_PATHS and BATCH_STATE not in scope.get("state", ()):
             token = bearer_token(scope)
             if token is None or not self.accepts(token):
                 err = InvalidApiKey(sent=token is not None)

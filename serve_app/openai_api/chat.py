@@ -38,7 +38,7 @@ from serve_app.harmony.render import (
     prompt_chars,
     render_prompt,
 )
-from serve_app.openai_api.auth import requester
+from serve_app.openai_api.auth import in_batch, requester
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
     Generation,
@@ -184,7 +184,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
     sampling = replace(sampling, ignore_eos=req.ignore_eos, constraint=constraint,
                        prediction=draft_ids)
     n = req.n or 1
-    priority = ctx.config.request_priority(req.priority)
+    priority = ctx.config.request_priority(req.priority, in_batch(http))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def nth(i: int) -> Generation:

@@ -35,7 +35,7 @@ from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, Samp
 from serve_app.harmony.constrain import FINAL
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.text_limits import check_tokenizable
-from serve_app.openai_api.auth import requester
+from serve_app.openai_api.auth import in_batch, requester
 from serve_app.openai_api.completion_request import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
@@ -183,7 +183,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
     if constraint is not None:
         constraint = replace(constraint, start_in=FINAL)
     n = req.n or 1
-    priority = ctx.config.request_priority(req.priority)
+    priority = ctx.config.request_priority(req.priority, in_batch(http))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gens: list[TextGeneration] = []
     texts = [prompt for prompt in req.prompt if isinstance(prompt, str)]

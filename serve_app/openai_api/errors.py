@@ -14,7 +14,7 @@ from typing import Any, Awaitable, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.request import InvalidRequestError
@@ -22,6 +22,7 @@ from serve_app.openai_api.streaming import ClientGone
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -289,3 +290,23 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error while serving a request")
         return _json(500, error_body(f"Internal server error ({type(err).__name__}); the server logs have "
                                      "the details.", "server_error"))
+
+
+async def parse_request(request: Request, model: type[RequestT], limit: int) -> RequestT:
+    """The body as `model`, its JSON types checked as OpenAI checks them: strictly, so `"5"`, `true` or `5.0`
+    for an integer (or `"true"` for a boolean) is a 400 naming the field, never silently converted."""
+    return model.model_validate(parse_json(await read_body(request, limit)), strict=True)
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -59,14 +59,16 @@ class IngressConfig:
     isolate_prefix_cache: bool = False  # each API key its own prefix-cache namespace: cache_salt
     forced_call_reasoning_tokens: int = 2048  # a forced tool call's reasoning before it (forced_call_grammar)
     system_fingerprint: str | None = None  # the backend's configuration (engine/fingerprint.py); None: unknown
+    batch_priority: int = 1  # added to the priority of a /v1/batches request (batch_runs.py)
 
-    def request_priority(self, priority: int | None) -> int:
-        """A request's engine priority (lower runs sooner, engine/scheduler.py). Off by default: any client
-        could otherwise put itself ahead of everyone."""
+    def request_priority(self, priority: int | None, batch: bool = False) -> int:
+        """A request's engine priority (lower runs sooner, engine/scheduler.py); a batch's requests (`batch`) come
+        `batch_priority` after the others. A request's own priority is off by default: any client could otherwise
+        put itself ahead of everyone."""
         if priority and not self.allow_priority:
             raise BadRequest("priority is not enabled on this server (ingress.allow_priority); leave it out or "
                              "send 0", param="priority")
-        return priority or 0
+        return (priority or 0) + (self.batch_priority if batch else 0)
 
     def forced_reasoning_budget(self, max_tokens: int | None) -> int:
         """Tokens each message before a forced tool call may take (forced_call_grammar): the configured budget, and

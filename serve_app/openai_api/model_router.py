@@ -7,8 +7,9 @@ to the app of the `model` its body names.
   model is a 404 that lists the served ones.
 - GET /v1/models lists every model; GET /v1/models/{id} asks that model's app.
 - Everything else (/health, stored responses by id, their cancel and input items, /v1/conversations, stored chat
-  completions) goes to the first model's app: the apps share one response store, so any of them reads any stored
-  response, conversation or chat completion (listing chat completions filters by `model` as asked).
+  completions, /v1/files, /v1/batches) goes to the first model's app: the apps share one response store, so any of
+  them reads any stored response, conversation or chat completion (listing chat completions filters by `model` as
+  asked); its batches send their lines back through the router, so each line reaches the model it names.
 
 API keys and CORS wrap the router once (`serve_models`), so the merged model list is guarded like the rest and a
 request's key (auth.requester) reaches whichever app serves it.
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve_app.openai_api.app import CORS_OPTIONS
 from serve_app.openai_api.auth import ApiKeyGate, app_path
 from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge
+from serve_app.openai_api.request_ids import RequestIdHeader
 
 ROUTED_POSTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens"})
 
@@ -138,4 +140,8 @@ def serve_models(apps: Mapping[str, ASGIApp], *, max_body_bytes: int, api_keys: 
         app = ApiKeyGate(app, api_keys)
     if cors_allow_origins:
         app = CORSMiddleware(app, allow_origins=list(cors_allow_origins), **CORS_OPTIONS)
+    app = RequestIdHeader(app)
+    batches = getattr(getattr(next(iter(apps.values())), "state", None), "batches", None)
+    if batches is not None:  # the first app runs the batches (it gets /v1/batches); their lines come back here
+        batches.target = app
     return app

@@ -31,7 +31,7 @@ from engine.request import TokenLogprob
 from serve_app.harmony.constrain import HarmonySchemaSpec
 from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import prompt_chars
-from serve_app.openai_api.auth import requester
+from serve_app.openai_api.auth import in_batch, requester
 from serve_app.openai_api.background import EventRecorder, follow_events
 from serve_app.openai_api.conversations import conversation_input, list_page, listed_item, record_turn
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound, ask_store
@@ -238,7 +238,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     ), len(prompt_ids), ctx.config)
     sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling,
-                     priority=ctx.config.request_priority(req.priority), caller=Caller("responses", owner),
+                     priority=ctx.config.request_priority(req.priority, in_batch(http)), caller=Caller("responses", owner),
                      cache_salt=req.cache_salt)
     created = time.time()
     store = ctx.store is not None and req.store is not False

@@ -1,4 +1,5 @@
-"""The response store's file (`ingress.store_path`): every stored response, conversation and chat completion, written
+"""The response store's file (`ingress.store_path`): every stored response, conversation and chat completion (and
+the files and batches of /v1/files and /v1/batches, batch_store.py), written
 through to SQLite so that a restart of the store's replica (a redeploy, a crash, a node's reboot) finds them again.
 
 The store's memory stays the truth; this file is its copy. Each change of an entry rewrites that entry's row (its
@@ -18,6 +19,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterator
 
+from serve_app.openai_api.batch_store import StoredBatch, StoredFile
 from serve_app.openai_api.stored_responses import Stored, StoredChatCompletion, StoredConversation, StoredResponse
 
 
@@ -33,12 +35,16 @@ class StoreFile:
         self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, kind TEXT NOT NULL, "
                          "body TEXT NOT NULL, previous_id TEXT, owner TEXT)")
 
-    def write(self, key: str, stored: Stored, body: str) -> None:
+    def write(self, key: str, stored: Stored | StoredFile | StoredBatch, body: str) -> None:
         """`stored` under `key`; body: the JSON of its content (stored.to_json())."""
         if isinstance(stored, StoredResponse):
             row = (key, "response", body, stored.previous_id, stored.owner)
         elif isinstance(stored, StoredChatCompletion):
             row = (key, "chat_completion", body, None, stored.owner)
+        elif isinstance(stored, StoredFile):
+            row = (key, "file", body, None, stored.owner)
+        elif isinstance(stored, StoredBatch):
+            row = (key, "batch", body, None, stored.owner)
         else:
             row = (key, "conversation", body, None, stored.owner)
         self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?)", row)
@@ -55,6 +61,10 @@ class StoreFile:
                 stored = StoredResponse(content[0], content[1], previous_id, owner)
             elif kind == "chat_completion":
                 stored = StoredChatCompletion(content[0], content[1], owner, content[2])
+            elif kind == "file":
+                stored = StoredFile(content[0], content[1], owner)
+            elif kind == "batch":
+                stored = StoredBatch(content[0], owner)
             else:
                 stored = StoredConversation(content[0], content[1], owner)
             yield key, stored, len(body)

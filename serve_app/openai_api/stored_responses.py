@@ -39,6 +39,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol
 
+from serve_app.openai_api.batch_store import MemoryBatchStore
+
 log = logging.getLogger(__name__)
 
 
@@ -151,12 +153,14 @@ class ResponseStore(Protocol):
                                     limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None: ...
 
 
-class MemoryResponseStore:
-    """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them."""
+class MemoryResponseStore(MemoryBatchStore):
+    """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them; and the
+    files and batches of /v1/files and /v1/batches (MemoryBatchStore: `max_file_bytes` of files)."""
 
     def __init__(self, max_responses: int = 10_000, max_bytes: int = 512 << 20, orphan_after_s: float = 30.0,
-                 clock=time.monotonic, file: "StoreFileLike | None" = None):
+                 clock=time.monotonic, file: "StoreFileLike | None" = None, max_file_bytes: int = 1 << 30):
         """file: where every entry is also written (store_file.StoreFile), read back here; None: memory only."""
+        MemoryBatchStore.__init__(self, max_file_bytes, orphan_after_s, clock, file)
         if max_responses < 1 or max_bytes < 1:
             raise ValueError(f"max_responses ({max_responses}) and max_bytes ({max_bytes}) must be positive")
         self.orphan_after_s = orphan_after_s
@@ -182,6 +186,8 @@ class MemoryResponseStore:
         """The file's entries, least recently written first; unfinished background responses are watched again (an
         ingress replica still running one tells the store so with its next cancel poll, else it becomes an orphan)."""
         for key, stored, size in file.entries():
+            if not isinstance(stored, (StoredResponse, StoredConversation, StoredChatCompletion)):
+                continue  # files and batches: batch_store.MemoryBatchStore's
             self._items[key] = (stored, size)
             self.bytes += size
             if isinstance(stored, StoredResponse) and is_unfinished(stored):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -376,7 +377,8 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
               "ray_gptoss_response_store_responses", "ray_gptoss_response_store_conversations",
               "ray_gptoss_response_store_chat_completions",
               "ray_gptoss_response_store_bytes",
-              "ray_gptoss_response_store_background_running", "ray_gptoss_api_requests",
+              "ray_gptoss_response_store_background_running", "ray_gptoss_response_store_file_bytes",
+              "ray_gptoss_response_store_batches_running", "ray_gptoss_api_requests",
               "ray_gptoss_api_tokens"]
 
     accepted = re.compile(r'ray_gptoss_draft_tokens(_total)?\{[^}]*kind="accepted"')  # (m-1's, once exported)
@@ -417,7 +419,8 @@ def test_engine_metrics_reach_prometheus(ray_ports, reference):
         "kv_transfer_bytes_sum", "draft_tokens_total", "steps_total", "forwards_total", "prefix_routing_total",
         "response_store_responses", "response_store_conversations", "response_store_chat_completions",
         "response_store_bytes",
-        "response_store_background_running", "stream_items_total")}
+        "response_store_background_running", "response_store_file_bytes", "response_store_batches_running",
+        "stream_items_total")}
     assert exercised <= grafana.series_names() and exercised <= present, exercised - present
     for expr in grafana.expressions() + [a.expr for a in alerts.ALERTS]:
         for series, used in grafana.query_labels(expr).items():
@@ -527,6 +530,38 @@ def test_conversations_through_the_response_store(http_port):
         api.conversations.retrieve(conv.id)
 
 
+def test_a_batch_through_serve_gives_the_apis_answers(http_port):
+    """/v1/files and /v1/batches on Ray Serve: the upload through Serve's proxy, the batch run by the ingress replica
+    at batch priority through the prefill and decode deployments; each 2xx line's body is the answer the same request
+    gets over HTTP (greedy), a refused line is in the error file."""
+    api = client(http_port)
+    bodies = {"hi": {**CHAT, "temperature": 0, "max_tokens": 6},
+              "two": {**CHAT, "messages": [{"role": "user", "content": "Count to three."}], "temperature": 0,
+                      "max_tokens": 5, "n": 2},
+              "hot": {**CHAT, "temperature": 9}}
+    text = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+                   for cid, body in bodies.items())
+    source = api.files.create(file=("batch.jsonl", text.encode()), purpose="batch")
+    assert api.files.content(source.id).text == text
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_until(lambda: (b := api.batches.retrieve(batch.id)).status not in ("validating", "in_progress",
+                                                                                  "finalizing") and b, 60,
+                      "the batch to end", interval_s=0.2)
+    assert done.status == "completed" and done.request_counts.model_dump() == {"total": 3, "completed": 2, "failed": 1}
+    out = {line["custom_id"]: line["response"] for line in map(json.loads, api.files.content(done.output_file_id)
+                                                                .text.splitlines())}
+    for cid in ("hi", "two"):
+        want = api.chat.completions.create(**bodies[cid])
+        got = out[cid]["body"]
+        assert out[cid]["status_code"] == 200 and out[cid]["request_id"]
+        assert [c["message"]["content"] for c in got["choices"]] == [c.message.content for c in want.choices], cid
+        assert got["usage"]["completion_tokens"] == want.usage.completion_tokens, cid
+    [refused] = map(json.loads, api.files.content(done.error_file_id).text.splitlines())
+    assert refused["custom_id"] == "hot" and refused["response"]["status_code"] == 400
+    stats = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
+    assert stats["files"] >= 3 and stats["batches_running"] == 0 and stats["file_bytes"] > len(text)
+
+
 def test_the_store_replica_restarts_with_what_it_had(http_port):
     """With ingress.store_path, a store replica that dies (killed here) is replaced by one that reads the file: the
     stored response and the conversation are still there, and the conversation goes on."""
@@ -534,6 +569,7 @@ def test_the_store_replica_restarts_with_what_it_had(http_port):
     params = dict(model=CONFIG.served_model_name, temperature=0, max_output_tokens=4)
     first = api.responses.create(input="Hi there", **params)
     conv = api.conversations.create(items=[{"role": "user", "content": "Remember this."}])
+    kept = api.files.create(file=("kept.jsonl", b'{"kept": 1}\n'), purpose="batch")
     [(old_name, old_actor)] = replica_actors(APP, RESPONSE_STORE_NAME)
     ray.kill(old_actor, no_restart=True)
 
@@ -548,6 +584,7 @@ def test_the_store_replica_restarts_with_what_it_had(http_port):
     again = wait_until(restarted, 90, "a replacement store replica")
     assert again.model_dump() == first.model_dump()
     assert api.conversations.retrieve(conv.id).id == conv.id
+    assert api.files.content(kept.id).text == '{"kept": 1}\n' and api.files.retrieve(kept.id) == kept
     second = api.responses.create(input="And now?", conversation=conv.id, **params)
     assert second.conversation.id == conv.id
     assert len(api.conversations.items.list(conv.id).data) == 2 + len(second.output)

@@ -1,0 +1,214 @@
+"""The store's files and batches (/v1/files, /v1/batches: batches.py): uploaded batch input files, the output and
+error files batches write, and the batch objects with their states.
+
+Unlike responses, nothing here leaves for room: files take at most `max_file_bytes` together, and an upload that
+does not fit is refused (the client deletes files to make room). Each file and batch belongs to the API key that made
+it (None where the app takes no keys); other keys do not see it.
+
+A batch is run by the ingress replica that created it (batches.BatchRuns), which writes its progress here every
+second or so; that write, and its poll for cancels, tell the store the replica is alive. A batch still `validating`,
+`in_progress`, `finalizing` or `cancelling` `orphan_after_s` after its replica's last word (the replica died) is
+marked `failed` when next read, with an error saying so. With the store's file (store_file.py) files and batches
+are written through to it and read back at start like responses; a batch read back unfinished becomes an orphan
+unless a replica still runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+UNFINISHED_BATCH = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class _JsonEntry:
+    def content(self) -> list:
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        return json.dumps(self.content(), ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class StoredFile(_JsonEntry):
+    file: dict[str, Any]  # the file object as returned (id, object, bytes, created_at, filename, purpose, ...)
+    text: str  # its content (UTF-8 JSONL)
+    owner: str | None = None  # the API key (auth.key_id) that uploaded it, or whose batch wrote it
+
+    def content(self) -> list:
+        return [self.file, self.text]
+
+    def size(self) -> int:
+        return len(self.text.encode())
+
+
+@dataclass(frozen=True)
+class StoredBatch(_JsonEntry):
+    batch: dict[str, Any]  # the batch object as returned
+    owner: str | None = None
+
+    def content(self) -> list:
+        return [self.batch]
+
+
+class MemoryBatchStore:
+    """Files and batches in this process's memory (with the response store's file, when it has one: `_file`)."""
+
+    def __init__(self, max_file_bytes: int = 1 << 30, orphan_after_s: float = 30.0, clock=time.monotonic,
+                 file=None):
+        if max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes must be positive, not {max_file_bytes}")
+        self.max_file_bytes = max_file_bytes
+        self.file_bytes = 0
+        self._files: dict[str, StoredFile] = {}
+        self._batches: dict[str, StoredBatch] = {}
+        self._batch_seen: dict[str, float] = {}  # unfinished batch -> when its replica last wrote or polled
+        self._batch_cancel: set[str] = set()
+        self._batch_clock = clock
+        self._batch_orphan_s = orphan_after_s
+        self._batch_file = file
+        if file is not None:
+            for key, stored, _ in file.entries():
+                self._take(key, stored)
+
+    def _take(self, key: str, stored: Any) -> None:
+        """An entry read back from the file (entries of other kinds are the response store's)."""
+        if isinstance(stored, StoredFile):
+            self._files[key] = stored
+            self.file_bytes += stored.size()
+        elif isinstance(stored, StoredBatch):
+            self._batches[key] = stored
+            if stored.batch["status"] in UNFINISHED_BATCH:
+                self._batch_seen[key] = self._batch_clock()
+
+    def _save(self, key: str, stored: StoredFile | StoredBatch | None) -> None:
+        if self._batch_file is not None:
+            self._batch_file.write(key, stored, stored.to_json()) if stored is not None else \
+                self._batch_file.remove(key)
+
+    # files
+
+    async def put_file(self, file_id: str, stored: StoredFile) -> bool:
+        """Keep a new file; False if it does not fit in what is left of max_file_bytes (nothing kept)."""
+        if self.file_bytes + stored.size() > self.max_file_bytes:
+            return False
+        self._files[file_id] = stored
+        self.file_bytes += stored.size()
+        self._save(file_id, stored)
+        return True
+
+    async def get_file(self, file_id: str, with_text: bool = False) -> StoredFile | None:
+        """The file (its text left empty unless with_text: a retrieve need not carry megabytes)."""
+        stored = self._files.get(file_id)
+        return stored if stored is None or with_text else replace(stored, text="")
+
+    async def delete_file(self, file_id: str) -> bool:
+        stored = self._files.pop(file_id, None)
+        if stored is None:
+            return False
+        self.file_bytes -= stored.size()
+        self._save(file_id, None)
+        return True
+
+    async def list_files(self, owner: str | None, purpose: str | None, order: str, limit: int,
+                         after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
+        """(a page of `owner`'s file objects, whether more follow): of `purpose` (None: any), newest first ("desc")
+        or oldest first, `limit` after the one with id `after` (None if it is not among them)."""
+        found = [s.file for s in self._files.values() if s.owner == owner and purpose in (None, s.file["purpose"])]
+        return _page(found, order, limit, after)
+
+    # batches
+
+    async def put_batch(self, batch_id: str, stored: StoredBatch) -> None:
+        self._batches[batch_id] = stored
+        if stored.batch["status"] in UNFINISHED_BATCH:
+            self._batch_seen[batch_id] = self._batch_clock()
+        else:
+            self._batch_seen.pop(batch_id, None)
+            self._batch_cancel.discard(batch_id)
+        self._save(batch_id, stored)
+
+    async def get_batch(self, batch_id: str) -> StoredBatch | None:
+        stored = self._batches.get(batch_id)
+        if stored is not None and self._batch_orphaned(batch_id, stored):
+            stored = self._fail_orphan_batch(batch_id, stored)
+        return stored
+
+    async def update_batch(self, batch_id: str, changes: dict[str, Any]) -> dict[str, Any] | None:
+        """Its running replica's write: `changes` into the batch object (a state, counts, file ids); the batch after
+        it, or None if it is not stored. A batch already final (an orphan marked failed) stays as it is."""
+        stored = self._batches.get(batch_id)
+        if stored is None:
+            return None
+        if stored.batch["status"] not in UNFINISHED_BATCH:
+            return stored.batch
+        await self.put_batch(batch_id, replace(stored, batch={**stored.batch, **changes}))
+        return self._batches[batch_id].batch
+
+    async def request_batch_cancel(self, batch_id: str) -> dict[str, Any] | None:
+        """Mark an unfinished batch `cancelling` and ask its replica to stop it; the batch after that (None: not
+        stored). A finished one is returned as it is."""
+        stored = await self.get_batch(batch_id)
+        if stored is None or stored.batch["status"] not in UNFINISHED_BATCH:
+            return stored.batch if stored is not None else None
+        self._batch_cancel.add(batch_id)
+        if stored.batch["status"] != "cancelling":
+            await self.put_batch(batch_id, replace(stored, batch={**stored.batch, "status": "cancelling",
+                                                                  "cancelling_at": int(time.time())}))
+        return self._batches[batch_id].batch
+
+    async def batch_cancel_requested(self, batch_ids: list[str]) -> list[str]:
+        """Those of `batch_ids` asked to stop; the poll also says their replica is alive."""
+        now = self._batch_clock()
+        for batch_id in batch_ids:
+            if batch_id in self._batch_seen:
+                self._batch_seen[batch_id] = now
+        return [batch_id for batch_id in batch_ids if batch_id in self._batch_cancel]
+
+    async def list_batches(self, owner: str | None, limit: int, after: str | None
+                           ) -> tuple[list[dict[str, Any]], bool] | None:
+        """(a page of `owner`'s batches, newest first, whether more follow), as list_files."""
+        found = [(await self.get_batch(key)).batch for key, s in list(self._batches.items()) if s.owner == owner]
+        return _page(found, "desc", limit, after)
+
+    def batch_counts(self) -> dict[str, int]:
+        return {"files": len(self._files), "batches": len(self._batches), "batches_running": len(self._batch_seen)}
+
+    def _batch_orphaned(self, batch_id: str, stored: StoredBatch) -> bool:
+        return stored.batch["status"] in UNFINISHED_BATCH and \
+            self._batch_clock() - self._batch_seen.get(batch_id, self._batch_clock()) > self._batch_orphan_s
+
+    def _fail_orphan_batch(self, batch_id: str, stored: StoredBatch) -> StoredBatch:
+        now = int(time.time())
+        failed = replace(stored, batch={**stored.batch, "status": "failed", "failed_at": now, "errors": {
+            "object": "list", "data": [{"code": "server_error", "line": None, "param": None, "message":
+                                        "The server replica running this batch stopped before it finished; "
+                                        "create the batch again."}]}})
+        self._batch_cancel.discard(batch_id)
+        self._batches[batch_id] = failed
+        self._batch_seen.pop(batch_id, None)
+        self._save(batch_id, failed)
+        return failed
+
+
+def _page(objects: list[dict[str, Any]], order: str, limit: int, after: str | None
+          ) -> tuple[list[dict[str, Any]], bool] | None:
+    """Objects (each with `id` and `created_at`, in insertion order) sorted by creation, a page of `limit` after
+    `after`'s."""
+    ordered = [o for _, o in sorted(enumerate(objects), key=lambda io: (io[1]["created_at"], io[0]),
+                                    reverse=order == "desc")]  # ties: in the order they were made
+    ids = [o["id"] for o in ordered]
+    if after is not None:
+        if after not in ids:
+            return None
+        ordered = ordered[ids.index(after) + 1:]
+    return ordered[:limit], len(ordered) > limit
+
+
+def iter_jsonl(text: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of each non-blank line."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            yield number, line

@@ -1,0 +1,253 @@
+"""/v1/files and /v1/batches through the openai client against a live uvicorn server with a MemoryResponseStore: a
+batch's lines run through the app (answers by status into the output and error files, at batch priority), bad input
+files fail the batch by line, cancel, API keys, and the 4xx answers; the store's orphans and file round trip."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_app.openai_api.batch_store import StoredBatch
+from serve_app.openai_api.stored_responses import MemoryResponseStore
+from tests.serve_app.conftest import MODEL, scripted_app
+from tests.serve_app.stub_backend import ScriptedBackend
+
+ANSWER = "<|channel|>final<|message|>Hello there!<|return|>"
+UPLOAD_LIMIT = 16 << 10
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def live():
+    backend, store = ScriptedBackend(), MemoryResponseStore(max_responses=100, max_file_bytes=64 << 10)
+    with scripted_app(backend, response_store=store, api_keys=["sk-a", "sk-b"], max_upload_bytes=UPLOAD_LIMIT,
+                      batch_concurrency=3) as server:
+        yield backend, server, store
+
+
+@pytest.fixture
+def backend(live) -> ScriptedBackend:
+    live[0].reset()
+    return live[0]
+
+
+def client(live, key: str = "sk-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live[1].url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def jsonl(*lines) -> io.BytesIO:
+    return io.BytesIO("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode())
+
+
+def chat_line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": HI, **body}}
+
+
+def wait_for(api: openai.OpenAI, batch_id: str, *statuses: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = api.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status}"
+        time.sleep(0.05)
+
+
+def lines_of(api: openai.OpenAI, file_id: str) -> dict[str, dict]:
+    return {line["custom_id"]: line for line in map(json.loads, api.files.content(file_id).text.splitlines())}
+
+
+def test_a_batch_runs_its_lines_into_the_output_and_error_files(live, backend):
+    api = client(live)
+    for _ in range(4):
+        backend.push(ANSWER)
+    source = api.files.create(file=("requests.jsonl", jsonl(
+        chat_line("a"), chat_line("b", max_tokens=2), chat_line("hot", temperature=9),
+        chat_line("other-model") | {"body": {"model": "nope", "messages": HI}},
+        {"custom_id": "text", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hey"}], "n": 2}},
+    )), purpose="batch")
+    assert (source.purpose, source.filename, source.status) == ("batch", "requests.jsonl", "processed")
+    assert source.id.startswith("file-") and api.files.retrieve(source.id).bytes == source.bytes
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    done = wait_for(api, batch.id, "completed", "failed")
+    assert done.status == "completed", done.errors
+    assert done.request_counts.model_dump() == {"total": 5, "completed": 3, "failed": 2}
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.expires_at - done.created_at == 86400
+    out, errors = lines_of(api, done.output_file_id), lines_of(api, done.error_file_id)
+    assert set(out) == {"a", "b", "text"} and set(errors) == {"hot", "other-model"}
+    for cid, line in out.items():
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"]
+        assert response["body"]["object"] == "chat.completion"
+    assert out["a"]["response"]["body"]["choices"][0]["message"]["content"] == "Hello there!"
+    assert out["b"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
+    assert len(out["text"]["response"]["body"]["choices"]) == 2
+    assert errors["hot"]["response"]["status_code"] == 400
+    assert errors["hot"]["response"]["body"]["error"]["param"] == "temperature"
+    assert errors["other-model"]["response"]["status_code"] == 404
+    # the engine ran the four generations at batch priority (1, after interactive requests' 0)
+    assert len(backend.requests) == 4 and {r.priority for r in backend.requests} == {1}
+    listed = api.files.list(purpose="batch_output")
+    assert {done.output_file_id, done.error_file_id} <= {f.id for f in listed}
+    assert api.files.retrieve(done.output_file_id).filename == f"{batch.id}_output.jsonl"
+    assert batch.id in [b.id for b in api.batches.list(limit=100)]
+
+
+def test_bad_lines_fail_the_batch_naming_each_line_and_nothing_runs(live, backend):
+    api = client(live)
+    source = api.files.create(file=("bad.jsonl", jsonl(
+        chat_line("a"), "{not json", chat_line("a"),
+        {"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "x"}},
+        chat_line("s", stream=True))), purpose="batch")
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_for(api, batch.id, "failed", "completed")
+    assert failed.status == "failed" and failed.failed_at and failed.output_file_id is None
+    problems = {e.line: e.message for e in failed.errors.data}
+    assert set(problems) == {2, 3, 4, 5}, problems
+    assert "not JSON" in problems[2] and "already used on line 1" in problems[3]
+    assert "endpoint /v1/chat/completions" in problems[4] and "stream" in problems[5]
+    assert all(e.code == "invalid_request" for e in failed.errors.data)
+    assert backend.requests == []
+    empty = api.files.create(file=("empty.jsonl", io.BytesIO(b"\n\n")), purpose="batch")
+    nothing = wait_for(api, api.batches.create(input_file_id=empty.id, endpoint="/v1/chat/completions",
+                                               completion_window="24h").id, "failed")
+    assert [e.code for e in nothing.errors.data] == ["empty_file"]
+
+
+def test_cancel_stops_a_running_batch_and_keeps_what_ended(live, backend):
+    api = client(live)
+    backend.push(ANSWER)  # the first line ends at once, the others take 30 s each unless aborted
+    for _ in range(5):
+        backend.push(ANSWER * 10, chunk=1, delay_s=0.5)
+    source = api.files.create(file=("slow.jsonl", jsonl(*(chat_line(f"r{i}") for i in range(6)))), purpose="batch")
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    running = wait_for(api, batch.id, "in_progress")
+    deadline = time.monotonic() + 20
+    while api.batches.retrieve(batch.id).request_counts.completed < 1:  # counts reach the store every second
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert running.request_counts.total == 6
+    cancelling = api.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    cancelled = wait_for(api, batch.id, "cancelled", timeout_s=15)
+    assert cancelled.cancelled_at and cancelled.cancelling_at
+    assert cancelled.request_counts.completed == 1 and cancelled.request_counts.total == 6
+    assert list(lines_of(api, cancelled.output_file_id)) == ["r0"] and cancelled.error_file_id is None
+    deadline = time.monotonic() + 10  # the requests in flight were aborted in the engine
+    while len(backend.aborted) < 2:  # batch_concurrency = 3: r1, r2 were in flight
+        assert time.monotonic() < deadline, backend.aborted
+        time.sleep(0.05)
+    assert api.batches.cancel(batch.id).status == "cancelled"  # cancelling a finished batch changes nothing
+
+
+def test_files_and_batches_belong_to_their_key(live, backend):
+    a, b = client(live, "sk-a"), client(live, "sk-b")
+    backend.push(ANSWER)
+    mine = a.files.create(file=("mine.jsonl", jsonl(chat_line("x"))), purpose="batch")
+    batch = a.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(a, batch.id, "completed")
+    for call in (lambda: b.files.retrieve(mine.id), lambda: b.files.content(mine.id), lambda: b.files.delete(mine.id),
+                 lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id),
+                 lambda: b.files.content(done.output_file_id),
+                 lambda: b.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert mine.id not in {f.id for f in b.files.list()} and batch.id not in {x.id for x in b.batches.list()}
+    assert a.files.delete(mine.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        a.files.retrieve(mine.id)
+    # the batch stays, its files too
+    assert a.batches.retrieve(batch.id).status == "completed" and a.files.retrieve(done.output_file_id)
+    httpx_headers = {"Authorization": "Bearer sk-a"}
+    r = httpx.get(f"{live[1].url}/v1/files", params={"limit": 0}, headers=httpx_headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    r = httpx.get(f"{live[1].url}/v1/batches", params={"after": "batch_nope"}, headers=httpx_headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "after"
+    assert httpx.get(f"{live[1].url}/v1/files").status_code == 401  # no key, no files
+
+
+def test_refused_uploads_and_batches(live, backend):
+    api = client(live)
+    upload = ("r.jsonl", jsonl(chat_line("x")))
+    with pytest.raises(openai.BadRequestError) as err:
+        api.files.create(file=upload, purpose="fine-tune")
+    assert err.value.body["param"] == "purpose"
+    with pytest.raises(openai.APIStatusError) as err:
+        api.files.create(file=("big.jsonl", io.BytesIO(b"x" * (UPLOAD_LIMIT + 1))), purpose="batch")
+    assert err.value.status_code == 413 and err.value.body["code"] == "file_too_large"
+    with pytest.raises(openai.BadRequestError) as err:
+        api.files.create(file=("latin1.jsonl", io.BytesIO("caf\xe9".encode("latin-1"))), purpose="batch")
+    assert "UTF-8" in err.value.body["message"]
+    r = httpx.post(f"{live[1].url}/v1/files", json={"purpose": "batch"}, headers={"Authorization": "Bearer sk-a"})
+    assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    source = api.files.create(file=upload, purpose="batch")
+    for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"},
+                                                                         "completion_window")):
+        with pytest.raises(openai.BadRequestError) as err:
+            api.batches.create(**{"input_file_id": source.id, "endpoint": "/v1/chat/completions",
+                                  "completion_window": "24h", **kwargs})
+        assert err.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        api.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        api.batches.retrieve("batch_nope")
+    # the store's room for files (64 KiB here): an upload past it is refused, deleting makes room
+    kept = []
+    with pytest.raises(openai.BadRequestError) as err:
+        for _ in range(8):
+            kept.append(api.files.create(file=("f.jsonl", io.BytesIO(b"y" * (UPLOAD_LIMIT - 10))), purpose="batch"))
+    assert err.value.body["code"] == "file_storage_full" and kept
+    for f in kept:
+        api.files.delete(f.id)
+    api.files.delete(api.files.create(file=("f.jsonl", io.BytesIO(b"y" * (UPLOAD_LIMIT - 10))), purpose="batch").id)
+
+
+def test_without_a_store_the_routes_are_a_400():
+    backend = ScriptedBackend()
+    with scripted_app(backend) as server:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.BadRequestError) as err:
+            api.files.create(file=("r.jsonl", jsonl(chat_line("x"))), purpose="batch")
+        assert "store" in err.value.body["message"]
+        with pytest.raises(openai.BadRequestError):
+            api.batches.list()
+
+
+def test_an_orphaned_batch_is_failed_and_files_survive_a_restart(tmp_path):
+    from serve_app.openai_api.batch_store import StoredFile
+    from serve_app.openai_api.store_file import StoreFile
+
+    now = [0.0]
+    path = tmp_path / "store.sqlite"
+    store = MemoryResponseStore(file=StoreFile(path), clock=lambda: now[0], orphan_after_s=30)
+    batch = {"id": "batch_1", "status": "in_progress", "created_at": 1, "errors": None}
+
+    async def go():
+        await store.put_file("file-1", StoredFile({"id": "file-1", "purpose": "batch", "created_at": 1}, "{}\n", "k"))
+        await store.put_batch("batch_1", StoredBatch(batch, "k"))
+        now[0] = 20
+        assert await store.batch_cancel_requested(["batch_1"]) == []  # its replica's poll: alive
+        now[0] = 45
+        assert (await store.get_batch("batch_1")).batch["status"] == "in_progress"
+        now[0] = 51
+        failed = (await store.get_batch("batch_1")).batch
+        assert failed["status"] == "failed" and "stopped" in failed["errors"]["data"][0]["message"]
+        assert await store.update_batch("batch_1", {"status": "completed"}) == failed  # a late write changes nothing
+        again = MemoryResponseStore(file=StoreFile(path))
+        assert (await again.get_file("file-1", True)).text == "{}\n" and again.file_bytes == 3
+        assert (await again.get_batch("batch_1")).batch["status"] == "failed"
+        assert len(again) == 0  # files and batches are not responses (nor dropped for their room)
+
+    asyncio.run(go())
