@@ -251,3 +251,39 @@ def test_an_orphaned_batch_is_failed_and_files_survive_a_restart(tmp_path):
         assert len(again) == 0  # files and batches are not responses (nor dropped for their room)
 
     asyncio.run(go())
+
+
+def test_a_stopping_replica_fails_its_batches_keeping_their_answers():
+    """BatchRuns.stop() (the ingress replica's graceful shutdown): the running batch ends failed, saying why, with the
+    answers it had in its output file and its requests in flight aborted."""
+    from serve_app.openai_api.app import create_app
+
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    backend.push(ANSWER)
+    for _ in range(3):
+        backend.push(ANSWER * 10, chunk=1, delay_s=0.5)
+    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, response_store=store,
+                     batch_concurrency=2)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+                "r.jsonl", jsonl(*(chat_line(f"r{i}") for i in range(4))).getvalue())})
+            assert upload.status_code == 200, upload.text
+            made = (await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window":
+                                                         "24h", "endpoint": "/v1/chat/completions"})).json()
+            for _ in range(200):
+                batch = (await http.get(f"/v1/batches/{made['id']}")).json()
+                if batch["request_counts"]["completed"] == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert batch["status"] == "in_progress" and len(app.state.batches) == 1
+            await app.state.batches.stop()
+            failed = (await http.get(f"/v1/batches/{made['id']}")).json()
+            assert failed["status"] == "failed" and "stopped" in failed["errors"]["data"][0]["message"]
+            assert failed["request_counts"] == {"total": 4, "completed": 1, "failed": 0}
+            out = (await http.get(f"/v1/files/{failed['output_file_id']}/content")).text
+            assert [json.loads(line)["custom_id"] for line in out.splitlines()] == ["r0"]
+            assert len(app.state.batches) == 0 and len(backend.aborted) == 2
+
+    asyncio.run(go())

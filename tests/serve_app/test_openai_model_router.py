@@ -118,3 +118,27 @@ def test_the_models_share_stored_responses(api, backends):
     assert second.output_text == "large here"
     assert "small here" in backends[LARGE].encoding.decode(backends[LARGE].requests[-1].prompt_ids)
     assert api.responses.retrieve(first.id).model == SMALL and api.responses.retrieve(second.id).model == LARGE
+
+
+def test_a_batchs_lines_reach_the_model_each_names(api, backends):
+    """/v1/batches goes to the first model's app, whose batch sends each line back through the router (with the
+    batch's key): a line naming the second model is answered by it."""
+    import io
+    import json
+    import time
+
+    push_both(backends)
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": name, "messages": [{"role": "user", "content": "Hi"}]}} for name in (SMALL, LARGE)]
+    source = api.files.create(file=("two.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                              purpose="batch")
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 30
+    while (batch := api.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing"), batch
+        time.sleep(0.05)
+    out = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, api.files.content(batch.output_file_id)
+                                                              .text.splitlines())}
+    assert {name: body["choices"][0]["message"]["content"] for name, body in out.items()} == TEXT
+    assert {name: body["model"] for name, body in out.items()} == {SMALL: SMALL, LARGE: LARGE}
+    assert [r.priority for r in backends[SMALL].requests + backends[LARGE].requests] == [1, 1]
