@@ -152,24 +152,27 @@ class BatchRuns:
             if not work.cancelled():
                 work.result()
         finally:
+            why = None
             if not work.done():  # this run itself was cancelled (the replica stops)
                 work.cancel()
                 await asyncio.wait({work})
-                end = "failed"
-            await asyncio.shield(self._finish(batch_id, owner, end, summary, out.getvalue(), errors.getvalue()))
+                end, why = "failed", "The server replica running this batch stopped"
+            elif not work.cancelled() and work.exception() is not None:
+                end, why = "failed", f"The batch's run failed on the server ({type(work.exception()).__name__})"
+            await asyncio.shield(self._finish(batch_id, owner, end, summary, out.getvalue(), errors.getvalue(), why))
 
     async def _finish(self, batch_id: str, owner: str | None, end: str, summary: BatchSummary, out: str,
-                      errors: str) -> None:
-        """Write the answers' files (`finalizing`), then the final state."""
+                      errors: str, why: str | None = None) -> None:
+        """Write the answers' files (`finalizing`), then the final state (`why`: a failed one's reason)."""
         await self.store.update_batch(batch_id, {"status": "cancelling" if end == "cancelled" else "finalizing",
                                                  "finalizing_at": int(time.time()), "request_counts": counts(summary)})
         ids = {}
         for field, text, kind in (("output_file_id", out, "output"), ("error_file_id", errors, "error")):
             if text:
                 ids[field] = await self._write_file(batch_id, owner, kind, text)
-        why = [{"code": "server_error", "line": None, "param": None, "message": "The server replica running this "
-                "batch stopped; the answers it had are in its files. Create a batch of the rest again."}]
-        await self._end(batch_id, end, errors=why if end == "failed" else None, request_counts=counts(summary), **ids)
+        failure = [{"code": "server_error", "line": None, "param": None,
+                    "message": f"{why}; the answers it had are in its files. Create a batch of the rest again."}]
+        await self._end(batch_id, end, errors=failure if why else None, request_counts=counts(summary), **ids)
 
     async def _write_file(self, batch_id: str, owner: str | None, kind: str, text: str) -> str | None:
         file_id = new_file_id()
