@@ -166,15 +166,23 @@ class BatchRuns:
         """Write the answers' files (`finalizing`), then the final state (`why`: a failed one's reason)."""
         await self.store.update_batch(batch_id, {"status": "cancelling" if end == "cancelled" else "finalizing",
                                                  "finalizing_at": int(time.time()), "request_counts": counts(summary)})
-        ids = {}
+        ids, failures = {}, []
+        if why:
+            failures.append({"code": "server_error", "line": None, "param": None, "message": f"{why}; the answers it "
+                             "had are in its files. Create a batch of the rest again."})
         for field, text, kind in (("output_file_id", out, "output"), ("error_file_id", errors, "error")):
             if text:
                 ids[field] = await self._write_file(batch_id, owner, kind, text)
-        failure = [{"code": "server_error", "line": None, "param": None,
-                    "message": f"{why}; the answers it had are in its files. Create a batch of the rest again."}]
-        await self._end(batch_id, end, errors=failure if why else None, request_counts=counts(summary), **ids)
+                if ids[field] is None:
+                    end = "failed"
+                    failures.append({"code": "file_storage_full", "line": None, "param": None, "message": (
+                        f"The batch's {kind} file ({len(text.encode())} bytes) did not fit in the server's room for "
+                        "files (ingress.files_max_mib): its answers are lost. Delete files, then run the batch "
+                        "again.")})
+        await self._end(batch_id, end, errors=failures, request_counts=counts(summary), **ids)
 
     async def _write_file(self, batch_id: str, owner: str | None, kind: str, text: str) -> str | None:
+        """The id of the new file holding `text`, or None if it does not fit in the store's room for files."""
         file_id = new_file_id()
         stored = StoredFile(file_object(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", len(text.encode())),
                             text, owner)

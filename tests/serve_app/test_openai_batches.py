@@ -287,3 +287,21 @@ def test_a_stopping_replica_fails_its_batches_keeping_their_answers():
             assert len(app.state.batches) == 0 and len(backend.aborted) == 2
 
     asyncio.run(go())
+
+
+def test_an_output_file_without_room_fails_the_batch_saying_so():
+    backend = ScriptedBackend()
+    for _ in range(3):
+        backend.push(ANSWER)
+    text = jsonl(*(chat_line(f"r{i}") for i in range(3))).getvalue()
+    store = MemoryResponseStore(max_file_bytes=len(text) + 200)  # the input fits, its answers do not
+    with scripted_app(backend, response_store=store) as server:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        source = api.files.create(file=("r.jsonl", text), purpose="batch")
+        batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        failed = wait_for(api, batch.id, "failed", "completed")
+        assert failed.status == "failed" and failed.output_file_id is None
+        assert failed.request_counts.completed == 3
+        [error] = failed.errors.data
+        assert error.code == "file_storage_full" and "output file" in error.message
+        assert [f.id for f in api.files.list()] == [source.id]
