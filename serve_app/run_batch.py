@@ -38,6 +38,7 @@ from typing import Any, Iterator, TextIO
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_REPORTED_PROBLEMS = 20
 PROGRESS_EVERY_S = 5.0
+RETRY_MAX_WAIT_S = 10.0  # the longest wait between two tries of a line answered 503 (run_batch)
 
 
 class BatchFileError(ValueError):
@@ -145,9 +146,12 @@ class BatchSummary:
 
 
 async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: BatchSummary, concurrency: int,
-                    progress: TextIO | None = sys.stderr, errors: TextIO | None = None) -> BatchSummary:
+                    progress: TextIO | None = sys.stderr, errors: TextIO | None = None,
+                    retry_unavailable_s: float = 0.0) -> BatchSummary:
     """Send every line's body to `app` (an ASGI app: create_app's), `concurrency` at a time, writing each result to
-    `out` as it ends (to `errors` instead, when given, if it is not a 2xx). Cancelled, it cancels the requests in
+    `out` as it ends (to `errors` instead, when given, if it is not a 2xx). A 503 (full queues, an engine being
+    replaced) is sent again, after its Retry-After and then twice as long each time (at most RETRY_MAX_WAIT_S), while
+    `retry_unavailable_s` has not passed since the line's first try (0: never). Cancelled, it cancels the requests in
     flight (their lines are not written)."""
     import httpx
 
@@ -156,9 +160,19 @@ async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: Batch
     slots = asyncio.Semaphore(concurrency)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # an app's crash: its 500, not ours
 
+    async def post(client: httpx.AsyncClient, line: BatchLine):
+        first, wait_s = time.monotonic(), None
+        while True:
+            answer = await client.post(line.url, json=line.body)
+            if answer.status_code != 503 or time.monotonic() - first >= retry_unavailable_s:
+                return answer
+            header = answer.headers.get("retry-after", "")
+            wait_s = min(RETRY_MAX_WAIT_S, wait_s * 2 if wait_s else float(header) if header.isdigit() else 1.0)
+            await asyncio.sleep(wait_s)
+
     async def one(client: httpx.AsyncClient, line: BatchLine) -> None:
         try:
-            answer = await client.post(line.url, json=line.body)
+            answer = await post(client, line)
             try:
                 body = answer.json()
             except ValueError:

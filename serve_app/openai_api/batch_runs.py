@@ -6,7 +6,9 @@ each naming the batch's endpoint, custom_ids unique): any problem and the batch 
 in-process (run_batch.run_batch over ASGI: the same validation, rendering and answers as over HTTP, answers by
 status into the output (2xx) and error files), at most `concurrency` at once, each at the engine priority
 `batch_priority` after the interactive requests (the engines' schedulers then run them when interactive ones leave
-room, and preempt them for those). The request counts go to the store every `poll_s`, with a poll for cancels.
+room, and preempt them for those). A line answered 503 (the engines' queues are full, an engine is being replaced)
+is tried again, after Retry-After and then longer waits (at most 10 s), until the batch ends: a busy server slows a
+batch, it does not fail its lines. The request counts go to the store every `poll_s`, with a poll for cancels.
 
 A batch ends `completed`; `cancelled` after a cancel (POST /v1/batches/{id}/cancel, here or on another ingress
 replica; requests in flight are aborted); `expired` when its completion window passes first; `failed` when the
@@ -133,7 +135,8 @@ class BatchRuns:
                                                  "request_counts": counts(summary)})
         out, errors = io.StringIO(), io.StringIO()
         work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), iter(lines), out, summary,
-                                               self.concurrency, progress=None, errors=errors))
+                                               self.concurrency, progress=None, errors=errors,
+                                               retry_unavailable_s=float("inf")))
         end = "completed"
         try:
             while not work.done():

@@ -305,3 +305,21 @@ def test_an_output_file_without_room_fails_the_batch_saying_so():
         [error] = failed.errors.data
         assert error.code == "file_storage_full" and "output file" in error.message
         assert [f.id for f in api.files.list()] == [source.id]
+
+
+def test_a_line_refused_for_full_queues_is_tried_again():
+    """A 503 (full queues: BackendOverloaded) does not fail a batch line: it is sent again after Retry-After (1 s)."""
+    from engine.request import BackendOverloaded
+
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    backend.push(ANSWER, error=BackendOverloaded("decode queue full"))
+    backend.push(ANSWER)
+    with scripted_app(backend, response_store=store) as server:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        source = api.files.create(file=("r.jsonl", jsonl(chat_line("busy"))), purpose="batch")
+        batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_for(api, batch.id, "completed", "failed")
+        assert done.request_counts.model_dump() == {"total": 1, "completed": 1, "failed": 0}
+        [line] = lines_of(api, done.output_file_id).values()
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == "Hello there!"
+        assert len(backend.requests) == 2 and done.error_file_id is None
