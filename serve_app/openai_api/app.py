@@ -22,6 +22,7 @@ from serve_app.openai_api.background import BackgroundRuns
 from serve_app.openai_api.batch_runs import DEFAULT_CONCURRENCY, BatchRuns
 from serve_app.openai_api.batches import install_batch_routes
 from serve_app.openai_api.chat import create_chat_completion
+from serve_app.openai_api.compaction import CompactRequest, compact
 from serve_app.openai_api.completion_request import CompletionRequest
 from serve_app.openai_api.completions import create_completion
 from serve_app.openai_api import conversations
@@ -203,6 +204,12 @@ def create_app(
         if req.model is not None:
             check_model(req.model)
         return await count_input_tokens(req, request, ctx)
+
+    @app.post("/v1/responses/compact")
+    async def compact_conversation(request: Request) -> dict[str, Any]:
+        req = await parse_request(request, CompactRequest, config.max_body_bytes)
+        check_model(req.model)
+        return await compact(req, request, ctx)
 
     # Stored responses are scoped to the API key that made them (auth.requester; None without keys).
     @app.get("/v1/responses/{response_id}")

@@ -1,10 +1,10 @@
 """Several models behind one OpenAI API: each model is its own `create_app` app, and `ModelRouter` sends a request
 to the app of the `model` its body names.
 
-- POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/responses/input_tokens: the body is read
-  (at most `max_body_bytes`, else 413) and replayed to the app of its `model`. A body naming no model goes to the
-  first model's app (which answers a malformed body with its 400, and counts input tokens for itself); an unknown
-  model is a 404 that lists the served ones.
+- POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/responses/input_tokens and /v1/responses/compact:
+  the body is read (at most `max_body_bytes`, else 413) and replayed to the app of its `model`. A body naming no
+  model goes to the first model's app (which answers a malformed body with its 400, and counts input tokens for
+  itself); an unknown model is a 404 that lists the served ones.
 - GET /v1/models lists every model; GET /v1/models/{id} asks that model's app.
 - Everything else (/health, stored responses by id, their cancel and input items, /v1/conversations, stored chat
   completions, /v1/files, /v1/batches) goes to the first model's app: the apps share one response store, so any of
@@ -29,7 +29,8 @@ from serve_app.openai_api.auth import ApiKeyGate, app_path
 from serve_app.openai_api.errors import ModelNotFound, PayloadTooLarge
 from serve_app.openai_api.request_ids import RequestIdHeader
 
-ROUTED_POSTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens"})
+ROUTED_POSTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens",
+                          "/v1/responses/compact"})
 
 
 class ModelRouter:

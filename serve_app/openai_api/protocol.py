@@ -379,7 +379,15 @@ class ReasoningItem(Lenient):
     encrypted_content: str | None = None  # ours carries the reasoning text (responses.reasoning_envelope)
 
 
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+class CompactionItem(Lenient):
+    """POST /v1/responses/compact's summary of a conversation (compaction.py): ours carries the summary's text."""
+
+    type: Literal["compaction"]
+    id: str | None = None
+    encrypted_content: str
+
+
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "compaction")
 
 
 def _item_tag(value: Any) -> str | None:
@@ -395,6 +403,7 @@ InputItem = Annotated[
         Annotated[FunctionCallItem, Tag("function_call-item")],
         Annotated[FunctionCallOutputItem, Tag("function_call_output-item")],
         Annotated[ReasoningItem, Tag("reasoning-item")],
+        Annotated[CompactionItem, Tag("compaction-item")],
     ],
     Discriminator(_item_tag, custom_error_type="input_item_type",
                   custom_error_message=f"input item type must be one of {', '.join(INPUT_ITEM_TYPES)}"),

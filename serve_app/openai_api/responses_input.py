@@ -30,6 +30,7 @@ from serve_app.openai_api.errors import BadRequest
 from serve_app.openai_api.generation import IngressConfig
 from serve_app.openai_api.output_options import offers
 from serve_app.openai_api.protocol import (
+    CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -38,9 +39,13 @@ from serve_app.openai_api.protocol import (
     text_of,
 )
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "compaction": "cmp"}
 
 ENVELOPE_PREFIX = "gptoss-reasoning-v1:"
+COMPACTION_PREFIX = "gptoss-compaction-v1:"  # a compaction item's encrypted_content (compaction.py)
+# How a compaction item's summary reads to the model: an assistant message where the item sits
+COMPACTED_PREFACE = "Summary of the conversation so far (its earlier messages were compacted into it):\n\n"
 
 
 def reasoning_envelope(text: str) -> str:
@@ -50,14 +55,20 @@ def reasoning_envelope(text: str) -> str:
     return ENVELOPE_PREFIX + base64.b64encode(text.encode()).decode()
 
 
-def opened_envelope(value: str | None) -> str:
-    """The reasoning text of our `encrypted_content`; "" for None or another server's (which cannot be read)."""
-    if not value or not value.startswith(ENVELOPE_PREFIX):
+def opened_envelope(value: str | None, prefix: str = ENVELOPE_PREFIX) -> str:
+    """The reasoning text of our `encrypted_content` (or, with COMPACTION_PREFIX, a compaction's summary); "" for None
+    or another server's (which cannot be read)."""
+    if not value or not value.startswith(prefix):
         return ""
     try:
-        return base64.b64decode(value[len(ENVELOPE_PREFIX):], validate=True).decode()
+        return base64.b64decode(value[len(prefix):], validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return ""
+
+
+def compaction_envelope(summary: str) -> str:
+    """A compaction item's `encrypted_content`: the summary, base64 (not a secret; the client may read it)."""
+    return COMPACTION_PREFIX + base64.b64encode(summary.encode()).decode()
 
 
 def input_items(req: ResponsesRequest) -> list:
@@ -115,6 +126,13 @@ def responses_prompt(req: ResponsesRequest, config: IngressConfig, earlier: list
                 opened_envelope(item.encrypted_content)
             if text:
                 history.append(AssistantReasoning(text))
+        elif isinstance(item, CompactionItem):
+            summary = opened_envelope(item.encrypted_content, COMPACTION_PREFIX)
+            if not summary:
+                raise BadRequest(f"{'input' if i >= 0 else 'a stored'} compaction item's encrypted_content is not one "
+                                 "this server made (POST /v1/responses/compact here makes them)",
+                                 param=f"input.{i}.encrypted_content" if i >= 0 else None)
+            history.append(AssistantText(COMPACTED_PREFACE + summary))
     tools = [FunctionTool(t.name, t.description or "", t.parameters) for t in req.tools or []
              if offers(req.tool_choice, t.name)]
     return Prompt(
