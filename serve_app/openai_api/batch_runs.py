@@ -143,12 +143,11 @@ class BatchRuns:
                 await asyncio.wait({work}, timeout=self.poll_s)
                 if work.done():
                     break
-                if await self.store.batch_cancel_requested([batch_id]):
+                if await self._cancel_requested(batch_id, summary):
                     end = "cancelled"
                 elif time.time() >= batch["expires_at"]:
                     end = "expired"
                 else:
-                    await self.store.update_batch(batch_id, {"request_counts": counts(summary)})
                     continue
                 work.cancel()
                 await asyncio.wait({work})
@@ -163,6 +162,18 @@ class BatchRuns:
             elif not work.cancelled() and work.exception() is not None:
                 end, why = "failed", f"The batch's run failed on the server ({type(work.exception()).__name__})"
             await asyncio.shield(self._finish(batch_id, owner, end, summary, out.getvalue(), errors.getvalue(), why))
+
+    async def _cancel_requested(self, batch_id: str, summary: BatchSummary) -> bool:
+        """The run's poll: its counts to the store, and whether a cancel came. A store that does not answer leaves the
+        run going (logged): the next poll tries again, and the store marks the batch failed only after
+        orphan_after_s without one."""
+        try:
+            await self.store.update_batch(batch_id, {"request_counts": counts(summary)})
+            return bool(await self.store.batch_cancel_requested([batch_id]))
+        except Exception as err:
+            log.warning("batch %s: the store did not take its progress (%s: %s); going on", batch_id,
+                        type(err).__name__, err)
+            return False
 
     async def _finish(self, batch_id: str, owner: str | None, end: str, summary: BatchSummary, out: str,
                       errors: str, why: str | None = None) -> None:

@@ -323,3 +323,39 @@ def test_a_line_refused_for_full_queues_is_tried_again():
         [line] = lines_of(api, done.output_file_id).values()
         assert line["response"]["body"]["choices"][0]["message"]["content"] == "Hello there!"
         assert len(backend.requests) == 2 and done.error_file_id is None
+
+
+def test_a_store_that_fails_for_a_while_does_not_stop_a_batch():
+    """The run's progress writes fail for a few polls (the store replica is away): the batch goes on and completes."""
+    from serve_app.openai_api.app import create_app
+
+    class FlakyStore(MemoryResponseStore):
+        failures = 3
+
+        async def update_batch(self, batch_id, changes):
+            if changes.keys() == {"request_counts"} and self.failures:
+                self.failures -= 1
+                raise TimeoutError("the store is away")
+            return await super().update_batch(batch_id, changes)
+
+    backend, store = ScriptedBackend(), FlakyStore()
+    for _ in range(2):
+        backend.push(ANSWER * 4, chunk=1, delay_s=0.15)  # ~2.4 s each: several polls while they run
+    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, response_store=store)
+    app.state.batches.poll_s = 0.2
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+                "r.jsonl", jsonl(chat_line("a"), chat_line("b")).getvalue())})
+            made = (await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window":
+                                                         "24h", "endpoint": "/v1/chat/completions"})).json()
+            for _ in range(300):
+                batch = (await http.get(f"/v1/batches/{made['id']}")).json()
+                if batch["status"] not in ("validating", "in_progress", "finalizing"):
+                    break
+                await asyncio.sleep(0.05)
+            assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2, batch
+            assert store.failures == 0
+
+    asyncio.run(go())
