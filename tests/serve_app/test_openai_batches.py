@@ -359,3 +359,23 @@ def test_a_store_that_fails_for_a_while_does_not_stop_a_batch():
             assert store.failures == 0
 
     asyncio.run(go())
+
+
+def test_a_batch_past_its_window_expires_keeping_what_ended(monkeypatch):
+    from serve_app.openai_api import batches
+
+    monkeypatch.setitem(batches.COMPLETION_WINDOWS, "24h", 2)  # a 2-second window for this test
+    backend = ScriptedBackend()
+    backend.push(ANSWER)
+    for _ in range(3):
+        backend.push(ANSWER * 20, chunk=1, delay_s=0.5)  # ~60 s each unless stopped
+    with scripted_app(backend, response_store=MemoryResponseStore(), batch_concurrency=2) as server:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        source = api.files.create(file=("r.jsonl", jsonl(*(chat_line(f"r{i}") for i in range(4)))), purpose="batch")
+        batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert batch.expires_at - batch.created_at == 2
+        expired = wait_for(api, batch.id, "expired", "completed", "failed", timeout_s=20)
+        assert expired.status == "expired" and expired.expired_at and expired.errors is None
+        assert expired.request_counts.completed == 1 and expired.request_counts.total == 4
+        assert list(lines_of(api, expired.output_file_id)) == ["r0"]
+    assert len(backend.aborted) == 2  # the two lines in flight
