@@ -152,6 +152,9 @@ class ResponseStore(Protocol):
     async def list_chat_completions(self, owner: str | None, model: str | None, metadata: dict[str, str], order: str,
                                     limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None: ...
 
+    # and /v1/files and /v1/batches: batch_store.MemoryBatchStore's put_file, get_file, delete_file, list_files,
+    # put_batch, get_batch, update_batch, request_batch_cancel, batch_cancel_requested, list_batches
+
 
 class MemoryResponseStore(MemoryBatchStore):
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them; and the
