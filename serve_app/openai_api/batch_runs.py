@@ -133,6 +133,7 @@ class BatchRuns:
             return
         await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
                                                  "request_counts": counts(summary)})
+        log.info("batch %s: %d requests to %s, %d at a time", batch_id, len(lines), batch["endpoint"], self.concurrency)
         out, errors = io.StringIO(), io.StringIO()
         work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), iter(lines), out, summary,
                                                self.concurrency, progress=None, errors=errors,
@@ -194,6 +195,7 @@ class BatchRuns:
                         "files (ingress.files_max_mib): its answers are lost. Delete files, then run the batch "
                         "again.")})
         await self._end(batch_id, end, errors=failures, request_counts=counts(summary), **ids)
+        log.info("batch %s: %s, %s", batch_id, end, summary.line())
 
     async def _write_file(self, batch_id: str, owner: str | None, kind: str, text: str) -> str | None:
         """The id of the new file holding `text`, or None if it does not fit in the store's room for files."""
