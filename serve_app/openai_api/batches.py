@@ -33,8 +33,7 @@ from serve_app.openai_api.auth import requester
 from serve_app.openai_api.batch_runs import BatchRuns, batch_object, file_object, new_file_id
 from serve_app.openai_api.batch_store import StoredBatch, StoredFile
 from serve_app.openai_api.conversations import check_page, page_json
-from serve_app.openai_api.errors import (APIError, BadRequest, NotFound, PayloadTooLarge, ask_store, parse_request,
-                                         read_body)
+from serve_app.openai_api.errors import APIError, BadRequest, NotFound, ask_store, parse_request
 from serve_app.openai_api.generation import IngressContext
 from serve_app.openai_api.protocol import Metadata, Strict
 from serve_app.openai_api.responses_input import new_id
@@ -99,13 +98,18 @@ async def upload_file(http: Request, ctx: IngressContext, max_upload_bytes: int)
     store = store_of(ctx)
     if not http.headers.get("content-type", "").startswith("multipart/form-data"):
         raise BadRequest("upload the file as multipart/form-data with the fields `file` and `purpose`")
-    try:
-        raw = await read_body(http, max_upload_bytes + MULTIPART_SLACK)
-    except PayloadTooLarge:
-        raise FileTooLarge(max_upload_bytes) from None
+    limit = max_upload_bytes + MULTIPART_SLACK
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise FileTooLarge(max_upload_bytes)
 
-    async def body():
-        yield raw
+    async def body():  # the body as it comes (the parser spools the file part), refused once past the limit
+        size = 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise FileTooLarge(max_upload_bytes)
+            yield chunk
 
     try:
         form = await MultiPartParser(http.headers, body(), max_files=1, max_fields=8).parse()

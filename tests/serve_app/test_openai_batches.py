@@ -192,6 +192,21 @@ def test_refused_uploads_and_batches(live, backend):
     assert "UTF-8" in err.value.body["message"]
     r = httpx.post(f"{live[1].url}/v1/files", json={"purpose": "batch"}, headers={"Authorization": "Bearer sk-a"})
     assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+    # sent chunked (no content-length): refused as the body passes the limit, taken below it
+    for size, status in ((UPLOAD_LIMIT + (128 << 10), 413), (100, 200)):
+        head = ('--b0\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b0\r\nContent-Disposition: '
+                'form-data; name="file"; filename="c.jsonl"\r\n\r\n').encode()
+
+        def chunks():
+            yield head
+            for start in range(0, size, 4096):
+                yield b"z" * min(4096, size - start)
+            yield b"\r\n--b0--\r\n"
+
+        r = httpx.post(f"{live[1].url}/v1/files", content=chunks(), headers={
+            "Authorization": "Bearer sk-a", "content-type": "multipart/form-data; boundary=b0"})
+        assert r.status_code == status, r.text
+        assert status == 413 or r.json()["bytes"] == size
     source = api.files.create(file=upload, purpose="batch")
     for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"},
                                                                          "completion_window")):
