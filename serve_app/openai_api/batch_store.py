@@ -16,9 +16,12 @@ unless a replica still runs it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 UNFINISHED_BATCH = ("validating", "in_progress", "finalizing", "cancelling")
 
@@ -41,7 +44,8 @@ class StoredFile(_JsonEntry):
         return [self.file, self.text]
 
     def size(self) -> int:
-        return len(self.text.encode())
+        """Its content's bytes (as uploaded or written; counted from the text only when the object says none)."""
+        return self.file["bytes"] if "bytes" in self.file else len(self.text.encode())
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,15 @@ class MemoryBatchStore:
                 self._batch_seen[key] = self._batch_clock()
 
     def _save(self, key: str, stored: StoredFile | StoredBatch | None) -> None:
-        if self._batch_file is not None:
+        """The store file's copy of `key` (as the response store's: a file that fails is logged, memory stays the
+        truth)."""
+        if self._batch_file is None:
+            return
+        try:
             self._batch_file.write(key, stored, stored.to_json()) if stored is not None else \
                 self._batch_file.remove(key)
+        except Exception:
+            log.exception("response store: writing %s to its file failed", key)
 
     # files
 
