@@ -29,7 +29,7 @@ from typing import Any, Union
 from starlette.requests import Request
 
 from serve_app.openai_api.auth import requester
-from serve_app.openai_api.errors import EngineFailure
+from serve_app.openai_api.errors import BadRequest, EngineFailure
 from serve_app.openai_api.generation import IngressContext
 from serve_app.openai_api.protocol import InputItem, Lenient, MessageItem, ReasoningOptions, ResponsesRequest, text_of
 from serve_app.openai_api.responses import create_response, earlier_items
@@ -52,6 +52,9 @@ class CompactRequest(Lenient):
 
 
 async def compact(req: CompactRequest, http: Request, ctx: IngressContext) -> dict[str, Any]:
+    if not req.input and req.previous_response_id is None:
+        raise BadRequest("nothing to compact: give the conversation as `input`, or `previous_response_id`",
+                         param="input")
     own = [] if req.input is None else input_items(ResponsesRequest(model=req.model, input=req.input))
     summarize = ResponsesRequest(model=req.model, input=[*own, MessageItem(role="user", content=SUMMARY_REQUEST)],
                                  instructions=req.instructions, previous_response_id=req.previous_response_id,

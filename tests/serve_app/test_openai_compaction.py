@@ -90,6 +90,10 @@ def test_refusals(api, backend):
     assert err.value.body["param"] == "input.0.encrypted_content"
     with pytest.raises(openai.NotFoundError):
         api.responses.compact(model="other", input="Hi")
+    for empty in ({}, {"input": []}, {"input": ""}):
+        with pytest.raises(openai.BadRequestError) as err:
+            api.responses.compact(model=MODEL, **empty)
+        assert err.value.body["param"] == "input"
     with pytest.raises(openai.BadRequestError) as err:
         api.responses.compact(model=MODEL, previous_response_id="resp_nope")
     assert err.value.body["param"] == "previous_response_id"
