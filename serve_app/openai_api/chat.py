@@ -54,7 +54,7 @@ from serve_app.openai_api.output_options import (forced_tools, logprobs_json, of
 from serve_app.openai_api.protocol import ChatCompletionRequest, text_of
 from serve_app.openai_api.stored_chat import keep, store_for
 from serve_app.openai_api.streaming import interleave, sse
-from serve_app.openai_api.usage import Caller
+from serve_app.openai_api.usage import caller_of
 
 SEPARATOR = "\n\n"  # between two Harmony messages that land in the same field
 
@@ -192,7 +192,7 @@ async def create_chat_completion(req: ChatCompletionRequest, http: Request, ctx:
         params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % 2**64)
         return Generation(ctx, request_id=request_id if n == 1 else f"{request_id}-{i}", prompt_ids=prompt_ids,
                           sampling=params, stop=req.stop, priority=priority,
-                          caller=Caller("chat.completions", requester(http)), cache_salt=req.cache_salt)
+                          caller=caller_of("chat.completions", http), cache_salt=req.cache_salt)
 
     group = GenerationGroup([nth(i) for i in range(n)])
     # service_tier: the tier it ran in (this server has one, whatever the request asked), as OpenAI reports it;

@@ -35,7 +35,7 @@ from engine.request import FINISH_LENGTH, FINISH_STOP, InvalidRequestError, Samp
 from serve_app.harmony.constrain import FINAL
 from serve_app.harmony.encoding import load_harmony_encoding
 from serve_app.harmony.text_limits import check_tokenizable
-from serve_app.openai_api.auth import in_batch, requester
+from serve_app.openai_api.auth import in_batch
 from serve_app.openai_api.completion_request import COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionRequest
 from serve_app.openai_api.errors import APIError, BadRequest
 from serve_app.openai_api.generation import (
@@ -49,7 +49,7 @@ from serve_app.openai_api.generation import (
 from serve_app.openai_api.output_options import output_constraint_off_loop
 from serve_app.openai_api.stop_strings import StopMatcher
 from serve_app.openai_api.streaming import interleave, sse
-from serve_app.openai_api.usage import Caller
+from serve_app.openai_api.usage import Caller, caller_of
 
 # gpt-oss's generation config: <|return|>, <|endoftext|>, <|call|>
 RAW_STOP_TOKEN_IDS = (200002, 199999, 200012)
@@ -206,7 +206,7 @@ async def create_completion(req: CompletionRequest, http: Request, ctx: IngressC
             rid = request_id if len(req.prompt) * n == 1 else f"{request_id}-{i}-{j}"
             gens.append(TextGeneration(ctx, request_id=rid, prompt_ids=ids, sampling=params, stop=req.stop,
                                        echo_text=text if req.echo else "", priority=priority,
-                                       caller=Caller("completions", requester(http)), cache_salt=req.cache_salt))
+                                       caller=caller_of("completions", http), cache_salt=req.cache_salt))
     group = GenerationGroup(gens)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.config.model_name,
             "system_fingerprint": ctx.config.system_fingerprint}

@@ -51,7 +51,7 @@ from serve_app.openai_api.responses_input import (fitted_prompt, new_id, reasoni
                                                   stored_input_items)
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import EventStreamResponse, sse
-from serve_app.openai_api.usage import Caller
+from serve_app.openai_api.usage import caller_of
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     ), len(prompt_ids), ctx.config)
     sampling = replace(sampling, constraint=constraint)
     gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling,
-                     priority=ctx.config.request_priority(req.priority, in_batch(http)), caller=Caller("responses", owner),
+                     priority=ctx.config.request_priority(req.priority, in_batch(http)), caller=caller_of("responses", http),
                      cache_salt=req.cache_salt)
     created = time.time()
     store = ctx.store is not None and req.store is not False

@@ -17,8 +17,16 @@ log = logging.getLogger(__name__)
 class Caller:
     """Who asked, for the usage record: the endpoint and the request's API key (auth.requester)."""
 
-    endpoint: str  # "chat.completions", "completions", "responses"
+    endpoint: str  # "chat.completions", "completions", "responses"; "batch.<that>" for a batch's line
     key: str | None = None
+
+
+def caller_of(endpoint: str, http) -> Caller:
+    """The caller of a request to `endpoint`: its API key, and the endpoint prefixed "batch." when the request is a
+    /v1/batches line (so usage and the API metrics tell batch load from interactive load)."""
+    from serve_app.openai_api.auth import in_batch, requester
+
+    return Caller(f"batch.{endpoint}" if in_batch(http) else endpoint, requester(http))
 
 
 @dataclass(frozen=True)

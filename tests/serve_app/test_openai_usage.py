@@ -106,3 +106,23 @@ def test_cancelled_refused_failed_and_background_requests(parts, live):
     (record,) = sink.take(1)
     assert (record.endpoint, record.key, record.outcome) == ("responses", key_id(KEYS[0].encode()), "stop")
     assert record.completion_tokens == a.responses.retrieve(queued.id).usage.output_tokens
+
+
+def test_a_batchs_lines_are_recorded_as_batch_endpoints_of_its_key(parts):
+    """A /v1/batches line's usage names the endpoint "batch.<endpoint>" and the batch's key, so batch load is told
+    from interactive load."""
+    import io
+    import json
+
+    backend, sink, (a, _) = parts
+    backend.push(ANSWER)
+    backend.push(ANSWER)
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": HI}},
+             {"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": {"model": MODEL, "input": "Hi"}}]
+    for line in lines:  # one batch per endpoint
+        source = a.files.create(file=("b.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+        a.batches.create(input_file_id=source.id, endpoint=line["url"], completion_window="24h")
+        (record,) = sink.take(1, timeout_s=10)
+        assert (record.endpoint, record.key, record.outcome) == (
+            "batch." + line["url"].removeprefix("/v1/").replace("/", "."), key_id(KEYS[0].encode()), "stop")
