@@ -56,10 +56,13 @@ async def compact(req: CompactRequest, http: Request, ctx: IngressContext) -> di
         raise BadRequest("nothing to compact: give the conversation as `input`, or `previous_response_id`",
                          param="input")
     own = [] if req.input is None else input_items(ResponsesRequest(model=req.model, input=req.input))
-    summarize = ResponsesRequest(model=req.model, input=[*own, MessageItem(role="user", content=SUMMARY_REQUEST)],
-                                 instructions=req.instructions, previous_response_id=req.previous_response_id,
-                                 store=False, reasoning=ReasoningOptions(effort="low"))
-    earlier = await earlier_items(summarize, ctx, requester(http)) if req.previous_response_id is not None else []
+    # the stored chain, read once: the summarizing request gets it in its input (no second read of the store)
+    earlier = [] if req.previous_response_id is None else await earlier_items(
+        ResponsesRequest(model=req.model, input=[], previous_response_id=req.previous_response_id), ctx,
+        requester(http))
+    summarize = ResponsesRequest(model=req.model, input=[*earlier, *own,
+                                                         MessageItem(role="user", content=SUMMARY_REQUEST)],
+                                 instructions=req.instructions, store=False, reasoning=ReasoningOptions(effort="low"))
     # its output: at most COMPACT_MAX_TOKENS, and what the context leaves (the default of a request that sets none)
     limit = min(COMPACT_MAX_TOKENS, ctx.config.default_max_tokens or COMPACT_MAX_TOKENS)
     answer = await create_response(summarize, http, replace(ctx, config=replace(ctx.config, default_max_tokens=limit)))
@@ -69,7 +72,7 @@ async def compact(req: CompactRequest, http: Request, ctx: IngressContext) -> di
         raise EngineFailure("The model wrote no summary of the conversation; try again.")
     users = [{"id": getattr(item, "id", None) or new_id("msg"), "type": "message", "role": "user",
               "status": "completed", "content": [{"type": "input_text", "text": text_of(item.content)}]}
-             for item in [*(earlier or []), *own] if isinstance(item, MessageItem) and item.role == "user"]
+             for item in [*earlier, *own] if isinstance(item, MessageItem) and item.role == "user"]
     return {"id": new_id("cmp"), "object": "response.compaction", "created_at": int(time.time()),
             "output": [*users, {"id": new_id("cmp"), "type": "compaction",
                                 "encrypted_content": compaction_envelope(summary)}],
