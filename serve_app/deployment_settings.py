@@ -171,8 +171,8 @@ class IngressSettings(_Settings):
                                 "files are deleted. Kept in the store's file too with store_path.")
     file_max_mib: float = Field(200, gt=0, description="The largest /v1/files upload (a batch's input file).")
     batch_concurrency: int = Field(
-        64, ge=1, description="Requests of one /v1/batches batch in flight at once, from the ingress replica that "
-                              "runs it.")
+        64, ge=1, description="/v1/batches requests in flight at once from one ingress replica, all its running "
+                              "batches together (more batches share these slots; they do not add to them).")
     batch_priority: int = Field(
         1, description="Engine priority a batch's requests get on top of their own (lower runs sooner): at 1 they "
                        "run when interactive requests (0) leave room, and are preempted for them.")

@@ -145,19 +145,23 @@ class BatchSummary:
                 "output tok/s")
 
 
-async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: BatchSummary, concurrency: int,
-                    progress: TextIO | None = sys.stderr, errors: TextIO | None = None,
+async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: BatchSummary,
+                    concurrency: int | asyncio.Semaphore, progress: TextIO | None = sys.stderr, errors: TextIO | None = None,
                     retry_unavailable_s: float = 0.0) -> BatchSummary:
-    """Send every line's body to `app` (an ASGI app: create_app's), `concurrency` at a time, writing each result to
+    """Send every line's body to `app` (an ASGI app: create_app's), `concurrency` at a time (or as many as a shared
+    semaphore's slots allow: the runs that share it share its slots), writing each result to
     `out` as it ends (to `errors` instead, when given, if it is not a 2xx). A 503 (full queues, an engine being
     replaced) is sent again, after its Retry-After and then twice as long each time (at most RETRY_MAX_WAIT_S), while
     `retry_unavailable_s` has not passed since the line's first try (0: never). Cancelled, it cancels the requests in
     flight (their lines are not written)."""
     import httpx
 
-    if concurrency < 1:
+    if isinstance(concurrency, asyncio.Semaphore):
+        slots = concurrency
+    elif concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, not {concurrency}")
-    slots = asyncio.Semaphore(concurrency)
+    else:
+        slots = asyncio.Semaphore(concurrency)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # an app's crash: its 500, not ours
 
     async def post(client: httpx.AsyncClient, line: BatchLine):
@@ -184,8 +188,6 @@ async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: Batch
             record = {"response": None,
                       "error": {"code": "batch_request_failed", "message": f"{type(err).__name__}: {err}"}}
             summary.add(0, None)
-        finally:
-            slots.release()
         ok = record["response"] is not None and 200 <= record["response"]["status_code"] < 300
         into = out if ok or errors is None else errors
         into.write(json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, **record},
@@ -206,6 +208,8 @@ async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: Batch
                 task = asyncio.create_task(one(client, line))
                 running.add(task)
                 task.add_done_callback(running.discard)
+                # released when the task ends, even cancelled before it ran: a shared semaphore keeps its slots
+                task.add_done_callback(lambda _: slots.release())
             await asyncio.gather(*running)
     finally:
         for task in running:  # cancelled (or failed) before they ended

@@ -90,8 +90,9 @@ def create_app(
     replica); None: the app's own, one process, started on the first long prompt.
     system_fingerprint: the backend's configuration (engine/fingerprint.py), reported in chat and text completions;
     None: reported as null.
-    batch_concurrency, batch_priority: a /v1/batches batch's requests in flight at once, and the engine priority
-    they get on top of their own (batch_runs.py); max_upload_bytes: the largest /v1/files upload (batches.py).
+    batch_concurrency, batch_priority: /v1/batches requests in flight at once (all of the app's batches together), and
+    the engine priority they get on top of their own (batch_runs.py); max_upload_bytes: the largest /v1/files upload
+    (batches.py).
     """
     backend_limit = getattr(backend, "max_context", None)
     limit = min(max_context, backend_limit) if backend_limit else max_context

@@ -4,7 +4,9 @@ A run reads the batch's input file from the store and checks every line (OpenAI'
 each naming the batch's endpoint, custom_ids unique): any problem and the batch ends `failed` with one error per line
 (code `invalid_request`, its line number), nothing run. Then `in_progress`: the lines go to the server's own app
 in-process (run_batch.run_batch over ASGI: the same validation, rendering and answers as over HTTP, answers by
-status into the output (2xx) and error files), at most `concurrency` at once, each at the engine priority
+status into the output (2xx) and error files), at most `concurrency` at once on this replica (across all its
+batches: the lines share one set of slots, so more batches do not take more of the decode replicas'
+max_ongoing_requests, which interactive requests also need), each at the engine priority
 `batch_priority` after the interactive requests (the engines' schedulers then run them when interactive ones leave
 room, and preempt them for those). A line answered 503 (the engines' queues are full, an engine is being replaced)
 is tried again, after Retry-After and then longer waits (at most 10 s), until the batch ends: a busy server slows a
@@ -82,6 +84,7 @@ class BatchRuns:
         self.store, self.concurrency, self.poll_s = store, concurrency, poll_s
         self.target: ASGIApp | None = None
         self._runs: dict[str, asyncio.Task] = {}
+        self._slots: asyncio.Semaphore | None = None  # made in the event loop, by the first run
         self.stopping = False
 
     def __len__(self) -> int:
@@ -133,10 +136,13 @@ class BatchRuns:
             return
         await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
                                                  "request_counts": counts(summary)})
-        log.info("batch %s: %d requests to %s, %d at a time", batch_id, len(lines), batch["endpoint"], self.concurrency)
+        log.info("batch %s: %d requests to %s, %d at a time with this replica's other batches", batch_id, len(lines),
+                 batch["endpoint"], self.concurrency)
         out, errors = io.StringIO(), io.StringIO()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
         work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), iter(lines), out, summary,
-                                               self.concurrency, progress=None, errors=errors,
+                                               self._slots, progress=None, errors=errors,
                                                retry_unavailable_s=float("inf")))
         end = "completed"
         try:

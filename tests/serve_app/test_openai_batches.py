@@ -394,3 +394,73 @@ def test_a_batch_past_its_window_expires_keeping_what_ended(monkeypatch):
         assert expired.request_counts.completed == 1 and expired.request_counts.total == 4
         assert list(lines_of(api, expired.output_file_id)) == ["r0"]
     assert len(backend.aborted) == 2  # the two lines in flight
+
+
+def test_the_replicas_batches_share_its_batch_concurrency():
+    """batch_concurrency is the replica's, not each batch's: two batches of 3 slow lines at concurrency 2 never have
+    more than 2 lines in the engine at once, and both complete (no slot lost between them)."""
+    from serve_app.openai_api.app import create_app
+
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    for _ in range(6):
+        backend.push(ANSWER * 2, chunk=1, delay_s=0.03)  # ~0.5 s each
+    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, response_store=store,
+                     batch_concurrency=2)
+    in_flight, most = 0, 0
+    generate = backend.generate
+
+    async def counted(request):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            async for delta in generate(request):
+                yield delta
+        finally:
+            in_flight -= 1
+
+    backend.generate = counted
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            made = []
+            for name in ("a", "b"):
+                upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+                    f"{name}.jsonl", jsonl(*(chat_line(f"{name}{i}") for i in range(3))).getvalue())})
+                made.append((await http.post("/v1/batches", json={
+                    "input_file_id": upload.json()["id"], "completion_window": "24h",
+                    "endpoint": "/v1/chat/completions"})).json()["id"])
+            for _ in range(400):
+                batches = [(await http.get(f"/v1/batches/{batch_id}")).json() for batch_id in made]
+                if all(batch["status"] not in ("validating", "in_progress", "finalizing") for batch in batches):
+                    break
+                await asyncio.sleep(0.05)
+            assert [batch["status"] for batch in batches] == ["completed", "completed"], batches
+            assert [batch["request_counts"]["completed"] for batch in batches] == [3, 3]
+
+    asyncio.run(go())
+    assert len(backend.requests) == 6 and most == 2
+
+
+def test_a_run_cancelled_before_its_lines_start_gives_back_their_shared_slots():
+    """run_batch with a shared semaphore, cancelled while its lines' tasks have not run yet: every slot comes back."""
+    from serve_app.run_batch import BatchSummary, parse_line, run_batch
+
+    async def never_called(scope, receive, send):
+        raise AssertionError("no line should reach the app")
+
+    async def go():
+        slots = asyncio.Semaphore(3)
+        lines = [parse_line(i + 1, json.dumps(chat_line(f"r{i}"))) for i in range(3)]
+        work = asyncio.ensure_future(run_batch(never_called, iter(lines), io.StringIO(), BatchSummary(3), slots,
+                                               progress=None))
+        for _ in range(100):  # until the run took every slot: its line tasks are made and have not started
+            if not slots._value or work.done():
+                break
+            await asyncio.sleep(0)
+        assert slots._value == 0 and not work.done()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        assert slots._value == 3
+
+    asyncio.run(go())
