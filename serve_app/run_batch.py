@@ -75,6 +75,17 @@ def parse_line(number: int, text: str) -> BatchLine:
     return BatchLine(number, custom_id, url, body)
 
 
+def line_problem(line: BatchLine, seen: dict[str, int], endpoint: str | None = None) -> str | None:
+    """Why `line` cannot run in its file (another url than the batch's `endpoint`, when given; a custom_id of an
+    earlier line: `seen`, custom_id -> line number, which this line joins), or None."""
+    if endpoint is not None and line.url != endpoint:
+        return f"url must be the batch's endpoint {endpoint}, not {line.url}"
+    if line.custom_id in seen:
+        return f"custom_id {line.custom_id!r} is already used on line {seen[line.custom_id]}"
+    seen[line.custom_id] = line.number
+    return None
+
+
 def _numbered(path: Path) -> Iterator[tuple[int, str]]:
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, start=1):
@@ -89,14 +100,11 @@ def check_file(path: Path) -> int:
         for number, text in _numbered(path):
             count += 1
             try:
-                line = parse_line(number, text)
+                problem = line_problem(parse_line(number, text), seen)
             except ValueError as err:
-                problems.append(f"line {number}: {err}")
-                continue
-            if line.custom_id in seen:
-                problems.append(f"line {number}: custom_id {line.custom_id!r} is already used on line "
-                                f"{seen[line.custom_id]}")
-            seen.setdefault(line.custom_id, number)
+                problem = str(err)
+            if problem:
+                problems.append(f"line {number}: {problem}")
     except (OSError, UnicodeDecodeError) as err:
         raise BatchFileError(f"{path}: cannot read it ({err})") from None
     if problems:

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.openai_api.auth import BATCH_STATE
 from serve_app.openai_api.batch_store import StoredFile, iter_jsonl
-from serve_app.run_batch import MAX_REPORTED_PROBLEMS, BatchLine, BatchSummary, parse_line, run_batch
+from serve_app.run_batch import MAX_REPORTED_PROBLEMS, BatchLine, BatchSummary, line_problem, parse_line, run_batch
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,13 @@ def check_lines(text: str, endpoint: str) -> tuple[list[BatchLine], list[dict[st
     for number, raw in iter_jsonl(text):
         try:
             line = parse_line(number, raw)
-            if line.url != endpoint:
-                raise ValueError(f"url must be the batch's endpoint {endpoint}, not {line.url}")
-            if line.custom_id in seen:
-                raise ValueError(f"custom_id {line.custom_id!r} is already used on line {seen[line.custom_id]}")
+            problem = line_problem(line, seen, endpoint)
         except ValueError as err:
-            problems.append({"code": "invalid_request", "message": str(err), "param": None, "line": number})
-            continue
-        seen[line.custom_id] = number
-        lines.append(line)
+            problem = str(err)
+        if problem:
+            problems.append({"code": "invalid_request", "message": problem, "param": None, "line": number})
+        else:
+            lines.append(line)
     if not lines and not problems:
         problems.append({"code": "empty_file", "message": "The input file has no requests.", "param": None,
                          "line": None})
