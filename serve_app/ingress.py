@@ -26,6 +26,7 @@ log = logging.getLogger("ray.serve")
 
 # Under Serve's default graceful_shutdown_timeout_s (20 s), after which the replica is killed.
 BACKGROUND_DRAIN_S = 10.0
+ADOPT_TIMEOUT_S = 5.0  # a health check waits this long at most for the store's answer on batches to adopt
 
 
 class ServeTokenBackend:
@@ -122,10 +123,22 @@ class HarmonyIngress:
         return serve_models(self._apps, max_body_bytes=DEFAULT_MAX_BODY_BYTES, api_keys=s.api_key_values(),
                             cors_allow_origins=s.cors_allow_origins)
 
+    async def check_health(self) -> None:
+        """Serve's periodic health check (ingress.health_check_period_s): also where this replica adopts a batch
+        another replica gave back or left silent (batch_runs.BatchRuns.adopt). A store that does not answer is
+        logged, not a failed check."""
+        for app in getattr(self, "_apps", {}).values():
+            if app.state.batches is not None:
+                try:
+                    await asyncio.wait_for(app.state.batches.adopt(), ADOPT_TIMEOUT_S)
+                except Exception as err:
+                    log.warning("looking for batches to adopt failed (%s: %s)", type(err).__name__, err)
+                break  # the first app runs the batches (model_router.serve_models)
+
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
-        seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py); running batches end
-        failed with the answers they have (batch_runs.py)."""
+        seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py); running batches are
+        given back to the store with the answers they have, for another replica to finish (batch_runs.py)."""
         apps = getattr(self, "_apps", {}).values()
         runs = [app.state.background for app in apps if app.state.background is not None]
         batches = [app.state.batches for app in apps if app.state.batches is not None]

@@ -165,14 +165,26 @@ class ServeResponseStore:
     async def get_batch(self, batch_id: str) -> StoredBatch | None:
         return await self._call("get_batch", batch_id)
 
-    async def update_batch(self, batch_id: str, changes: dict[str, Any]) -> dict[str, Any] | None:
-        return await self._call("update_batch", batch_id, changes)
+    async def update_batch(self, batch_id: str, changes: dict[str, Any], runner: str | None = None
+                           ) -> dict[str, Any] | None:
+        return await self._call("update_batch", batch_id, changes, runner)
+
+    async def claim_batch(self, batch_id: str, runner: str) -> bool:
+        return await self._call("claim_batch", batch_id, runner)
+
+    async def batch_progress(self, batch_id: str, runner: str, changes: dict[str, Any], output: list[str],
+                             errors: list[str]) -> str:
+        return await self._call("batch_progress", batch_id, runner, changes, output, errors)
+
+    async def release_batch(self, batch_id: str, runner: str, output: list[str], errors: list[str]) -> None:
+        return await self._call("release_batch", batch_id, runner, output, errors)
+
+    async def adopt_batch(self, runner: str) -> tuple[dict[str, Any], str | None, list[str], list[str]] | None:
+        return await self._call("adopt_batch", runner)
 
     async def request_batch_cancel(self, batch_id: str) -> dict[str, Any] | None:
         return await self._call("request_batch_cancel", batch_id)
 
-    async def batch_cancel_requested(self, batch_ids: list[str]) -> list[str]:
-        return await self._call("batch_cancel_requested", batch_ids)
 
     async def list_batches(self, owner: str | None, limit: int, after: str | None
                            ) -> tuple[list[dict[str, Any]], bool] | None:

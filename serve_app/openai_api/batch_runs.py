@@ -1,4 +1,4 @@
-"""Running /v1/batches batches: each in a task of the ingress replica that created it.
+"""Running /v1/batches batches: each in a task of one ingress replica, first the one that created it.
 
 A run reads the batch's input file from the store and checks every line (OpenAI's input lines, run_batch.parse_line,
 each naming the batch's endpoint, custom_ids unique): any problem and the batch ends `failed` with one error per line
@@ -10,19 +10,22 @@ max_ongoing_requests, which interactive requests also need), each at the engine 
 `batch_priority` after the interactive requests (the engines' schedulers then run them when interactive ones leave
 room, and preempt them for those). A line answered 503 (the engines' queues are full, an engine is being replaced)
 is tried again, after Retry-After and then longer waits (at most 10 s), until the batch ends: a busy server slows a
-batch, it does not fail its lines. The request counts go to the store every `poll_s`, with a poll for cancels.
+batch, it does not fail its lines. Every `poll_s` the run writes its counts and the answers that ended since to the
+store, which answers whether to go on (batch_store.batch_progress: a cancel, or another replica took it over).
 
 A batch ends `completed`; `cancelled` after a cancel (POST /v1/batches/{id}/cancel, here or on another ingress
-replica; requests in flight are aborted); `expired` when its completion window passes first; `failed` when the
-replica stops (scale-down, redeploy: `stop()`). Each keeps the answers it has in its output and error files (none
-when empty), written `finalizing` before the final state. A replica that dies without stop() loses the run: the
-store marks the batch failed once it has gone `orphan_after_s` without word (batch_store.py).
+replica; requests in flight are aborted); `expired` when its completion window passes first. Each keeps the answers
+it has in its output and error files (none when empty), written `finalizing` before the final state. A replica that
+stops (scale-down, redeploy: `stop()`) gives its batches back with their answers, and one that dies leaves them
+silent: either way another ingress replica adopts each (`adopt`, from its health check: at once for a batch given
+back, after the store's orphan_after_s for a silent one) and runs the lines that have no answer yet; the lines that
+were in flight run again (each custom_id still answers once in the files).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
+import json
 import logging
 import time
 import uuid
@@ -72,6 +75,45 @@ def as_batch_line(app: ASGIApp, owner: str | None) -> ASGIApp:
     return call
 
 
+class AnswerLines:
+    """The answer lines of a run (run_batch writes each whole line with one `write`), and how many of them the store
+    has (`sent`): a run's progress writes send the rest."""
+
+    def __init__(self, lines: list[str] = ()):
+        self.lines = list(lines)
+        self.sent = len(self.lines)
+
+    def write(self, text: str) -> None:
+        self.lines.append(text)
+
+    def flush(self) -> None:
+        pass
+
+    def unsent(self) -> list[str]:
+        return self.lines[self.sent:]
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def earlier_answers(output: list[str], errors: list[str], summary: BatchSummary
+                    ) -> tuple[AnswerLines, AnswerLines, set[str]]:
+    """An adopted batch's answers so far (each custom_id once: a progress write the store took but did not answer
+    in time was sent again), counted into `summary`: (output, errors, their custom_ids)."""
+    seen: set[str] = set()
+    kept: list[list[str]] = [[], []]
+    for into, lines in zip(kept, (output, errors)):
+        for line in lines:
+            record = json.loads(line)
+            if record["custom_id"] in seen:
+                continue
+            seen.add(record["custom_id"])
+            into.append(line)
+            answer = record.get("response") or {}
+            summary.add(answer.get("status_code", 0), answer.get("body"))
+    return AnswerLines(kept[0]), AnswerLines(kept[1]), seen
+
+
 class BatchRuns:
     """The batches this ingress replica runs: batch id -> its task. `target`: the ASGI app the lines go to (the
     whole app, so a line naming another served model reaches it); set once the app is built."""
@@ -83,63 +125,97 @@ class BatchRuns:
         self.target: ASGIApp | None = None
         self._runs: dict[str, asyncio.Task] = {}
         self._slots: asyncio.Semaphore | None = None  # made in the event loop, by the first run
+        self._released: set[str] = set()  # the runs that gave their batch back
         self.stopping = False
 
     def __len__(self) -> int:
         return len(self._runs)
 
     def start(self, batch: dict[str, Any], owner: str | None) -> None:
-        work = asyncio.ensure_future(self._run(batch, owner))
+        """Run a batch this replica just created (once it has claimed it)."""
+        self._launch(batch, owner, [], [], claim=True)
+
+    async def adopt(self) -> str | None:
+        """Take over one batch whose runner gave it back or went silent (the ingress' health check asks every
+        period): the id of the batch now run here, or None."""
+        if self.stopping or self.target is None:
+            return None
+        runner = new_runner()
+        found = await self.store.adopt_batch(runner)
+        if found is None:
+            return None
+        batch, owner, output, errors = found
+        self._launch(batch, owner, output, errors, runner=runner)
+        return batch["id"]
+
+    def _launch(self, batch: dict[str, Any], owner: str | None, output: list[str], errors: list[str],
+                claim: bool = False, runner: str | None = None) -> None:
+        work = asyncio.ensure_future(self._run(batch, owner, output, errors, runner or new_runner(), claim))
         self._runs[batch["id"]] = work
         work.add_done_callback(lambda _: self._runs.pop(batch["id"], None))
 
     async def stop(self) -> None:
-        """The replica is stopping: every run ends `failed`, with the answers it has in its files."""
+        """The replica is stopping: every run gives its batch back to the store with the answers it has (another
+        ingress replica adopts it and runs the lines without an answer; the lines in flight here are aborted)."""
         runs = set(self._runs.values())
+        self.stopping = True
         if not runs:
             return
-        log.warning("stopping: %d batches still running; storing them as failed", len(runs))
-        self.stopping = True
+        log.warning("stopping: giving %d running batches back for another replica to finish", len(runs))
         for work in runs:
             work.cancel()
         await asyncio.wait(runs, timeout=10.0)
 
-    async def _run(self, batch: dict[str, Any], owner: str | None) -> None:
+    async def _run(self, batch: dict[str, Any], owner: str | None, output: list[str], errors: list[str], runner: str,
+                   claim: bool) -> None:
         batch_id = batch["id"]
         try:
-            await self._run_lines(batch, owner)
+            if claim and not await self.store.claim_batch(batch_id, runner):
+                return  # another replica adopted it first
+            await self._run_lines(batch, owner, output, errors, runner)
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
+            if runner not in self._released:  # stopped before its lines ran: given back as it was
+                await asyncio.shield(self._release(batch_id, runner, AnswerLines(), AnswerLines()))
         except Exception:
             log.exception("batch %s failed", batch_id)
-            await self._end(batch_id, "failed", errors=[{"code": "server_error", "line": None, "param": None,
-                                                         "message": "The batch's run failed on the server."}])
+            await self._end(batch_id, runner, "failed", errors=[{"code": "server_error", "line": None, "param": None,
+                                                                 "message": "The batch's run failed on the server."}])
 
-    async def _run_lines(self, batch: dict[str, Any], owner: str | None) -> None:
+    async def _run_lines(self, batch: dict[str, Any], owner: str | None, earlier_output: list[str],
+                         earlier_errors: list[str], runner: str) -> None:
         batch_id = batch["id"]
         source = await self.store.get_file(batch["input_file_id"], True)
         if source is None:
-            await self._end(batch_id, "failed", errors=[{"code": "file_not_found", "line": None,
-                                                         "param": "input_file_id",
-                                                         "message": "The input file was deleted before it was read."}])
+            await self._end(batch_id, runner, "failed", errors=[{
+                "code": "file_not_found", "line": None, "param": "input_file_id",
+                "message": "The input file was deleted before it was read."}])
             return
         lines, problems = check_lines(source.text, batch["endpoint"])
         if problems:
-            await self._end(batch_id, "failed", errors=problems)
+            await self._end(batch_id, runner, "failed", errors=problems)
             return
         summary = BatchSummary(len(lines))
-        if await self.store.batch_cancel_requested([batch_id]):  # cancelled while it was validated
-            await self._finish(batch_id, owner, "cancelled", summary, "", "")
+        out, errors, answered = earlier_answers(list(earlier_output), list(earlier_errors), summary)
+        verdict = await self._progress(batch_id, runner, summary, out, errors)
+        if verdict == "lost":
             return
-        await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
-                                                 "request_counts": counts(summary)})
-        log.info("batch %s: %d requests to %s, %d at a time with this replica's other batches", batch_id, len(lines),
-                 batch["endpoint"], self.concurrency)
-        out, errors = io.StringIO(), io.StringIO()
+        if verdict == "cancel" or batch["status"] == "cancelling":  # cancelled while it was validated, or orphaned
+            await self._finish(batch_id, runner, owner, "cancelled", summary, out, errors)
+            return
+        if time.time() >= batch["expires_at"]:
+            await self._finish(batch_id, runner, owner, "expired", summary, out, errors)
+            return
+        if batch["status"] == "validating":
+            await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time())},
+                                          runner)
+        todo = [line for line in lines if line.custom_id not in answered]
+        log.info("batch %s: %d requests to %s (%d answered before), %d at a time with this replica's other batches",
+                 batch_id, len(todo), batch["endpoint"], len(answered), self.concurrency)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
-        work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), iter(lines), out, summary,
+        work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), iter(todo), out, summary,
                                                self._slots, progress=None, errors=errors,
                                                retry_unavailable_s=float("inf")))
         end = "completed"
@@ -148,7 +224,10 @@ class BatchRuns:
                 await asyncio.wait({work}, timeout=self.poll_s)
                 if work.done():
                     break
-                if await self._cancel_requested(batch_id, summary):
+                verdict = await self._progress(batch_id, runner, summary, out, errors)
+                if verdict == "lost":
+                    end = None
+                elif verdict == "cancel":
                     end = "cancelled"
                 elif time.time() >= batch["expires_at"]:
                     end = "expired"
@@ -159,38 +238,61 @@ class BatchRuns:
             if not work.cancelled():
                 work.result()
         finally:
-            why = None
-            if not work.done():  # this run itself was cancelled (the replica stops)
+            if not work.done():  # this run itself was cancelled: the replica stops
                 work.cancel()
                 await asyncio.wait({work})
-                end, why = "failed", "The server replica running this batch stopped"
-            elif not work.cancelled() and work.exception() is not None:
-                end, why = "failed", f"The batch's run failed on the server ({type(work.exception()).__name__})"
-            await asyncio.shield(self._finish(batch_id, owner, end, summary, out.getvalue(), errors.getvalue(), why))
+                await asyncio.shield(self._release(batch_id, runner, out, errors))
+            elif end is None:
+                log.warning("batch %s: another ingress replica took it over; stopping its run here", batch_id)
+            else:
+                why = None
+                if not work.cancelled() and work.exception() is not None:
+                    end, why = "failed", f"The batch's run failed on the server ({type(work.exception()).__name__})"
+                await asyncio.shield(self._finish(batch_id, runner, owner, end, summary, out, errors, why))
 
-    async def _cancel_requested(self, batch_id: str, summary: BatchSummary) -> bool:
-        """The run's poll: its counts to the store, and whether a cancel came. A store that does not answer leaves the
-        run going (logged): the next poll tries again, and the store marks the batch failed only after
-        orphan_after_s without one."""
+    async def _progress(self, batch_id: str, runner: str, summary: BatchSummary, out: AnswerLines,
+                        errors: AnswerLines) -> str:
+        """The run's periodic write: its counts and new answers to the store; "run", "cancel" or "lost"
+        (batch_store.batch_progress). A store that does not answer leaves the run going (logged): the next write
+        sends those answers again, and the store lets another replica adopt the batch only after orphan_after_s
+        without one."""
+        output, failed = out.unsent(), errors.unsent()
         try:
-            await self.store.update_batch(batch_id, {"request_counts": counts(summary)})
-            return bool(await self.store.batch_cancel_requested([batch_id]))
+            verdict = await self.store.batch_progress(batch_id, runner, {"request_counts": counts(summary)}, output,
+                                                      failed)
         except Exception as err:
             log.warning("batch %s: the store did not take its progress (%s: %s); going on", batch_id,
                         type(err).__name__, err)
-            return False
+            return "run"
+        out.sent += len(output)
+        errors.sent += len(failed)
+        return verdict
 
-    async def _finish(self, batch_id: str, owner: str | None, end: str, summary: BatchSummary, out: str,
-                      errors: str, why: str | None = None) -> None:
-        """Write the answers' files (`finalizing`), then the final state (`why`: a failed one's reason)."""
-        await self.store.update_batch(batch_id, {"status": "cancelling" if end == "cancelled" else "finalizing",
-                                                 "finalizing_at": int(time.time()), "request_counts": counts(summary)})
+    async def _release(self, batch_id: str, runner: str, out: AnswerLines, errors: AnswerLines) -> None:
+        self._released.add(runner)
+        try:
+            await self.store.release_batch(batch_id, runner, out.unsent(), errors.unsent())
+            log.warning("batch %s: given back with %d answers for another replica to finish", batch_id,
+                        len(out.lines) + len(errors.lines))
+        except Exception:
+            log.exception("batch %s: giving it back failed; another replica adopts it once the store has not heard "
+                          "from this one for a while", batch_id)
+
+    async def _finish(self, batch_id: str, runner: str, owner: str | None, end: str, summary: BatchSummary,
+                      out: AnswerLines, errors: AnswerLines, why: str | None = None) -> None:
+        """Write the answers' files (`finalizing`), then the final state (`why`: a failed one's reason). Nothing if
+        another replica has taken the batch over meanwhile."""
+        if await self.store.update_batch(batch_id, {"status": "cancelling" if end == "cancelled" else "finalizing",
+                                                    "finalizing_at": int(time.time()),
+                                                    "request_counts": counts(summary)}, runner) is None:
+            return
         ids, failures = {}, []
         if why:
             failures.append({"code": "server_error", "line": None, "param": None, "message": f"{why}; the answers it "
                              "had are in its files. Create a batch of the rest again."})
-        for field, text, kind in (("output_file_id", out, "output"), ("error_file_id", errors, "error")):
-            if text:
+        for field, lines, kind in (("output_file_id", out, "output"), ("error_file_id", errors, "error")):
+            if lines.lines:
+                text = lines.text()
                 ids[field] = await self._write_file(batch_id, owner, kind, text)
                 if ids[field] is None:
                     end = "failed"
@@ -198,7 +300,10 @@ class BatchRuns:
                         f"The batch's {kind} file ({len(text.encode())} bytes) did not fit in the server's room for "
                         "files (ingress.files_max_mib): its answers are lost. Delete files, then run the batch "
                         "again.")})
-        await self._end(batch_id, end, errors=failures, request_counts=counts(summary), **ids)
+        if not await self._end(batch_id, runner, end, errors=failures, request_counts=counts(summary), **ids):
+            for file_id in filter(None, ids.values()):  # another replica took it over while they were written
+                await self.store.delete_file(file_id)
+            return
         log.info("batch %s: %s, %s", batch_id, end, summary.line())
 
     async def _write_file(self, batch_id: str, owner: str | None, kind: str, text: str) -> str | None:
@@ -212,12 +317,18 @@ class BatchRuns:
                   stored.size())
         return None
 
-    async def _end(self, batch_id: str, status: str, errors: list[dict[str, Any]] | None = None,
-                   **changes: Any) -> None:
+    async def _end(self, batch_id: str, runner: str, status: str, errors: list[dict[str, Any]] | None = None,
+                   **changes: Any) -> bool:
+        """The batch's final state; False if another runner has it."""
         now = int(time.time())
         if errors:
             changes["errors"] = {"object": "list", "data": errors}
-        await self.store.update_batch(batch_id, {"status": status, f"{status}_at": now, **changes})
+        return await self.store.update_batch(batch_id, {"status": status, f"{status}_at": now, **changes},
+                                             runner) is not None
+
+
+def new_runner() -> str:
+    return f"run-{uuid.uuid4().hex}"
 
 
 def new_file_id() -> str:

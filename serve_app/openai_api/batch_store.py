@@ -5,12 +5,17 @@ Unlike responses, nothing here leaves for room: files take at most `max_file_byt
 does not fit is refused (the client deletes files to make room). Each file and batch belongs to the API key that made
 it (None where the app takes no keys); other keys do not see it.
 
-A batch is run by the ingress replica that created it (batches.BatchRuns), which writes its progress here every
-second or so; that write, and its poll for cancels, tell the store the replica is alive. A batch still `validating`,
-`in_progress`, `finalizing` or `cancelling` `orphan_after_s` after its replica's last word (the replica died) is
-marked `failed` when next read, with an error saying so. With the store's file (store_file.py) files and batches
-are written through to it and read back at start like responses; a batch read back unfinished becomes an orphan
-unless a replica still runs it.
+A batch is run by one ingress replica at a time (batch_runs.BatchRuns), its runner: the replica that created it
+claims it (claim_batch), and every second or so its run writes its progress here (batch_progress: counts, the
+answers that ended since, and the answer to "go on?": run, cancel, or lost). Those writes tell the store the runner is
+alive. The answers are kept here too (memory only, not in the store's file) so that another replica can take the
+batch over: a batch its runner gave back (release_batch: the replica stops, for a scale-down or a redeploy) or
+left silent `orphan_after_s` (the replica died) is adopted by the next ingress replica that asks (adopt_batch, each
+replica's health check), which gets the answers so far and runs the lines without one. A runner whose batch was
+taken over hears `lost` at its next write and stops without writing anything more (its writes carry its runner
+token: only the batch's current runner's count). With the store's file (store_file.py) files and batches are
+written through to it and read back at start like responses; a batch read back unfinished is adopted once it has
+gone `orphan_after_s` without its runner's word (the answers it had then are not in the file: they run again).
 """
 
 from __future__ import annotations
@@ -68,7 +73,9 @@ class MemoryBatchStore:
         self.file_bytes = 0
         self._files: dict[str, StoredFile] = {}
         self._batches: dict[str, StoredBatch] = {}
-        self._batch_seen: dict[str, float] = {}  # unfinished batch -> when its replica last wrote or polled
+        self._batch_seen: dict[str, float] = {}  # unfinished batch -> when its runner last wrote (-inf: given back)
+        self._batch_runner: dict[str, str] = {}  # unfinished batch -> its runner's token
+        self._batch_answers: dict[str, tuple[list[str], list[str]]] = {}  # -> (output lines, error lines) so far
         self._batch_cancel: set[str] = set()
         self._batch_clock = clock
         self._batch_orphan_s = orphan_after_s
@@ -134,28 +141,83 @@ class MemoryBatchStore:
     async def put_batch(self, batch_id: str, stored: StoredBatch) -> None:
         self._batches[batch_id] = stored
         if stored.batch["status"] in UNFINISHED_BATCH:
-            self._batch_seen[batch_id] = self._batch_clock()
+            self._batch_seen.setdefault(batch_id, self._batch_clock())  # its runner's writes renew it
         else:
-            self._batch_seen.pop(batch_id, None)
+            for held in (self._batch_seen, self._batch_runner, self._batch_answers):
+                held.pop(batch_id, None)
             self._batch_cancel.discard(batch_id)
         self._save(batch_id, stored)
 
     async def get_batch(self, batch_id: str) -> StoredBatch | None:
-        stored = self._batches.get(batch_id)
-        if stored is not None and self._batch_orphaned(batch_id, stored):
-            stored = self._fail_orphan_batch(batch_id, stored)
-        return stored
+        return self._batches.get(batch_id)
 
-    async def update_batch(self, batch_id: str, changes: dict[str, Any]) -> dict[str, Any] | None:
-        """Its running replica's write: `changes` into the batch object (a state, counts, file ids); the batch after
-        it, or None if it is not stored. A batch already final (an orphan marked failed) stays as it is."""
+    def _runs_it(self, batch_id: str, runner: str | None) -> bool:
+        """Whether `runner` may write the batch: it is unfinished and `runner` is its runner (or it has none: the
+        store restarted under a run that goes on, which takes it back). runner None: a write of no run (tests)."""
         stored = self._batches.get(batch_id)
-        if stored is None:
+        if stored is None or stored.batch["status"] not in UNFINISHED_BATCH:
+            return False
+        return runner is None or self._batch_runner.get(batch_id, runner) == runner
+
+    async def update_batch(self, batch_id: str, changes: dict[str, Any], runner: str | None = None
+                           ) -> dict[str, Any] | None:
+        """Its runner's write: `changes` into the batch object (a state, counts, file ids); the batch after it, or
+        None if it is not stored, already final, or run by another runner than `runner`."""
+        if not self._runs_it(batch_id, runner):
             return None
-        if stored.batch["status"] not in UNFINISHED_BATCH:
-            return stored.batch
-        await self.put_batch(batch_id, replace(stored, batch={**stored.batch, **changes}))
+        if runner is not None:
+            self._batch_runner[batch_id] = runner
+            self._batch_seen[batch_id] = self._batch_clock()
+        await self.put_batch(batch_id, replace(self._batches[batch_id], batch={**self._batches[batch_id].batch,
+                                                                                 **changes}))
         return self._batches[batch_id].batch
+
+    async def claim_batch(self, batch_id: str, runner: str) -> bool:
+        """The creating replica's claim of a new batch: True unless another runner has it (an adopter was first)."""
+        if not self._runs_it(batch_id, None) or batch_id in self._batch_runner:
+            return False
+        self._batch_runner[batch_id] = runner
+        self._batch_seen[batch_id] = self._batch_clock()
+        return True
+
+    async def batch_progress(self, batch_id: str, runner: str, changes: dict[str, Any], output: list[str],
+                             errors: list[str]) -> str:
+        """A run's periodic write: `changes` (counts) into the batch, its answers that ended since the last write
+        (output and error lines) kept for an adopter. "run" (go on), "cancel" (a cancel was asked), or "lost" (the
+        batch is final or another runner has it: stop, write nothing more)."""
+        if not self._runs_it(batch_id, runner):
+            return "lost"
+        kept = self._batch_answers.setdefault(batch_id, ([], []))
+        kept[0].extend(output)
+        kept[1].extend(errors)
+        await self.update_batch(batch_id, changes, runner)
+        return "cancel" if batch_id in self._batch_cancel else "run"
+
+    async def release_batch(self, batch_id: str, runner: str, output: list[str], errors: list[str]) -> None:
+        """The runner gives the batch back (its replica stops), with its answers since its last write: the next
+        replica that asks adopts it at once."""
+        if await self.batch_progress(batch_id, runner, {}, output, errors) == "lost":
+            return
+        self._batch_runner.pop(batch_id, None)
+        self._batch_seen[batch_id] = float("-inf")
+
+    async def adopt_batch(self, runner: str) -> tuple[dict[str, Any], str | None, list[str], list[str]] | None:
+        """Take over one batch given back or silent for orphan_after_s: (the batch, its owner, its output and error
+        lines so far), now run by `runner`; None if there is none."""
+        now = self._batch_clock()
+        for batch_id, seen in sorted(self._batch_seen.items(), key=lambda item: item[1]):
+            if now - seen <= self._batch_orphan_s:
+                break
+            stored = self._batches.get(batch_id)
+            if stored is None or stored.batch["status"] not in UNFINISHED_BATCH:
+                continue
+            log.warning("batch %s: adopted by another ingress replica (its runner %s)", batch_id,
+                        "gave it back" if seen == float("-inf") else f"was silent for {now - seen:.0f} s")
+            self._batch_runner[batch_id] = runner
+            self._batch_seen[batch_id] = now
+            output, errors = self._batch_answers.get(batch_id, ([], []))
+            return stored.batch, stored.owner, list(output), list(errors)
+        return None
 
     async def request_batch_cancel(self, batch_id: str) -> dict[str, Any] | None:
         """Mark an unfinished batch `cancelling` and ask its replica to stop it; the batch after that (None: not
@@ -169,14 +231,6 @@ class MemoryBatchStore:
                                                                   "cancelling_at": int(time.time())}))
         return self._batches[batch_id].batch
 
-    async def batch_cancel_requested(self, batch_ids: list[str]) -> list[str]:
-        """Those of `batch_ids` asked to stop; the poll also says their replica is alive."""
-        now = self._batch_clock()
-        for batch_id in batch_ids:
-            if batch_id in self._batch_seen:
-                self._batch_seen[batch_id] = now
-        return [batch_id for batch_id in batch_ids if batch_id in self._batch_cancel]
-
     async def list_batches(self, owner: str | None, limit: int, after: str | None
                            ) -> tuple[list[dict[str, Any]], bool] | None:
         """(a page of `owner`'s batches, newest first, whether more follow), as list_files."""
@@ -185,22 +239,6 @@ class MemoryBatchStore:
 
     def batch_counts(self) -> dict[str, int]:
         return {"files": len(self._files), "batches": len(self._batches), "batches_running": len(self._batch_seen)}
-
-    def _batch_orphaned(self, batch_id: str, stored: StoredBatch) -> bool:
-        return stored.batch["status"] in UNFINISHED_BATCH and \
-            self._batch_clock() - self._batch_seen.get(batch_id, self._batch_clock()) > self._batch_orphan_s
-
-    def _fail_orphan_batch(self, batch_id: str, stored: StoredBatch) -> StoredBatch:
-        now = int(time.time())
-        failed = replace(stored, batch={**stored.batch, "status": "failed", "failed_at": now, "errors": {
-            "object": "list", "data": [{"code": "server_error", "line": None, "param": None, "message":
-                                        "The server replica running this batch stopped before it finished; "
-                                        "create the batch again."}]}})
-        self._batch_cancel.discard(batch_id)
-        self._batches[batch_id] = failed
-        self._batch_seen.pop(batch_id, None)
-        self._save(batch_id, failed)
-        return failed
 
 
 def _page(objects: list[dict[str, Any]], order: str, limit: int, after: str | None

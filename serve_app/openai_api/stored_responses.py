@@ -153,7 +153,8 @@ class ResponseStore(Protocol):
                                     limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool] | None: ...
 
     # and /v1/files and /v1/batches: batch_store.MemoryBatchStore's put_file, get_file, delete_file, list_files,
-    # put_batch, get_batch, update_batch, request_batch_cancel, batch_cancel_requested, list_batches
+    # put_batch, get_batch, update_batch, request_batch_cancel, list_batches, and the runners' claim_batch,
+    # batch_progress, release_batch, adopt_batch
 
 
 class MemoryResponseStore(MemoryBatchStore):

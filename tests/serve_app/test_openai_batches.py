@@ -240,7 +240,10 @@ def test_without_a_store_the_routes_are_a_400():
             api.batches.list()
 
 
-def test_an_orphaned_batch_is_failed_and_files_survive_a_restart(tmp_path):
+def test_the_store_hands_a_silent_or_given_back_batch_to_one_new_runner_with_its_answers(tmp_path):
+    """batch_store's runner leases: the creator's claim, progress writes that keep the answers, adoption of a batch
+    silent for orphan_after_s (at once when given back), a superseded runner told `lost` and refused, and the file
+    round trip (a batch unfinished at a restart is adopted once silent, or taken back by its runner's next write)."""
     from serve_app.openai_api.batch_store import StoredFile
     from serve_app.openai_api.store_file import StoreFile
 
@@ -248,40 +251,67 @@ def test_an_orphaned_batch_is_failed_and_files_survive_a_restart(tmp_path):
     path = tmp_path / "store.sqlite"
     store = MemoryResponseStore(file=StoreFile(path), clock=lambda: now[0], orphan_after_s=30)
     batch = {"id": "batch_1", "status": "in_progress", "created_at": 1, "errors": None}
+    counts = {"request_counts": {"total": 3, "completed": 1, "failed": 0}}
 
     async def go():
         await store.put_file("file-1", StoredFile({"id": "file-1", "purpose": "batch", "created_at": 1}, "{}\n", "k"))
         await store.put_batch("batch_1", StoredBatch(batch, "k"))
+        await store.put_batch("batch_2", StoredBatch({**batch, "id": "batch_2"}, "k"))
+        assert await store.claim_batch("batch_1", "r1") and not await store.claim_batch("batch_1", "r2")
+        assert await store.claim_batch("batch_2", "q1")
         now[0] = 20
-        assert await store.batch_cancel_requested(["batch_1"]) == []  # its replica's poll: alive
+        assert await store.batch_progress("batch_1", "r1", counts, ["a\n"], []) == "run"
+        now[0] = 40
+        assert await store.batch_progress("batch_2", "q1", counts, [], []) == "run"
         now[0] = 45
-        assert (await store.get_batch("batch_1")).batch["status"] == "in_progress"
+        assert await store.adopt_batch("r2") is None  # batch_1 silent for 25 s, batch_2 for 5 s
         now[0] = 51
-        failed = (await store.get_batch("batch_1")).batch
-        assert failed["status"] == "failed" and "stopped" in failed["errors"]["data"][0]["message"]
-        assert await store.update_batch("batch_1", {"status": "completed"}) == failed  # a late write changes nothing
-        again = MemoryResponseStore(file=StoreFile(path))
+        adopted = await store.adopt_batch("r2")
+        assert adopted[0]["id"] == "batch_1" and adopted[0]["request_counts"] == counts["request_counts"]
+        assert adopted[1:] == ("k", ["a\n"], [])
+        assert await store.adopt_batch("r3") is None  # adopted once
+        assert await store.batch_progress("batch_1", "r1", counts, ["late\n"], []) == "lost"
+        assert await store.update_batch("batch_1", {"status": "completed"}, "r1") is None
+        assert await store.batch_progress("batch_1", "r2", counts, ["b\n"], ["e\n"]) == "run"
+        assert (await store.request_batch_cancel("batch_1"))["status"] == "cancelling"
+        assert await store.batch_progress("batch_1", "r2", counts, [], []) == "cancel"
+        await store.release_batch("batch_1", "r2", ["c\n"], [])  # its replica stops
+        assert await store.adopt_batch("r3") == ((await store.get_batch("batch_1")).batch, "k", ["a\n", "b\n", "c\n"],
+                                                 ["e\n"])  # at once, with every answer
+        ended = await store.update_batch("batch_1", {"status": "cancelled"}, "r3")
+        assert ended["status"] == "cancelled" and await store.batch_progress("batch_1", "r3", counts, [], []) == "lost"
+        assert await store.update_batch("batch_1", {"status": "completed"}, "r3") is None  # final stays final
+        now[0] = 60
+        assert await store.batch_progress("batch_2", "q1", {}, ["x\n"], []) == "run"  # batch_2's runner was slow
+        again = MemoryResponseStore(file=StoreFile(path), clock=lambda: now[0], orphan_after_s=30)
         assert (await again.get_file("file-1", True)).text == "{}\n" and again.file_bytes == 3
-        assert (await again.get_batch("batch_1")).batch["status"] == "failed"
+        assert (await again.get_batch("batch_1")).batch["status"] == "cancelled"
         assert len(again) == 0  # files and batches are not responses (nor dropped for their room)
+        assert await again.adopt_batch("s1") is None  # batch_2: read back unfinished, its runner may still write
+        now[0] = 91
+        assert await again.adopt_batch("s1") == ((await again.get_batch("batch_2")).batch, "k", [], [])
+        assert await again.batch_progress("batch_2", "q1", {}, [], []) == "lost"
 
     asyncio.run(go())
 
 
-def test_a_stopping_replica_fails_its_batches_keeping_their_answers():
-    """BatchRuns.stop() (the ingress replica's graceful shutdown): the running batch ends failed, saying why, with the
-    answers it had in its output file and its requests in flight aborted."""
+def test_a_stopping_replica_gives_its_batch_back_and_another_finishes_it():
+    """BatchRuns.stop() (the ingress replica's graceful shutdown): the running batch goes back to the store with the
+    answers it had, its lines in flight aborted; another replica (a second app on the same store) adopts it at once
+    and runs the lines without an answer. Each custom_id answers once, the first replica's answer kept."""
     from serve_app.openai_api.app import create_app
 
     backend, store = ScriptedBackend(), MemoryResponseStore()
     backend.push(ANSWER)
+    for _ in range(2):
+        backend.push(ANSWER * 10, chunk=1, delay_s=0.5)  # in flight when the replica stops
     for _ in range(3):
-        backend.push(ANSWER * 10, chunk=1, delay_s=0.5)
-    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, response_store=store,
-                     batch_concurrency=2)
+        backend.push(ANSWER)  # the second replica's
+    first, second = (create_app(backend, model_name=MODEL, max_context=backend.max_context, response_store=store,
+                                batch_concurrency=2) for _ in range(2))
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://app") as http:
             upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
                 "r.jsonl", jsonl(*(chat_line(f"r{i}") for i in range(4))).getvalue())})
             assert upload.status_code == 200, upload.text
@@ -292,14 +322,64 @@ def test_a_stopping_replica_fails_its_batches_keeping_their_answers():
                 if batch["request_counts"]["completed"] == 1:
                     break
                 await asyncio.sleep(0.05)
-            assert batch["status"] == "in_progress" and len(app.state.batches) == 1
-            await app.state.batches.stop()
-            failed = (await http.get(f"/v1/batches/{made['id']}")).json()
-            assert failed["status"] == "failed" and "stopped" in failed["errors"]["data"][0]["message"]
-            assert failed["request_counts"] == {"total": 4, "completed": 1, "failed": 0}
-            out = (await http.get(f"/v1/files/{failed['output_file_id']}/content")).text
-            assert [json.loads(line)["custom_id"] for line in out.splitlines()] == ["r0"]
-            assert len(app.state.batches) == 0 and len(backend.aborted) == 2
+            assert batch["status"] == "in_progress" and len(first.state.batches) == 1
+            assert await second.state.batches.adopt() is None  # its runner is alive
+            await first.state.batches.stop()
+            assert len(first.state.batches) == 0 and len(backend.aborted) == 2
+            assert await first.state.batches.adopt() is None  # a stopping replica adopts nothing
+            assert await second.state.batches.adopt() == made["id"]
+            for _ in range(200):
+                batch = (await http.get(f"/v1/batches/{made['id']}")).json()
+                if batch["status"] == "completed":
+                    break
+                await asyncio.sleep(0.05)
+            assert batch["status"] == "completed" and batch["errors"] is None, batch
+            assert batch["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+            out = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text
+            ids = [json.loads(line)["custom_id"] for line in out.splitlines()]
+            assert ids[0] == "r0" and sorted(ids) == ["r0", "r1", "r2", "r3"]
+            assert len(backend.requests) == 6  # r0 once, r1 and r2 twice (aborted, then again), r3 once
+            assert batch["output_file_id"] in {f["id"] for f in (await http.get("/v1/files")).json()["data"]}
+
+    asyncio.run(go())
+
+
+def test_a_runner_superseded_after_silence_stops_without_writing():
+    """A replica whose writes did not reach the store for orphan_after_s (a partition, not a death) loses its batch to
+    an adopter: its next write hears `lost` and it aborts its lines; only the adopter writes the batch's files."""
+    from serve_app.openai_api.app import create_app
+
+    now = [0.0]
+    backend, store = ScriptedBackend(), MemoryResponseStore(clock=lambda: now[0], orphan_after_s=30)
+    for _ in range(2):
+        backend.push(ANSWER * 10, chunk=1, delay_s=0.3)  # the first replica's, in flight
+    for _ in range(2):
+        backend.push(ANSWER)  # the adopter's
+    first, second = (create_app(backend, model_name=MODEL, max_context=backend.max_context, response_store=store,
+                                batch_concurrency=2) for _ in range(2))
+    first.state.batches.poll_s = 0.1
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://app") as http:
+            upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+                "r.jsonl", jsonl(chat_line("a"), chat_line("b")).getvalue())})
+            made = (await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window":
+                                                         "24h", "endpoint": "/v1/chat/completions"})).json()
+            for _ in range(100):
+                if len(backend.requests) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            now[0] = 31  # the store has not heard from the first replica for orphan_after_s
+            assert await second.state.batches.adopt() == made["id"]
+            for _ in range(200):
+                batch = (await http.get(f"/v1/batches/{made['id']}")).json()
+                if batch["status"] == "completed" and len(first.state.batches) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2, batch
+            assert len(first.state.batches) == 0 and len(backend.aborted) == 2  # it stopped, aborting its lines
+            files = (await http.get("/v1/files")).json()["data"]
+            assert [f["filename"] for f in files if f["purpose"] == "batch_output"] == [f"{made['id']}_output.jsonl"]
 
     asyncio.run(go())
 
@@ -347,11 +427,11 @@ def test_a_store_that_fails_for_a_while_does_not_stop_a_batch():
     class FlakyStore(MemoryResponseStore):
         failures = 3
 
-        async def update_batch(self, batch_id, changes):
-            if changes.keys() == {"request_counts"} and self.failures:
+        async def batch_progress(self, batch_id, runner, changes, output, errors):
+            if self.failures:
                 self.failures -= 1
                 raise TimeoutError("the store is away")
-            return await super().update_batch(batch_id, changes)
+            return await super().batch_progress(batch_id, runner, changes, output, errors)
 
     backend, store = ScriptedBackend(), FlakyStore()
     for _ in range(2):

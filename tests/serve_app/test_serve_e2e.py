@@ -25,7 +25,7 @@ import torch
 from ray import serve
 
 from engine.request import EngineUnhealthyError, GenerateRequest, SamplingParams
-from serve_app.builder import DECODE_NAME, PREFILL_NAME, RESPONSE_STORE_NAME, build_app, deployment_options
+from serve_app.builder import DECODE_NAME, INGRESS_NAME, PREFILL_NAME, RESPONSE_STORE_NAME, build_app, deployment_options
 from serve_app.config import ServeAppConfig
 from serve_app.decode_server import DecodeServer
 from serve_app.kv_transfer import KVHandle, KVTransferError, ObjectStoreTransport
@@ -560,6 +560,44 @@ def test_a_batch_through_serve_gives_the_apis_answers(http_port):
     assert refused["custom_id"] == "hot" and refused["response"]["status_code"] == 400
     stats = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
     assert stats["files"] >= 3 and stats["batches_running"] == 0 and stats["file_bytes"] > len(text)
+
+
+def test_a_batch_outlives_its_ingress_replica(http_port):
+    """The ingress replica running a batch dies (killed) with its short lines answered and its long ones in flight:
+    Serve replaces it, and the replacement adopts the batch at a health check once the store has gone orphan_after_s
+    (30 s) without word, running the lines that had no answer. Each custom_id answers once; the short lines' answers
+    are the dead replica's (not run again)."""
+    api = client(http_port)
+
+    def line(cid: str, max_tokens: int) -> str:
+        body = {**CHAT, "messages": [{"role": "user", "content": f"Tell a story about {cid}."}], "temperature": 0,
+                "max_tokens": max_tokens, "ignore_eos": True}
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+
+    short, long = [f"short{i}" for i in range(3)], [f"long{i}" for i in range(3)]
+    text = "".join([line(cid, 2) for cid in short] + [line(cid, 900) for cid in long])
+    source = api.files.create(file=("survive.jsonl", text.encode()), purpose="batch")
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    started = wait_until(lambda: (b := api.batches.retrieve(batch.id)).request_counts.completed >= 3 and b, 60,
+                         "the short lines' answers in the store", interval_s=0.1)
+    assert started.status == "in_progress" and started.request_counts.completed < 6, started
+    [(old_name, old_actor)] = replica_actors(APP, INGRESS_NAME)
+    ray.kill(old_actor, no_restart=True)
+
+    def ended():
+        try:
+            found = api.batches.retrieve(batch.id)
+        except (openai.APIStatusError, openai.APIConnectionError):  # no ingress replica serving yet
+            return None
+        return found if found.status not in ("validating", "in_progress", "finalizing") else None
+
+    done = wait_until(ended, 150, "a replacement ingress replica to adopt and finish the batch", interval_s=1.0)
+    assert [n for n, _ in replica_actors(APP, INGRESS_NAME)] != [old_name]
+    assert done.status == "completed" and done.request_counts.model_dump() == {"total": 6, "completed": 6, "failed": 0}
+    answers = [json.loads(raw) for raw in api.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == sorted(short + long)
+    assert {a["custom_id"] for a in answers[:3]} == set(short)  # written by the dead replica, kept first
+    assert all(a["response"]["body"]["usage"]["completion_tokens"] == 900 for a in answers[3:])
 
 
 def test_the_store_replica_restarts_with_what_it_had(http_port):
