@@ -152,7 +152,9 @@ class BatchRuns:
                 claim: bool = False, runner: str | None = None) -> None:
         work = asyncio.ensure_future(self._run(batch, owner, output, errors, runner or new_runner(), claim))
         self._runs[batch["id"]] = work
-        work.add_done_callback(lambda _: self._runs.pop(batch["id"], None))
+        # (a run that lost its batch may end after this replica adopted the batch again: only its own entry goes)
+        work.add_done_callback(lambda done: self._runs.pop(batch["id"]) if self._runs.get(batch["id"]) is done
+                               else None)
 
     async def stop(self) -> None:
         """The replica is stopping: every run gives its batch back to the store with the answers it has (another
