@@ -57,6 +57,7 @@ class ResponseStoreServer(MemoryResponseStore):
         async def report_forever() -> None:
             while True:
                 await self.sweep_orphans()  # a dead ingress replica's runs: failed now, not when someone reads them
+                await self.sweep_expired_files()
                 counts = self.counts()
                 count.set(counts["responses"], tags=tags)
                 conversations.set(counts["conversations"], tags=tags)

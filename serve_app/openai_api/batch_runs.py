@@ -204,10 +204,10 @@ class BatchRuns:
         if verdict == "lost":
             return
         if verdict == "cancel" or batch["status"] == "cancelling":  # cancelled while it was validated, or orphaned
-            await self._finish(batch_id, runner, owner, "cancelled", summary, out, errors)
+            await self._finish(batch, runner, owner, "cancelled", summary, out, errors)
             return
         if time.time() >= batch["expires_at"]:
-            await self._finish(batch_id, runner, owner, "expired", summary, out, errors)
+            await self._finish(batch, runner, owner, "expired", summary, out, errors)
             return
         if batch["status"] == "validating":
             await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time())},
@@ -250,7 +250,7 @@ class BatchRuns:
                 why = None
                 if not work.cancelled() and work.exception() is not None:
                     end, why = "failed", f"The batch's run failed on the server ({type(work.exception()).__name__})"
-                await asyncio.shield(self._finish(batch_id, runner, owner, end, summary, out, errors, why))
+                await asyncio.shield(self._finish(batch, runner, owner, end, summary, out, errors, why))
 
     async def _progress(self, batch_id: str, runner: str, summary: BatchSummary, out: AnswerLines,
                         errors: AnswerLines) -> str:
@@ -280,10 +280,11 @@ class BatchRuns:
             log.exception("batch %s: giving it back failed; another replica adopts it once the store has not heard "
                           "from this one for a while", batch_id)
 
-    async def _finish(self, batch_id: str, runner: str, owner: str | None, end: str, summary: BatchSummary,
+    async def _finish(self, batch: dict[str, Any], runner: str, owner: str | None, end: str, summary: BatchSummary,
                       out: AnswerLines, errors: AnswerLines, why: str | None = None) -> None:
         """Write the answers' files (`finalizing`), then the final state (`why`: a failed one's reason). Nothing if
         another replica has taken the batch over meanwhile."""
+        batch_id = batch["id"]
         if await self.store.update_batch(batch_id, {"status": "cancelling" if end == "cancelled" else "finalizing",
                                                     "finalizing_at": int(time.time()),
                                                     "request_counts": counts(summary)}, runner) is None:
@@ -295,7 +296,7 @@ class BatchRuns:
         for field, lines, kind in (("output_file_id", out, "output"), ("error_file_id", errors, "error")):
             if lines.lines:
                 text = lines.text()
-                ids[field] = await self._write_file(batch_id, owner, kind, text)
+                ids[field] = await self._write_file(batch, owner, kind, text)
                 if ids[field] is None:
                     end = "failed"
                     failures.append({"code": "file_storage_full", "line": None, "param": None, "message": (
@@ -308,11 +309,12 @@ class BatchRuns:
             return
         log.info("batch %s: %s, %s", batch_id, end, summary.line())
 
-    async def _write_file(self, batch_id: str, owner: str | None, kind: str, text: str) -> str | None:
+    async def _write_file(self, batch: dict[str, Any], owner: str | None, kind: str, text: str) -> str | None:
         """The id of the new file holding `text`, or None if it does not fit in the store's room for files."""
-        file_id = new_file_id()
-        stored = StoredFile(file_object(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", len(text.encode())),
-                            text, owner)
+        file_id, batch_id = new_file_id(), batch["id"]
+        expires_s = (batch.get("output_expires_after") or {}).get("seconds")
+        stored = StoredFile(file_object(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", len(text.encode()),
+                                        expires_s), text, owner)
         if await self.store.put_file(file_id, stored):
             return file_id
         log.error("batch %s: its %s file (%d bytes) does not fit in the file store; not kept", batch_id, kind,
@@ -342,9 +344,11 @@ def counts(summary: BatchSummary) -> dict[str, int]:
     return {"total": summary.total, "completed": summary.done - failed, "failed": failed}
 
 
-def file_object(file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
-            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+def file_object(file_id: str, filename: str, purpose: str, size: int, expires_s: int | None = None) -> dict[str, Any]:
+    now = int(time.time())
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": now, "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": None if expires_s is None else now + expires_s,
+            "status_details": None}
 
 
 def batch_object(batch_id: str, endpoint: str, input_file_id: str, completion_window_s: int,

@@ -2,7 +2,9 @@
 error files batches write, and the batch objects with their states.
 
 Unlike responses, nothing here leaves for room: files take at most `max_file_bytes` together, and an upload that
-does not fit is refused (the client deletes files to make room). Each file and batch belongs to the API key that made
+does not fit is refused (the client deletes files to make room). A file with an `expires_at` (its upload's
+`expires_after`, a batch's `output_expires_after`) is deleted once that time passes: gone from reads and lists at
+once, its room freed by the next upload or the store replica's sweep (sweep_expired_files). Each file and batch belongs to the API key that made
 it (None where the app takes no keys); other keys do not see it.
 
 A batch is run by one ingress replica at a time (batch_runs.BatchRuns), its runner: the replica that created it
@@ -110,6 +112,8 @@ class MemoryBatchStore:
     async def put_file(self, file_id: str, stored: StoredFile) -> bool:
         """Keep a new file; False if it does not fit in what is left of max_file_bytes (nothing kept)."""
         if self.file_bytes + stored.size() > self.max_file_bytes:
+            await self.sweep_expired_files()
+        if self.file_bytes + stored.size() > self.max_file_bytes:
             return False
         self._files[file_id] = stored
         self.file_bytes += stored.size()
@@ -119,6 +123,9 @@ class MemoryBatchStore:
     async def get_file(self, file_id: str, with_text: bool = False) -> StoredFile | None:
         """The file (its text left empty unless with_text: a retrieve need not carry megabytes)."""
         stored = self._files.get(file_id)
+        if stored is not None and _expired(stored):
+            await self.delete_file(file_id)
+            return None
         return stored if stored is None or with_text else replace(stored, text="")
 
     async def delete_file(self, file_id: str) -> bool:
@@ -133,8 +140,16 @@ class MemoryBatchStore:
                          after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
         """(a page of `owner`'s file objects, whether more follow): of `purpose` (None: any), newest first ("desc")
         or oldest first, `limit` after the one with id `after` (None if it is not among them)."""
-        found = [s.file for s in self._files.values() if s.owner == owner and purpose in (None, s.file["purpose"])]
+        found = [s.file for s in self._files.values()
+                 if s.owner == owner and purpose in (None, s.file["purpose"]) and not _expired(s)]
         return _page(found, order, limit, after)
+
+    async def sweep_expired_files(self) -> int:
+        """Delete every file past its expires_at; how many."""
+        gone = [file_id for file_id, stored in self._files.items() if _expired(stored)]
+        for file_id in gone:
+            await self.delete_file(file_id)
+        return len(gone)
 
     # batches
 
@@ -239,6 +254,11 @@ class MemoryBatchStore:
 
     def batch_counts(self) -> dict[str, int]:
         return {"files": len(self._files), "batches": len(self._batches), "batches_running": len(self._batch_seen)}
+
+
+def _expired(stored: StoredFile) -> bool:
+    expires_at = stored.file.get("expires_at")
+    return expires_at is not None and expires_at <= time.time()
 
 
 def _page(objects: list[dict[str, Any]], order: str, limit: int, after: str | None

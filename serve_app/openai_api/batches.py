@@ -14,14 +14,15 @@ POST /v1/batches (`input_file_id`, `endpoint`: /v1/chat/completions, /v1/complet
 Decisions: files and batches live in the response store (batch_store.py; in its file too, with ingress.store_path):
 a server that keeps no responses (ingress.store_max_responses=0) answers these routes with a 400. An upload is at
 most `max_upload_bytes` (ingress.file_max_mib) and must be UTF-8; its lines are checked when a batch is created from
-it, as OpenAI does. Files are kept until deleted (`expires_after` is accepted and not applied), within the store's
+it, as OpenAI does. Files are kept until deleted, or until their `expires_after` (anchor `created_at`, 1 hour to 30
+days, as OpenAI takes it; a batch's `output_expires_after` for its output and error files) passes; within the store's
 room for files (ingress.files_max_mib; an upload past it is a 400 naming that). With API keys, each key sees only its
 own files and batches, and a batch's requests run as its key's (their stored responses are that key's).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from starlette.datastructures import UploadFile
@@ -43,6 +44,12 @@ FILE_PURPOSES = ("batch",)  # what an upload may be for; batches write theirs as
 COMPLETION_WINDOWS = {"24h": 24 * 3600}  # OpenAI's only one
 MULTIPART_SLACK = 64 << 10  # the multipart framing around a file of the upload limit
 MAX_FILES_LISTED = 10_000
+EXPIRY_SECONDS = (3600, 30 * 24 * 3600)  # OpenAI's range for expires_after.seconds: 1 hour to 30 days
+
+
+class ExpiresAfter(Strict):
+    anchor: Literal["created_at"]
+    seconds: int
 
 
 class BatchCreate(Strict):
@@ -50,7 +57,31 @@ class BatchCreate(Strict):
     endpoint: str
     completion_window: str
     metadata: Metadata | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted; files are kept until deleted
+    output_expires_after: ExpiresAfter | None = None  # of the output and error files
+
+
+def expiry_seconds(after: ExpiresAfter | None, param: str) -> int | None:
+    if after is None:
+        return None
+    low, high = EXPIRY_SECONDS
+    if not low <= after.seconds <= high:
+        raise BadRequest(f"{param}.seconds must be between {low} and {high} (1 hour to 30 days), not {after.seconds}",
+                         param=f"{param}.seconds")
+    return after.seconds
+
+
+def upload_expiry(form) -> int | None:
+    """The seconds of an upload's `expires_after` (the openai client's form fields expires_after[anchor] and
+    expires_after[seconds]), or None."""
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise BadRequest(f"expires_after.anchor must be 'created_at', not {anchor!r}", param="expires_after.anchor")
+    if not isinstance(seconds, str) or not seconds.strip().isdigit():
+        raise BadRequest(f"expires_after.seconds must be a whole number of seconds, not {seconds!r}",
+                         param="expires_after.seconds")
+    return expiry_seconds(ExpiresAfter(anchor=anchor, seconds=int(seconds)), "expires_after")
 
 
 class FileTooLarge(APIError):
@@ -121,6 +152,7 @@ async def upload_file(http: Request, ctx: IngressContext, max_upload_bytes: int)
                          f"{purpose!r}", param="purpose")
     if not isinstance(upload, UploadFile):
         raise BadRequest("the multipart body has no `file` part", param="file")
+    expires_s = upload_expiry(form)
     data = await upload.read()
     await form.close()
     if len(data) > max_upload_bytes:
@@ -130,7 +162,7 @@ async def upload_file(http: Request, ctx: IngressContext, max_upload_bytes: int)
     except UnicodeDecodeError as err:
         raise BadRequest(f"the file must be UTF-8 JSONL ({err})", param="file") from None
     file_id = new_file_id()
-    stored = StoredFile(file_object(file_id, upload.filename or "upload.jsonl", purpose, len(data)), text,
+    stored = StoredFile(file_object(file_id, upload.filename or "upload.jsonl", purpose, len(data), expires_s), text,
                         requester(http))
     if not await ask_store(store.put_file(file_id, stored)):
         raise BadRequest(f"the server's room for files (ingress.files_max_mib) has no {len(data)} bytes left; "
@@ -172,8 +204,11 @@ async def create_batch(req: BatchCreate, http: Request, ctx: IngressContext, run
     if source.file["purpose"] != "batch":
         raise BadRequest(f"file {req.input_file_id} has purpose {source.file['purpose']!r}; a batch's input file is "
                          "uploaded with purpose 'batch'", param="input_file_id")
+    output_expires_s = expiry_seconds(req.output_expires_after, "output_expires_after")
     batch = batch_object(new_id("batch"), req.endpoint, req.input_file_id,
                          COMPLETION_WINDOWS[req.completion_window], req.metadata)
+    if output_expires_s is not None:  # as asked (OpenAI's batch object does not show it; the openai client keeps it)
+        batch["output_expires_after"] = req.output_expires_after.model_dump()
     owner = requester(http)
     await ask_store(store.put_batch(batch["id"], StoredBatch(batch, owner)))
     runs.start(batch, owner)

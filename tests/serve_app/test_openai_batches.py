@@ -544,3 +544,52 @@ def test_a_run_cancelled_before_its_lines_start_gives_back_their_shared_slots():
         assert slots._value == 3
 
     asyncio.run(go())
+
+
+def test_files_expire_after_what_the_upload_or_the_batch_asked(live, backend):
+    """expires_after on an upload and output_expires_after on a batch set the files' expires_at (anchor created_at,
+    1 hour to 30 days, else a 400 naming the field); a file past its expires_at is gone from reads and lists, and its
+    room is freed for the next upload."""
+    api = client(live)
+    backend.push(ANSWER)
+    source = api.files.create(file=("r.jsonl", jsonl(chat_line("a"))), purpose="batch",
+                              expires_after={"anchor": "created_at", "seconds": 3600})
+    assert source.expires_at == source.created_at + 3600 and api.files.retrieve(source.id).expires_at == source.expires_at
+    batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 7200})
+    done = wait_for(api, batch.id, "completed", "failed")
+    output = api.files.retrieve(done.output_file_id)
+    assert done.status == "completed" and output.expires_at == output.created_at + 7200
+    for bad, param in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.files.create(file=("r.jsonl", jsonl(chat_line("a"))), purpose="batch", expires_after=bad)
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
+                           output_expires_after={"anchor": "created_at", "seconds": 31 * 24 * 3600})
+    assert refused.value.body["param"] == "output_expires_after.seconds"
+
+
+def test_an_expired_file_is_gone_and_its_room_freed():
+    from serve_app.openai_api.batch_store import StoredFile
+
+    store = MemoryResponseStore(max_file_bytes=10)
+    now = int(time.time())
+
+    def file(file_id: str, expires_at) -> StoredFile:
+        return StoredFile({"id": file_id, "purpose": "batch", "created_at": now, "bytes": 6,
+                           "expires_at": expires_at}, "{}\n{}\n", "k")
+
+    async def go():
+        assert await store.put_file("file-old", file("file-old", now - 1))  # past already (a clock that moved on)
+        assert await store.get_file("file-old") is None and store.file_bytes == 0  # read: deleted
+        assert await store.put_file("file-a", file("file-a", now - 1)) and store.file_bytes == 6
+        assert (await store.list_files("k", None, "desc", 10, None)) == ([], False)
+        assert await store.put_file("file-b", file("file-b", now + 3600))  # fits once file-a's room is freed
+        assert store.file_bytes == 6 and [f["id"] for f in (await store.list_files("k", None, "desc", 10, None))[0]] \
+            == ["file-b"]
+        assert not await store.put_file("file-c", file("file-c", None))  # file-b has not expired: no room
+        assert await store.sweep_expired_files() == 0
+
+    asyncio.run(go())
