@@ -128,14 +128,27 @@ class BatchSummary:
     by_status: Counter = field(default_factory=Counter)  # status code (0: no response) -> requests
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # of the input tokens, those the prefix cache served
+    reasoning_tokens: int = 0  # of the output tokens, the analysis channel's
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, status: int, body: Any) -> None:
         self.by_status[status] += 1
         usage = body.get("usage") if isinstance(body, dict) else None
-        if isinstance(usage, dict):
+        if isinstance(usage, dict):  # chat and text completions' names, or the Responses API's
             self.input_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
             self.output_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+            details = usage.get("prompt_tokens_details", usage.get("input_tokens_details")) or {}
+            self.cached_tokens += details.get("cached_tokens", 0) or 0
+            details = usage.get("completion_tokens_details", usage.get("output_tokens_details")) or {}
+            self.reasoning_tokens += details.get("reasoning_tokens", 0) or 0
+
+    def usage(self) -> dict[str, Any]:
+        """The lines' tokens so far as OpenAI's batch `usage`."""
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "total_tokens": self.input_tokens + self.output_tokens}
 
     @property
     def done(self) -> int:

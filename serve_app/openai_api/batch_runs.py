@@ -210,8 +210,9 @@ class BatchRuns:
             await self._finish(batch, runner, owner, "expired", summary, out, errors)
             return
         if batch["status"] == "validating":
-            await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time())},
-                                          runner)
+            models = {line.body.get("model") for line in lines}  # the batch's `model`: the one its lines name
+            await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
+                                                     "model": models.pop() if len(models) == 1 else None}, runner)
         todo = [line for line in lines if line.custom_id not in answered]
         log.info("batch %s: %d requests to %s (%d answered before), %d at a time with this replica's other batches",
                  batch_id, len(todo), batch["endpoint"], len(answered), self.concurrency)
@@ -260,7 +261,7 @@ class BatchRuns:
         without one."""
         output, failed = out.unsent(), errors.unsent()
         try:
-            verdict = await self.store.batch_progress(batch_id, runner, {"request_counts": counts(summary)}, output,
+            verdict = await self.store.batch_progress(batch_id, runner, progress_fields(summary), output,
                                                       failed)
         except Exception as err:
             log.warning("batch %s: the store did not take its progress (%s: %s); going on", batch_id,
@@ -287,7 +288,7 @@ class BatchRuns:
         batch_id = batch["id"]
         if await self.store.update_batch(batch_id, {"status": "cancelling" if end == "cancelled" else "finalizing",
                                                     "finalizing_at": int(time.time()),
-                                                    "request_counts": counts(summary)}, runner) is None:
+                                                    **progress_fields(summary)}, runner) is None:
             return
         ids, failures = {}, []
         if why:
@@ -303,7 +304,7 @@ class BatchRuns:
                         f"The batch's {kind} file ({len(text.encode())} bytes) did not fit in the server's room for "
                         "files (ingress.files_max_mib): its answers are lost. Delete files, then run the batch "
                         "again.")})
-        if not await self._end(batch_id, runner, end, errors=failures, request_counts=counts(summary), **ids):
+        if not await self._end(batch_id, runner, end, errors=failures, **progress_fields(summary), **ids):
             for file_id in filter(None, ids.values()):  # another replica took it over while they were written
                 await self.store.delete_file(file_id)
             return
@@ -344,6 +345,11 @@ def counts(summary: BatchSummary) -> dict[str, int]:
     return {"total": summary.total, "completed": summary.done - failed, "failed": failed}
 
 
+def progress_fields(summary: BatchSummary) -> dict[str, Any]:
+    """The batch object's fields a run keeps current: `request_counts` and the lines' token `usage`."""
+    return {"request_counts": counts(summary), "usage": summary.usage()}
+
+
 def file_object(file_id: str, filename: str, purpose: str, size: int, expires_s: int | None = None) -> dict[str, Any]:
     now = int(time.time())
     return {"id": file_id, "object": "file", "bytes": size, "created_at": now, "filename": filename,
@@ -358,4 +364,5 @@ def batch_object(batch_id: str, endpoint: str, input_file_id: str, completion_wi
             "completion_window": "24h", "status": "validating", "output_file_id": None, "error_file_id": None,
             "created_at": now, "in_progress_at": None, "expires_at": now + completion_window_s, "finalizing_at": None,
             "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
+            "usage": None}

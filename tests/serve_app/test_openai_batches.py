@@ -93,6 +93,15 @@ def test_a_batch_runs_its_lines_into_the_output_and_error_files(live, backend):
     assert out["a"]["response"]["body"]["choices"][0]["message"]["content"] == "Hello there!"
     assert out["b"]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     assert len(out["text"]["response"]["body"]["choices"]) == 2
+    usages = [line["response"]["body"]["usage"] for line in out.values()]
+    assert done.usage.model_dump() == {  # the answered lines' usage, summed
+        "input_tokens": sum(u["prompt_tokens"] for u in usages),
+        "input_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)},
+        "output_tokens": sum(u["completion_tokens"] for u in usages),
+        "output_tokens_details": {"reasoning_tokens": sum(u["completion_tokens_details"]["reasoning_tokens"]
+                                                          for u in usages)},
+        "total_tokens": sum(u["total_tokens"] for u in usages)}
+    assert done.usage.output_tokens > 0 and done.model is None  # two models named: no one model
     assert errors["hot"]["response"]["status_code"] == 400
     assert errors["hot"]["response"]["body"]["error"]["param"] == "temperature"
     assert errors["other-model"]["response"]["status_code"] == 404
@@ -560,6 +569,7 @@ def test_files_expire_after_what_the_upload_or_the_batch_asked(live, backend):
     done = wait_for(api, batch.id, "completed", "failed")
     output = api.files.retrieve(done.output_file_id)
     assert done.status == "completed" and output.expires_at == output.created_at + 7200
+    assert done.model == MODEL and done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens > 0
     for bad, param in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
                        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor")):
         with pytest.raises(openai.BadRequestError) as refused:
