@@ -4,8 +4,8 @@ error files batches write, and the batch objects with their states.
 Unlike responses, nothing here leaves for room: files take at most `max_file_bytes` together, and an upload that
 does not fit is refused (the client deletes files to make room). A file with an `expires_at` (its upload's
 `expires_after`, a batch's `output_expires_after`) is deleted once that time passes: gone from reads and lists at
-once, its room freed by the next upload or the store replica's sweep (sweep_expired_files). Each file and batch belongs to the API key that made
-it (None where the app takes no keys); other keys do not see it.
+once, its room freed by the next upload or the store replica's sweep (sweep_expired_files). Each file and batch
+belongs to the API key that made it (None where the app takes no keys); other keys do not see it.
 
 A batch is run by one ingress replica at a time (batch_runs.BatchRuns), its runner: the replica that created it
 claims it (claim_batch), and every second or so its run writes its progress here (batch_progress: counts, the
