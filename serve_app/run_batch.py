@@ -17,6 +17,9 @@ parsed). Output: a line per request, written as each ends (so not in input order
 "error": null}`; a request the API refuses has its 4xx status and OpenAI-shaped error body, as in OpenAI's output
 file. Progress goes to stderr every few seconds, then a summary (requests by status, input and output tokens,
 seconds, output tokens per second). Exit status 0, or 1 when a request failed on the server's side (5xx).
+`--resume` keeps what OUTPUT already holds (a run that was stopped, or whose requests failed on the server's side)
+and runs only the requests without a kept answer, appending: answers with a 2xx or 4xx status are kept, server
+failures (5xx, no answer) and a last line cut short run again.
 
 Decisions: no store (`store`, `previous_response_id`, conversations and background are the server's; a Responses
 request is answered statelessly, a continuation is a 400 in its line); the served model name is
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -266,15 +270,48 @@ def cmd_run_batch(args) -> int:
                          conversation_start_date=args.conversation_start_date,
                          system_fingerprint=engine_fingerprint(engine, checkpoint_identity(folder)))
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "w", encoding="utf-8") as out:
-            summary = asyncio.run(run_batch(app, read_file(source), out, BatchSummary(total),
-                                            args.concurrency or 2 * args.max_num_seqs))
+        summary = BatchSummary(total)
+        done = resume_output(target, {line.custom_id for line in read_file(source)}, summary) if args.resume \
+            else set()
+        with open(target, "a" if args.resume else "w", encoding="utf-8") as out:
+            summary = asyncio.run(run_batch(app, (line for line in read_file(source) if line.custom_id not in done),
+                                            out, summary, args.concurrency or 2 * args.max_num_seqs))
     finally:
         backend.shutdown()
         renderer.close()
         engine.close()
     print(f"run-batch: {summary.line()}; results in {target}", file=sys.stderr)
     return 1 if summary.server_failures else 0
+
+
+def resume_output(target: Path, wanted: set[str], summary: BatchSummary) -> set[str]:
+    """--resume: keep the answers an earlier run wrote to `target` for custom_ids in `wanted` (each once; not its
+    server failures, 5xx or no answer, which run again; not a last line cut short by a crash), counted into
+    `summary`; `target` is rewritten with them (through a temporary file, so a crash now loses nothing). Their
+    custom_ids."""
+    kept, done = [], set()
+    if target.exists():
+        with open(target, encoding="utf-8") as f:
+            for text in f:
+                try:
+                    record = json.loads(text)
+                    custom_id, answer = record["custom_id"], record.get("response") or {}
+                    status = answer.get("status_code", 0)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    continue  # a line cut short (or not ours): its request runs again
+                if custom_id not in wanted or custom_id in done or status == 0 or status >= 500:
+                    continue
+                done.add(custom_id)
+                kept.append(text if text.endswith("\n") else text + "\n")
+                summary.add(status, answer.get("body"))
+    partial = target.with_name(target.name + ".resume")
+    with open(partial, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+    print(f"run-batch: resuming with {len(done)} answers of {target} kept", file=sys.stderr)
+    return done
 
 
 def add_run_batch_parser(sub) -> None:
@@ -285,6 +322,9 @@ def add_run_batch_parser(sub) -> None:
     p.add_argument("output", help="where the results go (JSONL, OpenAI's batch output lines)")
     p.add_argument("model_dir", nargs="?", help="HF-layout checkpoint folder (default: the embedded tiny model)")
     p.add_argument("--concurrency", type=int, help="requests in flight at once (default: 2 x --max-num-seqs)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the answers OUTPUT already holds (an earlier run stopped, or some failed on the "
+                        "server's side) and run only the other requests, appending (default: OUTPUT is rewritten)")
     p.add_argument("--served-model-name", default="gpt-oss", help="the `model` the bodies must name")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: the model's)")
     p.add_argument("--default-max-tokens", type=int,

@@ -149,3 +149,33 @@ def test_a_request_the_app_fails_is_a_server_failure():
     assert records["r4"]["response"]["status_code"] == 500 and summary.server_failures == 1
     assert summary.by_status == {200: 9, 500: 1} and (summary.input_tokens, summary.output_tokens) == (27, 18)
     assert peak[0] == 3
+
+
+def test_resume_keeps_the_answers_written_and_runs_the_rest(checkpoint, tmp_path, capsys):
+    """--resume after a run that stopped: its 2xx / 4xx answers are kept as written (not run again), its server
+    failure, a repeated line, a line of another file's custom_id and a last line cut short are dropped, and only the
+    requests without a kept answer run; the summary counts both."""
+    bodies = {cid: BODIES[cid] for cid in ("chat", "text", "resp", "bad-value")}
+    source, target = tmp_path / "in.jsonl", tmp_path / "results.jsonl"
+    write_batch(source, bodies)
+    kept = {"id": "batch_req_kept", "custom_id": "chat", "error": None, "response": {
+        "status_code": 200, "request_id": "chatcmpl-kept", "body": {"usage": {"prompt_tokens": 5,
+                                                                             "completion_tokens": 3}}}}
+    refused = {"id": "batch_req_400", "custom_id": "bad-value", "error": None,
+               "response": {"status_code": 400, "request_id": "r", "body": {"error": {"param": "temperature"}}}}
+    failed = {"id": "batch_req_500", "custom_id": "text", "error": None,
+              "response": {"status_code": 500, "request_id": "r", "body": {"error": {"message": "boom"}}}}
+    lost = {"id": "batch_req_lost", "custom_id": "resp", "response": None,
+            "error": {"code": "batch_request_failed", "message": "ConnectError"}}
+    target.write_text("".join(json.dumps(line) + "\n" for line in (kept, refused, failed, lost, kept,
+                                                                   {**kept, "custom_id": "elsewhere"}))
+                      + json.dumps(kept)[:25])
+    assert main(["run-batch", str(source), str(target), str(checkpoint), "--dtype", "float32", "--resume",
+                 *ENGINE_FLAGS]) == 0
+    lines = [json.loads(line) for line in target.read_text().splitlines()]
+    assert lines[:2] == [kept, refused]  # kept as written, first
+    assert sorted(line["custom_id"] for line in lines[2:]) == ["resp", "text"]
+    assert all(line["response"]["status_code"] == 200 for line in lines[2:])
+    err = capsys.readouterr().err
+    assert "resuming with 2 answers" in err and "4/4 requests (3 x 200, 1 x 400)" in err.strip().splitlines()[-1]
+    assert not (tmp_path / "results.jsonl.resume").exists()
