@@ -166,7 +166,7 @@ def _ingress_app(models: list[tuple[ServeAppConfig, Any]], settings: IngressSett
             ResponseStoreServer, name=RESPONSE_STORE_NAME, num_replicas=1, max_ongoing_requests=1024,
             ray_actor_options={"num_cpus": 0, **where},
         ).bind(settings.store_max_responses, int(settings.store_max_mib * 2**20), settings.store_path,
-               int(settings.files_max_mib * 2**20))
+               int(settings.files_max_mib * 2**20), settings.store_orphan_s)
     (first, decode), *rest = models
     more = {config.served_model_name: (other, config.max_context) for config, other in rest} or None
     return ingress.bind(decode, first.served_model_name, first.max_context, settings, store, more)

@@ -28,16 +28,17 @@ class ResponseStoreServer(MemoryResponseStore):
     set once at start did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
     async def __init__(self, max_responses: int, max_bytes: int, path: str | None = None,
-                       max_file_bytes: int = 1 << 30):
+                       max_file_bytes: int = 1 << 30, orphan_after_s: float = 30.0):
         """path: the SQLite file every entry is written through to and read back from at start (store_file.py);
-        None: memory only, a restart forgets everything. max_file_bytes: the room of /v1/files' files."""
+        None: memory only, a restart forgets everything. max_file_bytes: the room of /v1/files' files.
+        orphan_after_s: silence after which a background response's or a batch's ingress replica counts as dead."""
         from ray.util import metrics
 
         from serve_app.metrics import replica_tags
         from serve_app.openai_api.store_file import StoreFile
 
         MemoryResponseStore.__init__(self, max_responses, max_bytes, file=StoreFile(path) if path else None,
-                                     max_file_bytes=max_file_bytes)
+                                     max_file_bytes=max_file_bytes, orphan_after_s=orphan_after_s)
         tags = replica_tags("response_store")
         count = metrics.Gauge("gptoss_response_store_responses", "Stored /v1/responses responses",
                               tag_keys=tuple(tags))

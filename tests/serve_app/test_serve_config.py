@@ -197,12 +197,14 @@ def test_app_is_a_serve_application_builder():
     assert settings.num_replicas == 1 and settings.default_max_tokens is None and settings.api_key_values() == ()
     assert settings.stream_keepalive_s == 15.0
     store = ingress.init_args[4]._bound_deployment  # the ResponseStore: one replica holds every stored response
-    assert (store.name, store.num_replicas, store.init_args) == ("ResponseStore", 1, (10_000, 512 * 2**20, None, 2**30))
+    assert (store.name, store.num_replicas, store.init_args) == ("ResponseStore", 1,
+                                                                 (10_000, 512 * 2**20, None, 2**30, 30.0))
     assert store.ray_actor_options["num_cpus"] == 0  # never the replica that does not fit (builder.py)
     assert "resources" not in store.ray_actor_options  # memory only: anywhere
     filed = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
-        "ingress.store_path=/srv/store.db"))._bound_deployment.init_args[4]._bound_deployment
+        "ingress.store_path=/srv/store.db", "ingress.store_orphan_s=5"))._bound_deployment.init_args[4]._bound_deployment
     assert filed.init_args[2] == "/srv/store.db"  # with a file: on the head node, where the file is
+    assert filed.init_args[4] == 5.0
     assert filed.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
     keyed = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
         "ingress.default_max_tokens=512", "ingress.api_keys=sk-x", "ingress.stream_keepalive_s=null",

@@ -64,6 +64,8 @@ ARGS = {
     # the store writes through to a file and reads it back when its replica restarts (on the head node: this one)
     # (a path only: the store makes the folder, and the module's fixture removes it)
     "ingress.store_path": str(pathlib.Path(tempfile.gettempdir()) / f"gptoss-e2e-{os.getpid()}" / "responses.db"),
+    # a dead ingress replica's batch is adopted after this much silence (30 s by default)
+    "ingress.store_orphan_s": "6",
 }
 KEY = "sk-e2e-first"
 CONFIG = ServeAppConfig.from_args(ARGS)
@@ -564,9 +566,9 @@ def test_a_batch_through_serve_gives_the_apis_answers(http_port):
 
 def test_a_batch_outlives_its_ingress_replica(http_port):
     """The ingress replica running a batch dies (killed) with its short lines answered and its long ones in flight:
-    Serve replaces it, and the replacement adopts the batch at a health check once the store has gone orphan_after_s
-    (30 s) without word, running the lines that had no answer. Each custom_id answers once; the short lines' answers
-    are the dead replica's (not run again)."""
+    Serve replaces it, and the replacement adopts the batch at a health check once the store has gone
+    ingress.store_orphan_s (6 s here) without word, running the lines that had no answer. Each custom_id answers
+    once; the short lines' answers are the dead replica's (not run again)."""
     api = client(http_port)
 
     def line(cid: str, max_tokens: int) -> str:
