@@ -202,7 +202,8 @@ def test_app_is_a_serve_application_builder():
     assert store.ray_actor_options["num_cpus"] == 0  # never the replica that does not fit (builder.py)
     assert "resources" not in store.ray_actor_options  # memory only: anywhere
     filed = call_user_app_builder_with_args_if_necessary(serve_app.app, serve_run_args(
-        "ingress.store_path=/srv/store.db", "ingress.store_orphan_s=5"))._bound_deployment.init_args[4]._bound_deployment
+        "ingress.store_path=/srv/store.db", "ingress.store_orphan_s=5"))
+    filed = filed._bound_deployment.init_args[4]._bound_deployment
     assert filed.init_args[2] == "/srv/store.db"  # with a file: on the head node, where the file is
     assert filed.init_args[4] == 5.0
     assert filed.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
