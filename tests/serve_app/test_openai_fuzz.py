@@ -275,3 +275,47 @@ def test_clients_leaving_at_random_points_leave_nothing_held(served, caplog):
     usage = core.block_manager.usage()
     assert usage["full_pages_used"] == 0 and usage["sliding_pages_used"] == 0, usage
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
+
+
+def test_broken_batch_and_file_requests(served):
+    """Broken /v1/batches bodies over a real input file, and uploads with odd fields (purpose, expires_after, file
+    name, bytes that are not UTF-8): 2xx or 4xx in OpenAI's shape; every accepted batch ends (its lines run on the
+    engine), and then nothing is held."""
+    engine, server = served
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}}
+    text = json.dumps(line) + "\n" + json.dumps({**line, "custom_id": "b"}) + "\n"
+    made = httpx.post(f"{server.url}/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", text)},
+                      timeout=30)
+    assert made.status_code == 200, made.text
+    valid = {"input_file_id": made.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
+             "metadata": {"k": "v"}, "output_expires_after": {"anchor": "created_at", "seconds": 3600}}
+    rng = random.Random(17)
+    bodies = [("/v1/batches", broken(valid, rng)) for _ in range(30)]
+    statuses: dict[int, int] = {}
+    failures = answer_failures(server, bodies, statuses)
+    assert not failures, failures[:5]
+    assert statuses.get(200, 0) >= 2 and sum(n for s, n in statuses.items() if s >= 400) >= 10, statuses
+    fields = {"purpose": ["batch", "fine-tune", "", "x" * 300],
+              "expires_after[anchor]": ["created_at", "now", ""], "expires_after[seconds]": ["3600", "-1", "1e9", "x"]}
+    uploads = 0
+    for _ in range(30):
+        data = {key: rng.choice(values) for key, values in fields.items() if rng.random() < 0.7}
+        content = rng.choice([text.encode(), b"\xff\xfe\x00bad", b"", "é\n".encode() * 10])
+        name = rng.choice(["in.jsonl", "", "a/b\\c.jsonl", "\u0000.txt"])
+        answer = httpx.post(f"{server.url}/v1/files", data=data, files={"file": (name, content)}, timeout=30)
+        assert answer.status_code < 500, (data, name, answer.text)
+        if answer.status_code >= 400:
+            assert set(answer.json()["error"]) == {"message", "type", "param", "code"}, answer.text
+        else:
+            uploads += 1
+    assert 0 < uploads < 30
+    deadline = time.monotonic() + 60
+    listed = httpx.get(f"{server.url}/v1/batches?limit=100", timeout=10).json()["data"]
+    for batch in listed:
+        while batch["status"] in ("validating", "in_progress", "finalizing", "cancelling"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.05)
+            batch = httpx.get(f"{server.url}/v1/batches/{batch['id']}", timeout=10).json()
+        assert batch["status"] in ("completed", "failed"), batch
+    assert_nothing_held(engine)
