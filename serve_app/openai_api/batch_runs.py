@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -43,9 +43,11 @@ POLL_S = 1.0  # a run writes its counts and asks for cancels this often
 DEFAULT_CONCURRENCY = 64
 
 
-def check_lines(text: str, endpoint: str) -> tuple[list[BatchLine], list[dict[str, Any]]]:
-    """(the lines, []) or ([], OpenAI's batch errors: one per bad line, the first MAX_REPORTED_PROBLEMS)."""
-    lines, problems, seen = [], [], {}
+def check_lines(text: str, endpoint: str) -> tuple[int, set[Any], list[dict[str, Any]]]:
+    """(the number of requests, the models their bodies name, []) or (0, set(), OpenAI's batch errors: one per bad
+    line, the first MAX_REPORTED_PROBLEMS). Nothing parsed is kept: a run parses each line again as it sends it
+    (batch_lines), so a 200 MB file is held once, as its text, not a second time as its bodies' objects."""
+    count, models, problems, seen = 0, set(), [], {}
     for number, raw in iter_jsonl(text):
         try:
             line = parse_line(number, raw)
@@ -55,11 +57,20 @@ def check_lines(text: str, endpoint: str) -> tuple[list[BatchLine], list[dict[st
         if problem:
             problems.append({"code": "invalid_request", "message": problem, "param": None, "line": number})
         else:
-            lines.append(line)
-    if not lines and not problems:
+            count += 1
+            models.add(line.body.get("model"))
+    if not count and not problems:
         problems.append({"code": "empty_file", "message": "The input file has no requests.", "param": None,
                          "line": None})
-    return (lines, []) if not problems else ([], problems[:MAX_REPORTED_PROBLEMS])
+    return (count, models, []) if not problems else (0, set(), problems[:MAX_REPORTED_PROBLEMS])
+
+
+def batch_lines(text: str, skip: set[str]) -> Iterator[BatchLine]:
+    """The requests of a file check_lines passed, parsed one at a time as they are sent, but those in `skip`."""
+    for number, raw in iter_jsonl(text):
+        line = parse_line(number, raw)
+        if line.custom_id not in skip:
+            yield line
 
 
 def as_batch_line(app: ASGIApp, owner: str | None) -> ASGIApp:
@@ -194,11 +205,11 @@ class BatchRuns:
                 "code": "file_not_found", "line": None, "param": "input_file_id",
                 "message": "The input file was deleted before it was read."}])
             return
-        lines, problems = check_lines(source.text, batch["endpoint"])
+        total, models, problems = check_lines(source.text, batch["endpoint"])
         if problems:
             await self._end(batch_id, runner, "failed", errors=problems)
             return
-        summary = BatchSummary(len(lines))
+        summary = BatchSummary(total)
         out, errors, answered = earlier_answers(list(earlier_output), list(earlier_errors), summary)
         verdict = await self._progress(batch_id, runner, summary, out, errors)
         if verdict == "lost":
@@ -210,15 +221,14 @@ class BatchRuns:
             await self._finish(batch, runner, owner, "expired", summary, out, errors)
             return
         if batch["status"] == "validating":
-            models = {line.body.get("model") for line in lines}  # the batch's `model`: the one its lines name
             await self.store.update_batch(batch_id, {"status": "in_progress", "in_progress_at": int(time.time()),
+                                                     # the batch's `model`: the one its lines name
                                                      "model": models.pop() if len(models) == 1 else None}, runner)
-        todo = [line for line in lines if line.custom_id not in answered]
         log.info("batch %s: %d requests to %s (%d answered before), %d at a time with this replica's other batches",
-                 batch_id, len(todo), batch["endpoint"], len(answered), self.concurrency)
+                 batch_id, total - len(answered), batch["endpoint"], len(answered), self.concurrency)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
-        work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), iter(todo), out, summary,
+        work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), batch_lines(source.text, answered), out, summary,
                                                self._slots, progress=None, errors=errors,
                                                retry_unavailable_s=float("inf")))
         end = "completed"

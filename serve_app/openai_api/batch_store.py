@@ -276,7 +276,15 @@ def _page(objects: list[dict[str, Any]], order: str, limit: int, after: str | No
 
 
 def iter_jsonl(text: str) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) of each non-blank line."""
-    for number, line in enumerate(text.splitlines(), start=1):
+    """(1-based line number, line) of each non-blank line, one at a time (no copy of the whole text). Lines end at
+    "\n" (a "\r" before it goes too), as JSONL's do: not at the other breaks str.splitlines knows, which a JSON
+    string may hold raw (U+2028, U+2029, U+0085)."""
+    start, number = 0, 0
+    while start < len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        number += 1
+        line = text[start:end].removesuffix("\r")
         if line.strip():
             yield number, line
+        start = end + 1

@@ -603,3 +603,18 @@ def test_an_expired_file_is_gone_and_its_room_freed():
         assert await store.sweep_expired_files() == 0
 
     asyncio.run(go())
+
+
+def test_lines_end_at_newlines_only():
+    """A JSONL line may hold U+2028 / U+2029 / U+0085 raw inside a JSON string (json.dumps with ensure_ascii=False
+    writes them so); they do not end the line (str.splitlines would have cut it and failed the batch as "not JSON").
+    CRLF line ends work too."""
+    from serve_app.openai_api.batch_runs import batch_lines, check_lines
+
+    lines = [chat_line(f"r{i}", messages=[{"role": "user", "content": f"a{sep}b"}])
+             for i, sep in enumerate(("\u2028", "\u2029", "\u0085", "\x0b"))]
+    text = "\r\n".join(json.dumps(line, ensure_ascii=False) for line in lines) + "\r\n\r\n"
+    assert check_lines(text, "/v1/chat/completions") == (4, {MODEL}, [])
+    parsed = list(batch_lines(text, skip={"r1"}))
+    assert [(line.number, line.custom_id) for line in parsed] == [(1, "r0"), (3, "r2"), (4, "r3")]
+    assert parsed[0].body["messages"][0]["content"] == "a\u2028b"
