@@ -26,6 +26,11 @@ DECODE_NAME = "DecodeServer"
 PREFILL_NAME = "PrefillServer"
 
 
+def replica_max_ongoing(config: ServeAppConfig, settings: DeploymentSettings) -> int:
+    """A replica's cap on requests at once: the setting, or (None) twice the engine's max_num_seqs."""
+    return settings.max_ongoing_requests if settings.max_ongoing_requests is not None else 2 * config.max_num_seqs
+
+
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,
                        transport: str) -> dict[str, Any]:
     """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks, and
@@ -39,7 +44,7 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
     else:
         options["autoscaling_config"] = settings.autoscaling.to_serve()
     options.update(
-        max_ongoing_requests=settings.max_ongoing_requests,
+        max_ongoing_requests=replica_max_ongoing(config, settings),
         max_queued_requests=settings.max_queued_requests,
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=settings.health_check_timeout_s,

@@ -364,3 +364,19 @@ def test_triton_precompile_key_reaches_the_engine():
     config = ServeAppConfig.from_args({"device": "cuda", "triton_precompile": "false"})
     assert config.engine_config("cuda:0").triton_precompile is False
     assert config.engine_config("cuda:0", "prefill").triton_precompile is False
+
+
+def test_decode_replicas_take_twice_their_seats():
+    """decode.max_ongoing_requests follows max_num_seqs (twice it) unless set: a fixed 128 had held a 512-seat replica
+    to 128 sequences, the rest queued in Serve where engine priority cannot reach them. Prefill keeps its 64."""
+    default = ServeAppConfig.from_args(serve_run_args())
+    assert deployment_options(default, default.decode, "cpu", "object_store")["max_ongoing_requests"] == \
+        2 * default.max_num_seqs == 128
+    assert deployment_options(default, default.prefill, "cpu", "object_store")["max_ongoing_requests"] == 64
+    wide = ServeAppConfig.from_args(serve_run_args("max_num_seqs=512", "max_num_batched_tokens=8192"))
+    options = deployment_options(wide, wide.decode, "cpu", "object_store")
+    assert options["max_ongoing_requests"] == 1024
+    serve.deployment(_Dummy, **options)
+    pinned = ServeAppConfig.from_args(serve_run_args("max_num_seqs=512", "max_num_batched_tokens=8192",
+                                                     "decode.max_ongoing_requests=300"))
+    assert deployment_options(pinned, pinned.decode, "cpu", "object_store")["max_ongoing_requests"] == 300
