@@ -167,8 +167,7 @@ class ServeResponseStore:
     async def get_batch(self, batch_id: str) -> StoredBatch | None:
         return await self._call("get_batch", batch_id)
 
-    async def update_batch(self, batch_id: str, changes: dict[str, Any], runner: str | None = None
-                           ) -> dict[str, Any] | None:
+    async def update_batch(self, batch_id: str, changes: dict[str, Any], runner: str) -> dict[str, Any] | None:
         return await self._call("update_batch", batch_id, changes, runner)
 
     async def claim_batch(self, batch_id: str, runner: str) -> bool:
@@ -186,7 +185,6 @@ class ServeResponseStore:
 
     async def request_batch_cancel(self, batch_id: str) -> dict[str, Any] | None:
         return await self._call("request_batch_cancel", batch_id)
-
 
     async def list_batches(self, owner: str | None, limit: int, after: str | None
                            ) -> tuple[list[dict[str, Any]], bool] | None:

@@ -37,7 +37,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_REPORTED_PROBLEMS = 20
@@ -171,8 +171,8 @@ class BatchSummary:
 
 
 async def run_batch(app, lines: Iterator[BatchLine], out: TextIO, summary: BatchSummary,
-                    concurrency: int | asyncio.Semaphore, progress: TextIO | None = sys.stderr, errors: TextIO | None = None,
-                    retry_unavailable_s: float = 0.0) -> BatchSummary:
+                    concurrency: int | asyncio.Semaphore, progress: TextIO | None = sys.stderr,
+                    errors: TextIO | None = None, retry_unavailable_s: float = 0.0) -> BatchSummary:
     """Send every line's body to `app` (an ASGI app: create_app's), `concurrency` at a time (or as many as a shared
     semaphore's slots allow: the runs that share it share its slots), writing each result to
     `out` as it ends (to `errors` instead, when given, if it is not a 2xx). A 503 (full queues, an engine being
@@ -284,6 +284,27 @@ def cmd_run_batch(args) -> int:
     return 1 if summary.server_failures else 0
 
 
+def kept_answers(lines: Iterable[str], summary: BatchSummary, seen: set[str],
+                 keep: Callable[[str, int], bool] = lambda custom_id, status: True) -> list[str]:
+    """Of answer lines written before (OpenAI's output lines, as run_batch writes them), those to keep: each
+    custom_id once (`seen` gathers them, across calls), `keep(custom_id, status)` (status 0: no answer), not a line
+    cut short; each ending in a newline, counted into `summary`."""
+    kept = []
+    for text in lines:
+        try:
+            record = json.loads(text)
+            custom_id, answer = record["custom_id"], record.get("response") or {}
+            status = answer.get("status_code", 0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a line cut short (or not ours): its request runs again
+        if custom_id in seen or not keep(custom_id, status):
+            continue
+        seen.add(custom_id)
+        kept.append(text if text.endswith("\n") else text + "\n")
+        summary.add(status, answer.get("body"))
+    return kept
+
+
 def resume_output(target: Path, wanted: set[str], summary: BatchSummary) -> set[str]:
     """--resume: keep the answers an earlier run wrote to `target` for custom_ids in `wanted` (each once; not its
     server failures, 5xx or no answer, which run again; not a last line cut short by a crash), counted into
@@ -292,18 +313,7 @@ def resume_output(target: Path, wanted: set[str], summary: BatchSummary) -> set[
     kept, done = [], set()
     if target.exists():
         with open(target, encoding="utf-8") as f:
-            for text in f:
-                try:
-                    record = json.loads(text)
-                    custom_id, answer = record["custom_id"], record.get("response") or {}
-                    status = answer.get("status_code", 0)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    continue  # a line cut short (or not ours): its request runs again
-                if custom_id not in wanted or custom_id in done or status == 0 or status >= 500:
-                    continue
-                done.add(custom_id)
-                kept.append(text if text.endswith("\n") else text + "\n")
-                summary.add(status, answer.get("body"))
+            kept = kept_answers(f, summary, done, lambda custom_id, status: custom_id in wanted and 0 < status < 500)
     partial = target.with_name(target.name + ".resume")
     with open(partial, "w", encoding="utf-8") as f:
         f.writelines(kept)

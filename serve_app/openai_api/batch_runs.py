@@ -25,7 +25,6 @@ were in flight run again (each custom_id still answers once in the files).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -35,7 +34,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.openai_api.auth import BATCH_STATE
 from serve_app.openai_api.batch_store import StoredFile, iter_jsonl
-from serve_app.run_batch import MAX_REPORTED_PROBLEMS, BatchLine, BatchSummary, line_problem, parse_line, run_batch
+from serve_app.run_batch import (MAX_REPORTED_PROBLEMS, BatchLine, BatchSummary, kept_answers, line_problem, parse_line,
+                                 run_batch)
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +112,7 @@ def earlier_answers(output: list[str], errors: list[str], summary: BatchSummary
     """An adopted batch's answers so far (each custom_id once: a progress write the store took but did not answer
     in time was sent again), counted into `summary`: (output, errors, their custom_ids)."""
     seen: set[str] = set()
-    kept: list[list[str]] = [[], []]
-    for into, lines in zip(kept, (output, errors)):
-        for line in lines:
-            record = json.loads(line)
-            if record["custom_id"] in seen:
-                continue
-            seen.add(record["custom_id"])
-            into.append(line)
-            answer = record.get("response") or {}
-            summary.add(answer.get("status_code", 0), answer.get("body"))
+    kept = [kept_answers(lines, summary, seen) for lines in (output, errors)]
     return AnswerLines(kept[0]), AnswerLines(kept[1]), seen
 
 
@@ -210,7 +201,7 @@ class BatchRuns:
             await self._end(batch_id, runner, "failed", errors=problems)
             return
         summary = BatchSummary(total)
-        out, errors, answered = earlier_answers(list(earlier_output), list(earlier_errors), summary)
+        out, errors, answered = earlier_answers(earlier_output, earlier_errors, summary)
         verdict = await self._progress(batch_id, runner, summary, out, errors)
         if verdict == "lost":
             return
@@ -228,8 +219,8 @@ class BatchRuns:
                  batch_id, total - len(answered), batch["endpoint"], len(answered), self.concurrency)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
-        work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), batch_lines(source.text, answered), out, summary,
-                                               self._slots, progress=None, errors=errors,
+        work = asyncio.ensure_future(run_batch(as_batch_line(self.target, owner), batch_lines(source.text, answered),
+                                               out, summary, self._slots, progress=None, errors=errors,
                                                retry_unavailable_s=float("inf")))
         end = "completed"
         try:

@@ -166,33 +166,34 @@ class MemoryBatchStore:
     async def get_batch(self, batch_id: str) -> StoredBatch | None:
         return self._batches.get(batch_id)
 
-    def _runs_it(self, batch_id: str, runner: str | None) -> bool:
-        """Whether `runner` may write the batch: it is unfinished and `runner` is its runner (or it has none: the
-        store restarted under a run that goes on, which takes it back). runner None: a write of no run (tests)."""
+    def _unfinished(self, batch_id: str) -> bool:
         stored = self._batches.get(batch_id)
-        if stored is None or stored.batch["status"] not in UNFINISHED_BATCH:
-            return False
-        return runner is None or self._batch_runner.get(batch_id, runner) == runner
+        return stored is not None and stored.batch["status"] in UNFINISHED_BATCH
 
-    async def update_batch(self, batch_id: str, changes: dict[str, Any], runner: str | None = None
-                           ) -> dict[str, Any] | None:
+    def _runs_it(self, batch_id: str, runner: str) -> bool:
+        """Whether `runner` may write the batch: it is unfinished and `runner` is its runner (or it has none: the
+        store restarted under a run that goes on, which takes it back)."""
+        return self._unfinished(batch_id) and self._batch_runner.get(batch_id, runner) == runner
+
+    def _heard_from(self, batch_id: str, runner: str) -> None:
+        self._batch_runner[batch_id] = runner
+        self._batch_seen[batch_id] = self._batch_clock()
+
+    async def update_batch(self, batch_id: str, changes: dict[str, Any], runner: str) -> dict[str, Any] | None:
         """Its runner's write: `changes` into the batch object (a state, counts, file ids); the batch after it, or
         None if it is not stored, already final, or run by another runner than `runner`."""
         if not self._runs_it(batch_id, runner):
             return None
-        if runner is not None:
-            self._batch_runner[batch_id] = runner
-            self._batch_seen[batch_id] = self._batch_clock()
+        self._heard_from(batch_id, runner)
         await self.put_batch(batch_id, replace(self._batches[batch_id], batch={**self._batches[batch_id].batch,
                                                                                  **changes}))
         return self._batches[batch_id].batch
 
     async def claim_batch(self, batch_id: str, runner: str) -> bool:
         """The creating replica's claim of a new batch: True unless another runner has it (an adopter was first)."""
-        if not self._runs_it(batch_id, None) or batch_id in self._batch_runner:
+        if not self._unfinished(batch_id) or batch_id in self._batch_runner:
             return False
-        self._batch_runner[batch_id] = runner
-        self._batch_seen[batch_id] = self._batch_clock()
+        self._heard_from(batch_id, runner)
         return True
 
     async def batch_progress(self, batch_id: str, runner: str, changes: dict[str, Any], output: list[str],
@@ -205,7 +206,10 @@ class MemoryBatchStore:
         kept = self._batch_answers.setdefault(batch_id, ([], []))
         kept[0].extend(output)
         kept[1].extend(errors)
-        await self.update_batch(batch_id, changes, runner)
+        if changes:
+            await self.update_batch(batch_id, changes, runner)
+        else:  # (a give-back: nothing of the batch object changes, nothing to write to the store's file)
+            self._heard_from(batch_id, runner)
         return "cancel" if batch_id in self._batch_cancel else "run"
 
     async def release_batch(self, batch_id: str, runner: str, output: list[str], errors: list[str]) -> None:
@@ -228,8 +232,7 @@ class MemoryBatchStore:
                 continue
             log.warning("batch %s: adopted by another ingress replica (its runner %s)", batch_id,
                         "gave it back" if seen == float("-inf") else f"was silent for {now - seen:.0f} s")
-            self._batch_runner[batch_id] = runner
-            self._batch_seen[batch_id] = now
+            self._heard_from(batch_id, runner)
             output, errors = self._batch_answers.get(batch_id, ([], []))
             return stored.batch, stored.owner, list(output), list(errors)
         return None
