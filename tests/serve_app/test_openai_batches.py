@@ -63,6 +63,17 @@ def wait_for(api: openai.OpenAI, batch_id: str, *statuses: str, timeout_s: float
 def lines_of(api: openai.OpenAI, file_id: str) -> dict[str, dict]:
     return {line["custom_id"]: line for line in map(json.loads, api.files.content(file_id).text.splitlines())}
 
+async def create_over_asgi(http: httpx.AsyncClient, *lines) -> dict:
+    """Upload `lines` and create a chat batch of them through an app over ASGI: the batch object."""
+    upload = await http.post("/v1/files", data={"purpose": "batch"},
+                             files={"file": ("r.jsonl", jsonl(*lines).getvalue())})
+    assert upload.status_code == 200, upload.text
+    made = await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window": "24h",
+                                                "endpoint": "/v1/chat/completions"})
+    assert made.status_code == 200, made.text
+    return made.json()
+
+
 
 def test_a_batch_runs_its_lines_into_the_output_and_error_files(live, backend):
     api = client(live)
@@ -321,11 +332,7 @@ def test_a_stopping_replica_gives_its_batch_back_and_another_finishes_it():
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://app") as http:
-            upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
-                "r.jsonl", jsonl(*(chat_line(f"r{i}") for i in range(4))).getvalue())})
-            assert upload.status_code == 200, upload.text
-            made = (await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window":
-                                                         "24h", "endpoint": "/v1/chat/completions"})).json()
+            made = await create_over_asgi(http, *(chat_line(f"r{i}") for i in range(4)))
             for _ in range(200):
                 batch = (await http.get(f"/v1/batches/{made['id']}")).json()
                 if batch["request_counts"]["completed"] == 1:
@@ -370,10 +377,7 @@ def test_a_runner_superseded_after_silence_stops_without_writing():
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://app") as http:
-            upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
-                "r.jsonl", jsonl(chat_line("a"), chat_line("b")).getvalue())})
-            made = (await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window":
-                                                         "24h", "endpoint": "/v1/chat/completions"})).json()
+            made = await create_over_asgi(http, chat_line("a"), chat_line("b"))
             for _ in range(100):
                 if len(backend.requests) == 2:
                     break
@@ -450,10 +454,7 @@ def test_a_store_that_fails_for_a_while_does_not_stop_a_batch():
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
-            upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
-                "r.jsonl", jsonl(chat_line("a"), chat_line("b")).getvalue())})
-            made = (await http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window":
-                                                         "24h", "endpoint": "/v1/chat/completions"})).json()
+            made = await create_over_asgi(http, chat_line("a"), chat_line("b"))
             for _ in range(300):
                 batch = (await http.get(f"/v1/batches/{made['id']}")).json()
                 if batch["status"] not in ("validating", "in_progress", "finalizing"):
@@ -514,11 +515,7 @@ def test_the_replicas_batches_share_its_batch_concurrency():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
             made = []
             for name in ("a", "b"):
-                upload = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": (
-                    f"{name}.jsonl", jsonl(*(chat_line(f"{name}{i}") for i in range(3))).getvalue())})
-                made.append((await http.post("/v1/batches", json={
-                    "input_file_id": upload.json()["id"], "completion_window": "24h",
-                    "endpoint": "/v1/chat/completions"})).json()["id"])
+                made.append((await create_over_asgi(http, *(chat_line(f"{name}{i}") for i in range(3))))["id"])
             for _ in range(400):
                 batches = [(await http.get(f"/v1/batches/{batch_id}")).json() for batch_id in made]
                 if all(batch["status"] not in ("validating", "in_progress", "finalizing") for batch in batches):
@@ -563,7 +560,8 @@ def test_files_expire_after_what_the_upload_or_the_batch_asked(live, backend):
     backend.push(ANSWER)
     source = api.files.create(file=("r.jsonl", jsonl(chat_line("a"))), purpose="batch",
                               expires_after={"anchor": "created_at", "seconds": 3600})
-    assert source.expires_at == source.created_at + 3600 and api.files.retrieve(source.id).expires_at == source.expires_at
+    assert source.expires_at == source.created_at + 3600
+    assert api.files.retrieve(source.id).expires_at == source.expires_at
     batch = api.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
                                output_expires_after={"anchor": "created_at", "seconds": 7200})
     done = wait_for(api, batch.id, "completed", "failed")
