@@ -31,6 +31,11 @@ def replica_max_ongoing(config: ServeAppConfig, settings: DeploymentSettings) ->
     return settings.max_ongoing_requests if settings.max_ongoing_requests is not None else 2 * config.max_num_seqs
 
 
+def replica_target_ongoing(config: ServeAppConfig) -> float:
+    """The autoscaling target of a replica whose setting is None: three quarters of the engine's seats."""
+    return max(1, 3 * config.max_num_seqs // 4)
+
+
 def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, device: str,
                        transport: str) -> dict[str, Any]:
     """Serve options of a prefill or decode deployment: replicas or autoscaling, placement, health checks, and
@@ -42,7 +47,7 @@ def deployment_options(config: ServeAppConfig, settings: DeploymentSettings, dev
     if settings.num_replicas is not None:
         options["num_replicas"] = settings.num_replicas
     else:
-        options["autoscaling_config"] = settings.autoscaling.to_serve()
+        options["autoscaling_config"] = settings.autoscaling.to_serve(replica_target_ongoing(config))
     options.update(
         max_ongoing_requests=replica_max_ongoing(config, settings),
         max_queued_requests=settings.max_queued_requests,

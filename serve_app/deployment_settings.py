@@ -26,8 +26,10 @@ class AutoscalingSettings(_Settings):
     max_replicas: int = Field(1, ge=1, description="Most replicas; each holds a whole node's GPUs on a GPU cluster.")
     initial_replicas: int | None = Field(
         None, ge=0, description="Replicas started at deploy time; None: min_replicas.")
-    target_ongoing_requests: float = Field(
-        ..., gt=0, description="In-flight requests per replica the autoscaler aims for (queued + running).")
+    target_ongoing_requests: float | None = Field(
+        ..., gt=0, description="In-flight requests per replica the autoscaler aims for (queued + running). None "
+                               "(decode's default; prefill and decode only): three quarters of max_num_seqs, 48 at "
+                               "the default 64.")
     upscale_delay_s: float = Field(
         60.0, ge=0, description="Load must stay above target this long before a replica is added.")
     downscale_delay_s: float = Field(
@@ -44,11 +46,16 @@ class AutoscalingSettings(_Settings):
                              f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
         return self
 
-    def to_serve(self) -> dict[str, Any]:
-        """The dict Serve's `autoscaling_config` option takes, checked by Serve's own model."""
+    def to_serve(self, target: float | None = None) -> dict[str, Any]:
+        """The dict Serve's `autoscaling_config` option takes, checked by Serve's own model; `target` stands for a
+        target_ongoing_requests of None."""
         from ray.serve.config import AutoscalingConfig
 
         out = self.model_dump(exclude_none=True)
+        if self.target_ongoing_requests is None:
+            if target is None:
+                raise ValueError("target_ongoing_requests: this deployment has no default; give a number")
+            out["target_ongoing_requests"] = target
         AutoscalingConfig(**out)  # Serve's own rules (raises on what it rejects)
         return out
 
@@ -109,11 +116,12 @@ def default_prefill() -> DeploymentSettings:
 
 
 def default_decode() -> DeploymentSettings:
-    # Decode batches up to max_num_seqs sequences; aim below that so new requests rarely queue. The cap on requests
-    # follows max_num_seqs (builder.deployment_options: twice it, 128 at the default 64): a fixed 128 had held a
-    # max_num_seqs=512 replica to 128 sequences, the other requests waiting in Serve's queue (20b on an H100, 256
-    # streams: client TTFT p50 14.1 s against the engine's 0.39 s, bench/RESULTS.md).
-    return DeploymentSettings(max_ongoing_requests=None, autoscaling=AutoscalingSettings(target_ongoing_requests=48))
+    # Decode batches up to max_num_seqs sequences; aim below that so new requests rarely queue (the autoscaling
+    # target: three quarters of it, 48 at the default 64). The cap on requests follows max_num_seqs too
+    # (builder.deployment_options: twice it, 128 at the default 64): a fixed 128 had held a max_num_seqs=512 replica
+    # to 128 sequences, the other requests waiting in Serve's queue (20b on an H100, 256 streams: client TTFT p50
+    # 14.1 s against the engine's 0.39 s, bench/RESULTS.md).
+    return DeploymentSettings(max_ongoing_requests=None, autoscaling=AutoscalingSettings(target_ongoing_requests=None))
 
 
 def default_ingress_autoscaling() -> AutoscalingSettings:
@@ -223,6 +231,13 @@ class IngressSettings(_Settings):
                     "openai client's api_key; else HTTP 401). Empty: no check. A list or comma-separated text; "
                     "default: $GPTOSS_API_KEYS (comma-separated) where the app is built, which keeps the keys out "
                     "of the Serve config the dashboard shows.")
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _ingress_target(cls, value: AutoscalingSettings) -> AutoscalingSettings:
+        if value.target_ongoing_requests is None:
+            raise ValueError("target_ongoing_requests: the ingress has no engine to size it from; give a number")
+        return value
 
     @field_validator("api_keys", "cors_allow_origins", mode="before")
     @classmethod

@@ -53,7 +53,8 @@ def test_serve_run_arguments_dotted_keys_and_json():
     assert config.decode.max_ongoing_requests == 7
     assert config.decode.autoscaling.max_replicas == 4
     assert config.decode.autoscaling.upscale_delay_s == 5
-    assert config.decode.autoscaling.target_ongoing_requests == 48  # untouched defaults survive
+    assert config.decode.autoscaling.target_ongoing_requests is None  # untouched defaults survive (None: from
+    # max_num_seqs, test_decode_autoscaling_target_follows_max_num_seqs)
     assert config.prefill.num_replicas == 2 and config.prefill.resources_per_worker == {"H200": 1}
     assert config.served_model_name == "123" and config.model is None
     assert config.max_context == 4096 and config.kv_transfer_timeout_s == 2.5 and not config.disaggregated
@@ -184,6 +185,22 @@ def test_cpu_replica_and_autoscaling_options():
     assert options["graceful_shutdown_timeout_s"] >= 60
     serve.deployment(_Dummy, **options)
     assert ReplicaResources.of(config, config.decode, "cpu").num_ranks == 1
+
+
+def test_decode_autoscaling_target_follows_max_num_seqs():
+    """Decode's default target is three quarters of the engine's seats (and its request cap twice them); a number
+    given wins; the ingress, which has no engine, needs a number."""
+    for seats, target, cap in ((64, 48, 128), (512, 384, 1024), (1, 1, 2)):
+        config = ServeAppConfig.from_args(serve_run_args(f"max_num_seqs={seats}", "max_num_batched_tokens=2048"))
+        options = deployment_options(config, config.decode, "cpu", "object_store")
+        assert options["autoscaling_config"]["target_ongoing_requests"] == target
+        assert options["max_ongoing_requests"] == cap
+        serve.deployment(_Dummy, **options)  # Serve takes it
+    config = ServeAppConfig.from_args(serve_run_args("max_num_seqs=512", "decode.autoscaling.target_ongoing_requests=100"))
+    assert deployment_options(config, config.decode, "cpu", "object_store")["autoscaling_config"][
+        "target_ongoing_requests"] == 100
+    with pytest.raises(ServeConfigError, match="target_ongoing_requests"):
+        ServeAppConfig.from_args(serve_run_args("ingress.autoscaling.target_ongoing_requests=null"))
 
 
 def test_app_is_a_serve_application_builder():
