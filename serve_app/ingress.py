@@ -124,10 +124,18 @@ class HarmonyIngress:
                             cors_allow_origins=s.cors_allow_origins)
 
     async def check_health(self) -> None:
-        """Serve's periodic health check (ingress.health_check_period_s): also where this replica adopts a batch
-        another replica gave back or left silent (batch_runs.BatchRuns.adopt). A store that does not answer is
+        """Serve's periodic health check (ingress.health_check_period_s): also where this replica adopts the
+        background responses (background.BackgroundRuns.adopt, each model's app its own) and a batch
+        (batch_runs.BatchRuns.adopt) that another replica gave back or left silent. A store that does not answer is
         logged, not a failed check."""
-        for app in getattr(self, "_apps", {}).values():
+        apps = list(getattr(self, "_apps", {}).values())
+        for app in apps:
+            if app.state.background is not None:
+                try:
+                    await asyncio.wait_for(app.state.background.adopt(), ADOPT_TIMEOUT_S)
+                except Exception as err:
+                    log.warning("looking for background responses to adopt failed (%s: %s)", type(err).__name__, err)
+        for app in apps:
             if app.state.batches is not None:
                 try:
                     await asyncio.wait_for(app.state.batches.adopt(), ADOPT_TIMEOUT_S)
@@ -137,7 +145,8 @@ class HarmonyIngress:
 
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
-        seconds to finish, the rest are stored as failed (serve_app/openai_api/background.py); running batches are
+        seconds to finish, the rest are given back for another replica to run again (streamed ones: stored as
+        failed; serve_app/openai_api/background.py); running batches are
         given back to the store with the answers they have, for another replica to finish (batch_runs.py)."""
         apps = getattr(self, "_apps", {}).values()
         runs = [app.state.background for app in apps if app.state.background is not None]

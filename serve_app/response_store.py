@@ -88,8 +88,8 @@ class ServeResponseStore:
     async def _call(self, method: str, *args: Any) -> Any:
         return await asyncio.wait_for(getattr(self._handle, method).remote(*args), self.timeout_s)
 
-    async def put(self, response_id: str, stored: StoredResponse) -> bool:
-        return await self._call("put", response_id, stored)
+    async def put(self, response_id: str, stored: StoredResponse, runner: str | None = None) -> bool:
+        return await self._call("put", response_id, stored, runner)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return await self._call("get", response_id)
@@ -103,8 +103,14 @@ class ServeResponseStore:
     async def request_cancel(self, response_id: str) -> bool:
         return await self._call("request_cancel", response_id)
 
-    async def cancel_requested(self, response_ids: list[str]) -> list[str]:
-        return await self._call("cancel_requested", response_ids)
+    async def cancel_requested(self, response_ids: list[str], runner: str | None = None) -> list[str]:
+        return await self._call("cancel_requested", response_ids, runner)
+
+    async def release_response(self, response_id: str, runner: str) -> bool:
+        return await self._call("release_response", response_id, runner)
+
+    async def adopt_responses(self, runner: str, model: str, limit: int = 4) -> list[tuple[str, StoredResponse]]:
+        return await self._call("adopt_responses", runner, model, limit)
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
         return await self._call("append_events", response_id, events)

@@ -32,7 +32,8 @@ from serve_app.openai_api.generation import IngressConfig, IngressContext
 from serve_app.openai_api.protocol import ChatCompletionRequest, InputTokensRequest, ResponsesRequest
 from serve_app.openai_api.request_ids import RequestIdHeader
 from serve_app.openai_api.responses import (cancel_response, count_input_tokens, create_response, delete_response,
-                                            list_input_items, retrieve_response, stream_stored_response)
+                                            list_input_items, resume_response, retrieve_response,
+                                            stream_stored_response)
 from serve_app.openai_api import stored_chat
 from serve_app.openai_api.stored_chat import ChatCompletionUpdate
 from serve_app.openai_api.stored_responses import ResponseStore
@@ -109,11 +110,14 @@ def create_app(
                            forced_call_reasoning_tokens=forced_call_reasoning_tokens,
                            system_fingerprint=system_fingerprint, batch_priority=batch_priority)
     ctx = IngressContext(backend=backend, config=config, encoding=load_harmony_encoding(), store=response_store,
-                         background=BackgroundRuns(response_store) if response_store is not None else None,
+                         background=BackgroundRuns(response_store, model=config.model_name)
+                         if response_store is not None else None,
                          usage_sink=usage_sink, renderer=renderer if renderer is not None else RenderWorkers())
     created = int(time.time())
     app = FastAPI(title="gpt-oss OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.background = ctx.background  # the host stops them when it shuts down (HarmonyIngress.__del__)
+    if ctx.background is not None:  # and adopts those another replica gave back or left (its health check)
+        ctx.background.resume = lambda response_id, stored: resume_response(response_id, stored, ctx)
     # batches' requests go to this app, or to the app around it (model_router.serve_models sets that)
     app.state.batches = BatchRuns(response_store, batch_concurrency) if response_store is not None else None
     if app.state.batches is not None:

@@ -14,10 +14,12 @@ POST that created it, or on GET /v1/responses/{id}?stream=true&starting_after=N 
 dropped connection. A follower that leaves stops nothing. A cancelled run's events end without a terminal event
 (OpenAI's stream events have none for `cancelled`; GET says so); an orphaned one's end with `response.failed`.
 
-An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish, then
-stores the rest as `failed` (code `server_error`, the message says why; the client may create them again). The
-runs of a replica that dies without that are marked failed by the store 30 s after its last cancel poll
-(stored_responses.MemoryResponseStore.orphan_after_s), or cancelled by a cancel after `CANCEL_WAIT_S`.
+An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish. A response
+created without `stream` is then given back to the store (status `queued` again) and another ingress replica of
+the same model runs it again from the start (`adopt`, from each replica's health check); so is one whose replica
+died, once the store has heard nothing from that replica for `orphan_after_s` (30 s). A streamed one (its client
+may have read part of its events) is stored `failed` (code `server_error`, the message says why; the client may
+create it again), or marked so by the store after that silence. background_store.py has the store's side.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -109,15 +112,24 @@ async def follow_events(store: ResponseStore, response_id: str, after: int,
             await asyncio.sleep(poll_s)
 
 
-class BackgroundRuns:
-    """The background responses this app (one ingress replica) runs: response id -> its task."""
+Resume = Callable[[str, StoredResponse], Awaitable[None]]
 
-    def __init__(self, store: ResponseStore, poll_s: float = CANCEL_POLL_S):
+
+class BackgroundRuns:
+    """The background responses this app (one ingress replica) runs: response id -> its task. `runner`: this
+    replica's token on its writes and polls; `model`: the model whose given-back responses it adopts; `resume`
+    (set by the app, responses.resume_response): starts an adopted response's run here."""
+
+    def __init__(self, store: ResponseStore, poll_s: float = CANCEL_POLL_S, model: str = ""):
         self.store = store
         self.poll_s = poll_s
+        self.model = model
+        self.runner = f"bg-{uuid.uuid4().hex}"
+        self.resume: Resume | None = None
         self._runs: dict[str, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None  # one poll of the store for all runs, while there are any
-        self.stopping = False  # set by stop(): a run cancelled now is stored as failed, not cancelled
+        self.stopping = False  # set by stop(): a run cancelled now is given back or stored as failed, not cancelled
+        self.closing = False  # set as stop() begins: nothing more is adopted here
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -127,16 +139,38 @@ class BackgroundRuns:
         or a cancel for `response_id` arrives, here or through the store."""
         work = asyncio.ensure_future(run())
         self._runs[response_id] = work
-        work.add_done_callback(lambda _: self._runs.pop(response_id, None))
+        work.add_done_callback(lambda done: self._runs.pop(response_id) if self._runs.get(response_id) is done
+                               else None)
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch())
+
+    async def adopt(self) -> list[str]:
+        """Run here the responses of this app's model that the store says were given back or left silent (the
+        ingress' health check asks every period); their ids."""
+        if self.closing or self.resume is None:
+            return []
+        adopted = []
+        for response_id, stored in await self.store.adopt_responses(self.runner, self.model):
+            await self.resume(response_id, stored)
+            adopted.append(response_id)
+        return adopted
+
+    async def give_back(self, response_id: str) -> bool:
+        """A run cancelled by stop(): hand its response to another replica (True), if the store takes it (it can run
+        again: no stream; not cancelled meanwhile). A store that fails: False (the run stores itself failed)."""
+        try:
+            return await self.store.release_response(response_id, self.runner)
+        except Exception as err:
+            log.warning("background response %s: giving it back failed (%s: %s)", response_id, type(err).__name__,
+                        err)
+            return False
 
     async def _watch(self) -> None:
         """Cancel the runs whose cancel came through the store (from another ingress replica, or a DELETE)."""
         while self._runs:
             await asyncio.sleep(self.poll_s)
             try:
-                cancelled = await self.store.cancel_requested(list(self._runs))
+                cancelled = await self.store.cancel_requested(list(self._runs), self.runner)
             except Exception as err:  # the store is away for now: the runs go on, and so does the watch
                 log.warning("background responses: cancel check failed (%s: %s)", type(err).__name__, err)
                 continue
@@ -146,14 +180,17 @@ class BackgroundRuns:
                     work.cancel()
 
     async def stop(self, wait_s: float) -> None:
-        """The replica is stopping: give the runs `wait_s` to finish, then cancel the rest with `stopping` set (each
-        stores itself as failed) and wait for them to have stored that (CANCEL_WAIT_S at most)."""
+        """The replica is stopping: adopt nothing more, give the runs `wait_s` to finish, then cancel the rest with
+        `stopping` set (each gives its response back or stores itself as failed) and wait for them to have done that
+        (CANCEL_WAIT_S at most)."""
+        self.closing = True
         runs = set(self._runs.values())
         if runs and wait_s > 0:
             _, runs = await asyncio.wait(runs, timeout=wait_s)
         if not runs:
             return
-        log.warning("stopping: %d background responses still running; storing them as failed", len(runs))
+        log.warning("stopping: %d background responses still running; giving them back (or, streamed, storing them "
+                    "as failed)", len(runs))
         self.stopping = True
         for work in runs:
             work.cancel()
@@ -179,7 +216,7 @@ class BackgroundRuns:
                 if work is None:
                     log.warning("background response %s: no final state %g s after its cancel; marking it "
                                 "cancelled", response_id, CANCEL_WAIT_S)
-                stopped = replace(stored, response={**stored.response, "status": "cancelled"})
+                stopped = replace(stored, response={**stored.response, "status": "cancelled"}, rerun=None)
                 await self.store.put(response_id, stopped)
                 return stopped
             await asyncio.sleep(0.05)

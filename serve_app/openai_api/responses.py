@@ -17,41 +17,27 @@ response cut by max_output_tokens has status "incomplete" and ends with `respons
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any
 
-from openai_harmony import HarmonyEncoding
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from engine.request import TokenLogprob
 from serve_app.harmony.constrain import HarmonySchemaSpec
-from serve_app.harmony.parse import ItemDelta, ItemDone, ItemKind, ItemStarted, ParseEvent
 from serve_app.harmony.render import prompt_chars
 from serve_app.openai_api.auth import in_batch, requester
-from serve_app.openai_api.background import EventRecorder, follow_events
-from serve_app.openai_api.conversations import conversation_input, list_page, listed_item, record_turn
+from serve_app.openai_api.background import follow_events
+from serve_app.openai_api.conversations import conversation_input, list_page, listed_item
 from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound, ask_store
-from serve_app.openai_api.generation import (
-    Generation,
-    IngressContext,
-    SamplingRequest,
-    Step,
-    request_id_headers,
-    respond,
-    sampling_params,
-)
-from serve_app.openai_api.output_options import (forced_tools, logprobs_json, offers,
-                                                 output_constraint_off_loop)
+from serve_app.openai_api.generation import IngressContext, request_id_headers
+from serve_app.openai_api.output_options import forced_tools, offers, output_constraint_off_loop
 from serve_app.openai_api.protocol import INPUT_ITEMS, InputTokensRequest, ResponsesRequest
-from serve_app.openai_api.responses_input import (fitted_prompt, new_id, reasoning_envelope, responses_prompt,
-                                                  stored_input_items)
+from serve_app.openai_api.response_run import ResponseRun
+from serve_app.openai_api.responses_input import fitted_prompt, responses_prompt
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
-from serve_app.openai_api.streaming import EventStreamResponse, sse
-from serve_app.openai_api.usage import caller_of
+from serve_app.openai_api.streaming import EventStreamResponse
+from serve_app.openai_api.usage import Caller, caller_of
 
 log = logging.getLogger(__name__)
 
@@ -87,107 +73,6 @@ async def earlier_items(req: ResponsesRequest, ctx: IngressContext, owner: str |
         raise BadRequest(f"Previous response with id {req.previous_response_id!r} not found.",
                          param="previous_response_id", code="previous_response_not_found")
     return INPUT_ITEMS.validate_python(items)
-
-
-class ResponsesAssembler:
-    """Item events -> output items and stream events (the non-stream body is the same items)."""
-
-    def __init__(self, encrypted_reasoning: bool = False, logprobs_top: int | None = None,
-                 encoding: HarmonyEncoding | None = None) -> None:
-        """encrypted_reasoning: give finished reasoning items `encrypted_content` (reasoning_envelope).
-        logprobs_top: output_text logprobs with that many alternatives each (None: none; `encoding` names tokens)."""
-        self.encrypted_reasoning = encrypted_reasoning
-        self.logprobs_top = logprobs_top
-        self.encoding = encoding
-        self._logprobs: dict[int, list[TokenLogprob]] = {}  # parser item index -> logprobs not yet in an event
-        self.output: list[dict[str, Any]] = []
-        self._slot: dict[int, int] = {}  # parser item index -> output index
-        self.sequence = 0
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self.sequence += 1
-        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
-
-    def step(self, step: Step, status_when_done: str = "completed") -> list[dict[str, Any]]:
-        """The stream events of one generation step (its logprobs first, then its item events)."""
-        if self.logprobs_top is not None:
-            for entry, index in zip(step.content_logprobs, step.content_logprob_items):
-                self._logprobs.setdefault(index, []).append(entry)
-        return [frame for ev in step.events for frame in self.apply(ev, status_when_done)]
-
-    def _take_logprobs(self, part: dict[str, Any], index: int) -> list[dict[str, Any]]:
-        """The item's logprobs that arrived since the last call, as JSON, also appended to its part."""
-        entries = self._logprobs.pop(index, None)
-        if not entries:
-            return []
-        out = logprobs_json(entries, self.logprobs_top, self.encoding)
-        part["logprobs"] += out
-        return out
-
-    def apply(self, ev: ParseEvent, status_when_done: str = "completed") -> list[dict[str, Any]]:
-        if isinstance(ev, ItemStarted):
-            return self._start(ev)
-        n = self._slot[ev.index]
-        item = self.output[n]
-        at = {"item_id": item["id"], "output_index": n}
-        if isinstance(ev, ItemDelta):
-            if ev.kind is ItemKind.TOOL_CALL:
-                item["arguments"] += ev.text
-                return [self.event("response.function_call_arguments.delta", **at, delta=ev.text)]
-            item["content"][0]["text"] += ev.text
-            if ev.kind is ItemKind.REASONING:
-                return [self.event("response.reasoning_text.delta", **at, content_index=0, delta=ev.text)]
-            logprobs = self._take_logprobs(item["content"][0], ev.index)
-            return [self.event("response.output_text.delta", **at, content_index=0, delta=ev.text, logprobs=logprobs)]
-        assert isinstance(ev, ItemDone)
-        item["status"] = status_when_done
-        if ev.kind is ItemKind.TOOL_CALL:
-            events = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"],
-                                 name=item["name"])]
-        else:
-            part = item["content"][0]
-            if ev.kind is ItemKind.REASONING and self.encrypted_reasoning:
-                item["encrypted_content"] = reasoning_envelope(part["text"])
-            done = "response.reasoning_text.done" if ev.kind is ItemKind.REASONING else "response.output_text.done"
-            if ev.kind is not ItemKind.REASONING:
-                self._take_logprobs(part, ev.index)
-            extra = {} if ev.kind is ItemKind.REASONING else {"logprobs": list(part["logprobs"])}
-            events = [self.event(done, **at, content_index=0, text=part["text"], **extra),
-                      self.event("response.content_part.done", **at, content_index=0, part=dict(part))]
-        return events + [self.event("response.output_item.done", output_index=n, item=_copy(item))]
-
-    def _start(self, ev: ItemStarted) -> list[dict[str, Any]]:
-        if ev.kind is ItemKind.TOOL_CALL:
-            item = {"id": new_id("fc"), "type": "function_call", "call_id": new_id("call"),
-                    "name": ev.tool_name, "arguments": "", "status": "in_progress"}
-            part = None
-        elif ev.kind is ItemKind.REASONING:
-            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-        else:
-            item = {"id": new_id("msg"), "type": "message", "role": "assistant", "content": [],
-                    "status": "in_progress", "phase": "commentary" if ev.channel == "commentary" else "final_answer"}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        n = len(self.output)
-        self._slot[ev.index] = n
-        events = [self.event("response.output_item.added", output_index=n, item=_copy(item))]
-        self.output.append(item)
-        if part is not None:
-            item["content"].append(part)
-            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=n,
-                                     content_index=0, part=dict(part)))
-        return events
-
-
-def _copy(item: dict[str, Any]) -> dict[str, Any]:
-    return {**item, **({"content": [dict(p) for p in item["content"]]} if "content" in item else {})}
-
-
-def usage_json(gen: Generation) -> dict[str, Any]:
-    u = gen.usage()
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["cached_tokens"], "cache_write_tokens": 0},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
-            "total_tokens": u["total_tokens"]}
 
 
 def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
@@ -229,160 +114,31 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
     check_background(req, ctx)
     owner = requester(http)
     prompt_ids, constraint = await prompt_of(req, ctx, owner)
-    text_format = req.text.format if req.text else None
-    # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs alternatives)
-    top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in (req.include or []) else None
-    sampling = sampling_params(SamplingRequest(
-        max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens", temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, logprobs=top_logprobs,
-    ), len(prompt_ids), ctx.config)
-    sampling = replace(sampling, constraint=constraint)
-    gen = Generation(ctx, request_id=new_id("resp"), prompt_ids=prompt_ids, sampling=sampling,
-                     priority=ctx.config.request_priority(req.priority, in_batch(http)), caller=caller_of("responses", http),
-                     cache_salt=req.cache_salt)
-    created = time.time()
-    store = ctx.store is not None and req.store is not False
-    own_items = stored_input_items(req) if store or req.conversation is not None else []
-
-    def stored(response: dict[str, Any]) -> StoredResponse:
-        return StoredResponse(response, own_items, req.previous_response_id, owner)
-
-    async def keep(response: dict[str, Any]) -> None:
-        """Store the finished response (and its turn in its conversation) before the client hears it finished, so a
-        follow-up can name it."""
-        if req.conversation is not None:
-            await record_turn(ctx, req.conversation, own_items, response)
-        if not store:
-            return
-        try:
-            await ctx.store.put(gen.request_id, stored(response))
-        except Exception:  # the answer stands; only a later previous_response_id to it will fail
-            log.exception("response %s: storing it failed", gen.request_id)
-
-    def snapshot(status: str, output: list[dict[str, Any]], usage: dict | None = None,
-                 error: dict | None = None) -> dict[str, Any]:
-        return {
-            "id": gen.request_id, "object": "response", "created_at": created, "model": ctx.config.model_name,
-            "status": status, "output": output, "usage": usage, "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "metadata": req.metadata, "user": req.user,
-            "tools": [{"type": "function", "name": t.name, "description": t.description,
-                       "parameters": t.parameters, "strict": t.strict} for t in req.tools or []],
-            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-            "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
-            "text": {"format": text_format or {"type": "text"},
-                     "verbosity": (req.text.verbosity if req.text else None) or "medium"},
-            "truncation": req.truncation or "disabled", "store": store, "top_logprobs": req.top_logprobs,
-            "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
-            "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier,
-            "service_tier": "default",  # the tier it ran in: this server has one, whatever the request asked
-            "completed_at": time.time() if status == "completed" else None,
-            "previous_response_id": req.previous_response_id, "background": bool(req.background),
-            "conversation": {"id": req.conversation} if req.conversation is not None else None,
-        }
-
-    def new_assembler() -> ResponsesAssembler:
-        return ResponsesAssembler(encrypted_reasoning="reasoning.encrypted_content" in (req.include or []),
-                                  logprobs_top=top_logprobs, encoding=ctx.encoding)
-
-    def final_status() -> str:
-        return "incomplete" if gen.finish_reason == "length" else "completed"
-
-    async def frames(gen: Generation, assembler: ResponsesAssembler) -> AsyncIterator[list[dict[str, Any]]]:
-        async for step in gen.steps():
-            # Items closed by the last step were cut short when the response hit max_output_tokens.
-            yield assembler.step(step, final_status())
-
-    async def body(gen: Generation) -> dict:
-        assembler = new_assembler()
-        async for _ in frames(gen, assembler):
-            pass
-        done = snapshot(final_status(), assembler.output, usage_json(gen))
-        await keep(done)
-        return done
-
-    async def stream(gen: Generation) -> AsyncIterator[bytes]:
-        assembler = new_assembler()
-        try:
-            yield _frame(assembler.event("response.created", response=snapshot("in_progress", [])))
-            yield _frame(assembler.event("response.in_progress", response=snapshot("in_progress", [])))
-            async for batch in frames(gen, assembler):
-                for frame in batch:
-                    yield _frame(frame)
-            status = final_status()
-            done = snapshot(status, assembler.output, usage_json(gen))
-            await keep(done)
-            yield _frame(assembler.event(f"response.{status}", response=done))
-        except APIError as err:  # mid-stream failure: OpenAI's `error` event
-            yield _frame(assembler.event("error", code=err.code, message=err.message, param=err.param))
-        finally:
-            await gen.close()
-
-    # a streamed background run's events go to the store (background.EventRecorder), its stream reads them there
-    recorder = EventRecorder(ctx.store, gen.request_id) if req.background and req.stream else None
-    background_assembler = new_assembler() if req.background else None
-
-    async def run_in_background() -> None:
-        """The background run (background.py): its states go to the store, the last one whatever happens, once
-        its engine request has ended (so a cancel's answer means the engine holds nothing of it); streamed, its
-        events too, the last ones before the final state."""
-        assembler = background_assembler
-        final = None
-        try:
-            await gen.start()
-            in_progress = snapshot("in_progress", [])
-            await keep(in_progress)
-            if recorder is not None:
-                await recorder.add([assembler.event("response.in_progress", response=in_progress)])
-            async for batch in frames(gen, assembler):
-                if recorder is not None:
-                    await recorder.add(batch)
-            final = snapshot(final_status(), assembler.output, usage_json(gen))
-        except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
-            if ctx.background.stopping:  # not the client's doing: the replica stops (BackgroundRuns.stop)
-                final = snapshot("failed", assembler.output, usage_json(gen), error={
-                    "code": "server_error", "message": "The server replica running this background response "
-                    "stopped before it finished (server_shutdown); create it again."})
-            else:
-                final = snapshot("cancelled", assembler.output, usage_json(gen))
-        except Exception as err:  # a refusal or an engine failure: the response failed, with OpenAI's error
-            api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
-            if not isinstance(err, APIError):
-                log.exception("background response %s failed", gen.request_id)
-            # OpenAI's codes for a response's error are a closed set: ours go into the message
-            code = "invalid_prompt" if isinstance(api, BadRequest) else "server_error"
-            detail = f" ({api.code})" if api.code else ""
-            final = snapshot("failed", assembler.output, usage_json(gen),
-                             error={"code": code, "message": api.message + detail})
-        finally:
-            await gen.close()
-            if final is not None:
-                if recorder is not None:
-                    if final["status"] != "cancelled":  # OpenAI's stream has no event for a cancelled response
-                        await recorder.add([assembler.event(f"response.{final['status']}", response=final)])
-                    await recorder.close()
-                await keep(final)
-
-    if req.background:
-        queued = snapshot("queued", [])
-        await ask_store(ctx.store.put(gen.request_id, stored(queued)))
-        headers = request_id_headers(http, gen.request_id)
-        if recorder is None:
-            ctx.background.start(gen.request_id, run_in_background)
-            return JSONResponse(queued, headers=headers)
-        await ask_store(ctx.store.append_events(gen.request_id, [
-            background_assembler.event("response.created", response=queued),
-            background_assembler.event("response.queued", response=queued)]))
-        ctx.background.start(gen.request_id, run_in_background)
-        return EventStreamResponse(follow_events(ctx.store, gen.request_id, -1), headers=headers,
-                                   keepalive_s=ctx.config.stream_keepalive_s)
-    return await respond(http, gen, response_id=gen.request_id, stream=req.stream, make_stream=stream, make_body=body,
-                         keepalive_s=ctx.config.stream_keepalive_s)
+    run = ResponseRun(req, ctx, owner, prompt_ids, constraint, priority=ctx.config.request_priority(
+        req.priority, in_batch(http)), caller=caller_of("responses", http))
+    return await run.start_background(http) if req.background else await run.answer(http)
 
 
-def _frame(event: dict[str, Any]) -> bytes:
-    return sse(event, event=event["type"])
+async def resume_response(response_id: str, stored: StoredResponse, ctx: IngressContext) -> None:
+    """Run here a background response another ingress replica gave back or left (BackgroundRuns.adopt): its request
+    again, from the start, under its own id and creation time. A request that no longer makes a prompt (the response
+    it continues was deleted meanwhile) ends the response failed."""
+    rerun = stored.rerun
+    req = ResponsesRequest.model_validate(rerun["request"])
+    try:
+        prompt_ids, constraint = await prompt_of(req, ctx, stored.owner)
+        run = ResponseRun(req, ctx, stored.owner, prompt_ids, constraint, priority=rerun["priority"],
+                          caller=Caller(**rerun["caller"]), response_id=response_id, created=stored.response["created_at"],
+                          runs=rerun.get("runs", 1))
+    except Exception as err:
+        api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
+        log.warning("background response %s: cannot run it again here (%s)", response_id, api.message)
+        failed = {**stored.response, "status": "failed", "error": {
+            "code": "invalid_prompt" if isinstance(api, BadRequest) else "server_error",
+            "message": f"Its server replica stopped and running it again failed: {api.message}"}}
+        await ctx.store.put(response_id, replace(stored, response=failed, rerun=None), ctx.background.runner)
+        return
+    ctx.background.start(response_id, run.run_in_background)
 
 
 async def retrieve_response(response_id: str, ctx: IngressContext, owner: str | None) -> dict[str, Any]:

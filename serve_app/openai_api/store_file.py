@@ -58,7 +58,8 @@ class StoreFile:
         for key, kind, body, previous_id, owner in rows:
             content = json.loads(body)
             if kind == "response":
-                stored = StoredResponse(content[0], content[1], previous_id, owner)
+                stored = StoredResponse(content[0], content[1], previous_id, owner,
+                                        content[2] if len(content) > 2 else None)
             elif kind == "chat_completion":
                 stored = StoredChatCompletion(content[0], content[1], owner, content[2])
             elif kind == "file":

@@ -12,10 +12,8 @@ previous_response_not_found). Under Ray Serve one replica holds it for every ing
 (serve_app/response_store.py). Memory only unless it has a file (below): then a restart forgets nothing.
 
 Background responses (background.py) are stored at once with status `queued`, then `in_progress`, then their
-final state; the store also carries the request to cancel one to whichever ingress replica runs it. That replica
-asks for cancels every 0.5 s, which tells the store it is alive: a response still unfinished `orphan_after_s` after
-the last such word from its replica (which died without a graceful stop) is marked failed when next read, or by
-`sweep_orphans`, which the store's Serve replica runs every few seconds (serve_app/response_store.py).
+final state; the store also carries the request to cancel one to whichever ingress replica runs it, and hands one
+over to another replica when its own stops or dies (background_store.py, BackgroundLeases).
 
 A background response created with `stream: true` also keeps its stream events (append_events), so any ingress
 replica can stream it and a client can resume (GET ?stream=true&starting_after=N, events_after); they count toward
@@ -39,6 +37,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol
 
+from serve_app.openai_api.background_store import UNFINISHED, BackgroundLeases
 from serve_app.openai_api.batch_store import MemoryBatchStore
 
 log = logging.getLogger(__name__)
@@ -64,9 +63,12 @@ class StoredResponse(_Entry):
     input_items: list[dict[str, Any]]  # the request's own input items, each with an `id`
     previous_id: str | None = None  # the response it continued
     owner: str | None = None  # the API key (auth.key_id) that made it; only that key reads, continues or deletes it
+    # An unfinished background response's request, for another ingress replica to run it again should this one's
+    # stop (background_store.py): {"request": the ResponsesRequest's JSON, "model", "priority", "caller", "runs"}
+    rerun: dict[str, Any] | None = None
 
     def content(self) -> list:
-        return [self.response, self.input_items]
+        return [self.response, self.input_items] + ([self.rerun] if self.rerun is not None else [])
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,6 @@ class StoreFileLike(Protocol):
         """(key, entry, its size) of each entry, least recently written first."""
 
 
-UNFINISHED = ("queued", "in_progress")  # a background response still running (serve_app/openai_api/background.py)
 
 
 def is_unfinished(stored: StoredResponse) -> bool:
@@ -113,7 +114,7 @@ def is_unfinished(stored: StoredResponse) -> bool:
 
 
 class ResponseStore(Protocol):
-    async def put(self, response_id: str, stored: StoredResponse) -> bool: ...
+    async def put(self, response_id: str, stored: StoredResponse, runner: str | None = None) -> bool: ...
 
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
@@ -123,7 +124,11 @@ class ResponseStore(Protocol):
 
     async def request_cancel(self, response_id: str) -> bool: ...
 
-    async def cancel_requested(self, response_ids: list[str]) -> list[str]: ...
+    async def cancel_requested(self, response_ids: list[str], runner: str | None = None) -> list[str]: ...
+
+    async def release_response(self, response_id: str, runner: str) -> bool: ...
+
+    async def adopt_responses(self, runner: str, model: str, limit: int = 4) -> list[tuple[str, StoredResponse]]: ...
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool: ...
 
@@ -157,7 +162,7 @@ class ResponseStore(Protocol):
     # batch_progress, release_batch, adopt_batch
 
 
-class MemoryResponseStore(MemoryBatchStore):
+class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
     """ResponseStore in this process's memory: at most `max_responses` responses and `max_bytes` of them; and the
     files and batches of /v1/files and /v1/batches (MemoryBatchStore: `max_file_bytes` of files)."""
 
@@ -165,19 +170,14 @@ class MemoryResponseStore(MemoryBatchStore):
                  clock=time.monotonic, file: "StoreFileLike | None" = None, max_file_bytes: int = 1 << 30):
         """file: where every entry is also written (store_file.StoreFile), read back here; None: memory only."""
         MemoryBatchStore.__init__(self, max_file_bytes, orphan_after_s, clock, file)
+        BackgroundLeases.__init__(self, orphan_after_s, clock)
         if max_responses < 1 or max_bytes < 1:
             raise ValueError(f"max_responses ({max_responses}) and max_bytes ({max_bytes}) must be positive")
-        self.orphan_after_s = orphan_after_s
-        self._clock = clock
-        self._seen: dict[str, float] = {}  # unfinished response -> when its replica last asked for cancels
         self.max_responses = max_responses
         self.max_bytes = max_bytes
         # responses, conversations and chat completions, oldest use first
         self._items: OrderedDict[str, tuple[Stored, int]] = OrderedDict()
         self.bytes = 0
-        # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
-        # running one polls cancel_requested, and its final put clears the entry.
-        self._cancel: set[str] = set()
         self._events: dict[str, tuple[list[dict[str, Any]], int]] = {}  # response -> (its stream events, their bytes)
         self._file = file
         if file is not None:
@@ -210,8 +210,11 @@ class MemoryResponseStore(MemoryBatchStore):
         except Exception:
             log.exception("response store: writing %s to its file failed", key)
 
-    async def put(self, response_id: str, stored: StoredResponse) -> bool:
-        """Store it (False: larger than the whole store, not kept), dropping the least recently used."""
+    async def put(self, response_id: str, stored: StoredResponse, runner: str | None = None) -> bool:
+        """Store it (False: larger than the whole store, not kept), dropping the least recently used. `runner`: a
+        background run's write, refused (False) once another replica runs the response (background_store.py)."""
+        if self._lost_by(response_id, runner):
+            return False
         if not is_unfinished(stored) and response_id in self._cancel:  # the final state of a stopped run
             self._cancel.discard(response_id)
             if response_id not in self._items:  # deleted while it ran: stays deleted
@@ -219,7 +222,9 @@ class MemoryResponseStore(MemoryBatchStore):
         if not self._keep(response_id, stored):
             return False
         if is_unfinished(stored):
-            self._seen[response_id] = self._clock()
+            self._heard(response_id, runner)
+        else:
+            self._forget_run(response_id)
         return True
 
     def _keep(self, key: str, stored: Stored) -> bool:
@@ -242,6 +247,9 @@ class MemoryResponseStore(MemoryBatchStore):
         entry = self._items.get(key)
         return entry if entry is not None and isinstance(entry[0], kind) else None
 
+    def _response_entry(self, response_id: str) -> tuple[StoredResponse, int] | None:
+        return self._entry(response_id, StoredResponse)
+
     async def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entry(response_id, StoredResponse)
         if entry is None:
@@ -257,45 +265,6 @@ class MemoryResponseStore(MemoryBatchStore):
         kinds = Counter(type(entry[0]) for entry in self._items.values())
         return {"responses": kinds[StoredResponse], "conversations": kinds[StoredConversation],
                 "chat_completions": kinds[StoredChatCompletion]}
-
-    def running(self) -> int:
-        """Background responses stored as unfinished (queued or in progress), orphans not yet marked included."""
-        return len(self._seen)
-
-    async def sweep_orphans(self) -> int:
-        """Mark failed every unfinished response whose replica has been silent for `orphan_after_s`, without waiting
-        for a read (a dead replica's runs otherwise stay `in_progress` until someone asks); returns how many. Not a
-        use of them: their places in the least-recently-used order stay."""
-        orphans = [rid for rid in list(self._seen) if rid in self._items and self._orphaned(rid, self._items[rid][0])]
-        for response_id in orphans:
-            await self._fail_orphan(response_id, self._items[response_id][0])
-        return len(orphans)
-
-    def _orphaned(self, response_id: str, stored: StoredResponse) -> bool:
-        return is_unfinished(stored) and self._clock() - self._seen.get(response_id, self._clock()) > self.orphan_after_s
-
-    async def _fail_orphan(self, response_id: str, stored: StoredResponse) -> StoredResponse:
-        """Store it as failed in its place (OrderedDict assignment keeps the position)."""
-        log.warning("background response %s: no word from its replica for %g s; marking it failed", response_id,
-                    self.orphan_after_s)
-        failed = replace(stored, response={**stored.response, "status": "failed", "error": {
-            "code": "server_error", "message": "The server replica running this background response stopped "
-            "before it finished; create it again."}})
-        self._cancel.discard(response_id)
-        self._seen.pop(response_id, None)
-        if response_id in self._events:  # its stream ends as a failed response's does
-            events = self._events[response_id][0]
-            await self.append_events(response_id, [{"type": "response.failed", "sequence_number":
-                                                    events[-1]["sequence_number"] + 1 if events else 0,
-                                                    "response": failed.response}])
-            if response_id not in self._items:  # that event made room by dropping the response itself
-                return failed
-        body = failed.to_json()
-        self.bytes += len(body) - self._items[response_id][1]
-        self._items[response_id] = (failed, len(body))
-        self._write(response_id, failed, body)
-        self._make_room()
-        return failed
 
     async def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The items a continuation of `response_id` follows (module docstring), or None when it or any
@@ -318,23 +287,6 @@ class MemoryResponseStore(MemoryBatchStore):
         if is_unfinished(entry[0]):
             self._cancel.add(response_id)
         return self._drop(response_id)
-
-    async def request_cancel(self, response_id: str) -> bool:
-        """Ask the replica running this background response to stop it; False if it is not stored or finished."""
-        entry = self._entry(response_id, StoredResponse)
-        if entry is None or not is_unfinished(entry[0]):
-            return False
-        self._cancel.add(response_id)
-        return True
-
-    async def cancel_requested(self, response_ids: list[str]) -> list[str]:
-        """Those of `response_ids` asked to stop (one call per poll for all of an ingress replica's runs); the poll
-        also says the replica running them is alive."""
-        now = self._clock()
-        for response_id in response_ids:
-            if response_id in self._seen:
-                self._seen[response_id] = now
-        return [response_id for response_id in response_ids if response_id in self._cancel]
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
         """Add stream events (each with its `sequence_number`, in order) to a stored response's event log; False if
@@ -455,7 +407,8 @@ class MemoryResponseStore(MemoryBatchStore):
     def _drop(self, response_id: str, keep_events: bool = False, in_file: bool = False) -> bool:
         """Forget the entry (and, unless keep_events, its stream events); in_file: its row stays (about to be
         rewritten)."""
-        self._seen.pop(response_id, None)
+        if not in_file:
+            self._forget_run(response_id)
         entry = self._items.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry[1]

@@ -199,33 +199,72 @@ def test_requests_a_background_run_cannot_serve_are_400(api, live):
         assert response.status_code == 400 and response.json()["error"]["param"] == "background"
 
 
-def test_a_stopping_replica_lets_short_runs_finish_and_stores_the_rest_as_failed():
-    """BackgroundRuns.stop (HarmonyIngress.__del__ under Serve): runs that end within the wait complete, the others
-    are stored as failed (code server_error, the message says the replica stopped) and their engine requests are
-    aborted."""
+def test_a_stopping_replica_lets_short_runs_finish_and_gives_the_rest_to_another():
+    """BackgroundRuns.stop (HarmonyIngress.__del__ under Serve): runs that end within the wait complete; the others'
+    engine requests are aborted and their responses given back (`queued` again); another ingress replica's adopt
+    (its health check) runs them again from the start under the same id and creation time, to completion; the
+    stopping replica adopts nothing."""
+    import asyncio
+
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    first, second = (create_app(backend, model_name=MODEL, max_context=backend.max_context,
+                                conversation_start_date=START_DATE, response_store=store) for _ in range(2))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://a") as a, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=second), base_url="http://b") as b:
+            created = []
+            for script in (dict(text=ANSWER), dict(text=LONG, delay_s=0.05)):
+                backend.push(**script)
+                created.append((await a.post("/v1/responses", json={
+                    "model": MODEL, "input": "Hi", "background": True, "metadata": {"k": "v"}})).json())
+            await first.state.background.stop(wait_s=0.5)
+            assert len(first.state.background) == 0
+            short, given_back = [(await b.get(f"/v1/responses/{c['id']}")).json() for c in created]
+            assert await first.state.background.adopt() == []  # stopping: adopts nothing
+            backend.push(LONG)
+            assert await second.state.background.adopt() == [created[1]["id"]]
+            assert await second.state.background.adopt() == []  # once
+            for _ in range(500):
+                again = (await b.get(f"/v1/responses/{created[1]['id']}")).json()
+                if again["status"] not in ("queued", "in_progress"):
+                    break
+                await asyncio.sleep(0.01)
+            return created, short, given_back, again
+
+    created, short, given_back, again = asyncio.run(main())
+    assert short["status"] == "completed"
+    assert given_back["status"] == "queued" and given_back["output"] == [] and created[1]["id"] in backend.aborted
+    assert again["status"] == "completed", again
+    assert (again["id"], again["created_at"], again["metadata"]) == (created[1]["id"], created[1]["created_at"],
+                                                                     {"k": "v"})
+    assert again["output"][-1]["content"][0]["text"] == "word " * 200  # the whole answer, from the start
+    assert backend.requests[-1].request_id == created[1]["id"] + "-run2"  # the second run's own engine request
+    assert store._items[created[1]["id"]][0].rerun is None  # finished: its request is not kept
+
+
+def test_a_stopping_replica_stores_streamed_runs_as_failed():
+    """A streamed background run is not run again (its client may have read part of its events): stop() stores it
+    failed (code server_error, the message says the replica stopped), its stream ends with response.failed and its
+    engine request is aborted."""
     import asyncio
 
     backend, store = ScriptedBackend(), MemoryResponseStore()
     app = create_app(backend, model_name=MODEL, max_context=backend.max_context, conversation_start_date=START_DATE,
                      response_store=store)
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
-            ids = []
-            for script in (dict(text=ANSWER), dict(text=LONG, delay_s=0.05)):
-                backend.push(**script)
-                answer = await http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "background": True})
-                ids.append(answer.json()["id"])
-            await app.state.background.stop(wait_s=0.5)
-            assert len(app.state.background) == 0
-            return [(await http.get(f"/v1/responses/{i}")).json() for i in ids]
-
-    short, long = asyncio.run(main())
-    assert short["status"] == "completed"
-    assert long["status"] == "failed" and long["error"]["code"] == "server_error"
-    assert "stopped before it finished" in long["error"]["message"]
-    assert long["output"] and long["id"] in backend.aborted
+    with LiveServer(app) as server:
+        backend.push(LONG, delay_s=0.05)
+        stream = openai_client(server.url).responses.create(model=MODEL, input="Hi", background=True, stream=True)
+        events = iter(stream)
+        response_id = next(events).response.id
+        assert next(e for e in events if e.type == "response.output_text.delta")
+        loop = app.state.background._watcher.get_loop()  # the server's loop, where the run is
+        asyncio.run_coroutine_threadsafe(app.state.background.stop(wait_s=0.1), loop).result(timeout=20)
+        assert [e.type for e in events][-1] == "response.failed"
+        stored = asyncio.run_coroutine_threadsafe(store.get(response_id), loop).result(timeout=5)
+    assert stored.response["status"] == "failed" and stored.response["error"]["code"] == "server_error"
+    assert "stopped before it finished" in stored.response["error"]["message"]
+    assert stored.response["output"] and response_id in backend.aborted and stored.rerun is None
 
 
 def test_a_run_whose_replica_died_is_failed_once_its_polls_stop():

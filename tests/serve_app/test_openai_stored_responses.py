@@ -205,7 +205,7 @@ class UnreachableStore(MemoryResponseStore):
     """A store whose every call fails, as the ResponseStore replica's handle does while it is gone
     (ServeResponseStore raises TimeoutError after its timeout)."""
 
-    async def put(self, response_id, stored):
+    async def put(self, response_id, stored, runner=None):
         raise TimeoutError()
 
     async def get(self, response_id):
