@@ -565,11 +565,14 @@ def test_a_batch_through_serve_gives_the_apis_answers(http_port):
 
 
 def test_a_batch_outlives_its_ingress_replica(http_port):
-    """The ingress replica running a batch dies (killed) with its short lines answered and its long ones in flight:
-    Serve replaces it, and the replacement adopts the batch at a health check once the store has gone
-    ingress.store_orphan_s (6 s here) without word, running the lines that had no answer. Each custom_id answers
-    once; the short lines' answers are the dead replica's (not run again)."""
+    """The ingress replica running a batch and a background response dies (killed) with the batch's short lines
+    answered and its long ones, and the response, in flight: Serve replaces it, and the replacement adopts both at a
+    health check once the store has gone ingress.store_orphan_s (6 s here) without word, running the lines that had no
+    answer and the response again from the start. Each custom_id answers once; the short lines' answers are the dead
+    replica's (not run again); the response ends, under its id and creation time."""
     api = client(http_port)
+    params = dict(model=CONFIG.served_model_name, input="Hi there", temperature=0, max_output_tokens=900)
+    response = api.responses.create(background=True, **params)
 
     def line(cid: str, max_tokens: int) -> str:
         body = {**CHAT, "messages": [{"role": "user", "content": f"Tell a story about {cid}."}], "temperature": 0,
@@ -583,6 +586,7 @@ def test_a_batch_outlives_its_ingress_replica(http_port):
     started = wait_until(lambda: (b := api.batches.retrieve(batch.id)).request_counts.completed >= 3 and b, 60,
                          "the short lines' answers in the store", interval_s=0.1)
     assert started.status == "in_progress" and started.request_counts.completed < 6, started
+    assert api.responses.retrieve(response.id).status == "in_progress"
     [(old_name, old_actor)] = replica_actors(APP, INGRESS_NAME)
     ray.kill(old_actor, no_restart=True)
 
@@ -600,6 +604,12 @@ def test_a_batch_outlives_its_ingress_replica(http_port):
     assert sorted(a["custom_id"] for a in answers) == sorted(short + long)
     assert {a["custom_id"] for a in answers[:3]} == set(short)  # written by the dead replica, kept first
     assert all(a["response"]["body"]["usage"]["completion_tokens"] == 900 for a in answers[3:])
+    again = wait_until(lambda: (r := api.responses.retrieve(response.id)).status not in ("queued", "in_progress") and r,
+                       60, "the adopted background response to end", interval_s=0.5)
+    # (killed in progress, it ended: another replica ran it; not compared token for token with a foreground run, as
+    # the CPU model's greedy tokens may differ with the batch they run in)
+    assert (again.id, again.created_at) == (response.id, response.created_at)
+    assert again.status in ("completed", "incomplete") and again.output and again.usage.output_tokens > 0, again
 
 
 def test_the_store_replica_restarts_with_what_it_had(http_port):
