@@ -33,8 +33,8 @@ ADOPT_PATIENCE = 4  # a response that can run again waits this many orphan_after
 
 
 class BackgroundLeases:
-    """Background runs' state in MemoryResponseStore (which provides _items, _response_entry, _write, _make_room, _events
-    and append_events): when each unfinished response's replica was last heard from, its runner, the cancels asked for,
+    """Background runs' state in MemoryResponseStore (which provides _items, _response_entry, _write, _make_room,
+    _events and append_events): when each unfinished response's replica was last heard from, its runner, the cancels asked for,
     the responses given back."""
 
     def __init__(self, orphan_after_s: float, clock=time.monotonic):

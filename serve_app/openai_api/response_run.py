@@ -131,8 +131,10 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 def usage_json(gen: Generation) -> dict[str, Any]:
     u = gen.usage()
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["cached_tokens"], "cache_write_tokens": 0},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": u["cached_tokens"], "cache_write_tokens": 0},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": u["reasoning_tokens"]},
             "total_tokens": u["total_tokens"]}
 
 
@@ -319,7 +321,8 @@ class ResponseRun:
         # OpenAI's codes for a response's error are a closed set: ours go into the message
         code = "invalid_prompt" if isinstance(api, BadRequest) else "server_error"
         detail = f" ({api.code})" if api.code else ""
-        return self.snapshot("failed", output, usage_json(self.gen), error={"code": code, "message": api.message + detail})
+        return self.snapshot("failed", output, usage_json(self.gen),
+                             error={"code": code, "message": api.message + detail})
 
 
 def _frame(event: dict[str, Any]) -> bytes:

@@ -124,12 +124,12 @@ async def resume_response(response_id: str, stored: StoredResponse, ctx: Ingress
     again, from the start, under its own id and creation time. A request that no longer makes a prompt (the response
     it continues was deleted meanwhile) ends the response failed."""
     rerun = stored.rerun
-    req = ResponsesRequest.model_validate(rerun["request"])
     try:
+        req = ResponsesRequest.model_validate(rerun["request"])
         prompt_ids, constraint = await prompt_of(req, ctx, stored.owner)
         run = ResponseRun(req, ctx, stored.owner, prompt_ids, constraint, priority=rerun["priority"],
-                          caller=Caller(**rerun["caller"]), response_id=response_id, created=stored.response["created_at"],
-                          runs=rerun.get("runs", 1))
+                          caller=Caller(**rerun["caller"]), response_id=response_id,
+                          created=stored.response["created_at"], runs=rerun.get("runs", 1))
     except Exception as err:
         api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
         log.warning("background response %s: cannot run it again here (%s)", response_id, api.message)

@@ -33,7 +33,8 @@ def test_a_silent_runner_loses_its_response_to_an_adopter():
 
     async def main():
         assert await store.put("resp_1", response("resp_1"), "run-a")
-        assert await store.put("resp_other_model", response("resp_other_model", rerun={**RERUN, "model": "m2"}), "run-a")
+        other_model = response("resp_other_model", rerun={**RERUN, "model": "m2"})
+        assert await store.put("resp_other_model", other_model, "run-a")
         assert await store.put("resp_streamed", response("resp_streamed", rerun=None), "run-a")
         now[0] = 29.0
         assert await store.adopt_responses("run-b", MODEL) == []  # run-a was heard from 29 s ago
@@ -91,7 +92,8 @@ def test_a_response_run_too_often_or_adopted_by_no_one_fails():
         assert await store.release_response("resp_loop", f"run-{MAX_RUNS - 1}")
         assert await store.adopt_responses("run-last", MODEL) == []
         failed = await store.get("resp_loop")
-        assert failed.response["status"] == "failed" and f"started {MAX_RUNS} times" in failed.response["error"]["message"]
+        assert failed.response["status"] == "failed"
+        assert f"started {MAX_RUNS} times" in failed.response["error"]["message"]
         assert failed.rerun is None and store.running() == 0
         # no replica of its model asks: failed after ADOPT_PATIENCE x orphan_after_s; one that cannot run again after 1x
         await store.put("resp_waits", response("resp_waits"), "run-a")

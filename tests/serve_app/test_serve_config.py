@@ -196,7 +196,8 @@ def test_decode_autoscaling_target_follows_max_num_seqs():
         assert options["autoscaling_config"]["target_ongoing_requests"] == target
         assert options["max_ongoing_requests"] == cap
         serve.deployment(_Dummy, **options)  # Serve takes it
-    config = ServeAppConfig.from_args(serve_run_args("max_num_seqs=512", "decode.autoscaling.target_ongoing_requests=100"))
+    config = ServeAppConfig.from_args(serve_run_args("max_num_seqs=512",
+                                                     "decode.autoscaling.target_ongoing_requests=100"))
     assert deployment_options(config, config.decode, "cpu", "object_store")["autoscaling_config"][
         "target_ongoing_requests"] == 100
     with pytest.raises(ServeConfigError, match="target_ongoing_requests"):
