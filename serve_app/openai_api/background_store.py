@@ -67,10 +67,16 @@ class BackgroundLeases:
         return len(self._seen)
 
     async def request_cancel(self, response_id: str) -> bool:
-        """Ask the replica running this background response to stop it; False if it is not stored or finished."""
+        """Ask the replica running this background response to stop it; False if it is not stored or finished. One
+        given back and not adopted yet (no replica runs it) is cancelled here at once."""
         entry = self._response_entry(response_id)
         if entry is None or entry[0].response.get("status") not in UNFINISHED:
             return False
+        if response_id in self._released:
+            self._restate(response_id, replace(entry[0], rerun=None,
+                                               response={**entry[0].response, "status": "cancelled"}))
+            self._forget_run(response_id)
+            return True
         self._cancel.add(response_id)
         return True
 

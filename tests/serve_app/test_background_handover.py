@@ -72,6 +72,10 @@ def test_release_then_adopt_at_once_and_what_cannot_be_released():
         assert not await store.release_response("resp_cancelled", "run-a")  # its run stores `cancelled`
         assert await store.release_response("resp_1", "run-a")
         assert (await store.get("resp_1")).response["status"] == "queued"
+        await store.put("resp_2", response("resp_2"), "run-a")
+        assert await store.release_response("resp_2", "run-a")
+        assert await store.request_cancel("resp_2")  # no replica runs it: cancelled at once, never adopted
+        assert (await store.get("resp_2")).response["status"] == "cancelled" and store.running() == 3
         [(rid, _)] = await store.adopt_responses("run-b", MODEL)  # at once, no silence needed
         assert rid == "resp_1"
         assert await store.put("resp_1", response("resp_1", "in_progress"), "run-b")
