@@ -212,8 +212,12 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
 
     async def put(self, response_id: str, stored: StoredResponse, runner: str | None = None) -> bool:
         """Store it (False: larger than the whole store, not kept), dropping the least recently used. `runner`: a
-        background run's write, refused (False) once another replica runs the response (background_store.py)."""
+        background run's write, refused (False) once another replica runs the response (background_store.py) or once
+        the response has ended (cancelled or failed without this run, finished by another)."""
         if self._lost_by(response_id, runner):
+            return False
+        if runner is not None and (entry := self._response_entry(response_id)) is not None \
+                and not is_unfinished(entry[0]):
             return False
         if not is_unfinished(stored) and response_id in self._cancel:  # the final state of a stopped run
             self._cancel.discard(response_id)

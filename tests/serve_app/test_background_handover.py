@@ -51,6 +51,9 @@ def test_a_silent_runner_loses_its_response_to_an_adopter():
         assert await store.put("resp_1", response("resp_1", "completed"), "run-b")
         done = await store.get("resp_1")
         assert done.response["status"] == "completed" and done.rerun is None and "resp_1" not in store._runner_of
+        assert not await store.put("resp_1", response("resp_1", "cancelled"), "run-a")  # the lost run's late last word
+        assert not await store.put("resp_1", response("resp_1", "completed"), "run-b")  # ended: nothing more
+        assert (await store.get("resp_1")) == done
         # the other model's response waits for its own replicas; the streamed one cannot run again: it fails at once
         assert [rid for rid, _ in await store.adopt_responses("run-m2", "m2")] == ["resp_other_model"]
         assert (await store.get("resp_streamed")).response["status"] == "failed"
