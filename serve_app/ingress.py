@@ -129,19 +129,14 @@ class HarmonyIngress:
         (batch_runs.BatchRuns.adopt) that another replica gave back or left silent. A store that does not answer is
         logged, not a failed check."""
         apps = list(getattr(self, "_apps", {}).values())
-        for app in apps:
-            if app.state.background is not None:
-                try:
-                    await asyncio.wait_for(app.state.background.adopt(), ADOPT_TIMEOUT_S)
-                except Exception as err:
-                    log.warning("looking for background responses to adopt failed (%s: %s)", type(err).__name__, err)
-        for app in apps:
-            if app.state.batches is not None:
-                try:
-                    await asyncio.wait_for(app.state.batches.adopt(), ADOPT_TIMEOUT_S)
-                except Exception as err:
-                    log.warning("looking for batches to adopt failed (%s: %s)", type(err).__name__, err)
-                break  # the first app runs the batches (model_router.serve_models)
+        runs = [(app.state.background, "background responses") for app in apps if app.state.background is not None]
+        # (the first app runs the batches: model_router.serve_models)
+        runs += [(app.state.batches, "batches") for app in apps[:1] if app.state.batches is not None]
+        for runner, what in runs:
+            try:
+                await asyncio.wait_for(runner.adopt(), ADOPT_TIMEOUT_S)
+            except Exception as err:
+                log.warning("looking for %s to adopt failed (%s: %s)", what, type(err).__name__, err)
 
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
