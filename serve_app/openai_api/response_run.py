@@ -161,8 +161,8 @@ class ResponseRun:
                               sampling=replace(sampling, constraint=constraint), priority=priority, caller=caller,
                               cache_salt=req.cache_salt)
         self.created = created if created is not None else time.time()
-        self.store = ctx.store is not None and req.store is not False
-        self.own_items = stored_input_items(req) if self.store or req.conversation is not None else []
+        self.stored_here = ctx.store is not None and req.store is not False  # kept in the store
+        self.own_items = stored_input_items(req) if self.stored_here or req.conversation is not None else []
         # a background run's writes carry this replica's runner token (background_store.py); one made without
         # `stream` keeps its request while unfinished, for another replica to run it again
         self.runner = ctx.background.runner if req.background and ctx.background is not None else None
@@ -181,7 +181,7 @@ class ResponseRun:
         """Store the response (and, finished, its turn in its conversation) before the client hears it finished, so
         a follow-up can name it. A background run's write that the store refuses (another replica runs the response
         now) changes nothing: its turn is not recorded either."""
-        if not self.store:
+        if not self.stored_here:
             if self.req.conversation is not None:
                 await record_turn(self.ctx, self.req.conversation, self.own_items, response)
             return
@@ -208,7 +208,7 @@ class ResponseRun:
             "reasoning": {"effort": (req.reasoning.effort if req.reasoning else None) or "medium", "summary": None},
             "text": {"format": self.text_format or {"type": "text"},
                      "verbosity": (req.text.verbosity if req.text else None) or "medium"},
-            "truncation": req.truncation or "disabled", "store": self.store, "top_logprobs": req.top_logprobs,
+            "truncation": req.truncation or "disabled", "store": self.stored_here, "top_logprobs": req.top_logprobs,
             "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier,
             "service_tier": "default",  # the tier it ran in: this server has one, whatever the request asked
