@@ -109,7 +109,7 @@ class ServeResponseStore:
     async def release_response(self, response_id: str, runner: str) -> bool:
         return await self._call("release_response", response_id, runner)
 
-    async def adopt_responses(self, runner: str, model: str, limit: int = 4) -> list[tuple[str, StoredResponse]]:
+    async def adopt_responses(self, runner: str, model: str, limit: int = 64) -> list[tuple[str, StoredResponse]]:
         return await self._call("adopt_responses", runner, model, limit)
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:

@@ -130,6 +130,7 @@ class BackgroundRuns:
         self._watcher: asyncio.Task | None = None  # one poll of the store for all runs, while there are any
         self.stopping = False  # set by stop(): a run cancelled now is given back or stored as failed, not cancelled
         self.closing = False  # set as stop() begins: nothing more is adopted here
+        self._starting: set[asyncio.Task] = set()  # adopted responses whose runs are being set up (resume)
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -149,11 +150,17 @@ class BackgroundRuns:
         ingress' health check asks every period); their ids."""
         if self.closing or self.resume is None:
             return []
-        adopted = []
-        for response_id, stored in await self.store.adopt_responses(self.runner, self.model):
-            await self.resume(response_id, stored)
-            adopted.append(response_id)
-        return adopted
+        adopted = await self.store.adopt_responses(self.runner, self.model)
+        for response_id, stored in adopted:  # (each in its own task: a slow prompt does not hold the health check)
+            starting = asyncio.ensure_future(self.resume(response_id, stored))
+            self._starting.add(starting)
+            starting.add_done_callback(self._started)
+        return [response_id for response_id, _ in adopted]
+
+    def _started(self, task: asyncio.Task) -> None:
+        self._starting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background responses: starting an adopted one failed", exc_info=task.exception())
 
     async def give_back(self, response_id: str) -> bool:
         """A run cancelled by stop(): hand its response to another replica (True), if the store takes it (it can run

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 UNFINISHED = ("queued", "in_progress")  # a background response still running (background.py)
 MAX_RUNS = 3  # runs of one background response (its first included) before it is marked failed
 ADOPT_PATIENCE = 4  # a response that can run again waits this many orphan_after_s for an adopter, then fails
+# responses one ask adopts at most (a replica asks every health check, 10 s): a dead replica's hundreds of runs are
+# taken in a few checks, well within ADOPT_PATIENCE, and one ask's prompts are rendered within the check's 5 s
+ADOPT_AT_ONCE = 64
 
 
 class BackgroundLeases:
@@ -102,7 +105,7 @@ class BackgroundLeases:
         self._released.add(response_id)
         return True
 
-    async def adopt_responses(self, runner: str, model: str, limit: int = 4) -> list[tuple[str, Any]]:
+    async def adopt_responses(self, runner: str, model: str, limit: int = ADOPT_AT_ONCE) -> list[tuple[str, Any]]:
         """Take over, for `runner`, at most `limit` of `model`'s responses given back or silent for orphan_after_s
         (those that can run again): [(response id, its StoredResponse, status queued, rerun's run count raised)]."""
         now, taken = self._clock(), []

@@ -153,7 +153,11 @@ def test_a_response_whose_request_no_longer_runs_is_failed_by_its_adopter():
             await first.state.background.stop(wait_s=0.2)
             assert (await a.delete(f"/v1/responses/{head['id']}")).status_code == 200
         assert await second.state.background.adopt() == [created["id"]]
-        return (await store.get(created["id"])).response
+        for _ in range(200):  # (the adopted run is set up in a task of its own)
+            if (stored := await store.get(created["id"])).response["status"] != "queued":
+                break
+            await asyncio.sleep(0.01)
+        return stored.response
 
     failed = asyncio.run(main())
     assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_prompt"
