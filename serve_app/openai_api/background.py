@@ -191,6 +191,8 @@ class BackgroundRuns:
         `stopping` set (each gives its response back or stores itself as failed) and wait for them to have done that
         (CANCEL_WAIT_S at most)."""
         self.closing = True
+        if self._starting:  # adopted runs being set up: let them start, then they are stopped as the others
+            await asyncio.wait(set(self._starting), timeout=CANCEL_WAIT_S)
         runs = set(self._runs.values())
         if runs and wait_s > 0:
             _, runs = await asyncio.wait(runs, timeout=wait_s)
