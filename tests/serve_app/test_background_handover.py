@@ -162,3 +162,25 @@ def test_a_response_whose_request_no_longer_runs_is_failed_by_its_adopter():
     failed = asyncio.run(main())
     assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_prompt"
     assert "running it again failed" in failed["error"]["message"] and "not found" in failed["error"]["message"]
+
+
+def test_the_kept_request_reads_back_as_the_same_request():
+    """What a response keeps to run again (its request's JSON, as the client set it) validates to the same request,
+    for input items of every kind, tools, a schema format and sampling options."""
+    from serve_app.openai_api.protocol import ResponsesRequest
+
+    body = {"model": MODEL, "background": True, "instructions": "Be brief.", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]}],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}],
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
+        "reasoning": {"effort": "low"}, "max_output_tokens": 50, "metadata": {"a": "b"}, "temperature": 0.5,
+        "top_logprobs": 2, "include": ["message.output_text.logprobs"], "tool_choice": {"type": "function", "name": "f"},
+        "truncation": "auto", "cache_salt": "s1"}
+    req = ResponsesRequest.model_validate(body)
+    kept = req.model_dump(mode="json", exclude_unset=True)
+    assert ResponsesRequest.model_validate(kept) == req
+    assert "stream" not in kept and kept["input"][0] == {"role": "user", "content": "hi"}  # only what was set
