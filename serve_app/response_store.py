@@ -22,8 +22,8 @@ REPORT_INTERVAL_S = 2.0
 
 class ResponseStoreServer(MemoryResponseStore):
     """The deployment: the store itself (its methods are the handle's), reporting `gptoss_response_store_responses`,
-    `_conversations`, `_chat_completions`, `_bytes` and `_background_running` (Ray's Prometheus export prefixes
-    `ray_`) every few seconds,
+    `_conversations`, `_chat_completions`, `_bytes`, `_background_running` and the counter `_adopted` (Ray's
+    Prometheus export prefixes `ray_`, and `_total` to counters) every few seconds,
     after marking the orphaned background responses failed (sweep_orphans). Periodically, not once per change: a gauge
     set once at start did not reach Ray's export in one CI run (the engines' gauges, reported periodically, did)."""
 
@@ -54,6 +54,10 @@ class ResponseStoreServer(MemoryResponseStore):
                               tag_keys=tuple(tags))
         batches = metrics.Gauge("gptoss_response_store_batches_running", "/v1/batches batches not yet ended",
                                 tag_keys=tuple(tags))
+        adopted = metrics.Counter("gptoss_response_store_adopted",
+                                  "Background responses and batches another ingress replica took over (kind)",
+                                  tag_keys=(*tags, "kind"))
+        reported = {"response": 0, "batch": 0}
 
         async def report_forever() -> None:
             while True:
@@ -67,6 +71,10 @@ class ResponseStoreServer(MemoryResponseStore):
                 running.set(self.running(), tags=tags)
                 files.set(self.file_bytes, tags=tags)
                 batches.set(self.batch_counts()["batches_running"], tags=tags)
+                for kind, total in (("response", self.responses_adopted), ("batch", self.batches_adopted)):
+                    if total > reported[kind]:
+                        adopted.inc(total - reported[kind], tags={**tags, "kind": kind})
+                        reported[kind] = total
                 await asyncio.sleep(REPORT_INTERVAL_S)
 
         self._reporter = asyncio.get_running_loop().create_task(report_forever())
@@ -74,6 +82,7 @@ class ResponseStoreServer(MemoryResponseStore):
     def stats(self) -> dict[str, int]:
         return {**self.counts(), "bytes": self.bytes, "max_responses": self.max_responses, "max_bytes": self.max_bytes,
                 "background_running": self.running(), **self.batch_counts(), "file_bytes": self.file_bytes,
+                "responses_adopted": self.responses_adopted, "batches_adopted": self.batches_adopted,
                 "max_file_bytes": self.max_file_bytes}
 
 

@@ -49,6 +49,7 @@ class BackgroundLeases:
         # Unfinished background responses asked to stop (cancelled, or deleted while running): the ingress replica
         # running one polls cancel_requested, and its final put clears the entry.
         self._cancel: set[str] = set()
+        self.responses_adopted = 0  # runs taken over from a stopped or silent replica (the store's metrics)
 
     def _forget_run(self, response_id: str) -> None:
         self._seen.pop(response_id, None)
@@ -129,6 +130,7 @@ class BackgroundLeases:
             self._restate(response_id, adopted)
             self._released.discard(response_id)
             self._heard(response_id, runner)
+            self.responses_adopted += 1
             log.info("background response %s: adopted by runner %s (run %d)", response_id, runner, runs)
             taken.append((response_id, adopted))
             if len(taken) >= limit:

@@ -81,6 +81,7 @@ class MemoryBatchStore:
         self._batch_cancel: set[str] = set()
         self._batch_clock = clock
         self._batch_orphan_s = orphan_after_s
+        self.batches_adopted = 0  # batches taken over from a stopped or silent runner (the store's metrics)
         self._batch_file = file
         if file is not None:
             for key, stored, _ in file.entries():
@@ -233,6 +234,7 @@ class MemoryBatchStore:
             log.warning("batch %s: adopted by another ingress replica (its runner %s)", batch_id,
                         "gave it back" if seen == float("-inf") else f"was silent for {now - seen:.0f} s")
             self._heard_from(batch_id, runner)
+            self.batches_adopted += 1
             output, errors = self._batch_answers.get(batch_id, ([], []))
             return stored.batch, stored.owner, list(output), list(errors)
         return None

@@ -41,6 +41,7 @@ def test_a_silent_runner_loses_its_response_to_an_adopter():
         now[0] = 31.0
         [(rid, adopted)] = await store.adopt_responses("run-b", MODEL)
         assert rid == "resp_1" and adopted.response["status"] == "queued" and adopted.rerun["runs"] == 2
+        assert store.responses_adopted == 1
         assert await store.adopt_responses("run-c", MODEL) == []  # run-b holds it now
         # run-a comes back (it was cut off, not dead): its poll says stop, its writes are refused
         assert await store.cancel_requested(["resp_1"], "run-a") == ["resp_1"]

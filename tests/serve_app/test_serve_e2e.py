@@ -610,6 +610,8 @@ def test_a_batch_outlives_its_ingress_replica(http_port):
     # the CPU model's greedy tokens may differ with the batch they run in)
     assert (again.id, again.created_at) == (response.id, response.created_at)
     assert again.status in ("completed", "incomplete") and again.output and again.usage.output_tokens > 0, again
+    stats = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
+    assert (stats["responses_adopted"], stats["batches_adopted"]) == (1, 1)  # each taken over once
 
 
 def test_the_store_replica_restarts_with_what_it_had(http_port):
