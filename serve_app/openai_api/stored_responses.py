@@ -288,7 +288,7 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
         entry = self._entry(response_id, StoredResponse)
         if entry is None:
             return False
-        if is_unfinished(entry[0]):
+        if is_unfinished(entry[0]) and response_id not in self._released:  # (one given back: no run to stop)
             self._cancel.add(response_id)
         return self._drop(response_id)
 

@@ -82,6 +82,10 @@ def test_release_then_adopt_at_once_and_what_cannot_be_released():
         assert (await store.get("resp_2")).response["status"] == "cancelled" and store.running() == 3
         [(rid, _)] = await store.adopt_responses("run-b", MODEL)  # at once, no silence needed
         assert rid == "resp_1"
+        await store.put("resp_3", response("resp_3"), "run-a")
+        assert await store.release_response("resp_3", "run-a") and await store.delete("resp_3")
+        assert "resp_3" not in store._cancel and await store.adopt_responses("run-b", MODEL) == [] and \
+            await store.get("resp_3") is None  # deleted while given back: gone, nothing left to stop
         assert await store.put("resp_1", response("resp_1", "in_progress"), "run-b")
 
     asyncio.run(main())
