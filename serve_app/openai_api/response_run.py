@@ -315,14 +315,18 @@ class ResponseRun:
 
     def failed(self, err: Exception, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The `failed` response for a refusal or an engine failure, with OpenAI's error."""
-        api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
         if not isinstance(err, APIError):
             log.exception("background response %s failed", self.id, exc_info=err)
-        # OpenAI's codes for a response's error are a closed set: ours go into the message
-        code = "invalid_prompt" if isinstance(api, BadRequest) else "server_error"
-        detail = f" ({api.code})" if api.code else ""
-        return self.snapshot("failed", output, usage_json(self.gen),
-                             error={"code": code, "message": api.message + detail})
+        return self.snapshot("failed", output, usage_json(self.gen), error=response_error(err))
+
+
+def response_error(err: Exception, preface: str = "") -> dict[str, str]:
+    """A failed response's `error` for `err`. OpenAI's codes there are a closed set: a refusal (400) is
+    invalid_prompt, anything else server_error; ours go into the message."""
+    api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
+    detail = f" ({api.code})" if api.code else ""
+    return {"code": "invalid_prompt" if isinstance(api, BadRequest) else "server_error",
+            "message": preface + api.message + detail}
 
 
 def _frame(event: dict[str, Any]) -> bytes:

@@ -29,11 +29,11 @@ from serve_app.harmony.render import prompt_chars
 from serve_app.openai_api.auth import in_batch, requester
 from serve_app.openai_api.background import follow_events
 from serve_app.openai_api.conversations import conversation_input, list_page, listed_item
-from serve_app.openai_api.errors import APIError, BadRequest, EngineFailure, ResponseNotFound, ask_store
+from serve_app.openai_api.errors import BadRequest, ResponseNotFound, ask_store
 from serve_app.openai_api.generation import IngressContext, request_id_headers
 from serve_app.openai_api.output_options import forced_tools, offers, output_constraint_off_loop
 from serve_app.openai_api.protocol import INPUT_ITEMS, InputTokensRequest, ResponsesRequest
-from serve_app.openai_api.response_run import ResponseRun
+from serve_app.openai_api.response_run import ResponseRun, response_error
 from serve_app.openai_api.responses_input import fitted_prompt, responses_prompt
 from serve_app.openai_api.stored_responses import StoredResponse, is_unfinished
 from serve_app.openai_api.streaming import EventStreamResponse
@@ -131,11 +131,9 @@ async def resume_response(response_id: str, stored: StoredResponse, ctx: Ingress
                           caller=Caller(**rerun["caller"]), response_id=response_id,
                           created=stored.response["created_at"], runs=rerun.get("runs", 1))
     except Exception as err:
-        api = err if isinstance(err, APIError) else EngineFailure(f"{type(err).__name__}: {err}")
-        log.warning("background response %s: cannot run it again here (%s)", response_id, api.message)
-        failed = {**stored.response, "status": "failed", "error": {
-            "code": "invalid_prompt" if isinstance(api, BadRequest) else "server_error",
-            "message": f"Its server replica stopped and running it again failed: {api.message}"}}
+        error = response_error(err, "Its server replica stopped and running it again failed: ")
+        log.warning("background response %s: cannot run it again here (%s)", response_id, error["message"])
+        failed = {**stored.response, "status": "failed", "error": error}
         await ctx.store.put(response_id, replace(stored, response=failed, rerun=None), ctx.background.runner)
         return
     ctx.background.start(response_id, run.run_in_background)
