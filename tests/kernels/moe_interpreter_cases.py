@@ -339,13 +339,16 @@ def test_fp8_experts_triton_matches_twin(num_tokens, masked_max_tokens):
     # on an FP8 rounding boundary can land one FP8 step apart (seen once in CI: 4 of 8,000 outputs off by
     # 4e-3). Such a flip moves its token's whole output row (the down projection mixes every channel): in CI
     # on 2026-12-05 (seed 2501842398) 18 of one row's 200 outputs moved by > 2e-3, while that row's similarity
-    # measure was 3e-6 and the whole output's 5e-7. So judge by that measure, the GPU tests' own, per row too:
-    # a flip stays orders of magnitude under these bounds, a wrong index or scale is O(1).
+    # measure was 3e-6 and the whole output's 5e-7; in CI on 2026-12-07 (seed 856554989, T = 40) one row's measure
+    # was 2.5e-4 (182 of its 200 outputs moved, by 0.043 at most; every other row exact; the whole output 6e-6), and
+    # against the unquantized fp32 experts that row was 1.56e-3 from the kernel and 1.71e-3 from the twin, the FP8
+    # error every row has (median 1.74e-3): a rounding choice, not a fault. So judge by that measure, the GPU tests'
+    # own, per row too (the row bound 8x that row): flips stay under these bounds, a wrong index or scale is O(1).
     def calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return (1 - 2 * (a * b).sum() / (a.square().sum() + b.square().sum())).item()
 
     assert calc_diff(got, want) <= 1e-5, calc_diff(got, want)
-    assert max(calc_diff(g, w) for g, w in zip(got, want)) <= 1e-4
+    assert max(calc_diff(g, w) for g, w in zip(got, want)) <= 2e-3
 
 
 def exact_router_inputs(t: int, e: int, hidden: int):
