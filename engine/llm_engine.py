@@ -50,6 +50,10 @@ from model.gpt_oss import GptOssForCausalLM
 
 
 class LLMEngine:
+    # `_resolve`'s shortcut for the common row (one token, no logprobs, constraint or drafter); False runs every
+    # row through the general body (bench/engine.py and tests/engine compare the two)
+    fast_rows = True
+
     def __init__(self, model: GptOssForCausalLM, config: EngineConfig, runner: ModelRunner | None = None):
         """`runner`: engine/distributed's rank-0 runner when the model spans several ranks (built by
         `from_checkpoint`); None runs the model in this process."""
@@ -311,10 +315,10 @@ class LLMEngine:
         for s in out.scheduled:
             # a draft's K/V counts once accepted; forced tokens are accepted
             s.seq.num_computed = s.start + 1 if s.draft and not s.forced else s.end
-            self.block_manager.register_blocks(s.seq)  # prefix caching (before sliding pages leave)
-            self.block_manager.release_out_of_window(s.seq)
             if s.draft:
                 (forced if s.forced else drafts)[id(s.seq)] = s.draft
+        # prefix caching (each sequence's blocks named before its sliding pages leave), then the window's pages
+        self.block_manager.after_forward([s.seq for s in out.scheduled])
         slots, last = [], None
         for seq in rows:
             if seq is not last or id(seq) in forced:
@@ -387,11 +391,34 @@ class LLMEngine:
         t4 = time.perf_counter()
         now = time.monotonic()
         deltas = []
-        decoding = {id(s.seq) for s in step.out.scheduled if not s.is_prefill}
+        out = step.out
+        all_decode = not any(s.is_prefill for s in out.scheduled)
+        decoding = None if all_decode else {id(s.seq) for s in out.scheduled if not s.is_prefill}
         decoded = 0  # decode tokens delivered: rows dropped below were computed but generate nothing
+        one_row_each = self.fast_rows and not step.drafts and not step.forced
+        max_model_len, slots, record_first_token = self.max_model_len, step.slots, self.metrics.record_first_token
         i = 0
         while i < len(step.rows):
             seq, first = step.rows[i], i
+            if one_row_each and seq.sampling.logprobs is None and seq.constraint is None and seq.drafter is None \
+                    and not seq.prefill_only:
+                # The common row (bench/engine.py's host work per step): one token, nothing to verify, log or
+                # constrain. The general body below, for one row, with the calls that do nothing left out.
+                i += 1
+                if seq.status is SequenceStatus.FINISHED:
+                    continue
+                if seq.first_token_time is None:
+                    record_first_token(now - seq.arrival_time)
+                    seq.first_token_time = now
+                upto = slots[first] + 1
+                seq.output_ids[upto - 1] = token_ids[first]
+                seq.last_token_time = now
+                if all_decode or id(seq) in decoding:
+                    decoded += 1
+                if (reason := seq.check_finished(max_model_len, upto)) is not None:
+                    self._finish(seq, reason, now)
+                deltas.append(self._delta(seq, upto))
+                continue
             forced = step.forced.get(id(seq), ())
             draft = forced or step.drafts.get(id(seq), ())
             i += 1 + len(draft)
@@ -416,7 +443,7 @@ class LLMEngine:
                 upto = step.slots[first] + len(new)
                 if not seq.prefill_only and (reason := seq.check_finished(self.max_model_len, upto)) is not None:
                     break  # (a stop token among the accepted drafts ends the sequence there)
-            decoded += len(new) if id(seq) in decoding else 0
+            decoded += len(new) if all_decode or id(seq) in decoding else 0
             if not forced:
                 seq.num_computed += len(new) - 1  # the accepted drafts' K/V
             if seq.drafter is not None:
@@ -432,7 +459,6 @@ class LLMEngine:
         times = step.times  # forward: queueing it + waiting for its tokens; update: both bookkeeping halves
         times.forward += t4 - t3
         times.update += time.perf_counter() - t4
-        out = step.out
         self.metrics.record_step(out.num_prefill_tokens, decoded, len(out.preempted), times)
         self._update_state_metrics()
         return deltas
@@ -464,8 +490,11 @@ class LLMEngine:
         self._update_state_metrics()
 
     def _update_state_metrics(self) -> None:
-        prefilled = sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)
-        self.metrics.set_state(len(self.scheduler.waiting), len(self.scheduler.running), prefilled,
+        sched = self.scheduler
+        # (a parked prefill is in neither queue: with every known sequence in one, none is; skips a pass over all)
+        prefilled = 0 if len(self.seqs) == len(sched.waiting) + len(sched.running) else \
+            sum(1 for s in self.seqs.values() if s.status is SequenceStatus.PREFILLED)
+        self.metrics.set_state(len(sched.waiting), len(sched.running), prefilled,
                                self.block_manager.usage())
 
     # ---- offline use --------------------------------------------------------------------------------

@@ -240,10 +240,12 @@ class StepArrayBuilder:
         if prev is None or len(seqs) != len(self._seqs) or len(prev.input_ids) != len(seqs) \
                 or len(prev.sample_rows) != len(seqs):
             return False
-        last = prev.positions
-        for b, s in enumerate(scheduled):
-            if s.seq is not self._seqs[b] or s.start != last[b] + 1 or s.end != s.start + 1 \
-                    or s.end != s.seq.num_tokens or not s.seq.output_ids:
+        # each row: the same sequence, one token, one position further, its last known one (the properties
+        # `end` and `num_tokens` and numpy's scalar reads inlined: this runs for every row every step)
+        for s, was, last in zip(scheduled, self._seqs, prev.positions.tolist()):
+            seq = s.seq
+            if seq is not was or s.num_tokens != 1 or s.start != last + 1 or not seq.output_ids \
+                    or s.start + 1 != len(seq.prompt_ids) + len(seq.output_ids):
                 return False
         return True
 

@@ -64,6 +64,46 @@ def test_same_results_as_stepping_synchronously(make_engine, make_lookahead):
     assert_pool_full(engine)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_common_row_shortcut_changes_nothing(make_engine, model, monkeypatch, ahead):
+    """`LLMEngine._resolve`'s shortcut for rows of one token without logprobs, constraint or drafter gives the
+    tokens, logprobs, finish reasons, deltas, token counts, first-token records and pages of the general body,
+    with and without the lookahead, on requests that mix it with logprobs rows, stop tokens, length limits and
+    prompts joining a decoding batch."""
+    import engine.llm_engine as llm_engine
+    reqs = scenarios.mixed_requests()
+    probe = run_to_end(with_requests(make_engine(), [reqs[0]]))["g0"]["ids"]
+    stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
+    reqs.append(request("stop", list(reqs[0].prompt_ids), greedy(12, stop_token_ids=(stop,))))
+    general_rows = []
+    counted = llm_engine.accepted_drafts  # the general body's first call for each row
+
+    def counting(*args):
+        general_rows.append(args[0].request_id)
+        return counted(*args)
+    monkeypatch.setattr(llm_engine, "accepted_drafts", counting)
+    results, rows = {}, {}
+    for fast in (False, True):
+        engine = LLMEngine(model, engine_config(async_decode=ahead, max_num_batched_tokens=24))
+        engine.fast_rows = fast
+        general_rows.clear()
+        for r in reqs[:4]:
+            engine.add_request(r)
+        first = [engine.step() for _ in range(3)]  # later requests join a batch that is already decoding
+        for r in reqs[4:]:
+            engine.add_request(r)
+        done = run_to_end(engine)
+        counts = {k: v for k, v in engine.metrics.snapshot().items() if k.endswith("_total")}
+        results[fast] = (first, done, counts, engine.metrics.snapshot()["ttft_seconds"]["count"])
+        rows[fast] = list(general_rows)
+        assert_pool_full(engine)
+        assert (engine.lookahead_steps > 0) == ahead
+    assert results[True] == results[False]
+    assert results[True][1]["stop"]["finish"] == FINISH_STOP and results[True][3] == len(reqs)
+    # the shortcut took every row but those with logprobs (s1, l0); the general body took them all
+    assert set(rows[True]) == {"s1", "l0"} and set(rows[False]) == {r.request_id for r in reqs}
+
+
 def test_placeholders_inside_mixed_steps_are_fed_on_the_device(make_engine, make_lookahead, monkeypatch):
     """Steps that join new prompts, chunk long ones and preempt under a tiny pool: the inputs of a step
     launched ahead hold placeholders at other places than 'one decode row each' (a sequence sampled
