@@ -132,13 +132,10 @@ def scheduler_overhead(device: str, batch: int, context: int, steps: int = 200) 
             "build_step_arrays_from_scratch_us_median": _us(scratch)}
 
 
-def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0, rounds: int = 6) -> dict:
-    """The engine's two decode fast paths (scheduler shortcut, incremental step metadata) against the
-    general paths, alternating in one engine and one process. The forward is replaced by a busy wait
-    of gpu_ms (a GPU step: CUDA's default synchronization spins, so the host core stays busy), so the
-    host side is measured as a GPU host would run it."""
-    from engine.step_arrays import build_step_inputs
-
+def paced_engine(batch: int, context: int, gpu_ms: float, max_tokens: int) -> LLMEngine:
+    """An engine of a 2-layer model whose forward is a busy wait of gpu_ms (a GPU step: CUDA's default
+    synchronization spins, so the host core stays busy), with `batch` requests of `context` prompt tokens
+    prefilled and decoding: the host side as a GPU host would run it."""
     cfg = GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=1024, hidden_size=64,
                        intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=2 * context)
@@ -147,7 +144,6 @@ def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0,
     engine = LLMEngine(GptOssForCausalLM(cfg), EngineConfig(
         max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=context + 1024, device="cpu",
         kv_cache_bytes=batch * (context + 1024) * 2 * 2 * 16 * 4 * 2))
-    runner, sched = engine.runner, engine.scheduler
     logits = torch.zeros(batch, cfg.vocab_size)
 
     def gpu_step(inputs):
@@ -156,16 +152,42 @@ def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0,
             pass
         return logits[: len(inputs.sample_rows)]
 
-    runner.execute = gpu_step
-    sampling = SamplingParams(temperature=0, max_tokens=1 + rounds * 2 * 15 * 2, ignore_eos=True)
+    engine.runner.execute = gpu_step
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(GenerateRequest(f"r{i}", [(i + j) % 1000 + 1 for j in range(context)], sampling))
-    while engine.scheduler.waiting or any(s.is_prefill for s in sched.running):
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()
+    return engine
+
+
+def host_work(batch: int, context: int, gpu_ms: float = 5.0, steps: int = 100) -> dict:
+    """Median schedule, prepare and update (us) of the engine's decode steps as it is, forward paced (paced_engine):
+    the host work a decode replica's process does per step beside its asyncio loop."""
+    engine = paced_engine(batch, context, gpu_ms, steps + 20)
+    times = []
+    for i in range(steps + 10):
+        engine.step()
+        if i >= 10:
+            last = engine.metrics.last_step
+            times.append((last.schedule, last.prepare, last.update))
+    parts = dict(zip(("schedule", "prepare", "update"), (_us(list(t)) for t in zip(*times))))
+    return {"batch": batch, "context": context, "gpu_ms": gpu_ms, **{f"{k}_us_median": v for k, v in parts.items()},
+            "host_us_median": _us([sum(t) for t in times])}
+
+
+def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0, rounds: int = 6) -> dict:
+    """The engine's decode fast paths (scheduler shortcut, incremental step metadata, the common row's shortcut in
+    reading a step) against the general paths, alternating in one engine and one process (paced_engine)."""
+    from engine.step_arrays import build_step_inputs
+
+    engine = paced_engine(batch, context, gpu_ms, 1 + rounds * 3 * 2 * 15)
+    runner, sched = engine.runner, engine.scheduler
     fast_prepare, fast_schedule = runner.prepare, sched._all_decode
     variants = {
         "prepare": {"fast": fast_prepare, "general": lambda scheduled: build_step_inputs(scheduled, 16, runner.device)},
         "schedule": {"fast": fast_schedule, "general": lambda kind: False},
+        "update": {"fast": True, "general": False},  # LLMEngine.fast_rows: _resolve's shortcut for the common row
     }
     out = {"batch": batch, "context": context, "gpu_ms": gpu_ms}
     for part, fns in variants.items():
@@ -175,13 +197,15 @@ def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0,
                 if part == "prepare":
                     runner.prepare = fn
                     runner.step_arrays._arrays = None
+                elif part == "update":
+                    engine.fast_rows = fn
                 else:
                     sched._all_decode = fn
                 for i in range(15):
                     engine.step()
                     if i >= 2:  # the first steps after a switch rebuild their caches
                         times[name].append(getattr(engine.metrics.last_step, part))
-        runner.prepare, sched._all_decode = fast_prepare, fast_schedule
+        runner.prepare, sched._all_decode, engine.fast_rows = fast_prepare, fast_schedule, True
         out[part] = {name: _us(v) for name, v in times.items()}
     return out
 
@@ -224,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host work per decode step at batch 64, 256 and 512 (host_work), on the CPU")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.host_only:
+        return _host_only(args.out)
 
     with tempfile.TemporaryDirectory() as folder:
         make_tiny(folder, dtype=dtype)
@@ -233,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [throughput(model, args.device, mode, args.requests, args.max_tokens, args.seed)
                 for mode in ("greedy", "sampled")]
     overhead = [scheduler_overhead(args.device, 64, ctx) for ctx in (1024, 32768)]
-    fast_paths = [decode_fast_paths(b) for b in (16, 64, 256)]
+    fast_paths = [decode_fast_paths(b) for b in (16, 64, 256)] + [decode_fast_paths(512, context=2048)]
+    host = [host_work(b, 2048) for b in (64, 512)]
     savings = [kv_saving(p) for p in ("gpt-oss-120b", "gpt-oss-20b")]
 
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -254,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         (f"context {o['context']}", f"{o['host_us_median']:.0f} us (p90 {o['host_us_p90']:.0f}): schedule "
                                     f"{o['schedule_us_median']:.0f}, prepare {o['prepare_us_median']:.0f}, "
                                     f"update {o['update_us_median']:.0f}") for o in overhead])
-    _table("decode fast paths vs general paths, one engine, forward = 5 ms busy wait, context 8k (median us)", [
-        (f"batch {f['batch']}", f"schedule {f['schedule']['general']:.0f} -> {f['schedule']['fast']:.0f}, "
-                                f"step metadata {f['prepare']['general']:.0f} -> {f['prepare']['fast']:.0f}")
-        for f in fast_paths])
+    _table("decode fast paths vs general paths, one engine, forward = 5 ms busy wait (median us)", [
+        (f"batch {f['batch']}, context {f['context'] // 1024}k",
+         f"schedule {f['schedule']['general']:.0f} -> {f['schedule']['fast']:.0f}, step metadata "
+         f"{f['prepare']['general']:.0f} -> {f['prepare']['fast']:.0f}, update {f['update']['general']:.0f} -> "
+         f"{f['update']['fast']:.0f}") for f in fast_paths])
+    _host_table(host)
     _table("KV of one 32k-token sequence, pages of 16, bf16", [
         (s["preset"], f"{s['full_pages']} full + {s['sliding_pages_peak']} sliding pages = {s['windowed_gib']:.3f} GiB"
                       f" vs naive {s['naive_pages']} pages = {s['naive_gib']:.3f} GiB: {100 * s['saving']:.1f}% saved")
@@ -269,7 +300,26 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps({"date": stamp, "device": args.device, "device_name": device_name, "dtype": dtype,
                                 "torch": torch.__version__, "threads": torch.get_num_threads(),
                                 "throughput": runs, "scheduler_overhead": overhead,
-                                "decode_fast_paths": fast_paths, "kv_saving": savings},
+                                "decode_fast_paths": fast_paths, "host_work": host, "kv_saving": savings},
+                               indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _host_table(rows: list[dict]) -> None:
+    _table("the engine's host work per decode step, forward = 5 ms busy wait (median us)", [
+        (f"batch {h['batch']}, context {h['context'] // 1024}k",
+         f"{h['host_us_median']:.0f}: schedule {h['schedule_us_median']:.0f}, prepare {h['prepare_us_median']:.0f}, "
+         f"update {h['update_us_median']:.0f}") for h in rows])
+
+
+def _host_only(out: Path) -> int:
+    rows = [host_work(b, 2048) for b in (64, 256, 512)]
+    _host_table(rows)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine-host-{stamp}-cpu.json"
+    path.write_text(json.dumps({"date": stamp, "device_name": platform.processor() or "cpu", "host_work": rows},
                                indent=2))
     print(f"\nwrote {path}")
     return 0
