@@ -144,3 +144,36 @@ def test_allocate_next_tokens_equals_one_by_one_and_is_all_or_none():
     assert not tight.allocate_next_tokens(seqs)  # 4 sequences need a first full page each, 3 are free
     assert tight.full.num_free == 3 and all(len(s.full_pages) == 0 for s in seqs)
     assert tight.allocate_next_tokens(seqs[:3]) and tight.full.num_free == 0
+
+
+@pytest.mark.parametrize("caching,has_sliding", [(True, True), (False, True), (True, False)])
+def test_after_forward_equals_register_then_release_one_by_one(caching, has_sliding):
+    """BlockManager.after_forward (the engine's call after each step, early outs inlined) leaves the pages, the
+    window's releases and the prefix cache's names as register_blocks + release_out_of_window per sequence do, over
+    prefill chunks and decode steps that cross page edges and prompt ends at awkward places."""
+    rng = random.Random(11)
+    window, block = 7, 4
+    managers = [BlockManager(block, window, 400, 400, has_sliding=has_sliding, prefix_caching=caching)
+                for _ in range(2)]
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(1, 40))] for _ in range(8)]
+    prompts[1] = list(prompts[0])  # a shared prompt: the second finds the first one's names
+    seqs = [[Sequence(f"s{i}", list(p), SamplingParams(), seed=0, arrival=i) for i, p in enumerate(prompts)]
+            for _ in managers]
+    for step in range(60):
+        for bm, group in zip(managers, seqs):
+            for seq in group:
+                left = len(seq.prompt_ids) - seq.num_computed
+                n = min(left, random.Random(step * 100 + int(seq.request_id[1:])).choice([1, 3, 9])) if left > 0 else 1
+                bm.allocate(seq, seq.num_computed + n)
+                seq.num_computed += n
+        batched, single = managers
+        batched.after_forward(seqs[0])
+        for seq in seqs[1]:
+            single.register_blocks(seq)
+            single.release_out_of_window(seq)
+        for a, b in zip(*seqs):
+            assert (a.full_pages.array().tolist(), list(a.sliding_pages), a.sliding_first, a.num_registered) == \
+                   (b.full_pages.array().tolist(), list(b.sliding_pages), b.sliding_first, b.num_registered)
+        assert batched.usage() == single.usage()
+    assert any(s.num_registered for s in seqs[0]) == caching
+    assert not has_sliding or all(s.sliding_first > 0 for s in seqs[0])  # the window moved on for every sequence
