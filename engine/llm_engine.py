@@ -39,13 +39,13 @@ from engine.host_kv_tier import host_slots_for
 from engine.kv_payload import KVDestination, KVPayloadError, PrefilledKV
 from engine.metrics import EngineMetrics, StepTimes
 from engine.request import (FINISH_ABORT, HARMONY_FIRST_SPECIAL_ID, Completion, GenerateRequest, InvalidRequestError,
-                            RequestStateError, TokenDelta, TokenLogprob, UnknownRequestError)
+                            RequestStateError, TokenDelta, UnknownRequestError)
 from engine.runner import ModelRunner, device_current, on_runner_device, plan_pool_sizes
 from engine.sampler import BatchBuilder, HostTokens, Sampler, may_sample_ahead
 from engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from engine.speculative import Drafter
-from engine.step_flight import LaunchedStep, StepFailedError, accepted_drafts, feed_inputs
+from engine.step_flight import LaunchedStep, StepFailedError, feed_inputs, take_row_tokens
 from model.gpt_oss import GptOssForCausalLM
 
 
@@ -424,25 +424,10 @@ class LLMEngine:
             i += 1 + len(draft)
             if seq.is_finished:  # aborted, or stopped by the step before (this one ran ahead for nothing)
                 continue
-            accepted = accepted_drafts(seq, first, draft, bool(forced), token_ids)
             if seq.first_token_time is None:
                 self.metrics.record_first_token(now - seq.arrival_time)
-            new, reason = [], None
-            for row in range(first, first + accepted + 1):
-                lp = None
-                if seq.sampling.logprobs is not None:
-                    n = seq.sampling.logprobs
-                    lp = TokenLogprob(token_ids[row], logprobs[row], list(zip(top[0][row][:n], top[1][row][:n])) if n else [])
-                if row == first or forced:
-                    seq.resolve_token(step.slots[row], token_ids[row], lp, now)
-                else:
-                    seq.append_token(token_ids[row], lp, now)
-                new.append(token_ids[row])
-                if seq.constraint is not None:
-                    seq.constraint.accept(token_ids[row])
-                upto = step.slots[first] + len(new)
-                if not seq.prefill_only and (reason := seq.check_finished(self.max_model_len, upto)) is not None:
-                    break  # (a stop token among the accepted drafts ends the sequence there)
+            new, reason, accepted, upto = take_row_tokens(seq, first, draft, bool(forced), step.slots, token_ids,
+                                                          logprobs, top, now, self.max_model_len)
             decoded += len(new) if all_decode or id(seq) in decoding else 0
             if not forced:
                 seq.num_computed += len(new) - 1  # the accepted drafts' K/V

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.metrics import StepTimes
+from engine.request import TokenLogprob
 from engine.sampler import HostTokens, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -88,3 +89,30 @@ def accepted_drafts(seq: Sequence, first: int, draft: tuple[int, ...], forced: b
         token_ids[first: first + len(draft)] = draft
         accepted = len(draft)
     return accepted
+
+
+def take_row_tokens(seq: Sequence, first: int, draft: tuple[int, ...], forced: bool, slots: list[int],
+                    token_ids: list[int], logprobs, top, now: float, max_model_len: int
+                    ) -> tuple[list[int], str | None, int, int]:
+    """A read step's tokens for `seq`, whose rows start at `first` (its draft's rows after it): the accepted ones
+    into its outputs (the first, or each forced one, into its placeholder slot), with their logprobs when it asks
+    for them, through its constraint, until a stop. (its new tokens, the finish reason they imply or None, how many
+    drafts were accepted, the outputs the delta reaches)."""
+    accepted = accepted_drafts(seq, first, draft, forced, token_ids)
+    new, reason, upto = [], None, slots[first]
+    for row in range(first, first + accepted + 1):
+        lp = None
+        if seq.sampling.logprobs is not None:
+            n = seq.sampling.logprobs
+            lp = TokenLogprob(token_ids[row], logprobs[row], list(zip(top[0][row][:n], top[1][row][:n])) if n else [])
+        if row == first or forced:
+            seq.resolve_token(slots[row], token_ids[row], lp, now)
+        else:
+            seq.append_token(token_ids[row], lp, now)
+        new.append(token_ids[row])
+        if seq.constraint is not None:
+            seq.constraint.accept(token_ids[row])
+        upto = slots[first] + len(new)
+        if not seq.prefill_only and (reason := seq.check_finished(max_model_len, upto)) is not None:
+            break  # (a stop token among the accepted drafts ends the sequence there)
+    return new, reason, accepted, upto

@@ -70,18 +70,18 @@ def test_the_common_row_shortcut_changes_nothing(make_engine, model, monkeypatch
     tokens, logprobs, finish reasons, deltas, token counts, first-token records and pages of the general body,
     with and without the lookahead, on requests that mix it with logprobs rows, stop tokens, length limits and
     prompts joining a decoding batch."""
-    import engine.llm_engine as llm_engine
+    import engine.step_flight as step_flight
     reqs = scenarios.mixed_requests()
     probe = run_to_end(with_requests(make_engine(), [reqs[0]]))["g0"]["ids"]
     stop = next(t for i, t in enumerate(probe) if i >= 3 and t not in probe[:i])
     reqs.append(request("stop", list(reqs[0].prompt_ids), greedy(12, stop_token_ids=(stop,))))
     general_rows = []
-    counted = llm_engine.accepted_drafts  # the general body's first call for each row
+    counted = step_flight.accepted_drafts  # the general body's first call for each row
 
     def counting(*args):
         general_rows.append(args[0].request_id)
         return counted(*args)
-    monkeypatch.setattr(llm_engine, "accepted_drafts", counting)
+    monkeypatch.setattr(step_flight, "accepted_drafts", counting)
     results, rows = {}, {}
     for fast in (False, True):
         engine = LLMEngine(model, engine_config(async_decode=ahead, max_num_batched_tokens=24))
