@@ -56,12 +56,15 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta:
-    """One delta carrying `first`'s tokens followed by `then`'s (consecutive deltas of one request)."""
-    logprobs = None if first.logprobs is None and then.logprobs is None else \
-        [*(first.logprobs or []), *(then.logprobs or [])]
-    return replace(then, token_ids=[*first.token_ids, *then.token_ids], logprobs=logprobs,
-                   num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens))
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """One delta carrying the tokens (and logprobs) of consecutive deltas of one request in order, with the last
+    one's counts and finish reason. In one pass: a stream under the item budget merges ~15 deltas per item, and
+    merging them two at a time cost 2.6 us each on this CPU, in the process whose one core bounds 512 streams."""
+    if len(deltas) == 1:
+        return deltas[0]
+    logprobs = None if all(d.logprobs is None for d in deltas) else [lp for d in deltas for lp in d.logprobs or ()]
+    return replace(deltas[-1], token_ids=[t for d in deltas for t in d.token_ids], logprobs=logprobs,
+                   num_cached_tokens=max(d.num_cached_tokens for d in deltas))
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
@@ -220,12 +223,15 @@ class AsyncEngine:
                         await asyncio.sleep(wait)
                 # Deltas that queued up while the consumer was busy leave as one (under load a Serve replica
                 # then sends one message per request per wake-up instead of one per engine step).
-                while self.coalesce and item.finish_reason is None and not stream.queue.empty():
-                    more = stream.queue.get_nowait()
-                    if isinstance(more, BaseException):
-                        held = more
-                        break
-                    item = merge_deltas(item, more)
+                if self.coalesce and item.finish_reason is None and not stream.queue.empty():
+                    parts = [item]
+                    while parts[-1].finish_reason is None and not stream.queue.empty():
+                        more = stream.queue.get_nowait()
+                        if isinstance(more, BaseException):
+                            held = more
+                            break
+                        parts.append(more)
+                    item = merge_deltas(parts)
                 finished = item.finish_reason is not None
                 self.stream_items_sent += 1
                 yield item

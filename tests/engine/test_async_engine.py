@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, merge_deltas
 from engine.llm_engine import LLMEngine, StepFailedError
-from engine.request import FINISH_ABORT, FINISH_LENGTH, InvalidRequestError, SamplingParams
+from engine.request import FINISH_ABORT, FINISH_LENGTH, InvalidRequestError, SamplingParams, TokenDelta, TokenLogprob
 from tests.engine.engine_testlib import assert_pool_full, engine_config, greedy, random_prompt, request, run_to_end
 
 POISON = 999  # a prompt made of this token makes the injected fault fire
@@ -285,3 +285,19 @@ def test_stream_items_per_s_spaces_each_streams_deltas_by_the_open_streams_share
         assert len(deltas) < len(expected[r.request_id]) / 2  # deltas carried several tokens
     with pytest.raises(ValueError, match="stream_items_per_s"):
         AsyncEngine(make_engine(), stream_items_per_s=-1)
+
+
+def test_merge_deltas_keeps_every_token_logprob_and_the_last_counts():
+    """A stream's queued deltas merged in one pass: tokens and logprobs in order (a delta without logprobs adds
+    none), the most cached tokens any of them reported, the last one's counts and finish reason; one delta is
+    itself."""
+    lp = [TokenLogprob(t, -0.5 * t, []) for t in range(6)]
+    parts = [TokenDelta("r", [0, 1], lp[:2], None, 9, 2, 0),
+             TokenDelta("r", [2], None, None, 9, 3, 4, 1, 1),
+             TokenDelta("r", [3, 4, 5], lp[3:], FINISH_LENGTH, 9, 6, 2, 3, 2)]
+    merged = merge_deltas(parts)
+    assert merged == TokenDelta("r", [0, 1, 2, 3, 4, 5], lp[:2] + lp[3:], FINISH_LENGTH, 9, 6, 4, 3, 2)
+    assert merge_deltas([parts[1]]) is parts[1]
+    plain = [TokenDelta("r", [7], None, None, 9, 1), TokenDelta("r", [8], None, None, 9, 2)]
+    assert merge_deltas(plain) == TokenDelta("r", [7, 8], None, None, 9, 2)
+    assert parts[0].token_ids == [0, 1] and parts[0].logprobs == lp[:2]  # the parts are not changed
