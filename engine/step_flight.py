@@ -99,7 +99,7 @@ def take_row_tokens(seq: Sequence, first: int, draft: tuple[int, ...], forced: b
     for them, through its constraint, until a stop. (its new tokens, the finish reason they imply or None, how many
     drafts were accepted, the outputs the delta reaches)."""
     accepted = accepted_drafts(seq, first, draft, forced, token_ids)
-    new, reason, upto = [], None, slots[first]
+    new, reason = [], None
     for row in range(first, first + accepted + 1):
         lp = None
         if seq.sampling.logprobs is not None:

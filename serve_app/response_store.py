@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from serve_app.openai_api.background_store import ADOPT_AT_ONCE
 from serve_app.openai_api.batch_store import StoredBatch, StoredFile
 from serve_app.openai_api.stored_responses import (MemoryResponseStore, StoredChatCompletion, StoredConversation,
                                                    StoredResponse)
@@ -118,7 +119,7 @@ class ServeResponseStore:
     async def release_response(self, response_id: str, runner: str) -> bool:
         return await self._call("release_response", response_id, runner)
 
-    async def adopt_responses(self, runner: str, model: str, limit: int = 64) -> list[tuple[str, StoredResponse]]:
+    async def adopt_responses(self, runner: str, model: str, limit: int = ADOPT_AT_ONCE) -> list[tuple[str, StoredResponse]]:
         return await self._call("adopt_responses", runner, model, limit)
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:

@@ -37,7 +37,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Protocol
 
-from serve_app.openai_api.background_store import UNFINISHED, BackgroundLeases
+from serve_app.openai_api.background_store import ADOPT_AT_ONCE, UNFINISHED, BackgroundLeases
 from serve_app.openai_api.batch_store import MemoryBatchStore
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class ResponseStore(Protocol):
 
     async def release_response(self, response_id: str, runner: str) -> bool: ...
 
-    async def adopt_responses(self, runner: str, model: str, limit: int = 64) -> list[tuple[str, StoredResponse]]: ...
+    async def adopt_responses(self, runner: str, model: str, limit: int = ADOPT_AT_ONCE) -> list[tuple[str, StoredResponse]]: ...
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool: ...
 
