@@ -3,10 +3,12 @@ then as device tensors.
 
 `build_step_arrays` is the one definition: it turns a scheduled step into arrays for the pure-torch
 backend and the GPU one alike; with several ranks, rank 0 sends these arrays and every rank builds
-identical inputs from them. `StepArrayBuilder` gives the same arrays faster for the common decode
-step (the sequences of the previous step, one new token each): it updates the previous step's arrays
-with numpy over the batch and redoes only the table rows whose pages changed, instead of a Python
-pass over every sequence's pages (tests/engine/test_step_arrays.py holds it to build_step_arrays).
+identical inputs from them. `StepArrayBuilder` gives the same arrays faster for large batches: for the
+common decode step (the sequences of the previous step, one new token each) it updates the previous
+step's arrays with numpy over the batch and redoes only the table rows whose pages changed; when the
+batch changed (sequences joined, finished or were preempted, a prefill chunk rides along: under steady
+traffic most steps) it carries the table rows of the sequences that go on decoding and builds only the
+others' (tests/engine/test_step_arrays.py holds both to build_step_arrays).
 
 Legend: T = new tokens in the step, B = sequences, N = sequences that sample, P = pages in a table row.
 """
@@ -189,12 +191,15 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, device) ->
 
 
 class StepArrayBuilder:
-    """build_step_arrays with a fast path for consecutive decode steps of the same batch of >= 24.
+    """build_step_arrays with two fast paths for batches of >= 24.
 
-    The fast path applies when the step schedules the previous step's sequences in the same order, each
-    for exactly the token after the previous one, every row holding pages of both kinds. Everything
-    else (a prefill chunk, a sequence joining, finishing or preempted, a model without one layer kind)
-    builds from scratch. Arrays handed out are never modified afterwards.
+    `_advance` applies when the step schedules the previous step's sequences in the same order, each
+    for exactly the token after the previous one, every row holding pages of both kinds. Otherwise
+    `_carry` (a sequence joining, finishing or preempted, a prefill chunk in the step) takes the table
+    rows of the sequences that decode the token after their previous step's from that step, rebuilds the
+    rest row by row, and computes positions and cache slots with numpy over the whole step. A step with
+    drafts (speculative decoding), or after one, builds from scratch. Arrays handed out are never
+    modified afterwards.
 
     Step metadata per decode step inside the engine at context 8k (`python -m bench.engine`, decode
     fast paths section; this machine's CPU, 2026-11-30): batch 64 370 -> 205 us, batch 256 1,391 ->
@@ -210,6 +215,8 @@ class StepArrayBuilder:
         self._full_counts = np.zeros(0, dtype=np.int64)
         self._sliding_firsts = np.zeros(0, dtype=np.int64)
         self._sliding_counts = np.zeros(0, dtype=np.int64)
+        self._preemptions = np.zeros(0, dtype=np.int64)
+        self.carry = True  # _carry on (the A/B in bench/engine.py and the tests switch it off)
         # After a fast-path build: (the previous arrays, rows whose full table changed, rows whose
         # sliding table changed), what rank 0 needs to send other ranks the step as a delta.
         self.last_delta: tuple[StepArrays, np.ndarray, np.ndarray] | None = None
@@ -223,15 +230,22 @@ class StepArrayBuilder:
         full_counts = np.fromiter((len(q.full_pages) for q in seqs), dtype=np.int64, count=len(seqs))
         sliding_firsts = np.fromiter((q.sliding_first for q in seqs), dtype=np.int64, count=len(seqs))
         sliding_counts = np.fromiter((len(q.sliding_pages) for q in seqs), dtype=np.int64, count=len(seqs))
-        if self._continues(scheduled, seqs) and full_counts.all() and sliding_counts.all():
+        preemptions = np.fromiter((q.num_preemptions for q in seqs), dtype=np.int64, count=len(seqs))
+        if self._continues(scheduled, seqs) and full_counts.all() and sliding_counts.all() \
+                and np.array_equal(preemptions, self._preemptions):
             full_changed = np.flatnonzero(full_counts != self._full_counts)
             sliding_changed = np.flatnonzero((sliding_counts != self._sliding_counts)
                                              | (sliding_firsts != self._sliding_firsts))
             self.last_delta = (self._arrays, full_changed, sliding_changed)
             arrays = self._advance(seqs, full_counts, sliding_firsts, sliding_counts, full_changed, sliding_changed)
+        elif self._arrays is not None and self.carry and not any(s.draft for s in scheduled):
+            arrays = self._carry(scheduled, seqs, full_counts, sliding_firsts, sliding_counts, preemptions)
         else:
             arrays = build_step_arrays(scheduled, self.block_size)
-        self._seqs, self._arrays = seqs, arrays
+        if any(s.draft for s in scheduled):  # rows are query entries, not sequences: nothing to carry from
+            self._arrays = None
+            return arrays
+        self._seqs, self._arrays, self._preemptions = seqs, arrays, preemptions
         self._full_counts, self._sliding_firsts, self._sliding_counts = full_counts, sliding_firsts, sliding_counts
         return arrays
 
@@ -270,6 +284,79 @@ class StepArrayBuilder:
             logits_indices=prev.logits_indices,
             sample_rows=prev.sample_rows,
         )
+
+    def _carry(self, scheduled: list[ScheduledSeq], seqs: list, full_counts: np.ndarray, sliding_firsts: np.ndarray,
+               sliding_counts: np.ndarray, preemptions: np.ndarray) -> StepArrays:
+        """build_step_arrays' arrays, taking from the previous step the table rows of the sequences that decode
+        the token after the one they computed there (not preempted since); every other row is built here."""
+        prev, bs, n_rows = self._arrays, self.block_size, len(scheduled)
+        row_of = {id(q): j for j, q in enumerate(self._seqs)}
+        prev_ends, prev_preemptions = prev.full_lens.tolist(), self._preemptions.tolist()
+        source = np.full(n_rows, -1, dtype=np.int64)  # the carried rows' rows in the previous step
+        ids: list[int] = []
+        starts, ends, sample_rows = [], [], []
+        for b, s in enumerate(scheduled):
+            seq, start = s.seq, s.start
+            end = start + s.num_tokens
+            known = len(seq.prompt_ids) + len(seq.output_ids)
+            j = row_of.get(id(seq))
+            if end == start + 1 and end == known and j is not None and prev_ends[j] == start \
+                    and self._seqs[j] is seq and prev_preemptions[j] == seq.num_preemptions:
+                source[b] = j
+                ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
+            else:
+                ids += seq.token_slice(start, end)
+            starts.append(start)
+            ends.append(end)
+            if end == known:
+                sample_rows.append(b)
+        carried = np.flatnonzero(source >= 0)
+        was = source[carried]
+        full = self._carried_table(prev.full_tables, full_counts, carried, was,
+                                   (full_counts[carried] != self._full_counts[was]), lambda q: q.full_pages.array(),
+                                   seqs)
+        sliding = self._carried_table(
+            prev.sliding_tables, sliding_counts, carried, was,
+            (sliding_counts[carried] != self._sliding_counts[was]) | (sliding_firsts[carried] != self._sliding_firsts[was]),
+            lambda q: np.fromiter(q.sliding_pages, dtype=np.int32, count=len(q.sliding_pages)), seqs)
+        starts_np, ends_np = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        query_start_loc = np.zeros(n_rows + 1, dtype=np.int32)
+        np.cumsum(ends_np - starts_np, out=query_start_loc[1:])
+        row = np.repeat(np.arange(n_rows), ends_np - starts_np)  # each token's row
+        positions = np.arange(len(row), dtype=np.int64) - query_start_loc[row] + starts_np[row]
+        has_full, has_sliding = full_counts[row] > 0, sliding_counts[row] > 0
+        full_page = full[row, np.where(has_full, positions // bs, 0)].astype(np.int64)
+        sliding_page = sliding[row, np.where(has_sliding, positions // bs - sliding_firsts[row], 0)].astype(np.int64)
+        return StepArrays(
+            input_ids=np.asarray(ids, dtype=np.int64),
+            positions=positions,
+            query_start_loc=query_start_loc,
+            full_tables=full,
+            full_lens=ends_np.astype(np.int32),
+            full_slots=np.where(has_full, full_page * bs + positions % bs, 0),
+            sliding_tables=sliding,
+            sliding_lens=np.where(sliding_counts > 0, ends_np - sliding_firsts * bs, 0).astype(np.int32),
+            sliding_slots=np.where(has_sliding, sliding_page * bs + positions % bs, 0),
+            logits_indices=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
+            sample_rows=sample_rows,
+        )
+
+    @staticmethod
+    def _carried_table(prev: np.ndarray, counts: np.ndarray, carried: np.ndarray, was: np.ndarray,
+                       changed: np.ndarray, pages_of, seqs: list) -> np.ndarray:
+        """A [B, P] table (as wide as build_step_arrays makes it): the carried rows' from the previous step's
+        rows `was`, except those `changed`; those and every other row from the sequences' pages."""
+        table = np.zeros((len(seqs), max(1, int(counts.max()))), dtype=np.int32)
+        keep = min(table.shape[1], prev.shape[1])
+        table[carried, :keep] = prev[was, :keep]
+        built = np.ones(len(seqs), dtype=bool)
+        built[carried] = changed
+        for b in np.flatnonzero(built).tolist():
+            n = int(counts[b])
+            table[b] = 0
+            if n:
+                table[b, :n] = pages_of(seqs[b])
+        return table
 
     @staticmethod
     def _patched(prev: np.ndarray, counts: np.ndarray, changed: np.ndarray, pages_of, seqs: list) -> np.ndarray:

@@ -1,6 +1,6 @@
-"""StepArrayBuilder (the decode fast path of the step metadata) against build_step_arrays, its definition:
-every step of engines that cross page edges, free sliding pages, admit and finish sequences mid-run
-and preempt under a tiny pool must get identical arrays."""
+"""StepArrayBuilder (the fast paths of the step metadata) against build_step_arrays, its definition:
+every step of engines that cross page edges, free sliding pages, admit and finish sequences mid-run,
+prefill in chunks beside decodes and preempt under a tiny pool must get identical arrays."""
 
 from __future__ import annotations
 
@@ -25,13 +25,17 @@ def assert_same(fast: StepArrays, slow: StepArrays) -> None:
 def checked(engine) -> dict:
     """Make `engine` compare every step's arrays with build_step_arrays; count fast-path steps. The fast
     path's batch threshold (a speed trade-off, MIN_BATCH) is lowered so that small tests exercise it."""
-    builder, counts = engine.runner.step_arrays, {"fast": 0, "steps": 0}
+    builder, counts = engine.runner.step_arrays, {"fast": 0, "carry": 0, "steps": 0}
     builder.MIN_BATCH = 8
-    build, advance = builder.build, builder._advance
+    build, advance, carry = builder.build, builder._advance, builder._carry
 
     def counting_advance(*args):
         counts["fast"] += 1
         return advance(*args)
+
+    def counting_carry(*args):
+        counts["carry"] += 1
+        return carry(*args)
 
     def checking_build(scheduled):
         fast = build(scheduled)
@@ -39,7 +43,7 @@ def checked(engine) -> dict:
         counts["steps"] += 1
         return fast
 
-    builder._advance, builder.build = counting_advance, checking_build
+    builder._advance, builder._carry, builder.build = counting_advance, counting_carry, checking_build
     return counts
 
 
@@ -67,11 +71,46 @@ def test_fast_path_arrays_equal_build_step_arrays(make_engine, pool):
         assert engine.metrics.snapshot()["preemptions_total"] > 0
 
 
+@pytest.mark.parametrize("pool,lookahead", [("roomy", False), ("tight", False), ("roomy", True), ("tight", True)])
+def test_steady_traffic_arrays_equal_build_step_arrays(make_engine, pool, lookahead):
+    """Traffic as a server sees it: a request arrives every step or two with a random prompt (some share a
+    prefix, so the prefix cache hands out pages mid-run) and a random output length, so nearly every step
+    has a sequence joining or finishing, often a prefill chunk beside the decodes (4-token chunks at the
+    tightest budget), and in the tight pool preemptions; with the lookahead, steps are built before the
+    previous step's tokens are known. Every step's arrays equal build_step_arrays', and `_carry` builds many
+    of them."""
+    import random
+
+    rng = random.Random()
+    kw = dict(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=rng.choice([20, 24, 40]),
+              async_decode=lookahead)
+    if pool == "tight":
+        kw.update(num_full_pages=60, num_sliding_pages=44)
+    engine = make_engine(**kw)
+    counts = checked(engine)
+    shared = random_prompt(9, 7)
+    out, added = {}, 0
+    for step in range(400):
+        if added < 60 and rng.random() < 0.6:
+            prompt = (shared if rng.random() < 0.3 else []) + random_prompt(rng.randint(1, 23), rng.randint(0, 10**6))
+            engine.add_request(request(f"q{added}", prompt, greedy(rng.randint(1, 30))))
+            added += 1
+        elif added >= 60 and not engine.has_unfinished():
+            break
+        for d in engine.step():
+            out[d.request_id] = d.finish_reason
+    assert len(out) == 60 and all(out.values()), out
+    assert counts["carry"] >= 20, counts  # (~40-80 of ~110-150 steps; the others have < MIN_BATCH rows)
+    if pool == "tight":
+        assert engine.metrics.snapshot()["preemptions_total"] > 0
+
+
 def test_outputs_do_not_depend_on_the_fast_path(make_engine):
     reqs = [request(f"r{i}", random_prompt(n, i), greedy(m)) for i, (n, m) in enumerate(SPECS)]
     with_fast, without = make_engine(max_num_seqs=12, max_model_len=48), make_engine(max_num_seqs=12, max_model_len=48)
     with_fast.runner.step_arrays.MIN_BATCH = 8
     without.runner.step_arrays._continues = lambda *_: False
+    without.runner.step_arrays.carry = False
     for e in (with_fast, without):
         for r in reqs:
             e.add_request(r)
