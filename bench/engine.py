@@ -210,6 +210,42 @@ def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0,
     return out
 
 
+def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, rounds: int = 6, block: int = 16) -> dict:
+    """Host work per step under steady traffic, with the step metadata's carry path (StepArrayBuilder._carry) on and
+    off alternating in one engine (paced_engine): `batch` seats, 7/8 of them decoding at the start; a request of
+    `context` prompt tokens arrives every second step and asks for 16..256 tokens, so nearly every step has a
+    sequence joining or leaving, and every second one a prefill chunk. Medians (us) by step kind."""
+    import random
+
+    engine = paced_engine(batch, context, gpu_ms, 10_000)
+    for i in range(batch // 8):
+        engine.abort(f"r{i}")
+    rng, builder, arrived = random.Random(0), engine.runner.step_arrays, 0
+    times: dict[tuple[bool, str], list] = {(c, k): [] for c in (True, False) for k in ("decode", "mixed")}
+    for _ in range(rounds):
+        for carry in (True, False):
+            builder.carry = carry
+            for i in range(block):
+                if i % 2 == 0:
+                    engine.add_request(GenerateRequest(f"new{arrived}", [rng.randrange(1, 1000) for _ in range(context)],
+                                                       SamplingParams(temperature=0, max_tokens=rng.randint(16, 256),
+                                                                      ignore_eos=True)))
+                    arrived += 1
+                prefilled = engine.metrics.prefill_tokens_total
+                engine.step()
+                last = engine.metrics.last_step
+                if i >= 2:  # the first steps after a switch
+                    kind = "mixed" if engine.metrics.prefill_tokens_total > prefilled else "decode"
+                    times[(carry, kind)].append((last.schedule, last.prepare, last.update))
+    builder.carry = True
+    out = {"batch": batch, "context": context, "gpu_ms": gpu_ms, "running_at_end": len(engine.scheduler.running)}
+    for (carry, kind), rows in times.items():
+        out[f"{kind}_{'carry' if carry else 'scratch'}"] = {
+            "steps": len(rows), **dict(zip(("schedule", "prepare", "update"), (_us(list(t)) for t in zip(*rows)))),
+            "host": _us([sum(t) for t in rows])}
+    return out
+
+
 def kv_saving(preset: str, length: int = 32768, block: int = 16) -> dict:
     """Pages and bytes of one `length`-token sequence: window freeing vs every layer keeping every page."""
     c = GptOssConfig.preset(preset)
@@ -249,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--host-only", action="store_true",
-                        help="only the host work per decode step at batch 64, 256 and 512 (host_work), on the CPU")
+                        help="only the host work per decode step at batch 64, 256 and 512 (host_work) and under "
+                             "steady traffic at 64 and 512 (steady_traffic), on the CPU")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.host_only:
@@ -313,13 +350,24 @@ def _host_table(rows: list[dict]) -> None:
          f"update {h['update_us_median']:.0f}") for h in rows])
 
 
+def _steady_table(rows: list[dict]) -> None:
+    _table("steady traffic: host work per step, step metadata rebuilt from scratch -> carried (median us)", [
+        (f"batch {r['batch']}, {kind} steps ({r[kind + '_carry']['steps']} + {r[kind + '_scratch']['steps']})",
+         f"{r[kind + '_scratch']['host']:.0f} -> {r[kind + '_carry']['host']:.0f}: prepare "
+         f"{r[kind + '_scratch']['prepare']:.0f} -> {r[kind + '_carry']['prepare']:.0f}")
+        for r in rows for kind in ("decode", "mixed") if r[kind + "_carry"]["steps"] and r[kind + "_scratch"]["steps"]])
+
+
 def _host_only(out: Path) -> int:
     rows = [host_work(b, 2048) for b in (64, 256, 512)]
     _host_table(rows)
+    steady = [steady_traffic(b) for b in (64, 512)]
+    _steady_table(steady)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine-host-{stamp}-cpu.json"
-    path.write_text(json.dumps({"date": stamp, "device_name": platform.processor() or "cpu", "host_work": rows},
+    path.write_text(json.dumps({"date": stamp, "device_name": platform.processor() or "cpu", "host_work": rows,
+                                "steady_traffic": steady},
                                indent=2))
     print(f"\nwrote {path}")
     return 0
