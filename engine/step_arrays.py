@@ -290,28 +290,30 @@ class StepArrayBuilder:
         """build_step_arrays' arrays, taking from the previous step the table rows of the sequences that decode
         the token after the one they computed there (not preempted since); every other row is built here."""
         prev, bs, n_rows = self._arrays, self.block_size, len(scheduled)
+        # (ids are unique: self._seqs holds the previous step's sequences alive)
         row_of = {id(q): j for j, q in enumerate(self._seqs)}
         prev_ends, prev_preemptions = prev.full_lens.tolist(), self._preemptions.tolist()
-        source = np.full(n_rows, -1, dtype=np.int64)  # the carried rows' rows in the previous step
+        source = [-1] * n_rows  # the carried rows' rows in the previous step
         ids: list[int] = []
         starts, ends, sample_rows = [], [], []
-        for b, s in enumerate(scheduled):
-            seq, start = s.seq, s.start
-            end = start + s.num_tokens
-            known = len(seq.prompt_ids) + len(seq.output_ids)
-            j = row_of.get(id(seq))
-            if end == start + 1 and end == known and j is not None and prev_ends[j] == start \
-                    and self._seqs[j] is seq and prev_preemptions[j] == seq.num_preemptions:
-                source[b] = j
-                ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
-            else:
-                ids += seq.token_slice(start, end)
+        for b, s in enumerate(scheduled):  # (runs for every row of most steps: kept lean)
+            seq, start, n = s.seq, s.start, s.num_tokens
+            out = seq.output_ids
+            end, known = start + n, len(seq.prompt_ids) + len(out)
             starts.append(start)
             ends.append(end)
             if end == known:
                 sample_rows.append(b)
-        carried = np.flatnonzero(source >= 0)
-        was = source[carried]
+                if n == 1:
+                    j = row_of.get(id(seq), -1)
+                    if j >= 0 and prev_ends[j] == start and prev_preemptions[j] == seq.num_preemptions:
+                        source[b] = j
+                        ids.append(out[-1] if out else seq.prompt_ids[-1])
+                        continue
+            ids += seq.token_slice(start, end)
+        source_np = np.asarray(source, dtype=np.int64)
+        carried = np.flatnonzero(source_np >= 0)
+        was = source_np[carried]
         full = self._carried_table(prev.full_tables, full_counts, carried, was,
                                    (full_counts[carried] != self._full_counts[was]), lambda q: q.full_pages.array(),
                                    seqs)
