@@ -239,8 +239,8 @@ def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, r
                     times[(carry, kind)].append((last.schedule, last.prepare, last.update))
     builder.carry = True
     out = {"batch": batch, "context": context, "gpu_ms": gpu_ms, "running_at_end": len(engine.scheduler.running)}
-    for (carry, kind), rows in times.items():
-        out[f"{kind}_{'carry' if carry else 'scratch'}"] = {
+    for (carry, kind), rows in times.items():  # (a kind no step had: its count only)
+        out[f"{kind}_{'carry' if carry else 'scratch'}"] = {"steps": len(rows)} if not rows else {
             "steps": len(rows), **dict(zip(("schedule", "prepare", "update"), (_us(list(t)) for t in zip(*rows)))),
             "host": _us([sum(t) for t in rows])}
     return out
