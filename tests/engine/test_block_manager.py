@@ -123,16 +123,16 @@ def test_allocate_next_tokens_equals_one_by_one_and_is_all_or_none():
     batched, single = BlockManager(4, 8, 200, 200), BlockManager(4, 8, 200, 200)
     seqs_b, seqs_s = [_seq(f"b{i}") for i in range(9)], [_seq(f"s{i}") for i in range(9)]
     for sb, ss in zip(seqs_b, seqs_s):  # awkward starting points: page edges and mid-page
-        n = rng.randrange(1, 30)
+        n, chunk = rng.randrange(1, 30), rng.choice([1, 5])
         for bm, s in ((batched, sb), (single, ss)):
-            _decode(bm, s, n, chunk=rng.choice([1, 5]))
+            _decode(bm, s, n, chunk=chunk)
     for _ in range(25):
         assert batched.allocate_next_tokens(seqs_b)
         for s in seqs_s:
             single.allocate(s, s.num_computed + 1)
-        for sb, ss in zip(seqs_b, seqs_s):
-            assert (len(sb.full_pages), sb.sliding_first, len(sb.sliding_pages)) == \
-                   (len(ss.full_pages), ss.sliding_first, len(ss.sliding_pages))
+        for sb, ss in zip(seqs_b, seqs_s):  # the same page ids, not only as many (one allocate per pool)
+            assert (sb.full_pages.array().tolist(), sb.sliding_first, list(sb.sliding_pages)) == \
+                   (ss.full_pages.array().tolist(), ss.sliding_first, list(ss.sliding_pages))
         for bm, seqs in ((batched, seqs_b), (single, seqs_s)):
             for s in seqs:
                 s.num_computed += 1
