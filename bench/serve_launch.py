@@ -156,14 +156,41 @@ class ServerProbe:
     so the HTTP / Ray / ingress share of what the client saw is the difference) and the CPU each Ray
     process used (cores busy: 1.0 = one core all the time)."""
 
-    def __init__(self, app: LaunchedApp):
+    def __init__(self, app: LaunchedApp, py_spy_s: float = 0.0, py_spy_delay_s: float = 10.0, out_dir=None):
+        """py_spy_s > 0: record the decode replica's process for that long (twice: bench/pyspy_summary.py),
+        py_spy_delay_s into each level, saving the recordings under out_dir."""
         self.app = app
+        self.py_spy_s, self.py_spy_delay_s, self.out_dir = py_spy_s, py_spy_delay_s, out_dir
         self._counters: dict = {}
         self._cpu: dict = {}
+        self._spy = None  # (thread, result holder) of this level's recording
+        self.level = 0
 
     def start(self) -> None:
         self._counters = self.app.engine_counters()
         self._cpu = ray_process_cpu()
+        self.level += 1
+        if self.py_spy_s > 0:
+            import threading
+
+            holder: dict = {}
+            thread = threading.Thread(target=self._record, args=(holder, f"pyspy_decode_level{self.level}"),
+                                      daemon=True)
+            thread.start()
+            self._spy = (thread, holder)
+
+    def _record(self, holder: dict, stem: str) -> None:
+        from bench.pyspy_summary import record
+
+        time.sleep(self.py_spy_delay_s)
+        pids = [pid for pid, (title, _) in ray_process_cpu().items() if "DecodeServer" in title]
+        if not pids:
+            holder["result"] = {"error": "no DecodeServer replica process found"}
+            return
+        try:
+            holder["result"] = {"pid": pids[0], **record(pids[0], self.py_spy_s, self.out_dir, stem)}
+        except Exception as err:  # a diagnostic: never fails the load run
+            holder["result"] = {"error": f"{type(err).__name__}: {err}"}
 
     def finish(self, wall_s: float) -> dict:
         after, cpu = self.app.engine_counters(), ray_process_cpu()
@@ -181,7 +208,13 @@ class ServerProbe:
             if pid in self._cpu:
                 busy[title] = busy.get(title, 0.0) + (seconds - self._cpu[pid][1]) / wall_s
         top = dict(sorted(((t, round(v, 2)) for t, v in busy.items()), key=lambda kv: -kv[1])[:8])
-        return {"engines": engines, "cpu_cores_busy": top}
+        out = {"engines": engines, "cpu_cores_busy": top}
+        if self._spy is not None:  # (a level shorter than delay + 2 recordings: waits for them)
+            thread, holder = self._spy
+            thread.join(self.py_spy_delay_s + 2 * self.py_spy_s + 60)
+            out["py_spy"] = holder.get("result", {"error": "the recording did not finish"})
+            self._spy = None
+        return out
 
 
 def ray_process_cpu() -> dict[int, tuple[str, float]]:

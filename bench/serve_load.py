@@ -243,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launch", nargs="*", metavar="KEY=VALUE",
                    help="start serve_app here first with these `serve run` arguments (local Ray)")
     p.add_argument("--num-gpus", type=int, help="with --launch: GPUs of the local Ray (default: all)")
+    p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                   help="with --launch: record the decode replica's process with py-spy for SECONDS (threads, "
+                        "then GIL holders) --py-spy-delay into each level; summary in the level's `server.py_spy` "
+                        "(bench/pyspy_summary.py), recordings beside the JSON")
+    p.add_argument("--py-spy-delay", type=float, default=10.0, metavar="SECONDS",
+                   help="how far into each level the --py-spy recording starts (past the level's first prompts)")
     p.add_argument("--label", default="serve_load", help="file name stem under bench/results")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
@@ -262,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         if launched is not None:
             from bench.serve_launch import ServerProbe
 
-            probe = ServerProbe(launched)
+            probe = ServerProbe(launched, py_spy_s=args.py_spy, py_spy_delay_s=args.py_spy_delay,
+                                out_dir=Path(args.out_dir))
+            Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         levels = run(url, model, concurrencies, args.requests, args.prompt_tokens, args.max_tokens, args.seed,
                      args.timeout_s, args.warmup, probe)
         checks = error_checks(url, model) if args.error_checks else []
@@ -286,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         if "server" in s:
             print(f"concurrency {s['concurrency']}: engines {json.dumps(s['server']['engines'])}; "
                   f"CPU cores busy {json.dumps(s['server']['cpu_cores_busy'])}")
+            if "py_spy" in s["server"]:
+                print(f"concurrency {s['concurrency']}: decode replica (py-spy) {json.dumps(s['server']['py_spy'])}")
     for c in checks:
         print(f"error check {c['check']!r}: HTTP {c['status']}, OpenAI shape {c['openai_error_shape']}")
     if replicas:

