@@ -21,7 +21,7 @@
 # TP2/EP2 prefill and decode replicas. A setup name ending in -haproxy runs the same with
 # RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy forwards HTTP straight to the ingress replicas in place of Serve's Python
 # proxy actor), -haproxy-to also with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (README, "HTTP front end"). A call returns at most 8 files: the results come back as $OUT/serve_results.tgz.
-# `--py-spy 10` in LOAD records the decode replica's process 10 s into each level (its threads, then the GIL's
+# `--py-spy 10` in LOAD records the decode and ingress replicas' processes 10 s into each level (threads, then the GIL's
 # holders: bench/pyspy_summary.py; py-spy comes in .whl_serve), e.g. MAX_SEQS=512 LOAD="--concurrency 512
 # --requests 1024 --prompt-tokens 1024 --max-tokens 1024 --warmup 4 --py-spy 10" LIMIT_S=420 ... one-haproxy-to.
 set -u

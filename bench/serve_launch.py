@@ -156,14 +156,17 @@ class ServerProbe:
     so the HTTP / Ray / ingress share of what the client saw is the difference) and the CPU each Ray
     process used (cores busy: 1.0 = one core all the time)."""
 
+    # The replicas --py-spy records, each in a thread of its own (at the same time): by a word of their process title.
+    SPIED = ("DecodeServer", "HarmonyIngress")
+
     def __init__(self, app: LaunchedApp, py_spy_s: float = 0.0, py_spy_delay_s: float = 10.0, out_dir=None):
-        """py_spy_s > 0: record the decode replica's process for that long (twice: bench/pyspy_summary.py),
-        py_spy_delay_s into each level, saving the recordings under out_dir."""
+        """py_spy_s > 0: record the decode and ingress replicas' processes for that long (twice:
+        bench/pyspy_summary.py), py_spy_delay_s into each level, saving the recordings under out_dir."""
         self.app = app
         self.py_spy_s, self.py_spy_delay_s, self.out_dir = py_spy_s, py_spy_delay_s, out_dir
         self._counters: dict = {}
         self._cpu: dict = {}
-        self._spy = None  # (thread, result holder) of this level's recording
+        self._spies: list = []  # (deployment, thread, result holder) of this level's recordings
         self.level = 0
 
     def start(self) -> None:
@@ -173,21 +176,22 @@ class ServerProbe:
         if self.py_spy_s > 0:
             import threading
 
-            holder: dict = {}
-            thread = threading.Thread(target=self._record, args=(holder, f"pyspy_decode_level{self.level}"),
-                                      daemon=True)
-            thread.start()
-            self._spy = (thread, holder)
+            for name in self.SPIED:
+                holder: dict = {}
+                thread = threading.Thread(target=self._record, args=(name, holder), daemon=True)
+                thread.start()
+                self._spies.append((name, thread, holder))
 
-    def _record(self, holder: dict, stem: str) -> None:
+    def _record(self, name: str, holder: dict) -> None:
         from bench.pyspy_summary import record
 
         time.sleep(self.py_spy_delay_s)
-        pids = [pid for pid, (title, _) in ray_process_cpu().items() if "DecodeServer" in title]
+        pids = [pid for pid, (title, _) in ray_process_cpu().items() if name in title]
         if not pids:
-            holder["result"] = {"error": "no DecodeServer replica process found"}
+            holder["result"] = {"error": f"no {name} replica process found"}
             return
         try:
+            stem = f"pyspy_{name}_level{self.level}"
             holder["result"] = {"pid": pids[0], **record(pids[0], self.py_spy_s, self.out_dir, stem)}
         except Exception as err:  # a diagnostic: never fails the load run
             holder["result"] = {"error": f"{type(err).__name__}: {err}"}
@@ -209,11 +213,12 @@ class ServerProbe:
                 busy[title] = busy.get(title, 0.0) + (seconds - self._cpu[pid][1]) / wall_s
         top = dict(sorted(((t, round(v, 2)) for t, v in busy.items()), key=lambda kv: -kv[1])[:8])
         out = {"engines": engines, "cpu_cores_busy": top}
-        if self._spy is not None:  # (a level shorter than delay + 2 recordings: waits for them)
-            thread, holder = self._spy
-            thread.join(self.py_spy_delay_s + 2 * self.py_spy_s + 60)
-            out["py_spy"] = holder.get("result", {"error": "the recording did not finish"})
-            self._spy = None
+        if self._spies:  # (a level shorter than delay + 2 recordings: waits for them)
+            out["py_spy"] = {}
+            for name, thread, holder in self._spies:
+                thread.join(self.py_spy_delay_s + 2 * self.py_spy_s + 60)
+                out["py_spy"][name] = holder.get("result", {"error": "the recording did not finish"})
+            self._spies = []
         return out
 
 

@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="start serve_app here first with these `serve run` arguments (local Ray)")
     p.add_argument("--num-gpus", type=int, help="with --launch: GPUs of the local Ray (default: all)")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
-                   help="with --launch: record the decode replica's process with py-spy for SECONDS (threads, "
-                        "then GIL holders) --py-spy-delay into each level; summary in the level's `server.py_spy` "
+                   help="with --launch: record the decode and ingress replicas' processes with py-spy for SECONDS "
+                        "(threads, then GIL holders) --py-spy-delay into each level; summary in the level's "
+                        "`server.py_spy` "
                         "(bench/pyspy_summary.py), recordings beside the JSON")
     p.add_argument("--py-spy-delay", type=float, default=10.0, metavar="SECONDS",
                    help="how far into each level the --py-spy recording starts (past the level's first prompts)")
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if "server" in s:
             print(f"concurrency {s['concurrency']}: engines {json.dumps(s['server']['engines'])}; "
                   f"CPU cores busy {json.dumps(s['server']['cpu_cores_busy'])}")
-            if "py_spy" in s["server"]:
-                print(f"concurrency {s['concurrency']}: decode replica (py-spy) {json.dumps(s['server']['py_spy'])}")
+            for name, spied in s["server"].get("py_spy", {}).items():
+                print(f"concurrency {s['concurrency']}: {name} (py-spy) {json.dumps(spied)}")
     for c in checks:
         print(f"error check {c['check']!r}: HTTP {c['status']}, OpenAI shape {c['openai_error_shape']}")
     if replicas:
