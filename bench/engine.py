@@ -217,11 +217,14 @@ def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, r
     sequence joining or leaving, and every second one a prefill chunk. Medians (us) by step kind."""
     import random
 
+    from engine.distributed.wire import pack_step, pack_step_carry
+
     engine = paced_engine(batch, context, gpu_ms, 10_000)
     for i in range(batch // 8):
         engine.abort(f"r{i}")
     rng, builder, arrived = random.Random(0), engine.runner.step_arrays, 0
     times: dict[tuple[bool, str], list] = {(c, k): [] for c in (True, False) for k in ("decode", "mixed")}
+    wire: dict[str, list] = {"step": [], "carry": []}  # what a multi-rank rank 0 would send per carried step
     for _ in range(rounds):
         for carry in (True, False):
             builder.carry = carry
@@ -237,8 +240,12 @@ def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, r
                 if i >= 2:  # the first steps after a switch
                     kind = "mixed" if engine.metrics.prefill_tokens_total > prefilled else "decode"
                     times[(carry, kind)].append((last.schedule, last.prepare, last.update))
+                if builder.last_carry is not None:
+                    wire["step"].append(len(pack_step(builder._arrays)))
+                    wire["carry"].append(len(pack_step_carry(builder._arrays, *builder.last_carry[1:], 0)))
     builder.carry = True
-    out = {"batch": batch, "context": context, "gpu_ms": gpu_ms, "running_at_end": len(engine.scheduler.running)}
+    out = {"batch": batch, "context": context, "gpu_ms": gpu_ms, "running_at_end": len(engine.scheduler.running),
+           "wire_bytes_median": {k: statistics.median(v) if v else None for k, v in wire.items()}}
     for (carry, kind), rows in times.items():  # (a kind no step had: its count only)
         out[f"{kind}_{'carry' if carry else 'scratch'}"] = {"steps": len(rows)} if not rows else {
             "steps": len(rows), **dict(zip(("schedule", "prepare", "update"), (_us(list(t)) for t in zip(*rows)))),
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--host-only", action="store_true",
                         help="only the host work per decode step at batch 64, 256 and 512 (host_work) and under "
-                             "steady traffic at 64 and 512 (steady_traffic), on the CPU")
+                             "steady traffic at 64 and 512 (steady_traffic; 2k and 8k prompts), on the CPU")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.host_only:
@@ -352,16 +359,20 @@ def _host_table(rows: list[dict]) -> None:
 
 def _steady_table(rows: list[dict]) -> None:
     _table("steady traffic: host work per step, step metadata rebuilt from scratch -> carried (median us)", [
-        (f"batch {r['batch']}, {kind} steps ({r[kind + '_carry']['steps']} + {r[kind + '_scratch']['steps']})",
+        (f"batch {r['batch']}, {r['context'] // 1024}k prompts, {kind} steps ({r[kind + '_carry']['steps']} + "
+         f"{r[kind + '_scratch']['steps']})",
          f"{r[kind + '_scratch']['host']:.0f} -> {r[kind + '_carry']['host']:.0f}: prepare "
          f"{r[kind + '_scratch']['prepare']:.0f} -> {r[kind + '_carry']['prepare']:.0f}")
-        for r in rows for kind in ("decode", "mixed") if r[kind + "_carry"]["steps"] and r[kind + "_scratch"]["steps"]])
+        for r in rows for kind in ("decode", "mixed") if r[kind + "_carry"]["steps"] and r[kind + "_scratch"]["steps"]]
+        + [(f"batch {r['batch']}, {r['context'] // 1024}k prompts, bytes to the other ranks per carried step",
+            f"{r['wire_bytes_median']['step']:,.0f} (STEP) -> {r['wire_bytes_median']['carry']:,.0f} (STEP_CARRY)")
+           for r in rows if r["wire_bytes_median"]["carry"]])
 
 
 def _host_only(out: Path) -> int:
     rows = [host_work(b, 2048) for b in (64, 256, 512)]
     _host_table(rows)
-    steady = [steady_traffic(b) for b in (64, 512)]
+    steady = [steady_traffic(b) for b in (64, 512)] + [steady_traffic(512, context=8192)]
     _steady_table(steady)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)

@@ -220,9 +220,12 @@ class StepArrayBuilder:
         # After a fast-path build: (the previous arrays, rows whose full table changed, rows whose
         # sliding table changed), what rank 0 needs to send other ranks the step as a delta.
         self.last_delta: tuple[StepArrays, np.ndarray, np.ndarray] | None = None
+        # After a _carry build: (the previous arrays, each row's row there or -1, the full and the sliding table rows
+        # built here), what rank 0 needs to send the step as the rows it carries (wire.pack_step_carry).
+        self.last_carry: tuple[StepArrays, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def build(self, scheduled: list[ScheduledSeq]) -> StepArrays:
-        self.last_delta = None
+        self.last_delta = self.last_carry = None
         if len(scheduled) < self.MIN_BATCH:
             self._arrays = None
             return build_step_arrays(scheduled, self.block_size)
@@ -314,13 +317,14 @@ class StepArrayBuilder:
         source_np = np.asarray(source, dtype=np.int64)
         carried = np.flatnonzero(source_np >= 0)
         was = source_np[carried]
-        full = self._carried_table(prev.full_tables, full_counts, carried, was,
-                                   (full_counts[carried] != self._full_counts[was]), lambda q: q.full_pages.array(),
-                                   seqs)
-        sliding = self._carried_table(
+        full, full_built = self._carried_table(prev.full_tables, full_counts, carried, was,
+                                               (full_counts[carried] != self._full_counts[was]),
+                                               lambda q: q.full_pages.array(), seqs)
+        sliding, sliding_built = self._carried_table(
             prev.sliding_tables, sliding_counts, carried, was,
             (sliding_counts[carried] != self._sliding_counts[was]) | (sliding_firsts[carried] != self._sliding_firsts[was]),
             lambda q: np.fromiter(q.sliding_pages, dtype=np.int32, count=len(q.sliding_pages)), seqs)
+        self.last_carry = (prev, source_np, full_built, sliding_built)
         starts_np, ends_np = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         query_start_loc = np.zeros(n_rows + 1, dtype=np.int32)
         np.cumsum(ends_np - starts_np, out=query_start_loc[1:])
@@ -345,20 +349,20 @@ class StepArrayBuilder:
 
     @staticmethod
     def _carried_table(prev: np.ndarray, counts: np.ndarray, carried: np.ndarray, was: np.ndarray,
-                       changed: np.ndarray, pages_of, seqs: list) -> np.ndarray:
+                       changed: np.ndarray, pages_of, seqs: list) -> tuple[np.ndarray, np.ndarray]:
         """A [B, P] table (as wide as build_step_arrays makes it): the carried rows' from the previous step's
-        rows `was`, except those `changed`; those and every other row from the sequences' pages."""
-        table = np.zeros((len(seqs), max(1, int(counts.max()))), dtype=np.int32)
-        keep = min(table.shape[1], prev.shape[1])
-        table[carried, :keep] = prev[was, :keep]
+        rows `was` (carried_table), except those `changed`; those and every other row from the sequences' pages.
+        And the rows built here."""
+        table = carried_table(prev, was, carried, len(seqs), max(1, int(counts.max())))
         built = np.ones(len(seqs), dtype=bool)
         built[carried] = changed
-        for b in np.flatnonzero(built).tolist():
+        rows = np.flatnonzero(built)
+        for b in rows.tolist():
             n = int(counts[b])
             table[b] = 0
             if n:
                 table[b, :n] = pages_of(seqs[b])
-        return table
+        return table, rows
 
     @staticmethod
     def _patched(prev: np.ndarray, counts: np.ndarray, changed: np.ndarray, pages_of, seqs: list) -> np.ndarray:
@@ -368,6 +372,15 @@ class StepArrayBuilder:
             table[b] = 0
             table[b, : counts[b]] = pages_of(seqs[b])
         return table
+
+
+def carried_table(prev: np.ndarray, was: np.ndarray, rows: np.ndarray, batch: int, width: int) -> np.ndarray:
+    """A zero [batch, width] page table whose `rows` hold rows `was` of the previous step's table `prev` (cut or
+    zero-padded to `width`): what rank 0's carry path and the other ranks (wire.apply_step_carry) start from."""
+    table = np.zeros((batch, width), dtype=np.int32)
+    keep = min(width, prev.shape[1])
+    table[rows, :keep] = prev[was, :keep]
+    return table
 
 
 def resized_table(prev: np.ndarray, width: int) -> np.ndarray:

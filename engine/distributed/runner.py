@@ -11,7 +11,8 @@ Rank 0 owns scheduling, paging and sampling; the other ranks mirror its runner c
                      (the warm-up forwards' collectives pair up, and so do the captured ones on replay);
                      each step then replays the same bucket everywhere, since every rank sees the same step
     execute          STEP with the step's host arrays (STEP_DELTA: only what changed since the last step,
-                     for consecutive decode steps of one batch); every rank copies them to its device and
+                     for consecutive decode steps of one batch; STEP_CARRY: a step whose batch changed, as the
+                     table rows it takes from the last step and those built anew); every rank copies them to its device and
                      runs the forward; the model all-gathers the vocabulary-split logits, so rank 0 samples.
                      A step launched by the engine's lookahead has placeholders among its host input ids
                      (tokens rank 0 has sampled but not read): rank 0 then broadcasts its device ids
@@ -29,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.distributed.wire import (Op, fed_on_device, flatten_kv, pack_slots, pack_step, pack_step_delta,
-                                     unflatten_kv)
+from engine.distributed.wire import (Op, fed_on_device, flatten_kv, pack_slots, pack_step, pack_step_carry,
+                                     pack_step_delta, unflatten_kv)
 from engine.host_kv_tier import pack_moves
 from engine.kv_payload import KVDestination, PrefilledKV
 from engine.runner import ModelRunner
@@ -49,6 +50,7 @@ class DistributedRunner(ModelRunner):
         self._sent: StepArrays | None = None  # the last step the other ranks ran, and its number
         self._sent_number = 0
         self.delta_steps = 0  # steps sent as deltas (STEP_DELTA), for tests and benchmarks
+        self.carry_steps = 0  # steps sent as the rows they carry (STEP_CARRY)
 
     def kv_budget_bytes(self, config) -> int:
         with self.executor.guard("KV budget", self) as channel:
@@ -86,11 +88,14 @@ class DistributedRunner(ModelRunner):
         if inputs.host is None:
             raise ValueError("a multi-rank step needs the host arrays it was built from: use runner.prepare")
         with self.executor.guard("step", self) as channel:
-            delta = self.step_arrays.last_delta
+            delta, carry = self.step_arrays.last_delta, self.step_arrays.last_carry
             number = self._sent_number + 1
             if delta is not None and delta[0] is self._sent:  # the other ranks hold the delta's base
                 channel.send(Op.STEP_DELTA, pack_step_delta(inputs.host, delta[1], delta[2], self._sent_number))
                 self.delta_steps += 1
+            elif carry is not None and carry[0] is self._sent:  # ... or the step the carried rows come from
+                channel.send(Op.STEP_CARRY, pack_step_carry(inputs.host, *carry[1:], self._sent_number))
+                self.carry_steps += 1
             else:
                 channel.send(Op.STEP, pack_step(inputs.host))
             self._sent, self._sent_number = inputs.host, number

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed.wire import (ControlChannel, Op, apply_step_delta, fed_on_device, flatten_kv, kv_wire_bytes,
-                                     unflatten_kv, unpack_slots, unpack_step)
+from engine.distributed.wire import (ControlChannel, Op, apply_step_carry, apply_step_delta, fed_on_device,
+                                     flatten_kv, kv_wire_bytes, unflatten_kv, unpack_slots, unpack_step)
 from engine.host_kv_tier import unpack_moves
 
 log = logging.getLogger(__name__)
@@ -213,8 +213,9 @@ class RankWorker:
             elif op is Op.STEP:
                 self._last_step, self._last_number = unpack_step(payload), self._last_number + 1
                 self._step(self._last_step)
-            elif op is Op.STEP_DELTA:
-                self._last_step = apply_step_delta(self._last_step, self._last_number, payload)
+            elif op in (Op.STEP_DELTA, Op.STEP_CARRY):
+                apply = apply_step_delta if op is Op.STEP_DELTA else apply_step_carry
+                self._last_step = apply(self._last_step, self._last_number, payload)
                 self._last_number += 1
                 self._step(self._last_step)
             elif op is Op.IMPORT_KV:

@@ -442,6 +442,39 @@ def test_decode_steps_travel_as_deltas(checkpoint):
         executor.shutdown()
 
 
+def test_steps_whose_batch_changes_travel_as_carried_rows(checkpoint):
+    """Requests of different lengths, more of them than seats: sequences finish at different steps and others join
+    as seats free, prefilling in chunks beside the decodes. With rank 0's carry path on (its batch threshold lowered),
+    such steps go to the other rank as the rows they carry from the step before (STEP_CARRY), and generations still
+    equal world 1's, with and without the lookahead."""
+    def churning_requests():
+        g = torch.Generator().manual_seed(12)
+        lens = [2, 14, 5, 9, 21, 3, 7, 12, 4, 17, 6, 10]
+        outs = [9, 3, 20, 6, 12, 17, 4, 24, 8, 5, 15, 11]
+        return [GenerateRequest(f"c{i}", torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist(),
+                                SamplingParams(temperature=0.0, max_tokens=m)) for i, (n, m) in enumerate(zip(lens, outs))]
+
+    settings = dict(max_num_seqs=6, max_num_batched_tokens=16)
+    one = LLMEngine(load_model(checkpoint, dtype="float32", progress=False), config(**settings))
+    for r in churning_requests():
+        one.add_request(r)
+    want = {rid: r["ids"] for rid, r in run_to_end(one).items()}
+    executor = Executor.spawn(2)
+    try:
+        for ahead in (False, True):
+            engine = executor.start_engine(checkpoint, config(tp_size=2, ep_size=2, async_decode=ahead, **settings))
+            try:
+                engine.runner.step_arrays.MIN_BATCH = 3
+                for r in churning_requests():
+                    engine.add_request(r)
+                assert {rid: r["ids"] for rid, r in run_to_end(engine).items()} == want, f"lookahead {ahead}"
+                assert engine.runner.carry_steps > 5, engine.runner.carry_steps
+            finally:
+                engine.close()
+    finally:
+        executor.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_world_1_matches_the_single_process_engine(checkpoint):

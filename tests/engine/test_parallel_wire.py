@@ -1,12 +1,14 @@
 """The messages rank 0 sends the other ranks each step (engine/distributed/wire.py): a step's arrays and
-slot maps round-trip exactly, and a decode step sent as a delta of the previous one rebuilds exactly."""
+slot maps round-trip exactly, and a decode step sent as a delta of the previous one, or a step whose batch changed
+sent as the rows it carries from the previous one, rebuilds exactly."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.distributed.wire import apply_step_delta, pack_slots, pack_step, pack_step_delta, unpack_slots, unpack_step
+from engine.distributed.wire import (apply_step_carry, apply_step_delta, pack_slots, pack_step, pack_step_carry,
+                                     pack_step_delta, unpack_slots, unpack_step)
 from engine.step_arrays import StepArrays
 
 
@@ -64,3 +66,53 @@ def test_step_delta_round_trip_and_mismatch():
                 assert got == want, name
     with pytest.raises(ValueError, match="out of step"):
         apply_step_delta(prev, 6, pack_step_delta(cur, full_rows, sliding_rows, 7))
+
+
+def _assert_same(got: StepArrays, want: StepArrays, label) -> None:
+    for name in StepArrays.__dataclass_fields__:
+        a, b = getattr(got, name), getattr(want, name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), (name, label)
+        else:
+            assert a == b, (name, label)
+
+
+@pytest.mark.parametrize("rows_before,rows_after", [(6, 9), (9, 4), (30, 30), (5, 1)])
+def test_step_carry_round_trip_and_mismatch(rows_before, rows_after):
+    """A step whose batch changed, sent as the rows it carries from the previous step (any of them, in any order;
+    the others new) and the table rows built anew, rebuilds exactly, with table widths growing and shrinking and
+    prefill chunks among the rows; a carry against another base, or naming a row the base lacks, is refused."""
+    g = np.random.default_rng(rows_before * 100 + rows_after)
+    ints = lambda shape, dtype: g.integers(0, 1 << 20, shape).astype(dtype)  # noqa: E731
+
+    def step(b: int, pf: int, ps: int) -> StepArrays:
+        lens = g.integers(1, 6, b) * (g.random(b) < 0.3) + 1  # mostly one token, some chunks
+        t, n = int(lens.sum()), int(g.integers(0, b + 1))
+        return StepArrays(ints(t, np.int64), ints(t, np.int64), np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+                          ints((b, pf), np.int32), ints(b, np.int32), ints(t, np.int64), ints((b, ps), np.int32),
+                          ints(b, np.int32), ints(t, np.int64), ints(n, np.int64),
+                          sorted(g.choice(b, n, replace=False).tolist()))
+
+    prev = step(rows_before, 4, 3)
+    for pf, ps in ((6, 2), (4, 3), (2, 5)):
+        cur = step(rows_after, pf, ps)
+        source = np.full(rows_after, -1, dtype=np.int64)
+        kept = g.choice(rows_before, min(rows_before, rows_after), replace=False)
+        at = g.choice(rows_after, len(kept), replace=False)
+        source[at] = kept
+        source[at[: len(at) // 3]] = -1  # some rows new even where an old row could go
+        carried = np.flatnonzero(source >= 0)
+        built = np.flatnonzero((source < 0) | (g.random(rows_after) < 0.3))
+        full, sliding = np.zeros((rows_after, pf), np.int32), np.zeros((rows_after, ps), np.int32)
+        full[carried, : min(pf, 4)] = prev.full_tables[source[carried], : min(pf, 4)]
+        sliding[carried, : min(ps, 3)] = prev.sliding_tables[source[carried], : min(ps, 3)]
+        full[built], sliding[built] = cur.full_tables[built], cur.sliding_tables[built]
+        cur.full_tables, cur.sliding_tables = full, sliding
+        message = pack_step_carry(cur, source, built, built, 7)
+        _assert_same(apply_step_carry(prev, 7, message), cur, (pf, ps))
+    with pytest.raises(ValueError, match="out of step"):
+        apply_step_carry(prev, 6, message)
+    short = step(max(1, int(source.max())), 4, 3) if source.max() >= 1 else None
+    if short is not None:
+        with pytest.raises(ValueError, match="out of step"):
+            apply_step_carry(short, 7, message)
