@@ -210,11 +210,18 @@ def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0,
     return out
 
 
+# steady_traffic's variants, alternating in one engine: (the step metadata's carry path, the scheduler's decode runs)
+STEADY_VARIANTS = {"fast": (True, True), "scratch": (False, True), "loop": (True, False)}
+
+
 def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, rounds: int = 6, block: int = 16) -> dict:
-    """Host work per step under steady traffic, with the step metadata's carry path (StepArrayBuilder._carry) on and
-    off alternating in one engine (paced_engine): `batch` seats, 7/8 of them decoding at the start; a request of
-    `context` prompt tokens arrives every second step and asks for 16..256 tokens, so nearly every step has a
-    sequence joining or leaving, and every second one a prefill chunk. Medians (us) by step kind."""
+    """Host work per step under steady traffic in one engine (paced_engine), three variants alternating every
+    `block` steps: as it is ("fast"), the step metadata rebuilt from scratch instead of carried (StepArrayBuilder's
+    carry off: "scratch"), and the scheduler's loop without its decode runs ("loop"). `batch` seats, 7/8 of them
+    decoding at the start; a request of `context` prompt tokens arrives every second step and asks for 16..256
+    tokens, so nearly every step has a sequence joining or leaving, and every second one a prefill chunk (with
+    prompts longer than the step's token budget, chunks of one prompt span steps). Medians (us) by step kind and
+    variant, and the bytes a multi-rank rank 0 would send per carried step."""
     import random
 
     from engine.distributed.wire import pack_step, pack_step_carry
@@ -222,12 +229,12 @@ def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, r
     engine = paced_engine(batch, context, gpu_ms, 10_000)
     for i in range(batch // 8):
         engine.abort(f"r{i}")
-    rng, builder, arrived = random.Random(0), engine.runner.step_arrays, 0
-    times: dict[tuple[bool, str], list] = {(c, k): [] for c in (True, False) for k in ("decode", "mixed")}
-    wire: dict[str, list] = {"step": [], "carry": []}  # what a multi-rank rank 0 would send per carried step
+    rng, builder, sched, arrived = random.Random(0), engine.runner.step_arrays, engine.scheduler, 0
+    times: dict[tuple[str, str], list] = {(v, k): [] for v in STEADY_VARIANTS for k in ("decode", "mixed")}
+    wire: dict[str, list] = {"step": [], "carry": []}
     for _ in range(rounds):
-        for carry in (True, False):
-            builder.carry = carry
+        for variant, (carry, runs) in STEADY_VARIANTS.items():
+            builder.carry, sched.decode_runs = carry, runs
             for i in range(block):
                 if i % 2 == 0:
                     engine.add_request(GenerateRequest(f"new{arrived}", [rng.randrange(1, 1000) for _ in range(context)],
@@ -239,15 +246,15 @@ def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, r
                 last = engine.metrics.last_step
                 if i >= 2:  # the first steps after a switch
                     kind = "mixed" if engine.metrics.prefill_tokens_total > prefilled else "decode"
-                    times[(carry, kind)].append((last.schedule, last.prepare, last.update))
+                    times[(variant, kind)].append((last.schedule, last.prepare, last.update))
                 if builder.last_carry is not None:
                     wire["step"].append(len(pack_step(builder._arrays)))
                     wire["carry"].append(len(pack_step_carry(builder._arrays, *builder.last_carry[1:], 0)))
-    builder.carry = True
+    builder.carry, sched.decode_runs = True, True
     out = {"batch": batch, "context": context, "gpu_ms": gpu_ms, "running_at_end": len(engine.scheduler.running),
            "wire_bytes_median": {k: statistics.median(v) if v else None for k, v in wire.items()}}
-    for (carry, kind), rows in times.items():  # (a kind no step had: its count only)
-        out[f"{kind}_{'carry' if carry else 'scratch'}"] = {"steps": len(rows)} if not rows else {
+    for (variant, kind), rows in times.items():  # (a kind no step had: its count only)
+        out[f"{kind}_{variant}"] = {"steps": len(rows)} if not rows else {
             "steps": len(rows), **dict(zip(("schedule", "prepare", "update"), (_us(list(t)) for t in zip(*rows)))),
             "host": _us([sum(t) for t in rows])}
     return out
@@ -358,15 +365,24 @@ def _host_table(rows: list[dict]) -> None:
 
 
 def _steady_table(rows: list[dict]) -> None:
-    _table("steady traffic: host work per step, step metadata rebuilt from scratch -> carried (median us)", [
-        (f"batch {r['batch']}, {r['context'] // 1024}k prompts, {kind} steps ({r[kind + '_carry']['steps']} + "
-         f"{r[kind + '_scratch']['steps']})",
-         f"{r[kind + '_scratch']['host']:.0f} -> {r[kind + '_carry']['host']:.0f}: prepare "
-         f"{r[kind + '_scratch']['prepare']:.0f} -> {r[kind + '_carry']['prepare']:.0f}")
-        for r in rows for kind in ("decode", "mixed") if r[kind + "_carry"]["steps"] and r[kind + "_scratch"]["steps"]]
-        + [(f"batch {r['batch']}, {r['context'] // 1024}k prompts, bytes to the other ranks per carried step",
-            f"{r['wire_bytes_median']['step']:,.0f} (STEP) -> {r['wire_bytes_median']['carry']:,.0f} (STEP_CARRY)")
-           for r in rows if r["wire_bytes_median"]["carry"]])
+    def pair(r: dict, kind: str, other: str, part: str) -> str:
+        a, b = r[f"{kind}_{other}"], r[f"{kind}_fast"]
+        return f"{a[part]:.0f} -> {b[part]:.0f}"
+
+    lines = []
+    for r in rows:
+        for kind in ("decode", "mixed"):
+            if all(r[f"{kind}_{v}"]["steps"] for v in STEADY_VARIANTS):
+                lines.append((f"batch {r['batch']}, {r['context'] // 1024}k prompts, {kind} steps "
+                              f"({'+'.join(str(r[f'{kind}_{v}']['steps']) for v in STEADY_VARIANTS)})",
+                              f"host {pair(r, kind, 'scratch', 'host')}, prepare {pair(r, kind, 'scratch', 'prepare')}"
+                              f" (carried); host {pair(r, kind, 'loop', 'host')}, schedule "
+                              f"{pair(r, kind, 'loop', 'schedule')} (decode runs)"))
+        if r["wire_bytes_median"]["carry"]:
+            lines.append((f"batch {r['batch']}, {r['context'] // 1024}k prompts, bytes to the other ranks per carried "
+                          "step", f"{r['wire_bytes_median']['step']:,.0f} (STEP) -> "
+                                  f"{r['wire_bytes_median']['carry']:,.0f} (STEP_CARRY)"))
+    _table("steady traffic: host work per step (median us), without -> with each fast path", lines)
 
 
 def _host_only(out: Path) -> int:

@@ -90,6 +90,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len or config.max_model_len  # drafts never run past it
+        self.decode_runs = True  # _decode_run in the loop (the tests and bench/engine.py switch it off)
         self.waiting: list[Sequence] = []  # sorted by _rank
         self.running: list[Sequence] = []  # sorted by _rank; each holds pages
         aging = config.priority_aging_s
@@ -153,12 +154,19 @@ class Scheduler:
             out.scheduled = [ScheduledSeq(seq, seq.num_computed, 1, False) for seq in self.running]
             self._admit(kind, budget - len(self.running), out)
             return out
-        i = 0
+        i, runs = 0, not drafts and self.decode_runs and kind is not StepKind.PREFILL
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if not self._wants(kind, seq):
                 i += 1
                 continue
+            if runs:
+                taken = self._decode_run(i, budget, out)
+                if taken > 0:
+                    i += taken
+                    budget -= taken
+                    continue
+                runs = taken == 0  # pages short: the loop preempts as it goes; no more runs this step
             n = self._make_room(seq, min(seq.num_remaining, budget), out)
             if n == 0:  # seq itself was preempted; it was the last running one
                 break
@@ -218,6 +226,25 @@ class Scheduler:
     def all_decoding(self) -> bool:
         """Every running sequence decodes one token next (the common step)."""
         return self._all_decode(StepKind.MIXED)
+
+    def _decode_run(self, i: int, budget: int, out: SchedulerOutput) -> int:
+        """Schedule running[i:j], the decoding sequences from i on (at most `budget`), when there are two or more
+        and their pages suffice: what the loop would do one by one, preempting nobody (a prefill chunk among the
+        running sequences sends every step through the loop). How many it took; 0: no run from i; -1: not pages
+        enough for all of it (the loop goes on from i either way)."""
+        running, j = self.running, i
+        end = min(len(running), i + budget)
+        while j < end:
+            s = running[j]  # `not s.is_prefill and s.num_remaining == 1`, inlined as in _all_decode
+            if not (s.output_ids and s.num_computed == len(s.prompt_ids) + len(s.output_ids) - 1):
+                break
+            j += 1
+        if j - i < 2:
+            return 0
+        if not self.block_manager.allocate_next_tokens(running[i:j]):
+            return -1
+        out.scheduled.extend(ScheduledSeq(s, s.num_computed, 1, False) for s in running[i:j])
+        return j - i
 
     def _all_decode(self, kind: StepKind) -> bool:
         # `not s.is_prefill and s.num_remaining == 1` for every running sequence, inlined (hot path: the

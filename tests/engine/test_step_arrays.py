@@ -118,26 +118,47 @@ def test_outputs_do_not_depend_on_the_fast_path(make_engine):
            {k: v["ids"] for k, v in run_to_end(without).items()}
 
 
-@pytest.mark.parametrize("pool", ["roomy", "tight"])
-def test_scheduler_decode_fast_path_schedules_what_the_loop_would(make_engine, pool):
-    """Two engines in lockstep, one with the scheduler's all-decode fast path switched off: the same
-    sequences, positions, preemptions and pages at every step, and the same outputs."""
+@pytest.mark.parametrize("pool,traffic", [("roomy", "batch"), ("tight", "batch"), ("roomy", "steady"),
+                                          ("tight", "steady")])
+def test_scheduler_decode_fast_path_schedules_what_the_loop_would(make_engine, pool, traffic):
+    """Two engines in lockstep, one with the scheduler's all-decode fast path and its decode runs (a prefill chunk
+    among the running sequences) switched off: the same sequences, positions, preemptions and pages at every step,
+    and the same outputs. "steady": a request arrives every other step (random lengths), so chunks ride along."""
+    import random
+
     kw = dict(max_num_seqs=12, max_model_len=48)
     if pool == "tight":
         kw.update(num_full_pages=56, num_sliding_pages=36, max_num_batched_tokens=32)
+    if traffic == "steady":
+        kw.update(max_num_batched_tokens=20)
+        if pool == "tight":  # sequences outgrow the pool: preempted ones recompute in chunks beside decode runs
+            kw.update(num_full_pages=30, num_sliding_pages=24, max_num_batched_tokens=12)
     fast, loop = make_engine(**kw), make_engine(**kw)
     loop.scheduler._all_decode = lambda kind: False
-    taken = {"fast": 0}
-    all_decode = fast.scheduler._all_decode
+    loop.scheduler.decode_runs = False
+    taken = {"fast": 0, "runs": 0}
+    all_decode, decode_run = fast.scheduler._all_decode, fast.scheduler._decode_run
 
     def counting(kind):
         result = all_decode(kind)
         taken["fast"] += result
         return result
 
-    fast.scheduler._all_decode = counting
+    def counting_runs(*args):
+        result = decode_run(*args)
+        taken["runs"] += result > 0
+        return result
+
+    fast.scheduler._all_decode, fast.scheduler._decode_run = counting, counting_runs
+    arrivals = {}
+    if traffic == "batch":
+        specs = SPECS
+    else:
+        rng = random.Random()
+        specs = [(rng.randint(1, 30), rng.randint(4, 20) if pool == "roomy" else rng.randint(12, 26)) for _ in range(30)]
+        arrivals = {2 * k: k for k in range(len(specs))}  # step -> the spec that arrives then
     for e in (fast, loop):
-        for i, (n, m) in enumerate(SPECS):
+        for i, (n, m) in enumerate(specs if traffic == "batch" else []):
             e.add_request(request(f"r{i}", random_prompt(n, i), greedy(m)))
 
     def state(engine, out):
@@ -151,7 +172,11 @@ def test_scheduler_decode_fast_path_schedules_what_the_loop_would(make_engine, p
         if step == 6:  # a sequence joins mid-run (in the tight pool it forces preemptions)
             for e in (fast, loop):
                 e.add_request(request("late", random_prompt(5, 99), greedy(15)))
-        if not (fast.has_unfinished() or loop.has_unfinished()):
+        if step in arrivals:
+            n, m = specs[arrivals[step]]
+            for e in (fast, loop):
+                e.add_request(request(f"s{step}", random_prompt(n, 1000 + step), greedy(m)))
+        if not (fast.has_unfinished() or loop.has_unfinished()) and step > max(arrivals, default=0):
             break
         got = []
         for name, e in (("fast", fast), ("loop", loop)):
@@ -170,7 +195,7 @@ def test_scheduler_decode_fast_path_schedules_what_the_loop_would(make_engine, p
             got.append(seen.get("state"))
         assert got[0] == got[1], f"step {step}"
     assert outputs["fast"] == outputs["loop"]
-    assert taken["fast"] > 10
+    assert taken["fast"] > 10 if traffic == "batch" else taken["runs"] > 5, taken
     if pool == "tight":
         assert fast.metrics.snapshot()["preemptions_total"] > 0
 
