@@ -19,7 +19,8 @@ passed by better-priority ones that arrive more than `priority_aging_s` x the di
   pools hold one max_model_len sequence (checked at engine start) nothing deadlocks.
 
 The common step, every running sequence decoding one token with pages to spare, takes a shortcut
-with the same outcome (one batched page check instead of the per-sequence loop).
+with the same outcome (one batched page check instead of the per-sequence loop); in the loop (a prompt
+prefilling over several steps), each run of decoding sequences whose pages suffice is taken the same way.
 
 Three step kinds share the policy: MIXED (decodes and prefill chunks in one forward, the default),
 PREFILL (prefill chunks only: a prefill replica) and DECODE (decodes only, plus admission of
