@@ -13,7 +13,8 @@ count alone cannot say whether the GIL is the bound. Two recordings can:
 
 `record(pid, seconds, out_dir, stem)` runs both (one after the other) and returns `summarize(...)`'s dict;
 bench/serve_launch.ServerProbe calls it for the decode replica during a load level (`python -m bench.serve_load
---py-spy SECONDS`). Run `python -m bench.pyspy_summary THREADS.txt GIL.txt RATE SECONDS` on saved recordings.
+--py-spy SECONDS`). Run `python -m bench.pyspy_summary THREADS.txt GIL.txt RATE SECONDS` on saved recordings, and
+`python -m bench.pyspy_summary --under LLMEngine._launch THREADS.txt` for what one function's samples were doing.
 """
 
 from __future__ import annotations
@@ -113,6 +114,22 @@ def summarize(threads_text: str, gil_text: str, rate_hz: float, seconds: float) 
     return {"rate_hz": rate_hz, "seconds": seconds, "threads": threads, "gil": gil}
 
 
+def children(threads_text: str, anchor: str, depth: int = 1, thread_of=None) -> dict[str, float]:
+    """What the samples inside the innermost `anchor` frame were doing: the next `depth` frames below it (joined by
+    ';'; "(self)": in the anchor itself), as shares of every sample of the threads that ever run `anchor` (or of
+    `thread_of`'s), most first. E.g. ("LLMEngine._launch", 2) splits the engine thread's launches by callee."""
+    rows = parse_collapsed(threads_text)
+    threads = {t for t, f, _ in rows if anchor in f} if thread_of is None else {thread_of}
+    total = sum(c for t, _, c in rows if t in threads)
+    out: Counter = Counter()
+    for thread, frames, count in rows:
+        if thread not in threads or anchor not in frames:
+            continue
+        i = len(frames) - 1 - frames[::-1].index(anchor)
+        out[";".join(frames[i + 1: i + 1 + depth]) or "(self)"] += count
+    return {k: round(n / max(total, 1), 3) for k, n in out.most_common()}
+
+
 def record(pid: int, seconds: float, out_dir: Path, stem: str, rate_hz: float = RATE_HZ) -> dict:
     """Both recordings of `pid` (`seconds` each, one after the other), saved as OUT/STEM_{threads,gil}.txt, and
     their summary; {"error": ...} when py-spy is missing or cannot attach."""
@@ -133,6 +150,10 @@ def record(pid: int, seconds: float, out_dir: Path, stem: str, rate_hz: float = 
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "--under":  # --under FUNCTION THREADS.txt: what FUNCTION's samples did
+        for callee, share in children(Path(argv[2]).read_text(), argv[1], depth=2).items():
+            print(f"{share:7.1%}  {callee}")
+        return 0
     if len(argv) != 4:
         print(__doc__.strip().splitlines()[-1])
         return 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pyspy_summary import classify, parse_collapsed, record, summarize
+from bench.pyspy_summary import children, classify, parse_collapsed, record, summarize
 
 BOOT = "Thread._bootstrap (threading.py:1002);Thread._bootstrap_inner (threading.py:1045);Thread.run (threading.py:982)"
 ENGINE = f"thread (0x11): gptoss-engine;{BOOT};AsyncEngine._run (async_engine.py:291);AsyncEngine._loop (async_engine.py:320)"
@@ -76,6 +76,14 @@ def test_summary_shares_per_thread_and_gil_held_over_the_wall_time():
     assert out["gil"]["by_holder"] == {"_run_user_code_event_loop / busy: DecodeServer.generate": 0.3,
                                        "engine thread / host: LLMEngine._launch": 0.25,
                                        "ThreadPoolExecutor-1 / busy: SerializationContext.serialize": 0.05}
+
+
+def test_children_split_a_functions_samples_by_callee():
+    # the engine thread's 100 samples: 60 wait inside _resolve, 10 in _resolve itself, 25 in _launch
+    assert children(THREADS, "LLMEngine._step") == {"LLMEngine._resolve": 0.7, "LLMEngine._launch": 0.25}
+    assert children(THREADS, "LLMEngine._resolve") == {"HostTokens.wait": 0.6, "(self)": 0.1}
+    assert children(THREADS, "LLMEngine._launch", depth=2) == {"StepArrayBuilder.build": 0.25}
+    assert children(THREADS, "no such function") == {}
 
 
 def _can_attach() -> bool:
