@@ -132,13 +132,18 @@ def scheduler_overhead(device: str, batch: int, context: int, steps: int = 200) 
             "build_step_arrays_from_scratch_us_median": _us(scratch)}
 
 
+def small_config(max_positions: int) -> GptOssConfig:
+    """A 2-layer gpt-oss of tiny widths: the host side of a step with next to no model."""
+    return GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=1024, hidden_size=64, intermediate_size=64,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=max(2 * max_positions, 4096))
+
+
 def paced_engine(batch: int, context: int, gpu_ms: float, max_tokens: int) -> LLMEngine:
     """An engine of a 2-layer model whose forward is a busy wait of gpu_ms (a GPU step: CUDA's default
     synchronization spins, so the host core stays busy), with `batch` requests of `context` prompt tokens
     prefilled and decoding: the host side as a GPU host would run it."""
-    cfg = GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=1024, hidden_size=64,
-                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=2 * context)
+    cfg = small_config(context + 1024)
     from model.gpt_oss import GptOssForCausalLM
 
     engine = LLMEngine(GptOssForCausalLM(cfg), EngineConfig(
@@ -153,12 +158,27 @@ def paced_engine(batch: int, context: int, gpu_ms: float, max_tokens: int) -> LL
         return logits[: len(inputs.sample_rows)]
 
     engine.runner.execute = gpu_step
+    return filled(engine, batch, context, max_tokens)
+
+
+def filled(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> LLMEngine:
+    """`engine` with `batch` requests of `context` prompt tokens prefilled and decoding."""
     sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(GenerateRequest(f"r{i}", [(i + j) % 1000 + 1 for j in range(context)], sampling))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()
     return engine
+
+
+def real_engine(model: str, batch: int, context: int, device: str) -> LLMEngine:
+    """An engine over random weights of a preset's shapes (gpt-oss-20b, gpt-oss-120b; "small": small_config's) with
+    the engine's defaults on `device` (graphs, lookahead, FlashInfer and the FP8 MoE on a GPU), filled as
+    paced_engine's."""
+    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=context + 1024,
+                          device=device)
+    shapes = small_config(context + 1024) if model == "small" else GptOssConfig.preset(model)
+    return filled(LLMEngine.with_random_weights(shapes, config), batch, context, 10_000)
 
 
 def host_work(batch: int, context: int, gpu_ms: float = 5.0, steps: int = 100) -> dict:
@@ -214,24 +234,27 @@ def decode_fast_paths(batch: int = 64, context: int = 8192, gpu_ms: float = 5.0,
 STEADY_VARIANTS = {"fast": (True, True), "scratch": (False, True), "loop": (True, False)}
 
 
-def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, rounds: int = 6, block: int = 16) -> dict:
+def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, rounds: int = 6, block: int = 16,
+                   engine: LLMEngine | None = None) -> dict:
     """Host work per step under steady traffic in one engine (paced_engine), three variants alternating every
     `block` steps: as it is ("fast"), the step metadata rebuilt from scratch instead of carried (StepArrayBuilder's
     carry off: "scratch"), and the scheduler's loop without its decode runs ("loop"). `batch` seats, 7/8 of them
     decoding at the start; a request of `context` prompt tokens arrives every second step and asks for 16..256
     tokens, so nearly every step has a sequence joining or leaving, and every second one a prefill chunk (with
     prompts longer than the step's token budget, chunks of one prompt span steps). Medians (us) by step kind and
-    variant, and the bytes a multi-rank rank 0 would send per carried step."""
+    variant, each variant's output tokens per second of wall time, and the bytes a multi-rank rank 0 would send per
+    carried step. `engine`: a filled real one (real_engine) instead of paced_engine's."""
     import random
 
     from engine.distributed.wire import pack_step, pack_step_carry
 
-    engine = paced_engine(batch, context, gpu_ms, 10_000)
+    engine = engine or paced_engine(batch, context, gpu_ms, 10_000)
     for i in range(batch // 8):
         engine.abort(f"r{i}")
     rng, builder, sched, arrived = random.Random(0), engine.runner.step_arrays, engine.scheduler, 0
     times: dict[tuple[str, str], list] = {(v, k): [] for v in STEADY_VARIANTS for k in ("decode", "mixed")}
     wire: dict[str, list] = {"step": [], "carry": []}
+    wall, made = dict.fromkeys(STEADY_VARIANTS, 0.0), dict.fromkeys(STEADY_VARIANTS, 0)  # seconds, decode tokens
     for _ in range(rounds):
         for variant, (carry, runs) in STEADY_VARIANTS.items():
             builder.carry, sched.decode_runs = carry, runs
@@ -241,18 +264,23 @@ def steady_traffic(batch: int = 512, context: int = 2048, gpu_ms: float = 5.0, r
                                                        SamplingParams(temperature=0, max_tokens=rng.randint(16, 256),
                                                                       ignore_eos=True)))
                     arrived += 1
-                prefilled = engine.metrics.prefill_tokens_total
+                prefilled, decoded = engine.metrics.prefill_tokens_total, engine.metrics.decode_tokens_total
+                t0 = time.perf_counter()
                 engine.step()
+                took = time.perf_counter() - t0
                 last = engine.metrics.last_step
                 if i >= 2:  # the first steps after a switch
                     kind = "mixed" if engine.metrics.prefill_tokens_total > prefilled else "decode"
                     times[(variant, kind)].append((last.schedule, last.prepare, last.update))
+                    wall[variant] += took
+                    made[variant] += engine.metrics.decode_tokens_total - decoded
                 if builder.last_carry is not None:
                     wire["step"].append(len(pack_step(builder._arrays)))
                     wire["carry"].append(len(pack_step_carry(builder._arrays, *builder.last_carry[1:], 0)))
     builder.carry, sched.decode_runs = True, True
     out = {"batch": batch, "context": context, "gpu_ms": gpu_ms, "running_at_end": len(engine.scheduler.running),
-           "wire_bytes_median": {k: statistics.median(v) if v else None for k, v in wire.items()}}
+           "wire_bytes_median": {k: statistics.median(v) if v else None for k, v in wire.items()},
+           "decode_tok_s": {v: made[v] / wall[v] if wall[v] else None for v in STEADY_VARIANTS}}
     for (variant, kind), rows in times.items():  # (a kind no step had: its count only)
         out[f"{kind}_{variant}"] = {"steps": len(rows)} if not rows else {
             "steps": len(rows), **dict(zip(("schedule", "prepare", "update"), (_us(list(t)) for t in zip(*rows)))),
@@ -301,10 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-only", action="store_true",
                         help="only the host work per decode step at batch 64, 256 and 512 (host_work) and under "
                              "steady traffic at 64 and 512 (steady_traffic; 2k and 8k prompts), on the CPU")
+    parser.add_argument("--steady", metavar="MODEL",
+                        help="only steady_traffic with a real engine over random weights of MODEL (gpt-oss-20b, "
+                             "gpt-oss-120b; small: a 2-layer model) on --device, at --batch sequences and "
+                             "--context-tokens prompts")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--context-tokens", type=int, default=2048)
     args = parser.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.host_only:
         return _host_only(args.out)
+    if args.steady:
+        return _steady_real(args)
 
     with tempfile.TemporaryDirectory() as folder:
         make_tiny(folder, dtype=dtype)
@@ -373,16 +409,36 @@ def _steady_table(rows: list[dict]) -> None:
     for r in rows:
         for kind in ("decode", "mixed"):
             if all(r[f"{kind}_{v}"]["steps"] for v in STEADY_VARIANTS):
-                lines.append((f"batch {r['batch']}, {r['context'] // 1024}k prompts, {kind} steps "
+                lines.append((f"batch {r['batch']}, {r['context']:,}-token prompts, {kind} steps "
                               f"({'+'.join(str(r[f'{kind}_{v}']['steps']) for v in STEADY_VARIANTS)})",
                               f"host {pair(r, kind, 'scratch', 'host')}, prepare {pair(r, kind, 'scratch', 'prepare')}"
                               f" (carried); host {pair(r, kind, 'loop', 'host')}, schedule "
                               f"{pair(r, kind, 'loop', 'schedule')} (decode runs)"))
+        tok_s = r.get("decode_tok_s", {})
+        if all(tok_s.get(v) for v in STEADY_VARIANTS):
+            lines.append((f"batch {r['batch']}, {r['context']:,}-token prompts, decode tokens/s (wall)",
+                          "  ".join(f"{v} {tok_s[v]:,.0f}" for v in STEADY_VARIANTS)))
         if r["wire_bytes_median"]["carry"]:
-            lines.append((f"batch {r['batch']}, {r['context'] // 1024}k prompts, bytes to the other ranks per carried "
+            lines.append((f"batch {r['batch']}, {r['context']:,}-token prompts, bytes to the other ranks per carried "
                           "step", f"{r['wire_bytes_median']['step']:,.0f} (STEP) -> "
                                   f"{r['wire_bytes_median']['carry']:,.0f} (STEP_CARRY)"))
     _table("steady traffic: host work per step (median us), without -> with each fast path", lines)
+
+
+def _steady_real(args) -> int:
+    t0 = time.perf_counter()
+    engine = real_engine(args.steady, args.batch, args.context_tokens, args.device)
+    ready_s = time.perf_counter() - t0
+    row = steady_traffic(args.batch, args.context_tokens, 0.0, engine=engine)
+    _steady_table([row])
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"engine-steady-{args.steady}-{stamp}.json"
+    path.write_text(json.dumps({"date": stamp, "model": args.steady, "device": args.device, "device_name": device_name,
+                                "ready_s": ready_s, "steady_traffic": row}, indent=2))
+    print(f"\nwrote {path}")
+    return 0
 
 
 def _host_only(out: Path) -> int:
