@@ -148,14 +148,15 @@ class Scheduler:
         if self.waiting and self.running and self._outranks(self.waiting[0], self.running[-1]):
             self._yield_to_priority(kind, out)
         drafts, forced, spare_rows = self._drafts(kind)
-        if not drafts and self._all_decode(kind) and len(self.running) <= budget \
-                and self.block_manager.allocate_next_tokens(self.running):
+        all_decode = not drafts and self._all_decode(kind) and len(self.running) <= budget
+        if all_decode and self.block_manager.allocate_next_tokens(self.running):
             # The common step: every running sequence decodes one token and the pages suffice, so the
             # per-sequence loop below would schedule exactly this, preempting nobody.
             out.scheduled = [ScheduledSeq(seq, seq.num_computed, 1, False) for seq in self.running]
             self._admit(kind, budget - len(self.running), out)
             return out
-        i, runs = 0, not drafts and self.decode_runs and kind is not StepKind.PREFILL
+        # (after the common step found its pages short, a run would find the same: the loop preempts as it goes)
+        i, runs = 0, not drafts and not all_decode and self.decode_runs and kind is not StepKind.PREFILL
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if not self._wants(kind, seq):

@@ -245,9 +245,9 @@ class StepArrayBuilder:
             arrays = self._carry(scheduled, seqs, full_counts, sliding_firsts, sliding_counts, preemptions)
         else:
             arrays = build_step_arrays(scheduled, self.block_size)
-        if any(s.draft for s in scheduled):  # rows are query entries, not sequences: nothing to carry from
-            self._arrays = None
-            return arrays
+            if any(s.draft for s in scheduled):  # rows are query entries, not sequences: nothing to carry from
+                self._arrays = None
+                return arrays
         self._seqs, self._arrays, self._preemptions = seqs, arrays, preemptions
         self._full_counts, self._sliding_firsts, self._sliding_counts = full_counts, sliding_firsts, sliding_counts
         return arrays
@@ -357,21 +357,22 @@ class StepArrayBuilder:
         built = np.ones(len(seqs), dtype=bool)
         built[carried] = changed
         rows = np.flatnonzero(built)
-        for b in rows.tolist():
-            n = int(counts[b])
-            table[b] = 0
-            if n:
-                table[b, :n] = pages_of(seqs[b])
+        _rebuild_rows(table, rows, counts, pages_of, seqs)
         return table, rows
 
     @staticmethod
     def _patched(prev: np.ndarray, counts: np.ndarray, changed: np.ndarray, pages_of, seqs: list) -> np.ndarray:
         """The previous step's table with the changed rows rebuilt; as wide as build_step_arrays makes it."""
         table = resized_table(prev, max(1, int(counts.max())))
-        for b in changed:
-            table[b] = 0
-            table[b, : counts[b]] = pages_of(seqs[b])
+        _rebuild_rows(table, changed, counts, pages_of, seqs)
         return table
+
+
+def _rebuild_rows(table: np.ndarray, rows: np.ndarray, counts: np.ndarray, pages_of, seqs: list) -> None:
+    """Rows `rows` of a page table anew from their sequences' pages (`pages_of`), zero-padded."""
+    for b in rows.tolist():
+        table[b] = 0
+        table[b, : counts[b]] = pages_of(seqs[b])
 
 
 def carried_table(prev: np.ndarray, was: np.ndarray, rows: np.ndarray, batch: int, width: int) -> np.ndarray:
