@@ -122,8 +122,9 @@ class ServeResponseStore:
     async def adopt_responses(self, runner: str, model: str, limit: int = ADOPT_AT_ONCE) -> list[tuple[str, StoredResponse]]:
         return await self._call("adopt_responses", runner, model, limit)
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
-        return await self._call("append_events", response_id, events)
+    async def append_events(self, response_id: str, events: list[dict[str, Any]], runner: str | None = None,
+                            output_ids: list[int] = (), output_from: int = 0) -> bool:
+        return await self._call("append_events", response_id, events, runner, list(output_ids), output_from)
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
         return await self._call("events_after", response_id, after)

@@ -25,6 +25,7 @@ create it again), or marked so by the store after that silence. background_store
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -46,10 +47,16 @@ class EventRecorder:
     """A streamed background run's events on their way to the store, written in batches (one store call per
     FLUSH_S, not per token). A write that fails keeps its events for the next one (logged), so a store that is
     away for a while delays the followers but leaves no gap; the store ignores events it already has, so a write
-    that timed out after it landed repeats nothing."""
+    that timed out after it landed repeats nothing. Each write also carries the run's output tokens not yet
+    written (`output_ids`: the generation's list, growing; the first `written` of them are stored already), those
+    that made its events: where another replica's run goes on if this one stops. `runner`: this replica's token
+    (once another replica runs the response, the store refuses the writes)."""
 
-    def __init__(self, store: ResponseStore, response_id: str, flush_s: float = FLUSH_S):
-        self.store, self.response_id, self.flush_s = store, response_id, flush_s
+    def __init__(self, store: ResponseStore, response_id: str, runner: str | None = None,
+                 output_ids: list[int] | None = None, written: int = 0, flush_s: float = FLUSH_S):
+        self.store, self.response_id, self.runner, self.flush_s = store, response_id, runner, flush_s
+        self.output_ids = output_ids if output_ids is not None else []
+        self._written = written
         self._pending: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
 
@@ -62,15 +69,17 @@ class EventRecorder:
     async def flush(self) -> bool:
         """Write the queued events; False if the store failed (they stay queued for the next write)."""
         self._last_flush = time.monotonic()
-        if not self._pending:
+        tokens = self.output_ids[self._written:]
+        if not self._pending and not tokens:
             return True
         try:
-            await self.store.append_events(self.response_id, self._pending)
+            await self.store.append_events(self.response_id, self._pending, self.runner, tokens, self._written)
         except Exception as err:
             log.warning("background response %s: %d stream events not stored yet (%s: %s); retrying with the next "
                         "write", self.response_id, len(self._pending), type(err).__name__, err)
             return False
         self._pending = []
+        self._written += len(tokens)
         return True
 
     async def close(self, tries: int = 3, wait_s: float = 0.2) -> None:
@@ -115,6 +124,14 @@ async def follow_events(store: ResponseStore, response_id: str, after: int,
 Resume = Callable[[str, StoredResponse], Awaitable[None]]
 
 
+def detached(work: Awaitable[Any]) -> asyncio.Task:
+    """A task that belongs to no request: started with empty context variables, not a copy of the caller's. Under
+    Ray Serve the request context is one (serve.context): handle calls made in a copy of it are the request's child
+    requests, which Serve cancels when the request is cancelled, as when the client of a streamed POST leaves. A
+    background run or a batch must outlive the request that created it."""
+    return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+
+
 class BackgroundRuns:
     """The background responses this app (one ingress replica) runs: response id -> its task. `runner`: this
     replica's token on its writes and polls; `model`: the model whose given-back responses it adopts; `resume`
@@ -138,12 +155,12 @@ class BackgroundRuns:
     def start(self, response_id: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run `run()` (which stores the response's states itself, `cancelled` when cancelled) until it ends
         or a cancel for `response_id` arrives, here or through the store."""
-        work = asyncio.ensure_future(run())
+        work = detached(run())
         self._runs[response_id] = work
         work.add_done_callback(lambda done: self._runs.pop(response_id) if self._runs.get(response_id) is done
                                else None)
         if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.ensure_future(self._watch())
+            self._watcher = detached(self._watch())
 
     async def adopt(self) -> list[str]:
         """Run here the responses of this app's model that the store says were given back or left silent (the
@@ -152,7 +169,7 @@ class BackgroundRuns:
             return []
         adopted = await self.store.adopt_responses(self.runner, self.model)
         for response_id, stored in adopted:  # (each in its own task: a slow prompt does not hold the health check)
-            starting = asyncio.ensure_future(self.resume(response_id, stored))
+            starting = detached(self.resume(response_id, stored))
             self._starting.add(starting)
             starting.add_done_callback(self._started)
         return [response_id for response_id, _ in adopted]

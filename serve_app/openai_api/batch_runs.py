@@ -33,6 +33,7 @@ from typing import Any, Iterator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.openai_api.auth import BATCH_STATE
+from serve_app.openai_api.background import detached
 from serve_app.openai_api.batch_store import StoredFile, iter_jsonl
 from serve_app.run_batch import (MAX_REPORTED_PROBLEMS, BatchLine, BatchSummary, kept_answers, line_problem, parse_line,
                                  run_batch)
@@ -152,7 +153,7 @@ class BatchRuns:
 
     def _launch(self, batch: dict[str, Any], owner: str | None, output: list[str], errors: list[str],
                 claim: bool = False, runner: str | None = None) -> None:
-        work = asyncio.ensure_future(self._run(batch, owner, output, errors, runner or new_runner(), claim))
+        work = detached(self._run(batch, owner, output, errors, runner or new_runner(), claim))
         self._runs[batch["id"]] = work
         # (a run that lost its batch may end after this replica adopted the batch again: only its own entry goes)
         work.add_done_callback(lambda done: self._runs.pop(batch["id"]) if self._runs.get(batch["id"]) is done

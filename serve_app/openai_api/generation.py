@@ -272,7 +272,8 @@ class BackendRequest:
         if delta.finish_reason is not None:
             self._backend_done = True
             self._backend_finish = delta.finish_reason
-        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        # (a continuation's engine prompt holds the output so far too: `continue_after`)
+        self.cached_tokens = max(self.cached_tokens, min(delta.num_cached_tokens, self.prompt_tokens))
         self.draft_tokens = max(self.draft_tokens, delta.num_draft_tokens)
         self.accepted_draft_tokens = max(self.accepted_draft_tokens, delta.num_accepted_draft_tokens)
         return delta
@@ -314,6 +315,16 @@ class Generation(BackendRequest):
         # (token id, logprob) of the tokens fed since the last one that went into an item: header and
         # control tokens, whose text may still be recovered as content (HarmonyOutputParser.take_recovered)
         self._unplaced: list[tuple[int, TokenLogprob | None]] = []
+        self.output_ids: list[int] = []  # the output tokens consumed so far (a stream's resume point: background.py)
+
+    def continue_after(self, output_ids: list[int]) -> list[ParseEvent]:
+        """Make this generation the continuation of one that had produced `output_ids` (its engine request's prompt
+        ends with them: the caller built it so): they are fed to the parser as output, as they were then, and
+        usage counts them as output, not prompt. Their item events, as the first run saw them."""
+        if self._starting is not None or self.completion_tokens or len(output_ids) >= self.prompt_tokens:
+            raise ValueError("continue_after: a fresh generation whose prompt ends with the output is needed")
+        self.prompt_tokens -= len(output_ids)
+        return self._consume(TokenDelta(self.request_id, list(output_ids))).events
 
     async def steps(self) -> AsyncIterator[Step]:
         """Item events per backend delta; the last step closes open items and sets finish_reason."""
@@ -333,6 +344,7 @@ class Generation(BackendRequest):
         logprobs = delta.logprobs or []
         for i, token_id in enumerate(delta.token_ids):
             self.completion_tokens += 1
+            self.output_ids.append(token_id)
             for event in self._parser.feed(token_id):
                 self._apply_stop(event, step.events)
             step.add_logprobs(self._recovered_logprobs(), self._parser.current_index)

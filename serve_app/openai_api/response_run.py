@@ -50,6 +50,31 @@ class ResponsesAssembler:
         self._slot: dict[int, int] = {}  # parser item index -> output index
         self.sequence = 0
 
+    def resume(self, events: list[dict[str, Any]], replayed: list[ParseEvent]) -> None:
+        """Take up a stream another run recorded: its output items as its `events` left them, its sequence numbers
+        after theirs, its items' parser indices from `replayed` (the item events of the same output tokens fed to a
+        fresh parser: Generation.continue_after). ValueError if the two do not tell of the same items."""
+        for ev in events:
+            kind, n = ev["type"], ev.get("output_index")
+            if kind == "response.output_item.added":
+                self.output.append(_copy(ev["item"]))
+            elif kind == "response.content_part.added":
+                self.output[n]["content"].append(dict(ev["part"]))
+            elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+                part = self.output[n]["content"][0]
+                part["text"] += ev["delta"]
+                part.get("logprobs", []).extend(ev.get("logprobs") or [])
+            elif kind == "response.function_call_arguments.delta":
+                self.output[n]["arguments"] += ev["delta"]
+            elif kind == "response.output_item.done":
+                self.output[n] = _copy(ev["item"])
+        started = [ev.index for ev in replayed if isinstance(ev, ItemStarted)]
+        if len(started) != len(self.output):
+            raise ValueError(f"the recorded stream has {len(self.output)} output items, its output tokens "
+                             f"{len(started)}")
+        self._slot = {index: n for n, index in enumerate(started)}
+        self.sequence = events[-1]["sequence_number"] + 1 if events else 0
+
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
@@ -145,7 +170,9 @@ class ResponseRun:
 
     def __init__(self, req: ResponsesRequest, ctx: IngressContext, owner: str | None, prompt_ids: list[int],
                  constraint: HarmonySchemaSpec | None, priority: int, caller: Caller, response_id: str | None = None,
-                 created: float | None = None, runs: int = 1):
+                 created: float | None = None, runs: int = 1, resume: dict[str, Any] | None = None):
+        """resume: a streamed background response's stored `events` and the `output_ids` that made them
+        (background_store.adopt_responses): this run goes on from there, its prompt followed by that output."""
         self.req, self.ctx, self.owner = req, ctx, owner
         self.text_format = req.text.format if req.text else None
         # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs
@@ -156,22 +183,33 @@ class ResponseRun:
             top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, logprobs=self.top_logprobs,
         ), len(prompt_ids), ctx.config)
         self.id = response_id or new_id("resp")
+        output_ids = list(resume["output_ids"]) if resume is not None else []
+        if output_ids:
+            if output_ids[-1] in sampling.stop_token_ids or len(output_ids) >= sampling.max_tokens:
+                raise ValueError(f"its output ended ({len(output_ids)} tokens) before its replica stopped")
+            sampling = replace(sampling, max_tokens=sampling.max_tokens - len(output_ids))
         # (a run again: its own engine request id, so nothing of the aborted first run's can meet it in an engine)
-        self.gen = Generation(ctx, request_id=self.id if runs == 1 else f"{self.id}-run{runs}", prompt_ids=prompt_ids,
-                              sampling=replace(sampling, constraint=constraint), priority=priority, caller=caller,
-                              cache_salt=req.cache_salt)
+        self.gen = Generation(ctx, request_id=self.id if runs == 1 else f"{self.id}-run{runs}",
+                              prompt_ids=prompt_ids + output_ids, sampling=replace(sampling, constraint=constraint),
+                              priority=priority, caller=caller, cache_salt=req.cache_salt)
+        replayed = self.gen.continue_after(output_ids) if output_ids else []
         self.created = created if created is not None else time.time()
         self.stored_here = ctx.store is not None and req.store is not False  # kept in the store
         self.own_items = stored_input_items(req) if self.stored_here or req.conversation is not None else []
-        # a background run's writes carry this replica's runner token (background_store.py); one made without
-        # `stream` keeps its request while unfinished, for another replica to run it again
+        # a background run's writes carry this replica's runner token (background_store.py); it keeps its request
+        # while unfinished, for another replica to run it again (a streamed one: to go on with it, which takes no
+        # logprobs and no constraint: their state is not kept)
         self.runner = ctx.background.runner if req.background and ctx.background is not None else None
         self.rerun = {"request": req.model_dump(mode="json", exclude_unset=True), "model": ctx.config.model_name,
                       "priority": priority, "caller": {"endpoint": caller.endpoint, "key": caller.key}, "runs": runs} \
-            if req.background and not req.stream else None
+            if req.background and (not req.stream or (self.top_logprobs is None and constraint is None)) else None
         # a streamed background run's events go to the store (background.EventRecorder), its stream reads them there
-        self.recorder = EventRecorder(ctx.store, self.id) if req.background and req.stream else None
+        self.recorder = EventRecorder(ctx.store, self.id, self.runner, self.gen.output_ids, len(output_ids)) \
+            if req.background and req.stream else None
         self.background_assembler = self.new_assembler() if req.background else None
+        self.resumed = resume is not None
+        if resume is not None:
+            self.background_assembler.resume(resume["events"], replayed)
 
     def stored(self, response: dict[str, Any]) -> StoredResponse:
         rerun = self.rerun if response["status"] in ("queued", "in_progress") else None
@@ -286,7 +324,7 @@ class ResponseRun:
             await gen.start()
             in_progress = self.snapshot("in_progress", [])
             await self.keep(in_progress)
-            if recorder is not None:
+            if recorder is not None and not self.resumed:  # (a stream taken up has had its in_progress)
                 await recorder.add([assembler.event("response.in_progress", response=in_progress)])
             async for batch in self.frames(gen, assembler):
                 if recorder is not None:
@@ -295,8 +333,11 @@ class ResponseRun:
         except asyncio.CancelledError:  # POST .../cancel (or DELETE): what was generated so far stays
             if self.ctx.background.stopping:  # not the client's doing: the replica stops (BackgroundRuns.stop)
                 await gen.close()  # (before the give-back: the engine holds nothing of it when another replica runs it)
-                if self.rerun is not None and await self.ctx.background.give_back(self.id):
-                    return
+                if self.rerun is not None:
+                    if recorder is not None:  # its events so far, and their tokens: where the next run goes on
+                        await recorder.close()
+                    if await self.ctx.background.give_back(self.id):
+                        return
                 final = self.snapshot("failed", assembler.output, usage_json(gen), error={
                     "code": "server_error", "message": "The server replica running this background response "
                     "stopped before it finished (server_shutdown); create it again."})

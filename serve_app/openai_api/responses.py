@@ -121,19 +121,28 @@ async def create_response(req: ResponsesRequest, http: Request, ctx: IngressCont
 
 async def resume_response(response_id: str, stored: StoredResponse, ctx: IngressContext) -> None:
     """Run here a background response another ingress replica gave back or left (BackgroundRuns.adopt): its request
-    again, from the start, under its own id and creation time. A request that no longer makes a prompt (the response
-    it continues was deleted meanwhile) ends the response failed."""
+    again under its own id and creation time, from the start, or, streamed, from where its stored events end (its
+    prompt followed by the output tokens that made them: ResponseRun's `resume`). A request that no longer makes a
+    prompt (the response it continues was deleted meanwhile), or a stream that cannot go on, ends the response
+    failed (a stream with `response.failed`)."""
     rerun = stored.rerun
+    stream = rerun.get("stream")
     try:
         req = ResponsesRequest.model_validate(rerun["request"])
+        if req.stream and stream is None:
+            raise ValueError("its stream's events are gone (the response store restarted)")
         prompt_ids, constraint = await prompt_of(req, ctx, stored.owner)
         run = ResponseRun(req, ctx, stored.owner, prompt_ids, constraint, priority=rerun["priority"],
                           caller=Caller(**rerun["caller"]), response_id=response_id,
-                          created=stored.response["created_at"], runs=rerun.get("runs", 1))
+                          created=stored.response["created_at"], runs=rerun.get("runs", 1), resume=stream)
     except Exception as err:
         error = response_error(err, "Its server replica stopped and running it again failed: ")
         log.warning("background response %s: cannot run it again here (%s)", response_id, error["message"])
         failed = {**stored.response, "status": "failed", "error": error}
+        if stream is not None:  # its followers' stream ends as a failed response's does
+            last = stream["events"][-1]["sequence_number"] if stream["events"] else -1
+            await ctx.store.append_events(response_id, [{"type": "response.failed", "sequence_number": last + 1,
+                                                         "response": failed}], ctx.background.runner)
         await ctx.store.put(response_id, replace(stored, response=failed, rerun=None), ctx.background.runner)
         return
     ctx.background.start(response_id, run.run_in_background)

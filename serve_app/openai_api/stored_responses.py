@@ -130,7 +130,8 @@ class ResponseStore(Protocol):
 
     async def adopt_responses(self, runner: str, model: str, limit: int = ADOPT_AT_ONCE) -> list[tuple[str, StoredResponse]]: ...
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool: ...
+    async def append_events(self, response_id: str, events: list[dict[str, Any]], runner: str | None = None,
+                            output_ids: list[int] = (), output_from: int = 0) -> bool: ...
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None: ...
 
@@ -179,6 +180,7 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
         self._items: OrderedDict[str, tuple[Stored, int]] = OrderedDict()
         self.bytes = 0
         self._events: dict[str, tuple[list[dict[str, Any]], int]] = {}  # response -> (its stream events, their bytes)
+        self._stream_output: dict[str, list[int]] = {}  # response -> the output tokens of its stored events
         self._file = file
         if file is not None:
             self._load(file)
@@ -292,19 +294,28 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
             self._cancel.add(response_id)
         return self._drop(response_id)
 
-    async def append_events(self, response_id: str, events: list[dict[str, Any]]) -> bool:
+    async def append_events(self, response_id: str, events: list[dict[str, Any]], runner: str | None = None,
+                            output_ids: list[int] = (), output_from: int = 0) -> bool:
         """Add stream events (each with its `sequence_number`, in order) to a stored response's event log; False if
-        the response is not stored (deleted, or dropped for room). Events it already has (a sequence number not past
-        its last one: a write retried after a timeout that had landed) are left out."""
-        if self._entry(response_id, StoredResponse) is None:
+        the response is not stored (deleted, or dropped for room) or, with `runner`, another replica runs it now.
+        Events it already has (a sequence number not past its last one: a write retried after a timeout that had
+        landed) are left out. `output_ids`: the run's output tokens from its `output_from`-th on, those that made
+        these events and the ones before (kept, likewise without repeats, for a run that continues the stream:
+        adopt_responses)."""
+        if self._entry(response_id, StoredResponse) is None or self._lost_by(response_id, runner):
             return False
+        tokens = self._stream_output.setdefault(response_id, [])
         log_, size = self._events.get(response_id, ([], 0))
+        added = 0
+        if output_from <= len(tokens) < output_from + len(output_ids):
+            new_tokens = output_ids[len(tokens) - output_from:]
+            tokens.extend(new_tokens)
+            added += 7 * len(new_tokens)  # (about their JSON's bytes: the byte limit counts them too)
         if log_:
             events = [ev for ev in events if ev["sequence_number"] > log_[-1]["sequence_number"]]
-        if not events:
-            return True
-        log_.extend(events)
-        added = len(json.dumps(events, ensure_ascii=False, separators=(",", ":")))
+        if events:
+            log_.extend(events)
+            added += len(json.dumps(events, ensure_ascii=False, separators=(",", ":")))
         self._events[response_id] = (log_, size + added)
         self.bytes += added
         self._make_room()
@@ -420,4 +431,6 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
                 self._write(response_id, None)
         if not keep_events and response_id in self._events:
             self.bytes -= self._events.pop(response_id)[1]
+        if not keep_events:
+            self._stream_output.pop(response_id, None)
         return entry is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from serve_app.openai_api.app import create_app
 from serve_app.openai_api.background_store import ADOPT_PATIENCE, MAX_RUNS
@@ -189,3 +190,121 @@ def test_the_kept_request_reads_back_as_the_same_request():
     kept = req.model_dump(mode="json", exclude_unset=True)
     assert ResponsesRequest.model_validate(kept) == req
     assert "stream" not in kept and kept["input"][0] == {"role": "user", "content": "hi"}  # only what was set
+
+
+def test_stream_tokens_are_kept_without_gap_or_repeat_and_go_with_an_adoption():
+    """append_events keeps the output tokens beside the events (a retried write adds nothing twice, one that would
+    leave a gap adds nothing), refuses a runner that lost the response, and adopt_responses hands both to the
+    adopter of a streamed response; they go when the response goes."""
+    now = [0.0]
+    store = store_at(now)
+    events = [{"type": "e", "sequence_number": n} for n in range(5)]
+
+    async def main():
+        await store.put("resp_s", response("resp_s", rerun={**RERUN, "request": {**RERUN["request"], "stream": True}}),
+                        "run-a")
+        assert await store.append_events("resp_s", events[:2], "run-a", [7, 8, 9], 0)
+        assert await store.append_events("resp_s", events[1:3], "run-a", [8, 9, 10], 1)  # retried in part
+        assert await store.append_events("resp_s", events[3:4], "run-a", [99], 5)  # a gap: the tokens are left out
+        assert store._stream_output["resp_s"] == [7, 8, 9, 10]
+        assert await store.release_response("resp_s", "run-a")
+        [(rid, adopted)] = await store.adopt_responses("run-b", MODEL)
+        assert rid == "resp_s" and adopted.rerun["stream"] == {"events": events[:4], "output_ids": [7, 8, 9, 10]}
+        assert "stream" not in (await store.get("resp_s")).rerun  # handed over, not kept in the stored response
+        assert not await store.append_events("resp_s", events[4:], "run-a", [11], 4)  # run-a lost it
+        assert await store.append_events("resp_s", events[4:], "run-b", [11], 4)
+        assert (await store.events_after("resp_s", -1))[0] == events and store._stream_output["resp_s"][-1] == 11
+        await store.delete("resp_s")
+        assert "resp_s" not in store._stream_output and store.bytes == 0
+
+    asyncio.run(main())
+
+
+THINK_THEN_ANSWER = ("<|channel|>analysis<|message|>" + "think " * 30 + "<|end|><|start|>assistant<|channel|>final"
+                     "<|message|>" + "word " * 60 + "<|return|>")
+
+
+def _sse_events(body: str) -> list[dict]:
+    import json
+
+    return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("cut_after", [12, 50])  # tokens: in the reasoning, in the answer
+def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_after):
+    """A streamed background run whose replica stops (BackgroundRuns.stop) is given back with its events and output
+    tokens so far; another replica continues it (its engine request: the prompt and that output, for the tokens left)
+    and the client's stream, still open on the first replica, reads on: every event once, in order, each item added
+    once, the text whole, usage counting the first prompt as input and every token as output."""
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    first, second = (create_app(backend, model_name=MODEL, max_context=backend.max_context,
+                                conversation_start_date=START_DATE, response_store=store) for _ in range(2))
+    tokens = backend.tokens(THINK_THEN_ANSWER)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://a", timeout=60) as a:
+            backend.push(THINK_THEN_ANSWER, delay_s=0.02)
+            post = asyncio.ensure_future(a.post("/v1/responses", json={"model": MODEL, "input": "Hi",
+                                                                       "background": True, "stream": True}))
+            for _ in range(1000):
+                if any(len(out) >= cut_after for out in store._stream_output.values()):
+                    break
+                await asyncio.sleep(0.005)
+            await first.state.background.stop(wait_s=0)
+            [(rid, done)] = [(rid, list(out)) for rid, out in store._stream_output.items()]
+            assert (await store.get(rid)).response["status"] == "queued" and rid in backend.aborted
+            assert done == tokens[:len(done)] and cut_after <= len(done) < len(tokens) - 5
+            backend.push(backend.encoding.decode(tokens[len(done):]), delay_s=0.005)
+            assert await second.state.background.adopt() == [rid]
+            body = (await post).text
+            replay = (await a.get(f"/v1/responses/{rid}", params={"stream": "true"})).text
+            return rid, done, _sse_events(body), _sse_events(replay), (await store.get(rid)).response
+
+    rid, done, events, replay, final = asyncio.run(main())
+    assert [ev["sequence_number"] for ev in events] == list(range(len(events))) and events == replay
+    assert [ev["type"] for ev in events][:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"] == final
+    assert [ev["item"]["type"] for ev in events if ev["type"] == "response.output_item.added"] == ["reasoning",
+                                                                                                   "message"]
+    assert "".join(ev["delta"] for ev in events if ev["type"] == "response.reasoning_text.delta") == "think " * 30
+    assert "".join(ev["delta"] for ev in events if ev["type"] == "response.output_text.delta") == "word " * 60
+    assert [item["content"][0]["text"] for item in final["output"]] == ["think " * 30, "word " * 60]
+    added = {ev["item"]["id"] for ev in events if ev["type"] == "response.output_item.added"}
+    assert {item["id"] for item in final["output"]} == added  # the items the client saw added, finished
+    [run1, run2] = backend.requests
+    assert run2.request_id == f"{rid}-run2" and run2.prompt_ids == run1.prompt_ids + done
+    assert run2.sampling.max_tokens == run1.sampling.max_tokens - len(done)
+    assert final["usage"]["input_tokens"] == len(run1.prompt_ids) and final["usage"]["output_tokens"] == len(tokens)
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 30
+
+
+def test_a_stream_that_cannot_go_on_is_failed_by_its_adopter_and_its_stream_ends():
+    """Given back with output that had already ended (its last token a stop token: the replica stopped between its
+    last events and its final state), or with no stream record (the store restarted and lost its events): the
+    adopter stores it failed, and a stream it has ends with response.failed after the events it had."""
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, conversation_start_date=START_DATE,
+                     response_store=store)
+    streamed = {**RERUN, "request": {**RERUN["request"], "stream": True}}
+    ended = backend.tokens("<|channel|>final<|message|>Done.<|return|>")
+
+    async def main():
+        events = [{"type": "response.created", "sequence_number": 0}, {"type": "response.queued", "sequence_number": 1}]
+        for rid, output in (("resp_ended", ended), ("resp_lost", None)):
+            await store.put(rid, response(rid, rerun=streamed), "run-a")
+            if output is not None:
+                await store.append_events(rid, events, "run-a", output, 0)
+            assert await store.release_response(rid, "run-a")
+        assert sorted(await app.state.background.adopt()) == ["resp_ended", "resp_lost"]
+        for _ in range(200):
+            got = {rid: (await store.get(rid)).response for rid in ("resp_ended", "resp_lost")}
+            if all(r["status"] == "failed" for r in got.values()):
+                break
+            await asyncio.sleep(0.01)
+        return got, (await store.events_after("resp_ended", 1))[0], await store.events_after("resp_lost", -1)
+
+    got, tail, lost_events = asyncio.run(main())
+    assert "output ended" in got["resp_ended"]["error"]["message"]
+    assert "events are gone" in got["resp_lost"]["error"]["message"]
+    assert [(ev["type"], ev["sequence_number"]) for ev in tail] == [("response.failed", 2)]
+    assert tail[0]["response"]["status"] == "failed" and lost_events is None and backend.requests == []

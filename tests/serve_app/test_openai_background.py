@@ -243,10 +243,11 @@ def test_a_stopping_replica_lets_short_runs_finish_and_gives_the_rest_to_another
     assert store._items[created[1]["id"]][0].rerun is None  # finished: its request is not kept
 
 
-def test_a_stopping_replica_stores_streamed_runs_as_failed():
-    """A streamed background run is not run again (its client may have read part of its events): stop() stores it
-    failed (code server_error, the message says the replica stopped), its stream ends with response.failed and its
-    engine request is aborted."""
+def test_a_stopping_replica_stores_streamed_runs_it_cannot_continue_as_failed():
+    """A streamed background run that asked for logprobs cannot be continued elsewhere (their state is not kept; nor
+    a constraint's) and its client may have read part of its events: stop() stores it failed (code server_error, the
+    message says the replica stopped), its stream ends with response.failed and its engine request is aborted. (One
+    that can be continued: test_background_handover.py.)"""
     import asyncio
 
     backend, store = ScriptedBackend(), MemoryResponseStore()
@@ -254,7 +255,8 @@ def test_a_stopping_replica_stores_streamed_runs_as_failed():
                      response_store=store)
     with LiveServer(app) as server:
         backend.push(LONG, delay_s=0.05)
-        stream = openai_client(server.url).responses.create(model=MODEL, input="Hi", background=True, stream=True)
+        stream = openai_client(server.url).responses.create(model=MODEL, input="Hi", background=True, stream=True,
+                                                            include=["message.output_text.logprobs"])
         events = iter(stream)
         response_id = next(events).response.id
         assert next(e for e in events if e.type == "response.output_text.delta")

@@ -569,10 +569,18 @@ def test_a_batch_outlives_its_ingress_replica(http_port):
     answered and its long ones, and the response, in flight: Serve replaces it, and the replacement adopts both at a
     health check once the store has gone ingress.store_orphan_s (6 s here) without word, running the lines that had no
     answer and the response again from the start. Each custom_id answers once; the short lines' answers are the dead
-    replica's (not run again); the response ends, under its id and creation time."""
+    replica's (not run again); the response ends, under its id and creation time. A streamed background response in
+    flight too: its client's stream breaks with the replica, resumes from the replacement (starting_after), and the
+    adopter goes on from the events stored: every event once, in order, each item's text its deltas."""
     api = client(http_port)
     params = dict(model=CONFIG.served_model_name, input="Hi there", temperature=0, max_output_tokens=900)
     response = api.responses.create(background=True, **params)
+    streamed, seen = api.responses.create(background=True, stream=True, **params), []
+    for ev in streamed:
+        seen.append(ev)
+        if ev.type in ("response.output_text.delta", "response.reasoning_text.delta") and len(seen) >= 8:
+            break
+    streamed.close()  # (the run goes on)
 
     def line(cid: str, max_tokens: int) -> str:
         body = {**CHAT, "messages": [{"role": "user", "content": f"Tell a story about {cid}."}], "temperature": 0,
@@ -610,8 +618,19 @@ def test_a_batch_outlives_its_ingress_replica(http_port):
     # the CPU model's greedy tokens may differ with the batch they run in)
     assert (again.id, again.created_at) == (response.id, response.created_at)
     assert again.status in ("completed", "incomplete") and again.output and again.usage.output_tokens > 0, again
+    events = seen + list(api.responses.retrieve(seen[0].response.id, stream=True,
+                                                starting_after=seen[-1].sequence_number))
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    final = api.responses.retrieve(seen[0].response.id)
+    assert events[-1].type == f"response.{final.status}" and final.status in ("completed", "incomplete"), final
+    assert [ev.item.id for ev in events if ev.type == "response.output_item.added"] == [item.id for item in final.output]
+    for item in final.output:
+        text = parts[0].text if (parts := getattr(item, "content", None)) else None
+        assert text is None or text == "".join(ev.delta for ev in events if getattr(ev, "item_id", None) == item.id
+                                               and ev.type.endswith("_text.delta")), item
+    assert final.usage.output_tokens <= 900 and final.usage.input_tokens == again.usage.input_tokens
     stats = serve.get_deployment_handle(RESPONSE_STORE_NAME, APP).stats.remote().result()
-    assert (stats["responses_adopted"], stats["batches_adopted"]) == (1, 1)  # each taken over once
+    assert (stats["responses_adopted"], stats["batches_adopted"]) == (2, 1)  # each taken over once
 
 
 def test_the_store_replica_restarts_with_what_it_had(http_port):
