@@ -142,6 +142,7 @@ class HarmonySchemaSpec:
     tools: tuple[tuple[str, str], ...] = ()  # (function name, grammar of its arguments): strict tools
     start_in: str | None = None  # the output starts inside a message (FINAL, a function name) or FORCED_CALL
     forced_call: str | None = None  # with start_in FORCED_CALL: the whole output's grammar (forced_call_grammar)
+    after: tuple[int, ...] = ()  # output already produced (a stream taken up elsewhere): the state starts past it
 
     def __post_init__(self):
         names = {name for name, _ in self.tools}
@@ -165,7 +166,10 @@ class HarmonySchemaSpec:
             raise InvalidRequestError(
                 f"structured output needs the Harmony vocabulary ({HARMONY_VOCAB_SIZE} tokens); this model has "
                 f"{vocab_size}", "response_format")
-        return HarmonyConstraint(self)
+        constraint = HarmonyConstraint(self)
+        for token_id in self.after:  # as the first run's accepted tokens moved it (each once: _advance)
+            constraint._advance(token_id)
+        return constraint
 
 
 _RECIPIENT = re.compile(r"to=([^\s<]+)")

@@ -14,12 +14,20 @@ POST that created it, or on GET /v1/responses/{id}?stream=true&starting_after=N 
 dropped connection. A follower that leaves stops nothing. A cancelled run's events end without a terminal event
 (OpenAI's stream events have none for `cancelled`; GET says so); an orphaned one's end with `response.failed`.
 
-An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish. A response
-created without `stream` is then given back to the store (status `queued` again) and another ingress replica of
-the same model runs it again from the start (`adopt`, from each replica's health check); so is one whose replica
-died, once the store has heard nothing from that replica for `orphan_after_s` (30 s). A streamed one (its client
-may have read part of its events) is stored `failed` (code `server_error`, the message says why; the client may
-create it again), or marked so by the store after that silence. background_store.py has the store's side.
+An ingress replica that stops (scale-down, redeploy) gives its runs `stop()`'s few seconds to finish. The rest are
+given back to the store (status `queued` again) and another ingress replica of the same model takes them up
+(`adopt`, from each replica's health check); so are those of a replica that died, once the store has heard nothing
+from it for `orphan_after_s` (30 s). One created without `stream` runs again from the start. A streamed one (its
+client may have read part of its events) goes on from where its stored events end: each event write also carries
+the output tokens that made the events (EventRecorder), and the adopter's run feeds them to a fresh parser, takes up
+the stored items and sequence numbers, and asks the engine for the rest with the prompt followed by that output
+(response_run.ResponseRun's `resume`; a constraint starts past that output). A streamed one that asked for logprobs
+cannot go on (the logprobs in waiting are not kept): it is stored `failed` (code `server_error`, the message says why; the client may create it
+again), or marked so by the store after that silence. background_store.py has the store's side.
+
+Runs are started detached (`detached`): with empty context variables, so that under Ray Serve their engine calls
+are not child requests of the POST that created them (Serve cancels those when the POST is cancelled: a streamed
+POST's client that leaves).
 """
 
 from __future__ import annotations
@@ -181,7 +189,8 @@ class BackgroundRuns:
 
     async def give_back(self, response_id: str) -> bool:
         """A run cancelled by stop(): hand its response to another replica (True), if the store takes it (it can run
-        again: no stream; not cancelled meanwhile). A store that fails: False (the run stores itself failed)."""
+        again or go on: it keeps its request; not cancelled meanwhile). A store that fails: False (the run stores
+        itself failed)."""
         try:
             return await self.store.release_response(response_id, self.runner)
         except Exception as err:
@@ -215,8 +224,8 @@ class BackgroundRuns:
             _, runs = await asyncio.wait(runs, timeout=wait_s)
         if not runs:
             return
-        log.warning("stopping: %d background responses still running; giving them back (or, streamed, storing them "
-                    "as failed)", len(runs))
+        log.warning("stopping: %d background responses still running; giving them back (or, those that cannot go on "
+                    "elsewhere, storing them as failed)", len(runs))
         self.stopping = True
         for work in runs:
             work.cancel()

@@ -1,9 +1,9 @@
 """The store's side of background responses (background.py): which ingress replica runs each unfinished one, the
 cancels on their way to it, and handing a run over when its replica stops.
 
-Each ingress replica has a runner token (BackgroundRuns.runner). Its runs' writes (put) and its cancel polls
-(cancel_requested, every 0.5 s) carry it: the polls tell the store the replica is alive, and only the response's
-current runner's writes count. A response created without `stream` keeps what it takes to run it again
+Each ingress replica has a runner token (BackgroundRuns.runner). Its runs' writes (put, append_events) and its cancel
+polls (cancel_requested, every 0.5 s) carry it: the polls tell the store the replica is alive, and only the
+response's current runner's writes count. A background response keeps what it takes to run it again
 (StoredResponse.rerun: the request, its priority, the model) while it is unfinished, so it outlives its replica:
 a replica that stops gracefully gives it back (release_response: status `queued` again; what it had generated is
 dropped), one that dies falls silent, and the next ingress replica of the same model that asks (adopt_responses,
@@ -16,10 +16,10 @@ A streamed background response (its client may have read part of its events) is 
 adopter continues it (responses.resume_response) from the events stored here and the output tokens that made them
 (append_events keeps both, from one write each: a run cut off from the store loses only what it had not written,
 and its writes stop counting once the response is adopted). One that cannot be continued (its request asked for
-logprobs or a constrained output, whose state is not kept; or the store restarted and lost its events) has no
-`rerun` and is marked failed as before: when its replica stops (background.BackgroundRuns.stop), or `orphan_after_s`
-after its replica's last poll (on a read, or by sweep_orphans, which the store's Serve replica runs every few
-seconds).
+logprobs, whose state in waiting is not kept) has no `rerun` and is marked failed as before: when its
+replica stops (background.BackgroundRuns.stop), or `orphan_after_s` after its replica's last poll (on a read, or by
+sweep_orphans, which the store's Serve replica runs every few seconds). One whose events the store lost (memory
+only: a restart) is adopted without them, and its adopter stores it failed.
 """
 
 from __future__ import annotations

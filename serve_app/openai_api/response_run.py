@@ -188,6 +188,7 @@ class ResponseRun:
             if output_ids[-1] in sampling.stop_token_ids or len(output_ids) >= sampling.max_tokens:
                 raise ValueError(f"its output ended ({len(output_ids)} tokens) before its replica stopped")
             sampling = replace(sampling, max_tokens=sampling.max_tokens - len(output_ids))
+            constraint = replace(constraint, after=tuple(output_ids)) if constraint is not None else None
         # (a run again: its own engine request id, so nothing of the aborted first run's can meet it in an engine)
         self.gen = Generation(ctx, request_id=self.id if runs == 1 else f"{self.id}-run{runs}",
                               prompt_ids=prompt_ids + output_ids, sampling=replace(sampling, constraint=constraint),
@@ -198,11 +199,11 @@ class ResponseRun:
         self.own_items = stored_input_items(req) if self.stored_here or req.conversation is not None else []
         # a background run's writes carry this replica's runner token (background_store.py); it keeps its request
         # while unfinished, for another replica to run it again (a streamed one: to go on with it, which takes no
-        # logprobs and no constraint: their state is not kept)
+        # logprobs: the parser's and the assembler's logprobs in waiting are not kept)
         self.runner = ctx.background.runner if req.background and ctx.background is not None else None
         self.rerun = {"request": req.model_dump(mode="json", exclude_unset=True), "model": ctx.config.model_name,
                       "priority": priority, "caller": {"endpoint": caller.endpoint, "key": caller.key}, "runs": runs} \
-            if req.background and (not req.stream or (self.top_logprobs is None and constraint is None)) else None
+            if req.background and (not req.stream or self.top_logprobs is None) else None
         # a streamed background run's events go to the store (background.EventRecorder), its stream reads them there
         self.recorder = EventRecorder(ctx.store, self.id, self.runner, self.gen.output_ids, len(output_ids)) \
             if req.background and req.stream else None

@@ -5,6 +5,7 @@ response can no longer write it; with a store clock the tests move by hand."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -230,12 +231,18 @@ def _sse_events(body: str) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("cut_after", [12, 50])  # tokens: in the reasoning, in the answer
-def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_after):
+SCHEMA_FORMAT = {"type": "json_schema", "name": "words", "strict": True,
+                 "schema": {"type": "object", "properties": {"w": {"type": "string"}}, "required": ["w"]}}
+
+
+@pytest.mark.parametrize("cut_after,text_format", [(12, None), (50, None), (50, SCHEMA_FORMAT)])
+def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_after, text_format):
     """A streamed background run whose replica stops (BackgroundRuns.stop) is given back with its events and output
-    tokens so far; another replica continues it (its engine request: the prompt and that output, for the tokens left)
-    and the client's stream, still open on the first replica, reads on: every event once, in order, each item added
-    once, the text whole, usage counting the first prompt as input and every token as output."""
+    tokens so far; another replica continues it (its engine request: the prompt and that output, for the tokens left,
+    a constraint started past that output) and the client's stream, still open on the first replica, reads on: every
+    event once, in order, each item added once, the text whole, usage counting the first prompt as input and every
+    token as output. (Cut at 12 tokens: in the reasoning; at 50: in the answer. The scripted backend does not apply
+    the constraint; test_harmony_constrain.py holds the constraint's state past an output.)"""
     backend, store = ScriptedBackend(), MemoryResponseStore()
     first, second = (create_app(backend, model_name=MODEL, max_context=backend.max_context,
                                 conversation_start_date=START_DATE, response_store=store) for _ in range(2))
@@ -244,8 +251,9 @@ def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_af
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=first), base_url="http://a", timeout=60) as a:
             backend.push(THINK_THEN_ANSWER, delay_s=0.02)
-            post = asyncio.ensure_future(a.post("/v1/responses", json={"model": MODEL, "input": "Hi",
-                                                                       "background": True, "stream": True}))
+            body = {"model": MODEL, "input": "Hi", "background": True, "stream": True}
+            post = asyncio.ensure_future(a.post("/v1/responses", json=body if text_format is None else {
+                **body, "text": {"format": text_format}}))
             for _ in range(1000):
                 if any(len(out) >= cut_after for out in store._stream_output.values()):
                     break
@@ -274,6 +282,11 @@ def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_af
     [run1, run2] = backend.requests
     assert run2.request_id == f"{rid}-run2" and run2.prompt_ids == run1.prompt_ids + done
     assert run2.sampling.max_tokens == run1.sampling.max_tokens - len(done)
+    if text_format is not None:
+        assert run1.sampling.constraint.after == () and run2.sampling.constraint.after == tuple(done)
+        assert replace(run2.sampling.constraint, after=()) == run1.sampling.constraint
+    else:
+        assert run1.sampling.constraint is None and run2.sampling.constraint is None
     assert final["usage"]["input_tokens"] == len(run1.prompt_ids) and final["usage"]["output_tokens"] == len(tokens)
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 30
 

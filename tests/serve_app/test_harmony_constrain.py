@@ -383,3 +383,26 @@ def test_the_response_format_section_ends_the_developer_message():
     assert "Calls to these tools must go to the commentary channel" in text  # what the tools add stays
     alone = ENC.decode(render_prompt(Prompt([UserMessage("hi")], response_format=section)))
     assert f"<|start|>developer<|message|>{section}<|end|>" in alone
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_constraint_started_after_an_output_is_where_that_output_left_one(seed):
+    """HarmonySchemaSpec.after (a streamed background response taken up by another replica): a constraint started
+    past a prefix of a random walk allows at every later position what the constraint that wrote the prefix allows,
+    for a schema final answer and a forced call (which reasons first, then calls), cut anywhere, masks of forced
+    tokens (jump-forward) included."""
+    from serve_app.harmony.constrain import FORCED_CALL, forced_call_grammar
+
+    rng = np.random.default_rng(seed)
+    for kw, end in ((dict(final=check_json_schema(SCHEMA, "s"), start_in=FINAL), RETURN),
+                    (dict(start_in=FORCED_CALL, forced_call=forced_call_grammar([("get_weather", SCHEMA)], 6)), CALL)):
+        out = walk(spec(**kw).start(HARMONY_VOCAB_SIZE), rng, end) + [end]
+        cut = int(rng.integers(0, len(out)))
+        whole, resumed = spec(**kw).start(HARMONY_VOCAB_SIZE), spec(**kw, after=tuple(out[:cut])).start(
+            HARMONY_VOCAB_SIZE)
+        feed(whole, out[:cut])
+        for t in out[cut:]:
+            want, got = allowed(whole.allowed_tokens()), allowed(resumed.allowed_tokens())
+            assert (want is None and got is None) or np.array_equal(want, got), (seed, cut, ENC.decode([t]))
+            whole.accept(t)
+            resumed.accept(t)

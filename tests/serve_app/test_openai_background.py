@@ -244,8 +244,8 @@ def test_a_stopping_replica_lets_short_runs_finish_and_gives_the_rest_to_another
 
 
 def test_a_stopping_replica_stores_streamed_runs_it_cannot_continue_as_failed():
-    """A streamed background run that asked for logprobs cannot be continued elsewhere (their state is not kept; nor
-    a constraint's) and its client may have read part of its events: stop() stores it failed (code server_error, the
+    """A streamed background run that asked for logprobs cannot be continued elsewhere (the logprobs in waiting are
+    not kept) and its client may have read part of its events: stop() stores it failed (code server_error, the
     message says the replica stopped), its stream ends with response.failed and its engine request is aborted. (One
     that can be continued: test_background_handover.py.)"""
     import asyncio
