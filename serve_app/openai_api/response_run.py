@@ -208,7 +208,8 @@ class ResponseRun:
         self.recorder = EventRecorder(ctx.store, self.id, self.runner, self.gen.output_ids, len(output_ids)) \
             if req.background and req.stream else None
         self.background_assembler = self.new_assembler() if req.background else None
-        self.resumed = resume is not None
+        # (a stream taken up has had its in_progress, unless its first run was given back still waiting for it)
+        self.announce_progress = resume is None or all(ev["type"] != "response.in_progress" for ev in resume["events"])
         if resume is not None:
             self.background_assembler.resume(resume["events"], replayed)
 
@@ -325,7 +326,7 @@ class ResponseRun:
             await gen.start()
             in_progress = self.snapshot("in_progress", [])
             await self.keep(in_progress)
-            if recorder is not None and not self.resumed:  # (a stream taken up has had its in_progress)
+            if recorder is not None and self.announce_progress:
                 await recorder.add([assembler.event("response.in_progress", response=in_progress)])
             async for batch in self.frames(gen, assembler):
                 if recorder is not None:

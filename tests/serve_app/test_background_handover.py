@@ -271,6 +271,7 @@ def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_af
     rid, done, events, replay, final = asyncio.run(main())
     assert [ev["sequence_number"] for ev in events] == list(range(len(events))) and events == replay
     assert [ev["type"] for ev in events][:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert [ev["type"] for ev in events].count("response.in_progress") == 1
     assert events[-1]["type"] == "response.completed" and events[-1]["response"] == final
     assert [ev["item"]["type"] for ev in events if ev["type"] == "response.output_item.added"] == ["reasoning",
                                                                                                    "message"]
@@ -321,3 +322,33 @@ def test_a_stream_that_cannot_go_on_is_failed_by_its_adopter_and_its_stream_ends
     assert "events are gone" in got["resp_lost"]["error"]["message"]
     assert [(ev["type"], ev["sequence_number"]) for ev in tail] == [("response.failed", 2)]
     assert tail[0]["response"]["status"] == "failed" and lost_events is None and backend.requests == []
+
+
+def test_a_stream_given_back_before_its_first_token_goes_on_with_in_progress_once():
+    """Given back while its engine request still waited (its stream: created and queued, no token): the adopter's
+    run says in_progress and streams the whole answer; one given back after in_progress does not say it again
+    (test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events)."""
+    backend, store = ScriptedBackend(), MemoryResponseStore()
+    app = create_app(backend, model_name=MODEL, max_context=backend.max_context, conversation_start_date=START_DATE,
+                     response_store=store)
+    streamed = {**RERUN, "request": {**RERUN["request"], "stream": True}}
+
+    async def main():
+        await store.put("resp_w", response("resp_w", "queued", rerun=streamed), "run-a")
+        await store.append_events("resp_w", [{"type": "response.created", "sequence_number": 0},
+                                             {"type": "response.queued", "sequence_number": 1}], "run-a")
+        assert await store.release_response("resp_w", "run-a")
+        backend.push("<|channel|>final<|message|>All of it.<|return|>")
+        assert await app.state.background.adopt() == ["resp_w"]
+        for _ in range(500):
+            if (await store.get("resp_w")).response["status"] == "completed":
+                break
+            await asyncio.sleep(0.01)
+        return (await store.events_after("resp_w", -1))[0]
+
+    events = asyncio.run(main())
+    types = [ev["type"] for ev in events]
+    assert types[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert types.count("response.in_progress") == 1 and types[-1] == "response.completed"
+    assert [ev["sequence_number"] for ev in events] == list(range(len(events)))
+    assert "".join(ev["delta"] for ev in events if ev["type"] == "response.output_text.delta") == "All of it."
