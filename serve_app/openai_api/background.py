@@ -22,8 +22,9 @@ client may have read part of its events) goes on from where its stored events en
 the output tokens that made the events (EventRecorder), and the adopter's run feeds them to a fresh parser, takes up
 the stored items and sequence numbers, and asks the engine for the rest with the prompt followed by that output
 (response_run.ResponseRun's `resume`; a constraint starts past that output). A streamed one that asked for logprobs
-cannot go on (the logprobs in waiting are not kept): it is stored `failed` (code `server_error`, the message says why; the client may create it
-again), or marked so by the store after that silence. background_store.py has the store's side.
+cannot go on (the logprobs in waiting are not kept): it is stored `failed` (code `server_error`, the message says
+why; the client may create it again), or marked so by the store after that silence. background_store.py has the
+store's side.
 
 Runs are started detached (`detached`): with empty context variables, so that under Ray Serve their engine calls
 are not child requests of the POST that created them (Serve cancels those when the POST is cancelled: a streamed

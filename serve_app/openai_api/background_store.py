@@ -41,8 +41,8 @@ ADOPT_AT_ONCE = 64
 
 class BackgroundLeases:
     """Background runs' state in MemoryResponseStore (which provides _items, _response_entry, _write, _make_room,
-    _events, _stream_output and append_events): when each unfinished response's replica was last heard from, its runner, the cancels asked for,
-    the responses given back."""
+    _events, _stream_output and append_events): when each unfinished response's replica was last heard from, its
+    runner, the cancels asked for, the responses given back."""
 
     def __init__(self, orphan_after_s: float, clock=time.monotonic):
         self.orphan_after_s = orphan_after_s
