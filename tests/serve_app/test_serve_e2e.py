@@ -623,7 +623,8 @@ def test_a_batch_outlives_its_ingress_replica(http_port):
     assert [ev.sequence_number for ev in events] == list(range(len(events)))
     final = api.responses.retrieve(seen[0].response.id)
     assert events[-1].type == f"response.{final.status}" and final.status in ("completed", "incomplete"), final
-    assert [ev.item.id for ev in events if ev.type == "response.output_item.added"] == [item.id for item in final.output]
+    added = [ev.item.id for ev in events if ev.type == "response.output_item.added"]
+    assert added == [item.id for item in final.output]
     for item in final.output:
         text = parts[0].text if (parts := getattr(item, "content", None)) else None
         assert text is None or text == "".join(ev.delta for ev in events if getattr(ev, "item_id", None) == item.id
