@@ -123,8 +123,10 @@ class ServeResponseStore:
         return await self._call("adopt_responses", runner, model, limit)
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]], runner: str | None = None,
-                            output_ids: list[int] = (), output_from: int = 0) -> bool:
-        return await self._call("append_events", response_id, events, runner, list(output_ids), output_from)
+                            output_ids: list[int] = (), output_from: int = 0,
+                            prompt_ids: list[int] | None = None) -> bool:
+        return await self._call("append_events", response_id, events, runner, list(output_ids), output_from,
+                                prompt_ids)
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None:
         return await self._call("events_after", response_id, after)

@@ -19,8 +19,9 @@ given back to the store (status `queued` again) and another ingress replica of t
 (`adopt`, from each replica's health check); so are those of a replica that died, once the store has heard nothing
 from it for `orphan_after_s` (30 s). One created without `stream` runs again from the start. A streamed one (its
 client may have read part of its events) goes on from where its stored events end: each event write also carries
-the output tokens that made the events (EventRecorder), and the adopter's run feeds them to a fresh parser, takes up
-the stored items and sequence numbers, and asks the engine for the rest with the prompt followed by that output
+the output tokens that made the events (EventRecorder; the first write, the prompt), and the adopter's run feeds them
+to a fresh parser, takes up the stored items and sequence numbers, and asks the engine for the rest with that prompt
+followed by that output
 (response_run.ResponseRun's `resume`; a constraint starts past that output). A streamed one that asked for logprobs
 cannot go on (the logprobs in waiting are not kept): it is stored `failed` (code `server_error`, the message says
 why; the client may create it again), or marked so by the store after that silence. background_store.py has the

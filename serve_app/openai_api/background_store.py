@@ -13,8 +13,8 @@ its next poll and its final write is refused. A response adopted MAX_RUNS times 
 one for ADOPT_PATIENCE x orphan_after_s (no ingress replica of its model is left), is marked failed.
 
 A streamed background response (its client may have read part of its events) is not run again from the start: the
-adopter continues it (responses.resume_response) from the events stored here and the output tokens that made them
-(append_events keeps both, from one write each: a run cut off from the store loses only what it had not written,
+adopter continues it (responses.resume_response) from the events stored here, the output tokens that made them and
+the prompt they followed (append_events keeps them, from one write each: a run cut off from the store loses only what it had not written,
 and its writes stop counting once the response is adopted). One that cannot be continued (its request asked for
 logprobs, whose state in waiting is not kept) has no `rerun` and is marked failed as before: when its
 replica stops (background.BackgroundRuns.stop), or `orphan_after_s` after its replica's last poll (on a read, or by
@@ -41,7 +41,7 @@ ADOPT_AT_ONCE = 64
 
 class BackgroundLeases:
     """Background runs' state in MemoryResponseStore (which provides _items, _response_entry, _write, _make_room,
-    _events, _stream_output and append_events): when each unfinished response's replica was last heard from, its
+    _events, _stream_output, _stream_prompt and append_events): when each unfinished response's replica was last heard from, its
     runner, the cancels asked for, the responses given back."""
 
     def __init__(self, orphan_after_s: float, clock=time.monotonic):
@@ -139,7 +139,8 @@ class BackgroundLeases:
             if response_id in self._stream_output:  # a stream: the run goes on from its stored events (not kept here)
                 adopted = replace(adopted, rerun={**adopted.rerun, "stream": {
                     "events": list(self._events[response_id][0]),
-                    "output_ids": list(self._stream_output[response_id])}})
+                    "output_ids": list(self._stream_output[response_id]),
+                    "prompt_ids": self._stream_prompt.get(response_id)}})
             taken.append((response_id, adopted))
             if len(taken) >= limit:
                 break

@@ -171,10 +171,13 @@ class ResponseRun:
     def __init__(self, req: ResponsesRequest, ctx: IngressContext, owner: str | None, prompt_ids: list[int],
                  constraint: HarmonySchemaSpec | None, priority: int, caller: Caller, response_id: str | None = None,
                  created: float | None = None, runs: int = 1, resume: dict[str, Any] | None = None):
-        """resume: a streamed background response's stored `events` and the `output_ids` that made them
-        (background_store.adopt_responses): this run goes on from there, its prompt followed by that output."""
+        """resume: a streamed background response's stored `events`, the `output_ids` that made them and the
+        `prompt_ids` those followed (background_store.adopt_responses): this run goes on from there, that prompt (not
+        `prompt_ids`, made again now: a conversation may have grown, the date changed) followed by that output."""
         self.req, self.ctx, self.owner = req, ctx, owner
         self.text_format = req.text.format if req.text else None
+        if resume is not None and resume.get("prompt_ids"):
+            prompt_ids = list(resume["prompt_ids"])
         # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs
         # alternatives)
         self.top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in (req.include or []) else None
@@ -183,6 +186,7 @@ class ResponseRun:
             top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, logprobs=self.top_logprobs,
         ), len(prompt_ids), ctx.config)
         self.id = response_id or new_id("resp")
+        self.prompt_ids = prompt_ids
         output_ids = list(resume["output_ids"]) if resume is not None else []
         if output_ids:
             if output_ids[-1] in sampling.stop_token_ids or len(output_ids) >= sampling.max_tokens:
@@ -310,7 +314,8 @@ class ResponseRun:
             return JSONResponse(queued, headers=headers)
         await ask_store(self.ctx.store.append_events(self.id, [
             self.background_assembler.event("response.created", response=queued),
-            self.background_assembler.event("response.queued", response=queued)]))
+            self.background_assembler.event("response.queued", response=queued)], self.runner,
+            prompt_ids=self.prompt_ids))
         self.ctx.background.start(self.id, self.run_in_background)
         return EventStreamResponse(follow_events(self.ctx.store, self.id, -1), headers=headers,
                                    keepalive_s=self.ctx.config.stream_keepalive_s)

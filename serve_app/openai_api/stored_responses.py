@@ -131,7 +131,8 @@ class ResponseStore(Protocol):
     async def adopt_responses(self, runner: str, model: str, limit: int = ADOPT_AT_ONCE) -> list[tuple[str, StoredResponse]]: ...
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]], runner: str | None = None,
-                            output_ids: list[int] = (), output_from: int = 0) -> bool: ...
+                            output_ids: list[int] = (), output_from: int = 0,
+                            prompt_ids: list[int] | None = None) -> bool: ...
 
     async def events_after(self, response_id: str, after: int) -> tuple[list[dict[str, Any]], bool] | None: ...
 
@@ -181,6 +182,7 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
         self.bytes = 0
         self._events: dict[str, tuple[list[dict[str, Any]], int]] = {}  # response -> (its stream events, their bytes)
         self._stream_output: dict[str, list[int]] = {}  # response -> the output tokens of its stored events
+        self._stream_prompt: dict[str, list[int]] = {}  # response -> its run's prompt (what that output followed)
         self._file = file
         if file is not None:
             self._load(file)
@@ -295,18 +297,22 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
         return self._drop(response_id)
 
     async def append_events(self, response_id: str, events: list[dict[str, Any]], runner: str | None = None,
-                            output_ids: list[int] = (), output_from: int = 0) -> bool:
+                            output_ids: list[int] = (), output_from: int = 0,
+                            prompt_ids: list[int] | None = None) -> bool:
         """Add stream events (each with its `sequence_number`, in order) to a stored response's event log; False if
         the response is not stored (deleted, or dropped for room) or, with `runner`, another replica runs it now.
         Events it already has (a sequence number not past its last one: a write retried after a timeout that had
         landed) are left out. `output_ids`: the run's output tokens from its `output_from`-th on, those that made
         these events and the ones before (kept, likewise without repeats, for a run that continues the stream:
-        adopt_responses)."""
+        adopt_responses); `prompt_ids`: the prompt they follow (the first write's; kept for that run too)."""
         if self._entry(response_id, StoredResponse) is None or self._lost_by(response_id, runner):
             return False
         tokens = self._stream_output.setdefault(response_id, [])
         log_, size = self._events.get(response_id, ([], 0))
         added = 0
+        if prompt_ids is not None and response_id not in self._stream_prompt:
+            self._stream_prompt[response_id] = list(prompt_ids)
+            added += 7 * len(prompt_ids)
         if output_from <= len(tokens) < output_from + len(output_ids):
             new_tokens = output_ids[len(tokens) - output_from:]
             tokens.extend(new_tokens)
@@ -433,4 +439,5 @@ class MemoryResponseStore(MemoryBatchStore, BackgroundLeases):
             self.bytes -= self._events.pop(response_id)[1]
         if not keep_events:
             self._stream_output.pop(response_id, None)
+            self._stream_prompt.pop(response_id, None)
         return entry is not None

@@ -204,19 +204,20 @@ def test_stream_tokens_are_kept_without_gap_or_repeat_and_go_with_an_adoption():
     async def main():
         await store.put("resp_s", response("resp_s", rerun={**RERUN, "request": {**RERUN["request"], "stream": True}}),
                         "run-a")
-        assert await store.append_events("resp_s", events[:2], "run-a", [7, 8, 9], 0)
-        assert await store.append_events("resp_s", events[1:3], "run-a", [8, 9, 10], 1)  # retried in part
+        assert await store.append_events("resp_s", events[:2], "run-a", [7, 8, 9], 0, prompt_ids=[1, 2])
+        assert await store.append_events("resp_s", events[1:3], "run-a", [8, 9, 10], 1, prompt_ids=[5])  # retried
         assert await store.append_events("resp_s", events[3:4], "run-a", [99], 5)  # a gap: the tokens are left out
         assert store._stream_output["resp_s"] == [7, 8, 9, 10]
         assert await store.release_response("resp_s", "run-a")
         [(rid, adopted)] = await store.adopt_responses("run-b", MODEL)
-        assert rid == "resp_s" and adopted.rerun["stream"] == {"events": events[:4], "output_ids": [7, 8, 9, 10]}
+        assert rid == "resp_s" and adopted.rerun["stream"] == {"events": events[:4], "output_ids": [7, 8, 9, 10],
+                                                               "prompt_ids": [1, 2]}  # the first write's
         assert "stream" not in (await store.get("resp_s")).rerun  # handed over, not kept in the stored response
         assert not await store.append_events("resp_s", events[4:], "run-a", [11], 4)  # run-a lost it
         assert await store.append_events("resp_s", events[4:], "run-b", [11], 4)
         assert (await store.events_after("resp_s", -1))[0] == events and store._stream_output["resp_s"][-1] == 11
         await store.delete("resp_s")
-        assert "resp_s" not in store._stream_output and store.bytes == 0
+        assert "resp_s" not in store._stream_output and "resp_s" not in store._stream_prompt and store.bytes == 0
 
     asyncio.run(main())
 
@@ -241,11 +242,13 @@ def test_a_streamed_run_goes_on_at_another_replica_from_its_stored_events(cut_af
     tokens so far; another replica continues it (its engine request: the prompt and that output, for the tokens left,
     a constraint started past that output) and the client's stream, still open on the first replica, reads on: every
     event once, in order, each item added once, the text whole, usage counting the first prompt as input and every
-    token as output. (Cut at 12 tokens: in the reasoning; at 50: in the answer. The scripted backend does not apply
-    the constraint; test_harmony_constrain.py holds the constraint's state past an output.)"""
+    token as output. The prompt is the first run's, not the one the request makes now (the second replica's date
+    differs here). (Cut at 12 tokens: in the reasoning; at 50: in the answer. The scripted backend does not apply the
+    constraint; test_harmony_constrain.py holds the constraint's state past an output.)"""
     backend, store = ScriptedBackend(), MemoryResponseStore()
     first, second = (create_app(backend, model_name=MODEL, max_context=backend.max_context,
-                                conversation_start_date=START_DATE, response_store=store) for _ in range(2))
+                                conversation_start_date=date, response_store=store)
+                     for date in (START_DATE, "2031-01-02"))
     tokens = backend.tokens(THINK_THEN_ANSWER)
 
     async def main():

@@ -116,11 +116,11 @@ class LandedThenTimedOutStore(MemoryResponseStore):
         super().__init__(max_responses=100)
         self.writes = 0
 
-    async def append_events(self, response_id, events, *more):
+    async def append_events(self, response_id, events, *more, **named):
         self.writes += 1
         if self.writes > 1 and self.writes % 3 == 0:  # the first, the POST's own, must land
             raise TimeoutError()
-        landed = await super().append_events(response_id, events, *more)
+        landed = await super().append_events(response_id, events, *more, **named)
         if self.writes % 5 == 0:
             raise TimeoutError()
         return landed
