@@ -28,8 +28,8 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from engine.host_kv_tier import HostPool, KVMoves
-from engine.page_pool import KVCacheError, PagePool, cdiv, prefix_block_hashes
-from engine.sequence import Sequence
+from engine.page_pool import KVCacheError, PagePool, cdiv, chained_block_hashes, prefix_block_hashes
+from engine.sequence import PLACEHOLDER, Sequence
 
 MAX_CUTS = 65_536  # cut points remembered (BlockManager._cuts)
 
@@ -343,6 +343,28 @@ class BlockManager:
                 self.sliding.register(seq.sliding_pages[b - seq.sliding_first], hashes[b])
         seq.num_registered = done
 
+    def _name_output_blocks(self, seq: Sequence) -> int:
+        """Name (register) the whole blocks past the prompt whose K/V `seq` computed and whose tokens are known (not
+        placeholders of steps in flight), chained after the prompt's: a later prompt that continues this output (a
+        conversation's next turn, a stream taken up elsewhere) starts from them. The blocks named up to (0: none)."""
+        bs, out = self.block_size, seq.output_ids
+        known = len(out)
+        while known and out[known - 1] == PLACEHOLDER:
+            known -= 1
+        first, end = len(seq.prompt_ids) // bs, min(seq.num_computed, len(seq.prompt_ids) + known) // bs
+        if end <= first or seq.num_registered != first:  # (the prompt's own blocks are all named by now)
+            return 0
+        prompt_hashes = self._hashes(seq)
+        hashes = chained_block_hashes(seq.token_slice(first * bs, end * bs), bs, end - first,
+                                      prompt_hashes[first - 1] if first else None, seq.cache_salt)
+        for b, block_hash in enumerate(hashes, start=first):
+            if self.full is not None:
+                self.full.register(seq.full_pages[b], block_hash)
+            if self.sliding is not None and max(seq.sliding_first, seq.sliding_named_from) <= b \
+                    < seq.sliding_first + len(seq.sliding_pages):
+                self.sliding.register(seq.sliding_pages[b - seq.sliding_first], block_hash)
+        return end
+
     def blocks_computed(self, seq: Sequence, start: int, end: int) -> set[bytes]:
         """Hashes of the whole prompt blocks positions start .. end - 1 complete (a step's chunk)."""
         if not self.prefix_caching:
@@ -371,13 +393,18 @@ class BlockManager:
             self.prefix_hit_tokens += hit_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Return every page of `seq` (finish, abort, preemption, export)."""
+        """Return every page of `seq` (finish, abort, preemption, export), its output's whole blocks named first."""
+        named = self._name_output_blocks(seq) if self.prefix_caching and seq.output_ids else 0
         seq.num_registered = seq.sliding_named_from = 0
         full = seq.full_pages.clear()
         if self.full is not None:
             self.full.release(full)
         if self.sliding is not None:
-            self.sliding.release(seq.sliding_pages, self._kept_sliding(seq, seq.sliding_first, seq.sliding_pages))
+            keep = self._kept_sliding(seq, seq.sliding_first, seq.sliding_pages)
+            if named:  # the window before the output's end: where the next turn of a conversation continues it
+                first = self._first_sliding_block(named)
+                keep |= {p for i, p in enumerate(seq.sliding_pages) if first <= seq.sliding_first + i < named}
+            self.sliding.release(seq.sliding_pages, keep)
         seq.sliding_pages = deque()
         seq.sliding_first = 0
 

@@ -14,9 +14,16 @@ def prefix_block_hashes(token_ids, block_size: int, max_blocks: int | None = Non
     """Chained hashes of the whole blocks of a token list: out[i] names tokens [0, (i + 1) * block_size), so
     equal hashes mean an equal prefix of that length (the prefix cache's block names; the Serve router's). A
     salt (GenerateRequest.cache_salt) starts the chain elsewhere: equal prefixes of different salts never meet."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    n = len(tokens) // block_size if max_blocks is None else min(len(tokens) // block_size, max_blocks)
-    parent = hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest() if salt else b""
+    n = len(token_ids) // block_size if max_blocks is None else min(len(token_ids) // block_size, max_blocks)
+    return chained_block_hashes(token_ids, block_size, n, None, salt)
+
+
+def chained_block_hashes(token_ids, block_size: int, n: int, parent: bytes | None, salt: str = "") -> list[bytes]:
+    """prefix_block_hashes of the first `n` whole blocks of `token_ids` when they follow the block named `parent`
+    (None: they start the sequence)."""
+    tokens = np.asarray(token_ids[:n * block_size], dtype=np.int64)
+    if parent is None:
+        parent = hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest() if salt else b""
     out = []
     for b in range(n):
         parent = hashlib.blake2b(parent + tokens[b * block_size:(b + 1) * block_size].tobytes(), digest_size=16).digest()

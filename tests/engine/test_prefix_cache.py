@@ -378,3 +378,26 @@ def test_bad_cache_cuts_are_refused(make_engine, cuts):
         engine.add_request(replace(request("bad", random_prompt(29, 990), greedy(2)), cache_cuts=cuts))
     assert err.value.param == "cache_cuts"
     assert not engine.seqs
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_a_prompt_that_continues_an_output_starts_past_it(make_engine, extra):
+    """A request's output blocks are named when it ends (their K/V computed, their tokens known): a later prompt
+    that continues prompt and output (a conversation's next turn, a stream taken up by another replica) takes them,
+    full-layer pages and the window before its cut (kept when the first request ended), and generates what the
+    uncached engine does. 27 prompt tokens + 20 output (46 computed): the second prompt's first 11 blocks are cached,
+    not only the prompt's 6."""
+    first = request("o0", SYSTEM, greedy(20))
+    engine = make_engine(enable_prefix_caching=True)
+    out = generate(engine, [first], one_by_one=True)["o0"]["ids"]
+    second = request("o1", SYSTEM + out + random_prompt(extra, 930), greedy(6))
+    want = generate(make_engine(), [first, second], one_by_one=True)
+    engine.add_request(second)
+    cached, got = set(), []
+    while engine.has_unfinished():
+        for d in engine.step():
+            cached.add(d.num_cached_tokens)
+            got += d.token_ids
+    assert got == want["o1"]["ids"] and want["o0"]["ids"] == out
+    assert cached == {11 * BLOCK}
+    assert_pool_full(engine)
