@@ -352,8 +352,8 @@ class BlockManager:
         while known and out[known - 1] == PLACEHOLDER:
             known -= 1
         first, end = len(seq.prompt_ids) // bs, min(seq.num_computed, len(seq.prompt_ids) + known) // bs
-        if end <= first or seq.num_registered != first:  # (the prompt's own blocks are all named by now)
-            return 0
+        if end <= first or seq.num_registered != first or (self.full is not None and len(seq.full_pages) < end):
+            return 0  # (the prompt's own blocks are all named by now; a sequence retired early holds no pages)
         prompt_hashes = self._hashes(seq)
         hashes = chained_block_hashes(seq.token_slice(first * bs, end * bs), bs, end - first,
                                       prompt_hashes[first - 1] if first else None, seq.cache_salt)
