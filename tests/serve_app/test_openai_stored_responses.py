@@ -306,3 +306,31 @@ def test_input_tokens_counts_what_the_response_is_charged(api, backend, live):
     assert no_model.json() == {"object": "response.input_tokens",
                                "input_tokens": api.responses.input_tokens.count(model=MODEL, input="Hello there")
                                .input_tokens}
+
+
+THOUGHT = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+ARGS = ' <|constrain|>json<|message|>{"location":"Rome"}<|call|>'
+
+
+@pytest.mark.parametrize("output,shared", [
+    (THOUGHT + " to=functions.get_weather<|channel|>commentary" + ARGS, "all"),  # recipient-first, as harmony renders
+    (THOUGHT + "<|channel|>commentary to=functions.get_weather" + ARGS, THOUGHT),  # channel-first
+    (FIRST, "<|channel|>"),  # a final answer: the turn's reasoning is dropped from the history
+])
+def test_what_of_a_turns_output_its_next_turn_prompt_repeats(api, backend, output, shared):
+    """The next turn's prompt (previous_response_id) starts with the turn's prompt and then repeats its output
+    token for token as far as the engine's prefix cache can serve it from the output's own blocks
+    (engine/block_manager.py names them when a request ends): all of a tool-calling turn whose header came
+    recipient-first, its analysis message up to the call's header when channel-first, one token of a turn that
+    answered."""
+    tokens = backend.tokens(output)
+    backend.push(output)
+    first = api.responses.create(model=MODEL, input="Weather in Rome?", tools=TOOLS)
+    calls = [item for item in first.output if item.type == "function_call"]
+    backend.push(SECOND)
+    api.responses.create(model=MODEL, tools=TOOLS, previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}] if calls else "Thanks!")
+    before, after = (r.prompt_ids for r in backend.requests[-2:])
+    whole = before + tokens
+    n = next((i for i, (a, b) in enumerate(zip(whole, after)) if a != b), min(len(whole), len(after)))
+    assert whole[len(before):n] == (tokens if shared == "all" else backend.tokens(shared)), ENC.decode(whole[n:n + 6])
