@@ -181,8 +181,9 @@ class IngressSettings(_Settings):
     store_orphan_s: float = Field(
         30.0, gt=0, description="How long the store waits without word from the ingress replica running a background "
                                 "response or a batch before it counts that replica dead: the response and the batch are "
-                                "then adopted by another replica (a streamed background response is failed). Longer than the pauses a busy replica "
-                                "may have (its writes come every 0.5-1 s).")
+                                "then adopted by another replica (a streamed background response goes on there "
+                                "from its stored events). Longer than the pauses a busy replica may have (its "
+                                "writes come every 0.5-1 s).")
     files_max_mib: float = Field(
         1024, gt=0, description="Memory the /v1/files files may take together in the store's replica (batch inputs, "
                                 "and the output and error files batches write); an upload past it is a 400 until "

@@ -140,9 +140,9 @@ class HarmonyIngress:
 
     async def __del__(self):
         """Serve's graceful shutdown (after in-flight HTTP requests drained): background responses get a few
-        seconds to finish, the rest are given back for another replica to run again (streamed ones: stored as
-        failed; serve_app/openai_api/background.py); running batches are
-        given back to the store with the answers they have, for another replica to finish (batch_runs.py)."""
+        seconds to finish, the rest are given back for another replica to run again (streamed ones: to go on from
+        their stored events; serve_app/openai_api/background.py); running batches are given back to the store with
+        the answers they have, for another replica to finish (batch_runs.py)."""
         apps = getattr(self, "_apps", {}).values()
         runs = [app.state.background for app in apps if app.state.background is not None]
         batches = [app.state.batches for app in apps if app.state.batches is not None]
