@@ -198,13 +198,8 @@ class BlockManager:
         if not self.prefix_caching or seq.num_computed or len(seq.full_pages) or seq.sliding_pages:
             return 0
         hashes = self._hashes(seq)
-        k = (len(seq.prompt_ids) - 1) // self.block_size
-        if self.full is not None:
-            k = next((i for i in range(k) if self.full.lookup(hashes[i]) is None), k)
-        full_k = k
+        k, full_k = self._longest_cached(hashes, (len(seq.prompt_ids) - 1) // self.block_size)
         if self.sliding is not None:
-            while k and any(self.sliding.lookup(hashes[j]) is None for j in range(self._first_sliding_block(k), k)):
-                k -= 1
             # where this prompt leaves the cached ones, and where its sender expects others to leave it: keep
             # the windows there
             cuts = {full_k, k} | {p // self.block_size for p in seq.cache_cuts}  # (validated: p <= len(prompt))
@@ -226,6 +221,29 @@ class BlockManager:
                                      for j in range(seq.sliding_first, k))
         seq.num_computed, seq.num_registered = k * self.block_size, k
         return k * self.block_size
+
+    def _longest_cached(self, hashes: list[bytes], k: int) -> tuple[int, int]:
+        """(the blocks of the longest prefix of at most `k` blocks whose full-layer pages and last-window sliding
+        pages are all cached, the blocks whose full-layer pages are)."""
+        if self.full is not None:
+            k = next((i for i in range(k) if self.full.lookup(hashes[i]) is None), k)
+        full_k = k
+        if self.sliding is not None:
+            while k and any(self.sliding.lookup(hashes[j]) is None for j in range(self._first_sliding_block(k), k)):
+                k -= 1
+        return k, full_k
+
+    def cached_prefix(self, prompt_ids: list[int], cache_salt: str = "") -> tuple[int, bool]:
+        """(the tokens of a prompt that take_cached_prefix would find cached now, whether the last of their blocks
+        is one a request here generated: the prompt continues an output of this engine), changing nothing (a hint
+        for another thread: the pages may go before the prompt is admitted)."""
+        if not self.prefix_caching or len(prompt_ids) < 2:
+            return 0, False
+        k = (len(prompt_ids) - 1) // self.block_size
+        hashes = prefix_block_hashes(prompt_ids, self.block_size, k, salt=cache_salt)
+        k = self._longest_cached(hashes, k)[0]
+        pool = self.full if self.full is not None else self.sliding
+        return k * self.block_size, k > 0 and pool.lookup(hashes[k - 1]) in pool.output_pages
 
     def _kept_sliding(self, seq: Sequence, first_block: int, pages) -> set[int]:
         """Of the sliding pages holding blocks first_block, first_block + 1, ... of `seq`, those a later prompt is
@@ -359,10 +377,10 @@ class BlockManager:
                                       prompt_hashes[first - 1] if first else None, seq.cache_salt)
         for b, block_hash in enumerate(hashes, start=first):
             if self.full is not None:
-                self.full.register(seq.full_pages[b], block_hash)
+                self.full.register(seq.full_pages[b], block_hash, output=True)
             if self.sliding is not None and max(seq.sliding_first, seq.sliding_named_from) <= b \
                     < seq.sliding_first + len(seq.sliding_pages):
-                self.sliding.register(seq.sliding_pages[b - seq.sliding_first], block_hash)
+                self.sliding.register(seq.sliding_pages[b - seq.sliding_first], block_hash, output=True)
         return end
 
     def blocks_computed(self, seq: Sequence, start: int, end: int) -> set[bytes]:

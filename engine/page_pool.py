@@ -57,6 +57,7 @@ class PagePool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # no holder, still hashed; oldest first
         self._kept: OrderedDict[int, None] = OrderedDict()  # the same, released with `keep`: evicted after those
         self.on_evict = None  # called (page, block hash, kept) when an allocation evicts a cached block (host tier)
+        self.output_pages: set[int] = set()  # cached pages whose block a request generated (past its prompt)
 
     @property
     def num_free(self) -> int:
@@ -83,6 +84,7 @@ class PagePool:
                 p, _ = (self._kept if kept else self._evictable).popitem(last=False)
                 block_hash = self._hash_of.pop(p)
                 del self._page_of[block_hash]
+                self.output_pages.discard(p)
                 if self.on_evict is not None:
                     self.on_evict(p, block_hash, kept)
             self._refs[p] = 1
@@ -104,12 +106,14 @@ class PagePool:
                 else:
                     self._free.append(p)
 
-    def register(self, page: int, block_hash: bytes) -> None:
-        """`page` (held) now holds the block `block_hash` names; a block already cached elsewhere keeps
-        its first page."""
+    def register(self, page: int, block_hash: bytes, output: bool = False) -> None:
+        """`page` (held) now holds the block `block_hash` names (`output`: a block a request generated); a block
+        already cached elsewhere keeps its first page."""
         if block_hash not in self._page_of and page not in self._hash_of:
             self._page_of[block_hash] = page
             self._hash_of[page] = block_hash
+            if output:
+                self.output_pages.add(page)
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self._page_of.get(block_hash)

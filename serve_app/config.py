@@ -211,6 +211,14 @@ class ServeAppConfig(_Settings):
                                  "decode runs the prompt itself.")
     kv_transfer_timeout_s: float = Field(
         30.0, gt=0, description="Longest wait to receive one request's KV; past it decode runs the prompt itself.")
+    local_prefill_max_tokens: int = Field(
+        512, ge=0, description="Disaggregated, with prefix caching: a prompt that continues an output this decode "
+                               "replica generated (its cached prefix here runs into that output's blocks: a "
+                               "conversation's next turn after a tool call, a stream taken up elsewhere) and has at "
+                               "most this many tokens past what is cached here runs here instead of on prefill, "
+                               "which never saw that output and would compute it again and send all of the K/V "
+                               "back. A prompt that shares only a prompt (a system prompt) goes to prefill as "
+                               "before. 0: always prefill remotely. Not yet measured on a GPU.")
     # ---- deployments -----------------------------------------------------------------------------
     ingress: IngressSettings = Field(default_factory=IngressSettings, description="HTTP ingress options.")
     prefill: DeploymentSettings = Field(default_factory=default_prefill, description="Prefill deployment options.")

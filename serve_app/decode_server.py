@@ -49,6 +49,7 @@ class DecodeServer:
         self.metrics = ServerMetrics("decode", self.config.served_model_name)
         self._reporter = asyncio.get_running_loop().create_task(report_metrics_forever(self.engine, self.metrics))
         self.fallbacks: Counter[str] = Counter()  # by reason (_reason)
+        self.local_prefills = 0  # prompts run here because this replica's prefix cache held nearly all of them
         self.transfers_by_node: Counter[str] = Counter()  # "same": the prefill replica ran on this node; "other"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -61,7 +62,10 @@ class DecodeServer:
         num_out = num_cached = 0
         outcome, prefill = "cancelled", "local"  # what ended it; where its prompt ran
         try:
-            if self.prefill is not None:
+            if self.prefill is not None and (cached_here := await self._mostly_cached_here(request)):
+                prefill = f"local: {cached_here} tokens cached here"
+                self.local_prefills += 1
+            elif self.prefill is not None:
                 payload, prefill = await self._remote_prefill(request)
                 stream = self.engine.generate_prefilled(request, payload) if payload is not None else None
             if stream is not None:
@@ -100,6 +104,20 @@ class DecodeServer:
                      len(request.prompt_ids), num_cached, prefill, num_out,
                      f"{first_at - t0:.3f} s" if first_at else "-",
                      f"{1 / tpot:.1f} tok/s after it" if tpot else "no decode rate")
+
+    async def _mostly_cached_here(self, request: GenerateRequest) -> int:
+        """The prompt tokens this replica's prefix cache holds, if the prompt continues an output generated here
+        (its cached prefix ends in such a block: a prefill replica never saw it) and at most local_prefill_max_tokens
+        of it are not cached (then the prompt runs here: ServeAppConfig.local_prefill_max_tokens); else 0. A prompt
+        that only shares what a prefill replica also caches (a system prompt) goes there as before. (Hashing a
+        prompt takes ~1 us per block: a long one's off the event loop.)"""
+        limit = self.config.local_prefill_max_tokens
+        if not limit:
+            return 0
+        look = self.engine.engine.block_manager.cached_prefix
+        args = (request.prompt_ids, request.cache_salt)
+        cached, past_output = await asyncio.to_thread(look, *args) if len(request.prompt_ids) > 4096 else look(*args)
+        return cached if past_output and len(request.prompt_ids) - cached <= limit else 0
 
     async def _remote_prefill(self, request: GenerateRequest) -> tuple[PrefilledKV | None, str]:
         """The prompt's K/V + first token from a prefill replica, or None (then decode runs the prompt); and
@@ -170,6 +188,7 @@ class DecodeServer:
         out = {"device": self.device, "transport": self.transport.name,
                "transfers": sum(self.transfers_by_node.values()), "transfers_by_node": dict(self.transfers_by_node),
                "fallbacks": sum(self.fallbacks.values()), "fallback_reasons": dict(self.fallbacks),
+               "local_prefills": self.local_prefills,
                **engine_stats(self.engine)}
         if isinstance(self.transport, CudaIpcTransport):
             out["cuda_ipc_arena_free_bytes"] = self.transport.arena_free_bytes

@@ -392,6 +392,10 @@ def test_a_prompt_that_continues_an_output_starts_past_it(make_engine, extra):
     out = generate(engine, [first], one_by_one=True)["o0"]["ids"]
     second = request("o1", SYSTEM + out + random_prompt(extra, 930), greedy(6))
     want = generate(make_engine(), [first, second], one_by_one=True)
+    usage = engine.block_manager.usage()
+    assert engine.block_manager.cached_prefix(second.prompt_ids) == (11 * BLOCK, True)  # runs into the output
+    assert engine.block_manager.cached_prefix(SYSTEM + [7, 7, 7, 7, 7]) == (6 * BLOCK, False)  # only the prompt
+    assert engine.block_manager.usage() == usage  # a look, nothing taken
     engine.add_request(second)
     cached, got = set(), []
     while engine.has_unfinished():

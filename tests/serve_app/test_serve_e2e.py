@@ -199,6 +199,30 @@ def test_tokens_match_the_single_process_engine(http_port, reference):
     assert stats(PREFILL_NAME)["kv_exported_total"] >= len(CASES)
 
 
+def test_a_prompt_continuing_an_output_generated_here_runs_on_decode(http_port, reference):
+    """local_prefill_max_tokens (512): a prompt whose prefix cached on the decode replica runs into an output that
+    replica generated (named when it ended), with at most 512 tokens past it, runs on decode: the prefill replica
+    never saw that output. A prompt that shares only the earlier prompt goes to prefill as before. Tokens as the
+    single-process engine's either way."""
+    decode = serve.get_deployment_handle(DECODE_NAME, APP).options(stream=True)
+    prompt = random_prompt(150, 77)
+    first = list(decode.generate.remote(GenerateRequest("turn-1", prompt, SamplingParams(temperature=0.0,
+                                                                                           max_tokens=40))))
+    out = [t for d in first for t in d.token_ids]
+    sampling = SamplingParams(temperature=0.0, max_tokens=6)
+    for rid, follow, local in [("turn-2", prompt + out + random_prompt(9, 78), True),
+                               ("other-2", prompt + random_prompt(9, 79), False)]:
+        before = stats(DECODE_NAME)
+        served = list(decode.generate.remote(GenerateRequest(rid, follow, sampling)))
+        want = run_async(collect(reference.generate(GenerateRequest(f"ref-{rid}", follow, sampling))))
+        after = stats(DECODE_NAME)
+        assert [t for d in served for t in d.token_ids] == [t for d in want for t in d.token_ids], rid
+        assert (after["local_prefills"] - before["local_prefills"], after["transfers"] - before["transfers"]) == \
+            ((1, 0) if local else (0, 1)), rid
+        if local:  # the prompt and the output's whole blocks came from this replica's cache
+            assert served[-1].num_cached_tokens >= (len(prompt) + len(out)) // 16 * 16 - 16, served[-1]
+
+
 CHAT = dict(model="gpt-oss", messages=[{"role": "system", "content": "Be brief."},
                                         {"role": "user", "content": "What is a KV cache?"}])
 
