@@ -354,12 +354,16 @@ class BlockManager:
             return
         hashes = self._hashes(seq)
         for b in range(seq.num_registered, done):
-            if self.full is not None:
-                self.full.register(seq.full_pages[b], hashes[b])
-            if self.sliding is not None and max(seq.sliding_first, seq.sliding_named_from) <= b \
-                    < seq.sliding_first + len(seq.sliding_pages):
-                self.sliding.register(seq.sliding_pages[b - seq.sliding_first], hashes[b])
+            self._register_block(seq, b, hashes[b])
         seq.num_registered = done
+
+    def _register_block(self, seq: Sequence, b: int, block_hash: bytes, output: bool = False) -> None:
+        """Block `b` of `seq` is `block_hash`: its full-layer page, and its sliding page where one holds it whole."""
+        if self.full is not None:
+            self.full.register(seq.full_pages[b], block_hash, output)
+        if self.sliding is not None and max(seq.sliding_first, seq.sliding_named_from) <= b \
+                < seq.sliding_first + len(seq.sliding_pages):
+            self.sliding.register(seq.sliding_pages[b - seq.sliding_first], block_hash, output)
 
     def _name_output_blocks(self, seq: Sequence) -> int:
         """Name (register) the whole blocks past the prompt whose K/V `seq` computed and whose tokens are known (not
@@ -376,11 +380,7 @@ class BlockManager:
         hashes = chained_block_hashes(seq.token_slice(first * bs, end * bs), bs, end - first,
                                       prompt_hashes[first - 1] if first else None, seq.cache_salt)
         for b, block_hash in enumerate(hashes, start=first):
-            if self.full is not None:
-                self.full.register(seq.full_pages[b], block_hash, output=True)
-            if self.sliding is not None and max(seq.sliding_first, seq.sliding_named_from) <= b \
-                    < seq.sliding_first + len(seq.sliding_pages):
-                self.sliding.register(seq.sliding_pages[b - seq.sliding_first], block_hash, output=True)
+            self._register_block(seq, b, block_hash, output=True)
         return end
 
     def blocks_computed(self, seq: Sequence, start: int, end: int) -> set[bytes]:

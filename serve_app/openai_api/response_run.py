@@ -171,13 +171,11 @@ class ResponseRun:
     def __init__(self, req: ResponsesRequest, ctx: IngressContext, owner: str | None, prompt_ids: list[int],
                  constraint: HarmonySchemaSpec | None, priority: int, caller: Caller, response_id: str | None = None,
                  created: float | None = None, runs: int = 1, resume: dict[str, Any] | None = None):
-        """resume: a streamed background response's stored `events`, the `output_ids` that made them and the
-        `prompt_ids` those followed (background_store.adopt_responses): this run goes on from there, that prompt (not
-        `prompt_ids`, made again now: a conversation may have grown, the date changed) followed by that output."""
+        """resume: a streamed background response's stored `events` and the `output_ids` that made them
+        (background_store.adopt_responses): this run goes on from there, `prompt_ids` (the first run's:
+        responses.resume_response) followed by that output."""
         self.req, self.ctx, self.owner = req, ctx, owner
         self.text_format = req.text.format if req.text else None
-        if resume is not None and resume.get("prompt_ids"):
-            prompt_ids = list(resume["prompt_ids"])
         # output_text logprobs when asked for (OpenAI: include "message.output_text.logprobs"; top_logprobs
         # alternatives)
         self.top_logprobs = (req.top_logprobs or 0) if "message.output_text.logprobs" in (req.include or []) else None

@@ -87,17 +87,23 @@ def check_background(req: ResponsesRequest, ctx: IngressContext) -> None:
                          "leave store out or set it true", param="store")
 
 
-async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
-                    owner: str | None) -> tuple[list[int], HarmonySchemaSpec | None]:
-    """(prompt ids, output constraint) of a Responses request, as its engine request gets them: the stored
-    conversation it continues, its input, tools and text format, truncated when it asks for that."""
+async def constraint_of(req: ResponsesRequest, ctx: IngressContext) -> tuple[HarmonySchemaSpec | None, str | None]:
+    """(output constraint, the response format's text for the prompt) of a Responses request: its text format,
+    strict tools and forced tool choice."""
     forced = forced_tools(req.tool_choice, [t.name for t in req.tools or []])
     offered = [t for t in req.tools or [] if offers(req.tool_choice, t.name)]
-    constraint, response_format = await output_constraint_off_loop(
+    return await output_constraint_off_loop(
         req.text.format if req.text else None, "text.format",
         # Responses' function tools are strict unless they say otherwise (OpenAI's default there; Chat's is not)
         [(t.name, t.parameters, f"tools.{i}.parameters") for i, t in enumerate(offered) if t.strict is not False],
         forced, ctx.config.forced_reasoning_budget(req.max_output_tokens))
+
+
+async def prompt_of(req: ResponsesRequest, ctx: IngressContext,
+                    owner: str | None) -> tuple[list[int], HarmonySchemaSpec | None]:
+    """(prompt ids, output constraint) of a Responses request, as its engine request gets them: the stored
+    conversation it continues, its input, tools and text format, truncated when it asks for that."""
+    constraint, response_format = await constraint_of(req, ctx)
     earlier = await earlier_items(req, ctx, owner)
     chars = prompt_chars(responses_prompt(req, ctx.config, earlier, 0)) + len(response_format or "")
     return await ctx.renderer.run(chars, fitted_prompt, req, ctx.config, earlier, response_format), constraint
@@ -131,7 +137,10 @@ async def resume_response(response_id: str, stored: StoredResponse, ctx: Ingress
         req = ResponsesRequest.model_validate(rerun["request"])
         if req.stream and stream is None:
             raise ValueError("its stream's events are gone (the response store restarted)")
-        prompt_ids, constraint = await prompt_of(req, ctx, stored.owner)
+        if stream is not None and stream.get("prompt_ids"):  # goes on after the first run's prompt: not made again
+            prompt_ids, constraint = list(stream["prompt_ids"]), (await constraint_of(req, ctx))[0]
+        else:
+            prompt_ids, constraint = await prompt_of(req, ctx, stored.owner)
         run = ResponseRun(req, ctx, stored.owner, prompt_ids, constraint, priority=rerun["priority"],
                           caller=Caller(**rerun["caller"]), response_id=response_id,
                           created=stored.response["created_at"], runs=rerun.get("runs", 1), resume=stream)
